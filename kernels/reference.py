@@ -1,0 +1,149 @@
+"""Plain-torch reference for the CP page copies; also the CPU backend.
+
+Terms (shared with the Triton kernels):
+
+* ``device_locs`` -- LOGICAL token locations of whole pages (length a multiple
+  of ``page_size``; each page's locations contiguous and page aligned), int64.
+* ``host_locs`` -- host slots for the tokens of ``device_locs`` that this rank
+  owns, in order (length = owned tokens), int64, whole host pages.
+* ``layout`` -- a :class:`~sglang_cp_hicache.layout.CpSharedKVLayout`; pages
+  owned by other ranks are skipped, owned ones translated to physical slots.
+
+Host buffers follow SGLang 0.5.18's ``MLATokenToKVPoolHost`` and
+``DSAIndexerPoolHost`` shapes:
+
+============== =============================== =================================
+layout          KV buffer                       indexer buffer
+============== =============================== =================================
+layer_first     (layers, slots, 1, dim)         (layers, host_pages, page_bytes)
+page_first      (slots, layers, 1, dim)         (host_pages, layers, 1, page_bytes)
+page_first_direct (host_pages, layers, P, 1, dim) (host_pages, layers, 1, page_bytes)
+============== =============================== =================================
+
+Device buffers: KV ``kv_buffer[layer]`` is ``(slots, 1, dim)`` (token major);
+indexer ``index_k_with_scale_buffer[layer]`` is ``(pages, page_bytes)`` (page
+major). The reference uses boolean indexing, so on CUDA it synchronises; the
+Triton kernels do not.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from sglang_cp_hicache.layout import CpSharedKVLayout
+
+HOST_LAYOUTS = ("layer_first", "page_first", "page_first_direct")
+
+
+def _owned_physical(
+    device_locs: torch.Tensor, host_locs: torch.Tensor, layout: CpSharedKVLayout
+) -> torch.Tensor:
+    """Physical device slots of the owned tokens, aligned with ``host_locs``."""
+    mask = layout.owned_by_this_rank(device_locs)
+    owned = device_locs[mask]
+    if owned.numel() != host_locs.numel():
+        raise ValueError(
+            f"host_locs has {host_locs.numel()} entries but device_locs holds "
+            f"{owned.numel()} tokens owned by cp_rank {layout.cp_rank}"
+        )
+    return layout.logical_locs_to_physical(owned)
+
+
+def _host_kv_layer(host_kv: torch.Tensor, host_layout: str, layer_id: int, page_size: int):
+    """A (slots, 1, dim)-indexable accessor for one layer of the host KV buffer."""
+    if host_layout == "layer_first":
+        return host_kv[layer_id]
+    if host_layout == "page_first":
+        return host_kv[:, layer_id]
+    if host_layout == "page_first_direct":
+        # (pages, layers, P, 1, dim) -> (pages, P, 1, dim) -> (slots, 1, dim) view
+        per_layer = host_kv[:, layer_id]
+        return per_layer.reshape(-1, *per_layer.shape[2:])
+    raise ValueError(f"host_layout must be one of {HOST_LAYOUTS}, got {host_layout!r}")
+
+
+def _host_index_layer(host_index: torch.Tensor, host_layout: str, layer_id: int):
+    """A (host_pages, page_bytes)-indexable accessor for one indexer layer."""
+    if host_layout == "layer_first":
+        return host_index[layer_id]
+    if host_layout in ("page_first", "page_first_direct"):
+        return host_index[:, layer_id, 0]
+    raise ValueError(f"host_layout must be one of {HOST_LAYOUTS}, got {host_layout!r}")
+
+
+def _pages(locs: torch.Tensor, page_size: int) -> torch.Tensor:
+    return torch.div(locs.view(-1, page_size)[:, 0], page_size, rounding_mode="floor")
+
+
+def backup_kv_all_layers_reference(
+    device_kv: Sequence[torch.Tensor],
+    host_kv: torch.Tensor,
+    host_layout: str,
+    device_locs: torch.Tensor,
+    host_locs: torch.Tensor,
+    layout: CpSharedKVLayout,
+) -> None:
+    """D2H: every layer's owned KV rows -> host slots."""
+    phys = _owned_physical(device_locs, host_locs, layout)
+    if phys.numel() == 0:
+        return
+    for layer_id, dev in enumerate(device_kv):
+        view = _host_kv_layer(host_kv, host_layout, layer_id, layout.page_size)
+        view[host_locs.to(view.device)] = dev[phys].to(view.device)
+
+
+def load_kv_one_layer_reference(
+    device_kv_layer: torch.Tensor,
+    host_kv: torch.Tensor,
+    host_layout: str,
+    layer_id: int,
+    device_locs: torch.Tensor,
+    host_locs: torch.Tensor,
+    layout: CpSharedKVLayout,
+) -> None:
+    """H2D: one layer's host slots -> owned physical KV rows."""
+    phys = _owned_physical(device_locs, host_locs, layout)
+    if phys.numel() == 0:
+        return
+    view = _host_kv_layer(host_kv, host_layout, layer_id, layout.page_size)
+    device_kv_layer[phys] = view[host_locs.to(view.device)].to(device_kv_layer.device)
+
+
+def backup_indexer_all_layers_reference(
+    device_index: Sequence[torch.Tensor],
+    host_index: torch.Tensor,
+    host_layout: str,
+    device_locs: torch.Tensor,
+    host_locs: torch.Tensor,
+    layout: CpSharedKVLayout,
+) -> None:
+    """D2H: every layer's owned indexer pages -> host pages (page granular)."""
+    phys = _owned_physical(device_locs, host_locs, layout)
+    if phys.numel() == 0:
+        return
+    dev_pages = _pages(phys, layout.page_size)
+    host_pages = _pages(host_locs, layout.page_size)
+    for layer_id, dev in enumerate(device_index):
+        view = _host_index_layer(host_index, host_layout, layer_id)
+        view[host_pages.to(view.device)] = dev[dev_pages].to(view.device)
+
+
+def load_indexer_one_layer_reference(
+    device_index_layer: torch.Tensor,
+    host_index: torch.Tensor,
+    host_layout: str,
+    layer_id: int,
+    device_locs: torch.Tensor,
+    host_locs: torch.Tensor,
+    layout: CpSharedKVLayout,
+) -> None:
+    """H2D: one layer's host indexer pages -> owned physical device pages."""
+    phys = _owned_physical(device_locs, host_locs, layout)
+    if phys.numel() == 0:
+        return
+    dev_pages = _pages(phys, layout.page_size)
+    host_pages = _pages(host_locs, layout.page_size)
+    view = _host_index_layer(host_index, host_layout, layer_id)
+    device_index_layer[dev_pages] = view[host_pages.to(view.device)].to(device_index_layer.device)

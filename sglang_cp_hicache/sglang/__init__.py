@@ -1,0 +1,1 @@
+"""SGLang-aware code: the only part of the package that imports sglang."""

@@ -1,0 +1,1 @@
+"""Multi-rank CP HiCache simulator (torch.distributed, gloo)."""
