@@ -1,0 +1,132 @@
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from sglang_cp_hicache import OwnerLaneAllocator
+
+
+def pages_of(locs, page_size):
+    return (locs.view(-1, page_size)[:, 0] // page_size).tolist()
+
+
+def test_state_str_reports_free_and_release_pages():
+    # Seed Task 1 accounting, numbers from our layout: 8 logical pages of 64
+    # (page 0 reserved) over 4 ranks -> pages 1..8 free initially.
+    a = OwnerLaneAllocator(logical_size=64 * 8, page_size=64, cp_size=4)
+    locs = a.alloc(64 * 6)  # leaves 2 pages free
+    assert len(pages_of(locs, 64)) == 6
+    a.free(locs[:64])  # one page goes to the deferred release list
+    state = a.allocator_state_str()
+    assert state == (
+        "allocator_available_size=192 (allocator_free_size=128 [free_pages=2] + "
+        "allocator_release_size=64 [release_pages=1])"
+    )
+    assert a.immediate_available_size() == 128 and a.deferred_available_size() == 64
+    assert a.available_size() == 192
+
+
+def test_alloc_is_round_robin_and_deterministic():
+    runs = []
+    for _ in range(2):
+        a = OwnerLaneAllocator(64 * 16, 64, 4)
+        first = pages_of(a.alloc(64 * 5), 64)
+        second = pages_of(a.alloc(64 * 3), 64)
+        runs.append((first, second))
+    assert runs[0] == runs[1]
+    first, second = runs[0]
+    assert [p % 4 for p in first] == [0, 1, 2, 3, 0]
+    assert [p % 4 for p in second] == [1, 2, 3]  # continues where it stopped
+    assert len(set(first + second)) == 8 and 0 not in first + second
+
+
+def test_alloc_pages_with_owners_and_failure_changes_nothing():
+    a = OwnerLaneAllocator(4 * 8, 4, 4)  # pages 1..8: two per lane
+    locs = a.alloc_pages_with_owners([3, 3, 0])
+    assert [p % 4 for p in pages_of(locs, 4)] == [3, 3, 0]
+    assert locs.tolist()[:4] == [12, 13, 14, 15]  # page 3, whole page of locs
+    before = (a.allocator_state_str(), a.lane_available_pages())
+    assert a.alloc_pages_with_owners([3]) is None  # lane 3 is empty now
+    assert (a.allocator_state_str(), a.lane_available_pages()) == before
+    assert a.alloc_pages_with_owners([]).numel() == 0
+
+
+def test_free_validates_and_detects_double_free():
+    a = OwnerLaneAllocator(4 * 8, 4, 2)
+    locs = a.alloc(8)
+    a.free(locs)
+    with pytest.raises(ValueError, match="not allocated"):
+        a.free(locs)
+    with pytest.raises(ValueError, match="outside"):
+        a.free(torch.tensor([4 * 9]))
+    with pytest.raises(ValueError, match="outside"):
+        a.free(torch.tensor([0]))  # reserved page
+    with pytest.raises(TypeError, match="free_index"):
+        a.free([4])
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="logical_size"):
+        OwnerLaneAllocator(10, 4, 2)
+    with pytest.raises(ValueError, match="page_size"):
+        OwnerLaneAllocator(8, 0, 2)
+    a = OwnerLaneAllocator(16, 4, 2)
+    with pytest.raises(ValueError, match="need_size"):
+        a.alloc(3)
+    with pytest.raises(ValueError, match="owners"):
+        a.alloc_pages_with_owners([2])
+    assert a.alloc(4 * 5) is None and a.available_size() == 16
+
+
+def test_released_pages_are_reused_after_merge():
+    a = OwnerLaneAllocator(2 * 4, 2, 2)  # pages 1..4
+    locs = a.alloc(8)
+    a.free(locs)
+    assert a.immediate_available_pages() == 0 and a.deferred_available_pages() == 4
+    again = a.alloc(8)
+    assert sorted(pages_of(again, 2)) == [1, 2, 3, 4]
+
+
+ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("alloc"), st.integers(0, 6)),
+        st.tuples(st.just("owners"), st.lists(st.integers(0, 7), max_size=6)),
+        st.tuples(st.just("free"), st.integers(0, 50)),
+    ),
+    max_size=40,
+)
+
+
+@given(cp_size=st.integers(1, 8), page_size=st.sampled_from([1, 4, 16]), num_pages=st.integers(1, 30), seq=ops)
+def test_never_double_allocates_and_conserves_pages(cp_size, page_size, num_pages, seq):
+    a = OwnerLaneAllocator(num_pages * page_size, page_size, cp_size)
+    held: list[list[int]] = []
+    for kind, arg in seq:
+        before = (a.allocator_state_str(), a.lane_available_pages())
+        if kind == "alloc":
+            locs = a.alloc(arg * page_size)
+        elif kind == "owners":
+            owners = [o % cp_size for o in arg]
+            locs = a.alloc_pages_with_owners(owners)
+            if locs is not None:
+                assert [p % cp_size for p in pages_of(locs, page_size)] == owners
+        else:
+            if held:
+                pages = held.pop(arg % len(held))
+                a.free(torch.tensor([p * page_size for p in pages]))
+            locs = None
+            kind = "free"
+        if kind != "free":
+            if locs is None:
+                assert (a.allocator_state_str(), a.lane_available_pages()) == before
+            else:
+                pages = pages_of(locs, page_size) if locs.numel() else []
+                if pages:  # every page's locs are whole and contiguous
+                    expect = torch.tensor(pages, dtype=torch.int64)[:, None] * page_size
+                    assert torch.equal(locs, (expect + torch.arange(page_size)).reshape(-1))
+                held.append(pages)
+        flat = [p for ps in held for p in ps]
+        assert len(flat) == len(set(flat)), "page handed out twice"
+        assert 0 not in flat
+        assert all(1 <= p <= num_pages for p in flat)
+        assert a.available_pages() + len(flat) == num_pages
