@@ -1,0 +1,180 @@
+"""SGLang-compatible CP shared KV token allocator (owner lanes, logical pages).
+
+Wraps :class:`sglang_cp_hicache.allocator.OwnerLaneAllocator` behind SGLang's
+``BaseTokenToKVPoolAllocator`` interface, with the seed plan's constructor.
+Allocations are decided on the CPU, so page owners are known there without
+reading anything back from the GPU.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+from sglang.srt.mem_cache.allocator.base import BaseTokenToKVPoolAllocator
+
+from sglang_cp_hicache.allocator import OwnerLaneAllocator
+from sglang_cp_hicache.layout import CpSharedKVLayout
+
+__all__ = ["CPSharedPagedTokenToKVPoolAllocator", "CpSharedPagedTokenToKVPoolAllocator"]
+
+
+class CpSharedPagedTokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
+    """Logical-page allocator shared (identically) by every CP rank.
+
+    ``logical_size`` tokens of logical pool (pages 1..logical_size/page_size;
+    page 0 is padding); this rank's device pool (``kvcache``) holds
+    ``physical_size`` slots: its share of those pages.
+    """
+
+    def __init__(
+        self,
+        logical_size: int,
+        physical_size: int,
+        page_size: int,
+        dtype: torch.dtype,
+        device: str,
+        kvcache,
+        need_sort: bool,
+        cp_size: int,
+        cp_rank: int,
+    ) -> None:
+        super().__init__(logical_size, page_size, dtype, device, kvcache, need_sort)
+        self.layout = CpSharedKVLayout(page_size, cp_size, cp_rank)
+        self.cp_size = cp_size
+        self.cp_rank = cp_rank
+        self.physical_size = physical_size
+        self._lanes = OwnerLaneAllocator(logical_size, page_size, cp_size, device=device)
+        self.num_pages = self._lanes.num_pages
+        # Logical pages 0..num_pages live on this rank at physical pages < needed.
+        needed = self.layout.physical_size((self.num_pages + 1) * page_size)
+        if physical_size < needed:
+            raise ValueError(
+                f"physical_size={physical_size} is too small: cp_rank {cp_rank} owns "
+                f"{needed // page_size} of the {self.num_pages + 1} logical pages "
+                f"({needed} slots)"
+            )
+        if kvcache is not None and getattr(kvcache, "size", physical_size) < physical_size:
+            raise ValueError(
+                f"kvcache holds {kvcache.size} slots, fewer than physical_size={physical_size}"
+            )
+
+    @staticmethod
+    def physical_size_for(logical_size: int, page_size: int, cp_size: int) -> int:
+        """Per-rank device pool size that fits every rank's share (equal on
+        all ranks, so host pools sized from it are equal too)."""
+        pages = logical_size // page_size + 1  # + the padding page
+        return -(-pages // cp_size) * page_size
+
+    # ---- BaseTokenToKVPoolAllocator -------------------------------------
+    def clear(self) -> None:
+        self._lanes.clear()
+        self.is_not_in_free_group = True
+        self.free_group = []
+
+    def available_size(self) -> int:
+        return self._lanes.available_size()
+
+    def alloc(self, need_size: int) -> Optional[torch.Tensor]:
+        return self._lanes.alloc(need_size)
+
+    def alloc_pages_with_owners(self, owners: Sequence[int]) -> Optional[torch.Tensor]:
+        return self._lanes.alloc_pages_with_owners(owners)
+
+    def free(self, free_index: torch.Tensor) -> None:
+        if free_index.numel() == 0:
+            return
+        if self.is_not_in_free_group:
+            self._lanes.free(free_index)
+        else:
+            self.free_group.append(self._copy_for_free_group(free_index))
+
+    def merge_and_sort_free(self) -> None:
+        for lane in range(self.cp_size):
+            self._lanes._merge_lane(lane)
+
+    def backup_state(self):
+        lanes = self._lanes
+        return ([list(x) for x in lanes._free], [list(x) for x in lanes._release],
+                bytes(lanes._in_use), lanes._rr_cursor)
+
+    def restore_state(self, state) -> None:
+        free, release, in_use, cursor = state
+        lanes = self._lanes
+        lanes._free = [list(x) for x in free]
+        lanes._release = [list(x) for x in release]
+        lanes._in_use = bytearray(in_use)
+        lanes._rr_cursor = cursor
+
+    # ---- paged extend/decode for the scheduler ----------------------------
+    def alloc_extend(
+        self,
+        prefix_lens: torch.Tensor,
+        prefix_lens_cpu: torch.Tensor,
+        seq_lens: torch.Tensor,
+        seq_lens_cpu: torch.Tensor,
+        last_loc: torch.Tensor,
+        extend_num_tokens: int,
+        num_new_pages: Optional[int] = None,
+    ) -> Optional[torch.Tensor]:
+        """Per request: fill the partial last page, then whole new pages."""
+        P = self.page_size
+        prefix = prefix_lens_cpu.tolist()
+        seq = seq_lens_cpu.tolist()
+        last = last_loc.to("cpu").tolist()
+        new_pages = [(-(-s // P)) - (-(-p // P)) for p, s in zip(prefix, seq)]
+        if sum(new_pages) > self._lanes.available_pages():
+            return None
+        fresh = self._lanes.alloc(sum(new_pages) * P)
+        fresh_pages = (fresh.view(-1, P)[:, 0] // P).tolist() if fresh.numel() else []
+        out: list[int] = []
+        cursor = 0
+        for p, s, l, k in zip(prefix, seq, last, new_pages):
+            tail = min(s, -(-p // P) * P) - p  # tokens that fit in the open page
+            out.extend(range(l + 1, l + 1 + tail))
+            remaining = s - p - tail
+            for page in fresh_pages[cursor : cursor + k]:
+                take = min(P, remaining)
+                out.extend(range(page * P, page * P + take))
+                remaining -= take
+            cursor += k
+        if len(out) != extend_num_tokens:
+            raise ValueError(
+                f"extend_num_tokens={extend_num_tokens} but the lengths ask for {len(out)}"
+            )
+        return torch.tensor(out, dtype=torch.int64, device=self.device)
+
+    def alloc_decode(
+        self, seq_lens: torch.Tensor, seq_lens_cpu: torch.Tensor, last_loc: torch.Tensor
+    ) -> Optional[torch.Tensor]:
+        P = self.page_size
+        seq = seq_lens_cpu.tolist()
+        last = last_loc.to("cpu").tolist()
+        need_new = [(s - 1) % P == 0 for s in seq]  # token s-1 starts a page
+        count = sum(need_new)
+        if count > self._lanes.available_pages():
+            return None
+        fresh = self._lanes.alloc(count * P) if count else torch.empty(0, dtype=torch.int64)
+        fresh_pages = iter((fresh.view(-1, P)[:, 0] // P).tolist() if count else [])
+        out = [next(fresh_pages) * P if new else l + 1 for new, l in zip(need_new, last)]
+        return torch.tensor(out, dtype=torch.int64, device=self.device)
+
+    # ---- accounting (seed Task 1) ---------------------------------------
+    def lane_available_pages(self) -> list[int]:
+        return self._lanes.lane_available_pages()
+
+    def immediate_available_size(self) -> int:
+        return self._lanes.immediate_available_size()
+
+    def deferred_available_size(self) -> int:
+        return self._lanes.deferred_available_size()
+
+    def allocator_state_str(self) -> str:
+        return self._lanes.allocator_state_str()
+
+    def pages_in_use(self) -> int:
+        return self._lanes.pages_in_use()
+
+
+# The seed plan's spelling.
+CPSharedPagedTokenToKVPoolAllocator = CpSharedPagedTokenToKVPoolAllocator

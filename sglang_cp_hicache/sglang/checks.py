@@ -1,0 +1,31 @@
+"""Start-up checks for CP shared KV HiCache (seed Task 2 fail-fast)."""
+
+from __future__ import annotations
+
+__all__ = ["check_cp_hicache_server_args"]
+
+
+def check_cp_hicache_server_args(server_args, *, cp_shared_kv: bool) -> None:
+    """Refuse settings CP shared KV HiCache cannot honour, naming both sides.
+
+    * ``hicache_storage_backend`` (L3): host pages are per-rank shards with
+      rank-local slot numbers; a shared L3 keyed by token hashes would mix
+      ranks' shards. Host-only (L2) is supported.
+    * ``hicache_write_policy='write_back'``: eviction would have to stage
+      writes with a cross-rank decision inside device eviction.
+    """
+    if not cp_shared_kv:
+        return
+    backend = getattr(server_args, "hicache_storage_backend", None)
+    if backend is not None:
+        raise ValueError(
+            "CP shared KV (sglang-cp-hicache) does not support "
+            f"hicache_storage_backend={backend!r}: host-only CP HiCache. "
+            "Unset --hicache-storage-backend or disable CP shared KV."
+        )
+    policy = getattr(server_args, "hicache_write_policy", "write_through")
+    if policy == "write_back":
+        raise ValueError(
+            "CP shared KV (sglang-cp-hicache) does not support "
+            "hicache_write_policy='write_back'; use write_through or write_through_selective."
+        )

@@ -1,0 +1,381 @@
+"""CP mode for SGLang 0.5.18's ``HiRadixCache`` (DSA pool, HybridCacheController).
+
+Switched on by constructing :class:`CpHiRadixCache` with this library's
+:class:`CpSharedPagedTokenToKVPoolAllocator`. What changes under CP, and why:
+
+* nodes are :class:`CpTreeNode`: ``value`` stays the full logical locs,
+  ``host_len`` + ``cp_hicache`` carry host state, ``host_value`` stays None;
+* write-through backs up only this rank's pages; host room is decided with a
+  :class:`HostSlotLedger` that mirrors every rank's host usage, so every rank
+  evicts the same host nodes; one MIN all-reduce per write makes every rank
+  take the same decision even when one rank's allocation fails;
+* host eviction counts physical slots; load-back uses logical lengths and
+  allocates pages with the owners they had at backup (owner preservation);
+* zero-owned ranks queue empty operations, so ack counts match on every rank
+  and SGLang's ready-ack all-reduces stay unconditional.
+
+Methods copied from 0.5.18 (``insert``, ``_split_node``, ``match_prefix``)
+differ from upstream only where the CP state is involved; they are pinned to
+that release by ``sglang_cp_hicache.sglang.SUPPORTED_SGLANG``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from sglang.srt.disaggregation.kv_events import StorageMedium
+from sglang.srt.mem_cache.base_prefix_cache import (
+    EvictParams,
+    InitLoadBackParams,
+    InsertParams,
+    InsertResult,
+    MatchPrefixParams,
+    MatchResult,
+)
+from sglang.srt.mem_cache.hiradix_cache import HiRadixCache
+from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
+from sglang.srt.mem_cache.radix_cache import RadixKey, TreeNode
+from sglang.srt.mem_cache.utils import compute_node_hash_values, split_node_hash_value
+
+from sglang_cp_hicache.controller import HiCacheWriteResult
+from sglang_cp_hicache.host_eviction import (
+    HostEvictionResult,
+    HostLeafIndex,
+    HostSlotLedger,
+    evict_host_slots,
+)
+from sglang_cp_hicache.load_back import cp_load_back
+from sglang_cp_hicache.node_state import set_host_state, split_host_state
+from sglang_cp_hicache.sglang.allocator import CpSharedPagedTokenToKVPoolAllocator
+from sglang_cp_hicache.sglang.checks import check_cp_hicache_server_args
+from sglang_cp_hicache.sglang.transfer_adapter import CpTransferAdapter
+from sglang_cp_hicache.sglang.tree_node import CpTreeNode
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["CpHiRadixCache", "CpHiCacheCounters"]
+
+
+@dataclass
+class CpHiCacheCounters:
+    write_backups: int = 0
+    write_failures: int = 0
+    host_evicted_nodes: int = 0
+    host_evicted_slots: int = 0  # physical, this rank
+    load_backs: int = 0
+    load_back_tokens: int = 0  # logical
+    consensus_calls: int = 0
+
+
+class CpHiRadixCache(HiRadixCache):
+    """HiRadixCache whose host tier is CP-sharded (see module docstring)."""
+
+    def __init__(self, params, server_args) -> None:
+        allocator = params.token_to_kv_pool_allocator
+        if not isinstance(allocator, CpSharedPagedTokenToKVPoolAllocator):
+            raise TypeError(
+                "CpHiRadixCache needs params.token_to_kv_pool_allocator to be a "
+                f"CpSharedPagedTokenToKVPoolAllocator, got {type(allocator).__name__}"
+            )
+        check_cp_hicache_server_args(server_args, cp_shared_kv=True)
+        if not isinstance(allocator.get_kvcache(), DSATokenToKVPool):
+            raise TypeError(
+                "CP shared KV HiCache needs a DSATokenToKVPool device pool, got "
+                f"{type(allocator.get_kvcache()).__name__}"
+            )
+        self.cp_layout = allocator.layout
+        self.cp_counters = CpHiCacheCounters()
+        self._host_leaves = HostLeafIndex(self._host_priority)
+        self._ledger: Optional[HostSlotLedger] = None
+        super().__init__(params, server_args)
+        self.evictable_host_leaves = _NoSet()  # the ordered index replaces SGLang's set
+        self.cp_transfer = CpTransferAdapter(self.cache_controller, self.cp_layout, allocator)
+        self._ledger = self._make_ledger()
+
+    # ---- setup -----------------------------------------------------------
+    def _host_priority(self, node):
+        return self.eviction_strategy.get_priority(node)
+
+    def _make_ledger(self) -> HostSlotLedger:
+        capacity = int(self.token_to_kv_pool_host.size)
+        lo = torch.tensor([capacity], dtype=torch.int64)
+        hi = torch.tensor([-capacity], dtype=torch.int64)
+        self._all_reduce(lo, torch.distributed.ReduceOp.MIN)
+        self._all_reduce(hi, torch.distributed.ReduceOp.MIN)
+        if int(lo) != capacity or -int(hi) != capacity:
+            raise ValueError(
+                f"CP ranks have different host pool sizes ({int(lo)}..{-int(hi)} slots); "
+                "size every rank's device pool with "
+                "CpSharedPagedTokenToKVPoolAllocator.physical_size_for()"
+            )
+        return HostSlotLedger([capacity] * self.cp_layout.cp_size)
+
+    def reset(self) -> None:
+        super().reset()
+        old = self.root_node
+        root = CpTreeNode(id=old.id, priority=old.priority)
+        root.key, root.value, root.lock_ref = old.key, old.value, old.lock_ref
+        root.hash_value = old.hash_value
+        root.is_cp_root = True
+        self.root_node = root
+        self._empty_match_result = self._empty_match_result._replace(
+            last_device_node=root, last_host_node=root, best_match_node=root
+        )
+        self._host_leaves = HostLeafIndex(self._host_priority)
+        if self._ledger is not None:
+            self._ledger = HostSlotLedger(list(self._ledger.capacity))
+
+    # ---- consensus -------------------------------------------------------
+    def _agree(self, local_ok: bool) -> bool:
+        """True only when every rank says yes. Called on every rank, every time."""
+        flag = torch.tensor([1 if local_ok else 0], dtype=torch.int32)
+        self._all_reduce(flag, torch.distributed.ReduceOp.MIN)
+        self.cp_counters.consensus_calls += 1
+        return bool(int(flag))
+
+    def _owner_counts(self, logical_locs: torch.Tensor) -> list[int]:
+        owners = self.cp_layout.owner_of(logical_locs.to("cpu", torch.int64))
+        return torch.bincount(owners, minlength=self.cp_layout.cp_size).tolist()
+
+    # ---- write-through ---------------------------------------------------
+    def write_backup(self, node: TreeNode, write_back: bool = False) -> int:
+        if write_back:
+            raise ValueError("CP HiCache supports write_through policies, not write_back")
+        # Backed-up nodes form a prefix from the root (as upstream).
+        if node.parent is not self.root_node and not node.parent.backuped:
+            return 0
+        need = self._owner_counts(node.value)
+        if not self._ledger.fits(need):
+            self._evict_host_for(self._ledger.shortfall(need))
+        result = None
+        if self._ledger.fits(need):
+            result = self.cp_transfer.write(node.value, node_id=node.id, **self._get_extra_pools())
+        local_ok = isinstance(result, HiCacheWriteResult)
+        if not self._agree(local_ok):
+            if local_ok:  # another rank failed: take back what this rank queued
+                self.cp_transfer.abort_last_write()
+            self.cp_counters.write_failures += 1
+            return 0
+        self.cp_transfer.commit_last_write()
+        set_host_state(node, result.metadata)
+        node.host_value = None
+        self._ledger.charge(need)
+        self._track_write_through_node(node, len(node.key))
+        self.inc_lock_ref(node)
+        self.cp_counters.write_backups += 1
+        return len(node.value)
+
+    # ---- host tier -------------------------------------------------------
+    def _update_host_leaf_status(self, node: TreeNode) -> None:
+        self._host_leaves.refresh(node)
+
+    def _evict_host_for(self, required_per_rank: list[int]) -> HostEvictionResult:
+        result = evict_host_slots(
+            self._host_leaves,
+            required_per_rank,
+            cp_rank=self.cp_layout.cp_rank,
+            child_key=lambda key: key.child_key(self.page_size),
+            free_host=self.cache_controller.evict_host,
+            ledger=self._ledger,
+            on_remove=lambda n: self._record_remove_event(n, medium=StorageMedium.CPU),
+        )
+        self.cp_counters.host_evicted_nodes += result.nodes_evicted
+        self.cp_counters.host_evicted_slots += result.physical_slots_freed
+        return result
+
+    def evict_host(self, num_tokens: int) -> int:
+        """Free ``num_tokens`` physical host slots on every rank (the same
+        nodes everywhere); returns this rank's physical slots freed."""
+        return self._evict_host_for([num_tokens] * self.cp_layout.cp_size).physical_slots_freed
+
+    @property
+    def host_slot_ledger(self) -> HostSlotLedger:
+        return self._ledger
+
+    @property
+    def host_leaf_index(self) -> HostLeafIndex:
+        return self._host_leaves
+
+    # ---- load-back -------------------------------------------------------
+    def load_back(self, node: TreeNode, mem_quota: Optional[int] = None) -> Optional[torch.Tensor]:
+        start = time.perf_counter()
+        last_hit_node = node
+        protected: list = []
+
+        def load(chain):
+            if not protected:
+                for n in chain:
+                    n.protect_host()
+                protected.extend(chain)
+            return self.cp_transfer.load(
+                [n.cp_hicache for n in chain], node_id=last_hit_node.id, **self._get_extra_pools()
+            )
+
+        try:
+            outcome = cp_load_back(
+                node,
+                load_back_threshold=self.load_back_threshold,
+                mem_quota=mem_quota,
+                inc_lock_ref=lambda n: self.inc_lock_ref(n).delta,
+                dec_lock_ref=self.dec_lock_ref,
+                load=load,
+                evict_device=lambda n: self.evict(EvictParams(num_tokens=n)),
+            )
+        finally:
+            for n in protected:
+                n.release_host()
+        if outcome is None:
+            if protected:
+                logger.warning(
+                    "load_back: failed to load %d logical tokens for node %d even after "
+                    "eviction; %s", sum(n.host_len for n in protected), last_hit_node.id,
+                    self.token_to_kv_pool_allocator.allocator_state_str(),
+                )
+            return None
+        self.ongoing_load_back[last_hit_node.id] = last_hit_node
+        for n in outcome.nodes:
+            self._record_store_event(n, medium=StorageMedium.GPU)
+        self.evictable_size_ += outcome.host_hit_len
+        self.inc_lock_ref(last_hit_node)
+        self.cp_counters.load_backs += 1
+        self.cp_counters.load_back_tokens += outcome.host_hit_len
+        if self.metrics_collector is not None:
+            self.metrics_collector.observe_load_back_duration(time.perf_counter() - start)
+        return outcome.device_locs
+
+    def init_load_back(self, params: InitLoadBackParams):
+        if params.mem_quota is None:
+            # 0.5.18's PrefillAdder passes no quota: keep room for the request's
+            # own new tokens so load-back cannot take the pages it needs.
+            params.mem_quota = self.load_back_mem_quota(params)
+        return super().init_load_back(params)
+
+    def load_back_mem_quota(self, params: InitLoadBackParams) -> int:
+        """Device tokens load-back may take: what is free now, less the
+        request's own new tokens (page-rounded) and one page of slack for the
+        partially filled page it will extend. Without a request: all of it."""
+        available = self.token_to_kv_pool_allocator.available_size()
+        req = params.req
+        if req is None:
+            return available
+        fill = getattr(req, "fill_ids", None) or getattr(req, "full_untruncated_fill_ids", [])
+        prefix = len(getattr(req, "prefix_indices", ()))
+        own_tokens = max(len(fill) - prefix - params.host_hit_length, 0)
+        P = self.page_size
+        reserve = -(-own_tokens // P) * P + P
+        return max(available - reserve, 0)
+
+    # ---- tree edits (0.5.18 logic, CP node type) ---------------------------
+    def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
+        if self.disable:
+            return self._empty_match_result
+        key, _ = params.key.maybe_to_bigram_view(self.is_eagle)
+        key = key.page_aligned(self.page_size)
+        if len(key) == 0:
+            return self._empty_match_result
+        value, last_node = self._match_prefix_helper(self.root_node, key)
+        value = torch.cat(value) if value else self._empty_match_result.device_indices
+        host_hit_length = 0
+        last_host_node = last_node
+        while last_node.evicted:
+            host_hit_length += last_node.host_len  # logical length
+            last_node = last_node.parent
+        while not last_host_node.backuped:
+            last_host_node = last_host_node.parent
+        return MatchResult(
+            device_indices=value,
+            last_device_node=last_node,
+            last_host_node=last_host_node,
+            best_match_node=last_host_node,
+            host_hit_length=host_hit_length,
+        )
+
+    def _split_node(self, key: RadixKey, child: TreeNode, split_len: int):
+        new_node = CpTreeNode(priority=child.priority)
+        new_node.children = {key[split_len:].child_key(self.page_size): child}
+        new_node.parent = child.parent
+        new_node.lock_ref = child.lock_ref
+        new_node.key = child.key[:split_len]
+        new_node.hit_count = child.hit_count
+        if child.evicted:
+            new_node.value = None
+        else:
+            new_node.value = child.value[:split_len].clone()
+            child.value = child.value[split_len:].clone()
+        was_backed_up = child.backuped
+        split_host_state(child, new_node, split_len)
+        new_node.hash_value, child.hash_value = split_node_hash_value(
+            child.hash_value, split_len, self.page_size
+        )
+        new_node.event_hash_value, child.event_hash_value = split_node_hash_value(
+            child.event_hash_value, split_len, self.page_size
+        )
+        child.parent = new_node
+        child.key = child.key[split_len:]
+        new_node.parent.children[key.child_key(self.page_size)] = new_node
+        if was_backed_up:
+            self._replace_pending_write_through_node(child, [new_node, child])
+        # The prefix part has a child now; the suffix keeps its leaf status.
+        self._update_host_leaf_status(new_node)
+        return new_node
+
+    def insert(self, params: InsertParams) -> InsertResult:
+        key, value, chunked = params.key, params.value, params.chunked
+        priority = params.priority if params.priority is not None else 0
+        key, value = key.maybe_to_bigram_view(self.is_eagle, value)
+        key = key.page_aligned(self.page_size)
+        if value is not None:
+            value = value[: len(key)]
+        if len(key) == 0:
+            return InsertResult(prefix_len=0)
+        node = self.root_node
+        child_key = key.child_key(self.page_size)
+        total_prefix_length = 0
+        while len(key) > 0 and child_key in node.children:
+            node = node.children[child_key]
+            node.last_access_time = time.monotonic()
+            node.priority = max(node.priority, priority)
+            prefix_len = node.key.match(key, page_size=self.page_size)
+            if prefix_len < len(node.key):
+                node = self._split_node(node.key, node, prefix_len)
+                node.priority = max(node.priority, priority)
+            if node.evicted:
+                # recomputed KV replaces the evicted device copy
+                node.value = value[:prefix_len].clone()
+                self.evictable_size_ += len(node.value)
+                self._update_leaf_status(node)
+                self._update_host_leaf_status(node)
+                self._update_leaf_status(node.parent)
+            else:
+                self._inc_hit_count(node, chunked)
+                total_prefix_length += prefix_len
+            key = key[prefix_len:]
+            value = value[prefix_len:]
+            if len(key):
+                child_key = key.child_key(self.page_size)
+        if len(key):
+            new_node = CpTreeNode(priority=priority)
+            new_node.parent = node
+            new_node.key = key
+            new_node.value = value.clone()
+            node.children[child_key] = new_node
+            self.evictable_size_ += len(value)
+            self._update_leaf_status(node)
+            self._update_leaf_status(new_node)
+            self._update_host_leaf_status(node)
+            if self.enable_storage or self.enable_kv_cache_events:
+                new_node.hash_value = compute_node_hash_values(new_node, self.page_size)
+            self._record_store_event(new_node)
+            self._inc_hit_count(new_node, chunked)
+        return InsertResult(prefix_len=total_prefix_length)
+
+
+class _NoSet(set):
+    """Stands in for SGLang's evictable_host_leaves; the CP index is the truth."""
+
+    def add(self, item) -> None:  # pragma: no cover - guarded: SGLang paths we override
+        raise RuntimeError("CP HiCache keeps host leaves in CpHiRadixCache.host_leaf_index")

@@ -1,0 +1,152 @@
+"""CP writes and loads on top of SGLang 0.5.18's ``HybridCacheController``.
+
+SGLang's host pools stay unaware of the layout: this adapter maps a node's
+logical locs to the owned physical device slots (policy in
+``sglang_cp_hicache.controller``) and hands SGLang an ordinary
+``CacheOperation`` with physical indices. The indexer rides the KV indices
+(``indices_from_pool=KV``), so it is backed up and restored with the KV.
+
+A rank owning nothing in a node still queues an (empty) operation: it gets
+the same ack as every other rank, and SGLang's MIN all-reduce over ready acks
+stays in step on every rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence, Union
+
+import torch
+from sglang.srt.managers.cache_controller import CacheOperation
+
+from sglang_cp_hicache.controller import (
+    HiCacheWriteFailure,
+    HiCacheWriteResult,
+    map_cp_write,
+    page_owners_of,
+)
+from sglang_cp_hicache.layout import CpSharedKVLayout
+from sglang_cp_hicache.metadata import CpHiCacheNodeMetadata
+
+__all__ = ["CpTransferAdapter", "CpTransferStats"]
+
+
+@dataclass
+class CpTransferStats:
+    writes: int = 0
+    zero_owned_writes: int = 0
+    loads: int = 0
+    zero_owned_loads: int = 0
+    backup_slots: int = 0  # physical host slots written by this rank
+    load_slots: int = 0  # physical slots restored by this rank
+
+
+@dataclass
+class _PendingWrite:
+    op: CacheOperation
+    metadata: CpHiCacheNodeMetadata
+
+
+class CpTransferAdapter:
+    def __init__(self, controller, layout: CpSharedKVLayout, allocator) -> None:
+        self.controller = controller
+        self.layout = layout
+        self.allocator = allocator
+        self.stats = CpTransferStats()
+        self._pending: Optional[_PendingWrite] = None
+
+    def _physical(self, logical_locs_cpu: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.layout.logical_locs_to_physical(logical_locs_cpu[positions])
+
+    def write(
+        self,
+        device_indices: torch.Tensor,
+        node_id: int = -1,
+        priority: Optional[int] = None,
+        extra_pools=None,
+    ) -> Union[HiCacheWriteResult, HiCacheWriteFailure]:
+        """Allocate host slots for this rank's pages of one node and hold the
+        operation until :meth:`commit_last_write` (queue + start) or
+        :meth:`abort_last_write` (free), so a write that another rank refused
+        never starts copying."""
+        if self._pending is not None:
+            raise RuntimeError("previous CP write was neither committed nor aborted")
+        ctrl = self.controller
+        locs_cpu = device_indices.to("cpu", torch.int64)
+        host_slots: list[torch.Tensor] = []
+
+        def host_alloc(n: int) -> Optional[torch.Tensor]:
+            got = ctrl.mem_pool_host.alloc(n)
+            if got is not None:
+                host_slots.append(got)
+            return got
+
+        result, _ = map_cp_write(self.layout, locs_cpu, host_alloc, node_id)
+        if isinstance(result, HiCacheWriteFailure):
+            return result
+        meta = result.metadata
+        physical = self._physical(locs_cpu, meta.owned_positions)
+        host = host_slots[0] if host_slots else torch.empty((0,), dtype=torch.int64)
+        pool_transfers = ctrl._resolve_pool_transfers_allocation(
+            extra_pools, alloc_host=True, kv_device_indices=physical, kv_host_indices=host
+        )
+        if pool_transfers is None and extra_pools:
+            if host.numel():
+                ctrl.mem_pool_host.free(host)
+            return HiCacheWriteFailure(required_host_slots=meta.num_host_slots)
+        self._pending = _PendingWrite(
+            CacheOperation(host, physical, node_id, priority, pool_transfers=pool_transfers or None),
+            meta,
+        )
+        return result
+
+    def commit_last_write(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is None:
+            raise RuntimeError("no CP write to commit")
+        self.controller.write_queue.append(pending.op)
+        self.controller.start_writing()
+        self.stats.writes += 1
+        self.stats.zero_owned_writes += int(pending.metadata.num_host_slots == 0)
+        self.stats.backup_slots += pending.metadata.num_host_slots
+
+    def abort_last_write(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None and pending.op.host_indices.numel():
+            self.controller.mem_pool_host.free(pending.op.host_indices)
+
+    def load(
+        self,
+        metadata: Sequence[CpHiCacheNodeMetadata],
+        node_id: int = -1,
+        priority: Optional[int] = None,
+        extra_pools=None,
+    ) -> Optional[torch.Tensor]:
+        """Owner-preserving allocation for a node chain; queues this rank's
+        pages (an empty op if none). Returns the full logical locs or None."""
+        ctrl = self.controller
+        owners = page_owners_of(metadata, self.layout.page_size)
+        logical = self.allocator.alloc_pages_with_owners(owners)
+        if logical is None:
+            return None
+        locs_cpu = logical.to("cpu", torch.int64)
+        positions, offset = [], 0
+        for meta in metadata:
+            positions.append(meta.owned_positions + offset)
+            offset += meta.logical_len
+        owned = torch.cat(positions) if positions else torch.empty((0,), dtype=torch.int64)
+        physical = self._physical(locs_cpu, owned)
+        host = torch.cat([m.host_indices for m in metadata]) if metadata else torch.empty((0,), dtype=torch.int64)
+        pool_transfers = ctrl._resolve_pool_transfers_allocation(
+            extra_pools, alloc_host=False, kv_device_indices=physical, kv_host_indices=host
+        )
+        if pool_transfers is None and extra_pools:
+            self.allocator.free(logical)
+            return None
+        ctrl.load_queue.append(
+            CacheOperation(host, physical, node_id, priority, pool_transfers=pool_transfers or None)
+        )
+        self.stats.loads += 1
+        self.stats.zero_owned_loads += int(host.numel() == 0)
+        self.stats.load_slots += int(host.numel())
+        return logical
