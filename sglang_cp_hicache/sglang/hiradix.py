@@ -169,6 +169,26 @@ class CpHiRadixCache(HiRadixCache):
         self.cp_counters.write_backups += 1
         return len(node.value)
 
+    # ---- device eviction + OOM reporting (seed Task 1) ----------------------
+    def evict(self, params: EvictParams):
+        result = super().evict(params)
+        self.last_evict_result = result
+        return result
+
+    def available_and_evictable_str(self) -> str:
+        """What SGLang prints on KV OOM: with the allocator's free/deferred
+        pages and what the last eviction achieved."""
+        allocator = self.token_to_kv_pool_allocator
+        evictable = self.evictable_size()
+        last = getattr(self, "last_evict_result", None)
+        evicted = "evict_result=None" if last is None else (
+            f"evict_result=(num_tokens_evicted={last.num_tokens_evicted})"
+        )
+        return (
+            f"Available tokens: {allocator.available_size() + evictable} "
+            f"({allocator.allocator_state_str()} + evictable_size={evictable}); {evicted}\n"
+        )
+
     # ---- host tier -------------------------------------------------------
     def _update_host_leaf_status(self, node: TreeNode) -> None:
         self._host_leaves.refresh(node)
@@ -233,7 +253,7 @@ class CpHiRadixCache(HiRadixCache):
                 logger.warning(
                     "load_back: failed to load %d logical tokens for node %d even after "
                     "eviction; %s", sum(n.host_len for n in protected), last_hit_node.id,
-                    self.token_to_kv_pool_allocator.allocator_state_str(),
+                    self.available_and_evictable_str().strip(),
                 )
             return None
         self.ongoing_load_back[last_hit_node.id] = last_hit_node

@@ -1,0 +1,76 @@
+"""Activation: the sglang.srt.plugins entry point and the cp-hicache backend."""
+
+from importlib.metadata import entry_points
+from types import SimpleNamespace
+
+import pytest
+
+from sglang_cp_hicache.sglang import plugin
+from sglang_cp_hicache.sglang.hiradix import CpHiRadixCache
+from sglang_cp_hicache.sglang.stack import CpStackConfig, build_cp_rank_stack
+
+
+def test_entry_point_is_declared_for_sglang_plugin_loader():
+    eps = entry_points(group="sglang.srt.plugins")
+    ours = [ep for ep in eps if ep.value == "sglang_cp_hicache.sglang.plugin:register"]
+    assert len(ours) == 1 and ours[0].load() is plugin.register
+
+
+def test_register_is_idempotent_and_selectable():
+    from sglang.srt.mem_cache.registry import get_radix_cache_factory, registered_radix_cache_backends
+
+    plugin.register()
+    plugin.register()
+    assert registered_radix_cache_backends().count("cp-hicache") == 1
+    assert get_radix_cache_factory("cp-hicache") is plugin.cp_hicache_factory
+
+
+class Worker:
+    def __init__(self):
+        self.counters = []
+
+    def register_hicache_layer_transfer_counter(self, counter):
+        self.counters.append(counter)
+
+
+def ctx_for(stack, hierarchical=True):
+    return SimpleNamespace(params=stack_params(stack), server_args=stack.server_args,
+                           enable_hierarchical_cache=hierarchical, tp_worker=Worker())
+
+
+def stack_params(stack):
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+
+    return CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=stack.allocator,
+                           page_size=stack.config.page_size, tp_cache_group=stack.cache.tp_group,
+                           attn_cp_cache_group=stack.cache.tp_group)
+
+
+def test_factory_builds_cp_cache_for_cp_allocator():
+    stack = build_cp_rank_stack(CpStackConfig(cp_size=2), 1)
+    try:
+        ctx = ctx_for(stack)
+        cache = plugin.cp_hicache_factory(ctx)
+        assert isinstance(cache, CpHiRadixCache) and cache.cp_layout.cp_rank == 1
+        assert ctx.tp_worker.counters == [cache.cache_controller.layer_done_counter]
+        with pytest.raises(ValueError, match="enable-hierarchical-cache"):
+            plugin.cp_hicache_factory(ctx_for(stack, hierarchical=False))
+    finally:
+        stack.close()
+
+
+def test_factory_defers_to_sglang_without_cp_allocator():
+    stack = build_cp_rank_stack(CpStackConfig(cp_size=1, cp_mode=False), 0)
+    try:
+        seen = []
+        import sglang.srt.mem_cache.registry as registry
+
+        orig = registry.default_radix_cache_factory
+        registry.default_radix_cache_factory = lambda ctx: seen.append(ctx) or "default"
+        try:
+            ctx = ctx_for(stack)
+            assert plugin.cp_hicache_factory(ctx) == "default" and seen == [ctx]
+        finally:
+            registry.default_radix_cache_factory = orig
+    finally:
+        stack.close()
