@@ -1,16 +1,24 @@
 """N CP ranks of real SGLang 0.5.18 CpHiRadixCache stacks in one process.
 
 Every rank replays the same operations (the SGLang contract: identical
-scheduler decisions on every rank). Each rank writes content only into the
-device pages it owns, derived from (token position, prefix seed), so restored
-bytes can be checked against what they must be.
+scheduler decisions on every rank). With ``threaded=True`` each rank runs in
+its own thread with its own gloo process group (shared in-memory store), so
+the caches' consensus all-reduces are real collectives across ranks.
+
+Content of a token is a function of its whole prefix (a rolling hash of the
+token ids), written only by the rank that owns its page; restored bytes are
+checked against what they must be.
 """
 
 from __future__ import annotations
 
+import datetime
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 from sglang.srt.mem_cache.base_prefix_cache import (
     EvictParams,
     InitLoadBackParams,
@@ -22,6 +30,17 @@ from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang_cp_hicache.sglang.stack import CpStackConfig, build_cp_rank_stack
 from sglang_fixtures import content_mismatches, write_content
 
+SEED = 11
+
+
+def prefix_keys(tokens: list[int]) -> torch.Tensor:
+    """Per-position key depending on every token up to and including it."""
+    out, h = [], 0
+    for t in tokens:
+        h = (h * 1_000_003 + t + 1) % 2_147_483_647
+        out.append(h)
+    return torch.tensor(out, dtype=torch.int64)
+
 
 @dataclass
 class LoadBackReport:
@@ -30,82 +49,133 @@ class LoadBackReport:
 
 
 class CpCluster:
-    def __init__(self, config: CpStackConfig) -> None:
+    def __init__(self, config: CpStackConfig, *, threaded: bool = False, timeout_s: float = 60.0) -> None:
         self.config = config
-        self.stacks = [build_cp_rank_stack(config, r) for r in range(config.cp_size)]
+        self.threaded = threaded and config.cp_size > 1
+        self._pool = ThreadPoolExecutor(config.cp_size) if self.threaded else None
+        if self.threaded:
+            store = dist.HashStore()
+            timeout = datetime.timedelta(seconds=timeout_s)
+            self.groups = list(self._pool.map(
+                lambda r: dist.ProcessGroupGloo(store, r, config.cp_size, timeout), range(config.cp_size)
+            ))
+            self.stacks = list(self._pool.map(
+                lambda r: build_cp_rank_stack(config, r, cp_group=self.groups[r]), range(config.cp_size)
+            ))
+        else:
+            self.stacks = [build_cp_rank_stack(config, r) for r in range(config.cp_size)]
 
     def close(self) -> None:
         for s in self.stacks:
             s.close()
+        if self._pool is not None:
+            self._pool.shutdown()
 
     @property
     def caches(self):
         return [s.cache for s in self.stacks]
 
-    # content: position i of a sequence with seed s is pattern(i, s)
-    def _fill(self, stack, locs: torch.Tensor, positions: torch.Tensor, seed: int) -> None:
+    def each(self, fn: Callable[[Any], Any], *, return_exceptions: bool = False) -> list:
+        """``fn(stack)`` on every rank: concurrently when threaded. After all
+        ranks finished, raises the first rank's exception, or returns the
+        exceptions in place of results."""
+        if self.threaded:
+            futures = [self._pool.submit(fn, s) for s in self.stacks]
+            outcomes = []
+            for f in futures:
+                try:
+                    outcomes.append(f.result())
+                except Exception as exc:  # noqa: BLE001 - collected, handled below
+                    outcomes.append(exc)
+        else:
+            outcomes = []
+            for s in self.stacks:
+                try:
+                    outcomes.append(fn(s))
+                except Exception as exc:  # noqa: BLE001
+                    outcomes.append(exc)
+        if not return_exceptions:
+            for o in outcomes:
+                if isinstance(o, Exception):
+                    raise o
+        return outcomes
+
+    # ---- content ----------------------------------------------------------
+    def _fill(self, stack, locs: torch.Tensor, keys: torch.Tensor) -> None:
         lay = stack.allocator.layout
         mask = lay.owned_by_this_rank(locs)
         if bool(mask.any()):
-            write_content(stack.kv_pool, lay.logical_locs_to_physical(locs[mask]), positions[mask], seed=seed)
+            write_content(stack.kv_pool, lay.logical_locs_to_physical(locs[mask]), keys[mask], seed=SEED)
 
-    def mismatches(self, stack, locs: torch.Tensor, positions: torch.Tensor, seed: int) -> list[str]:
+    def mismatches(self, stack, locs: torch.Tensor, keys: torch.Tensor) -> list[str]:
         lay = stack.allocator.layout
         mask = lay.owned_by_this_rank(locs)
         if not bool(mask.any()):
             return []
-        return content_mismatches(stack.kv_pool, lay.logical_locs_to_physical(locs[mask]), positions[mask], seed=seed)
+        return content_mismatches(stack.kv_pool, lay.logical_locs_to_physical(locs[mask]), keys[mask], seed=SEED)
 
-    def insert(self, tokens: list[int], seed: int) -> list[torch.Tensor]:
-        """Prefill a whole sequence (new pages for the part not on device)."""
-        out = []
-        for s in self.stacks:
+    # ---- operations (every rank, same order) --------------------------------
+    def insert(self, tokens: list[int], seed: int = 0) -> list[torch.Tensor]:
+        """Prefill a whole sequence: new pages for the part not on device."""
+        keys = prefix_keys(tokens)
+
+        def run(s):
             c = s.cache
             m = c.match_prefix(MatchPrefixParams(key=RadixKey(tokens)))
             hit = len(m.device_indices)
             need = len(tokens) - hit
             if s.allocator.available_size() < need:
-                c.evict(EvictParams(num_tokens=need))
+                c.evict(EvictParams(num_tokens=need - s.allocator.available_size()))
             new = s.allocator.alloc(need)
-            assert new is not None, "device pool exhausted in test workload"
+            if new is None:
+                return None
             locs = torch.cat([m.device_indices, new])
-            self._fill(s, new, torch.arange(hit, len(tokens)), seed)
-            c.insert(InsertParams(key=RadixKey(tokens), value=locs))
-            # like the scheduler: free duplicate pages the tree already had
-            out.append(locs)
-        self.step()
-        return out
-
-    def step(self) -> None:
-        for c in self.caches:
+            self._fill(s, new, keys[hit:])
+            c.inc_lock_ref(m.last_device_node)  # the request holds its prefix
+            res = c.insert(InsertParams(key=RadixKey(tokens), value=locs))
+            c.dec_lock_ref(m.last_device_node)
+            if res.prefix_len > hit:  # tree already had part of the new pages
+                s.allocator.free(new[: res.prefix_len - hit])
             c.writing_check()
             c.loading_check()
+            return locs
+
+        return self.each(run)
+
+    def step(self) -> None:
+        self.each(lambda s: (s.cache.writing_check(), s.cache.loading_check()))
 
     def evict_device(self, num_tokens: int) -> list:
-        return [c.evict(EvictParams(num_tokens=num_tokens)) for c in self.caches]
+        return self.each(lambda s: s.cache.evict(EvictParams(num_tokens=num_tokens)))
+
+    def evict_host(self, num_slots: int) -> list:
+        return self.each(lambda s: s.cache.evict_host(num_slots))
 
     def load_back(self, tokens: list[int]) -> LoadBackReport:
-        report = LoadBackReport(tokens)
-        for c in self.caches:
+        def run(s):
+            c = s.cache
             m = c.match_prefix(MatchPrefixParams(key=RadixKey(tokens)))
             vals, last = c.init_load_back(
                 InitLoadBackParams(best_match_node=m.last_host_node, host_hit_length=m.host_hit_length)
             )
             c.ready_to_load_host_cache()
-            report.loaded_per_rank.append((m.device_indices, vals, m.host_hit_length))
-        self.step()
+            c.writing_check()
+            c.loading_check()
+            return (m.device_indices, vals, m.host_hit_length)
+
+        report = LoadBackReport(tokens)
+        report.loaded_per_rank = self.each(run)
         return report
 
     def device_locs(self, tokens: list[int]) -> list[torch.Tensor]:
-        return [
-            c.match_prefix(MatchPrefixParams(key=RadixKey(tokens))).device_indices for c in self.caches
-        ]
+        return [c.match_prefix(MatchPrefixParams(key=RadixKey(tokens))).device_indices for c in self.caches]
 
-    def check(self, tokens: list[int], seed: int) -> dict:
-        """Bytes of every on-device token of ``tokens`` on the rank that owns it."""
+    def check(self, tokens: list[int], seed: int = 0) -> dict:
+        """Bytes of every on-device token of ``tokens``, on the rank owning it."""
+        keys = prefix_keys(tokens)
         bad = {}
         for s, locs in zip(self.stacks, self.device_locs(tokens)):
-            errs = self.mismatches(s, locs, torch.arange(len(locs)), seed)
+            errs = self.mismatches(s, locs, keys[: len(locs)])
             if errs:
                 bad[s.cp_rank] = errs
         return bad
@@ -113,13 +183,15 @@ class CpCluster:
     def ack_counts(self) -> list[tuple[int, int]]:
         return [(c.cp_transfer.stats.writes, c.cp_transfer.stats.loads) for c in self.caches]
 
-    def tree_shape(self, cache) -> list:
+    @staticmethod
+    def tree_shape(cache) -> list:
         out = []
         stack = [(cache.root_node, ())]
         while stack:
             node, path = stack.pop()
-            for k, child in sorted(node.children.items(), key=lambda kv: str(kv[0])):
-                p = path + (tuple(child.key.token_ids[:1]), len(child.key))
-                out.append((p, child.evicted, child.backuped, child.host_len))
+            for child in node.children.values():
+                p = path + ((tuple(child.key.token_ids[:1]), len(child.key)),)
+                out.append((p, child.evicted, child.backuped, child.host_len, child.lock_ref))
                 stack.append((child, p))
         return sorted(out)
+

@@ -15,11 +15,11 @@ def seq(first: int, pages: int) -> list[int]:
 
 
 @pytest.fixture
-def cluster_factory():
+def cluster_factory(request):
     made = []
 
-    def make(**kw):
-        c = CpCluster(CpStackConfig(**kw))
+    def make(threaded=False, **kw):
+        c = CpCluster(CpStackConfig(**kw), threaded=threaded)
         made.append(c)
         return c
 
@@ -28,10 +28,11 @@ def cluster_factory():
         c.close()
 
 
+@pytest.mark.parametrize("threaded", [False, True])
 @pytest.mark.parametrize("cp_size", [1, 2, 4])
 @pytest.mark.parametrize("host_layout", ["layer_first", "page_first", "page_first_direct"])
-def test_backup_evict_load_back_restores_every_owned_byte(cluster_factory, cp_size, host_layout):
-    cl = cluster_factory(cp_size=cp_size, device_pages=6, host_pages=12, host_layout=host_layout,
+def test_backup_evict_load_back_restores_every_owned_byte(cluster_factory, cp_size, host_layout, threaded):
+    cl = cluster_factory(threaded=threaded, cp_size=cp_size, device_pages=6, host_pages=12, host_layout=host_layout,
                          io_backend="direct" if host_layout == "page_first_direct" else "kernel")
     tokens = seq(1000, 5)  # 5 pages: with N=4 some rank owns 2 pages, some 1
     cl.insert(tokens, seed=7)

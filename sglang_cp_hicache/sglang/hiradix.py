@@ -57,7 +57,21 @@ from sglang_cp_hicache.sglang.tree_node import CpTreeNode
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CpHiRadixCache", "CpHiCacheCounters"]
+__all__ = ["CpHiRadixCache", "CpHiCacheCounters", "CpHiCacheTransferError"]
+
+# Vote values for _agree (MIN wins).
+FAILED, REFUSED, OK = 0, 1, 2
+
+
+class CpHiCacheTransferError(RuntimeError):
+    """A CP HiCache copy failed on some rank; every rank rolled back and raises."""
+
+
+@dataclass
+class _LoadBackRecord:
+    last_node: TreeNode
+    nodes: list
+    device_locs: torch.Tensor
 
 
 @dataclass
@@ -91,6 +105,7 @@ class CpHiRadixCache(HiRadixCache):
         self.cp_counters = CpHiCacheCounters()
         self._host_leaves = HostLeafIndex(self._host_priority)
         self._ledger: Optional[HostSlotLedger] = None
+        self._unstarted_load_backs: list[_LoadBackRecord] = []
         super().__init__(params, server_args)
         self.evictable_host_leaves = _NoSet()  # the ordered index replaces SGLang's set
         self.cp_transfer = CpTransferAdapter(self.cache_controller, self.cp_layout, allocator)
@@ -126,16 +141,18 @@ class CpHiRadixCache(HiRadixCache):
             last_device_node=root, last_host_node=root, best_match_node=root
         )
         self._host_leaves = HostLeafIndex(self._host_priority)
+        self._unstarted_load_backs = []
         if self._ledger is not None:
             self._ledger = HostSlotLedger(list(self._ledger.capacity))
 
     # ---- consensus -------------------------------------------------------
-    def _agree(self, local_ok: bool) -> bool:
-        """True only when every rank says yes. Called on every rank, every time."""
-        flag = torch.tensor([1 if local_ok else 0], dtype=torch.int32)
+    def _agree(self, status: int) -> int:
+        """MIN of every rank's status (FAILED < REFUSED < OK). Called on every
+        rank, every time, whatever this rank's own outcome."""
+        flag = torch.tensor([status], dtype=torch.int32)
         self._all_reduce(flag, torch.distributed.ReduceOp.MIN)
         self.cp_counters.consensus_calls += 1
-        return bool(int(flag))
+        return int(flag)
 
     def _owner_counts(self, logical_locs: torch.Tensor) -> list[int]:
         owners = self.cp_layout.owner_of(logical_locs.to("cpu", torch.int64))
@@ -151,16 +168,29 @@ class CpHiRadixCache(HiRadixCache):
         need = self._owner_counts(node.value)
         if not self._ledger.fits(need):
             self._evict_host_for(self._ledger.shortfall(need))
-        result = None
+        status, error, result = REFUSED, None, None
         if self._ledger.fits(need):
             result = self.cp_transfer.write(node.value, node_id=node.id, **self._get_extra_pools())
-        local_ok = isinstance(result, HiCacheWriteResult)
-        if not self._agree(local_ok):
-            if local_ok:  # another rank failed: take back what this rank queued
+            if isinstance(result, HiCacheWriteResult):
+                try:
+                    self.cp_transfer.commit_last_write()
+                    status = OK
+                except Exception as exc:  # a failed copy: every rank must hear of it
+                    status, error = FAILED, exc
+        agreed = self._agree(status)
+        if agreed != OK:
+            if status == OK:
+                self.cp_transfer.undo_last_commit()
+            else:
                 self.cp_transfer.abort_last_write()
             self.cp_counters.write_failures += 1
+            if agreed == FAILED:
+                raise CpHiCacheTransferError(
+                    f"CP HiCache backup of node {node.id} failed on a CP rank; rolled back "
+                    f"on every rank (this rank: {error!r})"
+                ) from error
             return 0
-        self.cp_transfer.commit_last_write()
+        self.cp_transfer.forget_last_write()
         set_host_state(node, result.metadata)
         node.host_value = None
         self._ledger.charge(need)
@@ -231,9 +261,16 @@ class CpHiRadixCache(HiRadixCache):
                 for n in chain:
                     n.protect_host()
                 protected.extend(chain)
-            return self.cp_transfer.load(
+            locs = self.cp_transfer.load(
                 [n.cp_hicache for n in chain], node_id=last_hit_node.id, **self._get_extra_pools()
             )
+            # The allocator is identical on every rank, so this vote only
+            # differs when a rank's allocation failed on its own.
+            if self._agree(OK if locs is not None else REFUSED) != OK:
+                if locs is not None:
+                    self.cp_transfer.drop_last_load()
+                return None
+            return locs
 
         try:
             outcome = cp_load_back(
@@ -257,6 +294,7 @@ class CpHiRadixCache(HiRadixCache):
                 )
             return None
         self.ongoing_load_back[last_hit_node.id] = last_hit_node
+        self._unstarted_load_backs.append(_LoadBackRecord(last_hit_node, outcome.nodes, outcome.device_locs))
         for n in outcome.nodes:
             self._record_store_event(n, medium=StorageMedium.GPU)
         self.evictable_size_ += outcome.host_hit_len
@@ -266,6 +304,45 @@ class CpHiRadixCache(HiRadixCache):
         if self.metrics_collector is not None:
             self.metrics_collector.observe_load_back_duration(time.perf_counter() - start)
         return outcome.device_locs
+
+    def ready_to_load_host_cache(self) -> int:
+        """Start the queued loads. If the copy fails on any rank, every rank
+        takes its load-backs of this batch back (nodes evicted again, pages
+        freed, locks released) and raises."""
+        records, self._unstarted_load_backs = self._unstarted_load_backs, []
+        status, error, producer = OK, None, -1
+        acks_before = len(self.cache_controller.ack_load_queue)
+        try:
+            producer = self.cache_controller.start_loading()
+        except Exception as exc:
+            status, error = FAILED, exc
+            self.cache_controller.load_queue.clear()
+        if self._agree(status) == OK:
+            return producer
+        queue = self.cache_controller.ack_load_queue
+        for ack in queue[acks_before:]:
+            ack.finish_event.synchronize()
+        del queue[acks_before:]
+        for record in records:
+            self._undo_load_back(record)
+        raise CpHiCacheTransferError(
+            f"CP HiCache load of {len(records)} load-back(s) failed on a CP rank; "
+            f"rolled back on every rank (this rank: {error!r})"
+        ) from error
+
+    def _undo_load_back(self, record: "_LoadBackRecord") -> None:
+        self.ongoing_load_back.pop(record.last_node.id, None)
+        self.dec_lock_ref(record.last_node)
+        for n in reversed(record.nodes):
+            self.evictable_size_ -= len(n.value)
+            self._record_remove_event(n, medium=StorageMedium.GPU)
+            n.value = None
+            self._update_leaf_status(n)
+            self._update_host_leaf_status(n)
+            self._update_leaf_status(n.parent)
+        self.token_to_kv_pool_allocator.free(record.device_locs)
+        self.cp_counters.load_backs -= 1
+        self.cp_counters.load_back_tokens -= int(record.device_locs.numel())
 
     def init_load_back(self, params: InitLoadBackParams):
         if params.mem_quota is None:

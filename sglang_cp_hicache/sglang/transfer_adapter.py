@@ -9,6 +9,11 @@ logical locs to the owned physical device slots (policy in
 A rank owning nothing in a node still queues an (empty) operation: it gets
 the same ack as every other rank, and SGLang's MIN all-reduce over ready acks
 stays in step on every rank.
+
+Every step can be taken back (the cache calls these after a group vote):
+:meth:`abort_last_write` before the copy starts, :meth:`undo_last_commit`
+after it (waits for the copy, drops its ack, frees the host slots), and
+:meth:`drop_last_load` for a queued load that has not started.
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ from sglang_cp_hicache.metadata import CpHiCacheNodeMetadata
 
 __all__ = ["CpTransferAdapter", "CpTransferStats"]
 
+_EMPTY = torch.empty((0,), dtype=torch.int64)
+
 
 @dataclass
 class CpTransferStats:
@@ -45,6 +52,13 @@ class CpTransferStats:
 class _PendingWrite:
     op: CacheOperation
     metadata: CpHiCacheNodeMetadata
+    committed: bool = False
+
+
+@dataclass
+class _QueuedLoad:
+    op: CacheOperation
+    logical_locs: torch.Tensor
 
 
 class CpTransferAdapter:
@@ -53,11 +67,13 @@ class CpTransferAdapter:
         self.layout = layout
         self.allocator = allocator
         self.stats = CpTransferStats()
-        self._pending: Optional[_PendingWrite] = None
+        self._write: Optional[_PendingWrite] = None
+        self._load: Optional[_QueuedLoad] = None
 
     def _physical(self, logical_locs_cpu: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.layout.logical_locs_to_physical(logical_locs_cpu[positions])
 
+    # ---- writes ------------------------------------------------------------
     def write(
         self,
         device_indices: torch.Tensor,
@@ -65,12 +81,9 @@ class CpTransferAdapter:
         priority: Optional[int] = None,
         extra_pools=None,
     ) -> Union[HiCacheWriteResult, HiCacheWriteFailure]:
-        """Allocate host slots for this rank's pages of one node and hold the
-        operation until :meth:`commit_last_write` (queue + start) or
-        :meth:`abort_last_write` (free), so a write that another rank refused
-        never starts copying."""
-        if self._pending is not None:
-            raise RuntimeError("previous CP write was neither committed nor aborted")
+        """Allocate host slots for this rank's pages of one node; the copy
+        starts at :meth:`commit_last_write`."""
+        self._write = None
         ctrl = self.controller
         locs_cpu = device_indices.to("cpu", torch.int64)
         host_slots: list[torch.Tensor] = []
@@ -86,7 +99,7 @@ class CpTransferAdapter:
             return result
         meta = result.metadata
         physical = self._physical(locs_cpu, meta.owned_positions)
-        host = host_slots[0] if host_slots else torch.empty((0,), dtype=torch.int64)
+        host = host_slots[0] if host_slots else _EMPTY
         pool_transfers = ctrl._resolve_pool_transfers_allocation(
             extra_pools, alloc_host=True, kv_device_indices=physical, kv_host_indices=host
         )
@@ -94,27 +107,64 @@ class CpTransferAdapter:
             if host.numel():
                 ctrl.mem_pool_host.free(host)
             return HiCacheWriteFailure(required_host_slots=meta.num_host_slots)
-        self._pending = _PendingWrite(
-            CacheOperation(host, physical, node_id, priority, pool_transfers=pool_transfers or None),
-            meta,
-        )
+        op = CacheOperation(host, physical, node_id, priority, pool_transfers=pool_transfers or None)
+        self._write = _PendingWrite(op, meta)
         return result
 
     def commit_last_write(self) -> None:
-        pending, self._pending = self._pending, None
-        if pending is None:
-            raise RuntimeError("no CP write to commit")
-        self.controller.write_queue.append(pending.op)
-        self.controller.start_writing()
+        """Queue and start the prepared copy. On an exception nothing stays
+        queued (the host slots are still held; undo or abort frees them)."""
+        pending = self._write
+        if pending is None or pending.committed:
+            raise RuntimeError("no prepared CP write to commit")
+        ctrl = self.controller
+        acks_before = len(ctrl.ack_write_queue)
+        ctrl.write_queue.append(pending.op)
+        try:
+            ctrl.start_writing()
+        except BaseException:
+            if pending.op in ctrl.write_queue:
+                ctrl.write_queue.remove(pending.op)
+            del ctrl.ack_write_queue[acks_before:]
+            raise
+        pending.committed = True
         self.stats.writes += 1
         self.stats.zero_owned_writes += int(pending.metadata.num_host_slots == 0)
         self.stats.backup_slots += pending.metadata.num_host_slots
 
     def abort_last_write(self) -> None:
-        pending, self._pending = self._pending, None
-        if pending is not None and pending.op.host_indices.numel():
+        """Release a prepared write that never started copying (or failed to)."""
+        pending, self._write = self._write, None
+        if pending is None:
+            return
+        if pending.committed:
+            raise RuntimeError("write already started: use undo_last_commit")
+        if pending.op.host_indices.numel():
             self.controller.mem_pool_host.free(pending.op.host_indices)
 
+    def undo_last_commit(self) -> None:
+        """Take back a started write the group refused: wait for its copy,
+        drop its ack, free its host slots."""
+        pending, self._write = self._write, None
+        if pending is None or not pending.committed:
+            raise RuntimeError("no committed CP write to undo")
+        ctrl = self.controller
+        for i in range(len(ctrl.ack_write_queue) - 1, -1, -1):
+            ack = ctrl.ack_write_queue[i]
+            if pending.op.node_ids[0] in ack.node_ids:
+                ack.finish_event.synchronize()  # the slots are busy until the copy ends
+                del ctrl.ack_write_queue[i]
+                break
+        if pending.op.host_indices.numel():
+            ctrl.mem_pool_host.free(pending.op.host_indices)
+        self.stats.writes -= 1
+        self.stats.zero_owned_writes -= int(pending.metadata.num_host_slots == 0)
+        self.stats.backup_slots -= pending.metadata.num_host_slots
+
+    def forget_last_write(self) -> None:
+        self._write = None
+
+    # ---- loads -------------------------------------------------------------
     def load(
         self,
         metadata: Sequence[CpHiCacheNodeMetadata],
@@ -124,6 +174,7 @@ class CpTransferAdapter:
     ) -> Optional[torch.Tensor]:
         """Owner-preserving allocation for a node chain; queues this rank's
         pages (an empty op if none). Returns the full logical locs or None."""
+        self._load = None
         ctrl = self.controller
         owners = page_owners_of(metadata, self.layout.page_size)
         logical = self.allocator.alloc_pages_with_owners(owners)
@@ -134,19 +185,30 @@ class CpTransferAdapter:
         for meta in metadata:
             positions.append(meta.owned_positions + offset)
             offset += meta.logical_len
-        owned = torch.cat(positions) if positions else torch.empty((0,), dtype=torch.int64)
+        owned = torch.cat(positions) if positions else _EMPTY
         physical = self._physical(locs_cpu, owned)
-        host = torch.cat([m.host_indices for m in metadata]) if metadata else torch.empty((0,), dtype=torch.int64)
+        host = torch.cat([m.host_indices for m in metadata]) if metadata else _EMPTY
         pool_transfers = ctrl._resolve_pool_transfers_allocation(
             extra_pools, alloc_host=False, kv_device_indices=physical, kv_host_indices=host
         )
         if pool_transfers is None and extra_pools:
             self.allocator.free(logical)
             return None
-        ctrl.load_queue.append(
-            CacheOperation(host, physical, node_id, priority, pool_transfers=pool_transfers or None)
-        )
+        op = CacheOperation(host, physical, node_id, priority, pool_transfers=pool_transfers or None)
+        ctrl.load_queue.append(op)
+        self._load = _QueuedLoad(op, logical)
         self.stats.loads += 1
         self.stats.zero_owned_loads += int(host.numel() == 0)
         self.stats.load_slots += int(host.numel())
         return logical
+
+    def drop_last_load(self) -> None:
+        """Take back the last queued (not yet started) load: unqueue, free pages."""
+        queued, self._load = self._load, None
+        if queued is None:
+            raise RuntimeError("no queued CP load to drop")
+        self.controller.load_queue.remove(queued.op)
+        self.allocator.free(queued.logical_locs)
+        self.stats.loads -= 1
+        self.stats.zero_owned_loads -= int(queued.op.host_indices.numel() == 0)
+        self.stats.load_slots -= int(queued.op.host_indices.numel())
