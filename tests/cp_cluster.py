@@ -117,6 +117,12 @@ class CpCluster:
     # ---- operations (every rank, same order) --------------------------------
     def insert(self, tokens: list[int], seed: int = 0) -> list[torch.Tensor]:
         """Prefill a whole sequence: new pages for the part not on device."""
+        return self.each(self._insert_fn(tokens))
+
+    def insert_outcomes(self, tokens: list[int]) -> list:
+        return self.each(self._insert_fn(tokens), return_exceptions=True)
+
+    def _insert_fn(self, tokens: list[int]):
         keys = prefix_keys(tokens)
 
         def run(s):
@@ -140,7 +146,7 @@ class CpCluster:
             c.loading_check()
             return locs
 
-        return self.each(run)
+        return run
 
     def step(self) -> None:
         self.each(lambda s: (s.cache.writing_check(), s.cache.loading_check()))
@@ -152,6 +158,14 @@ class CpCluster:
         return self.each(lambda s: s.cache.evict_host(num_slots))
 
     def load_back(self, tokens: list[int]) -> LoadBackReport:
+        report = LoadBackReport(tokens)
+        report.loaded_per_rank = self.each(self._load_back_fn(tokens))
+        return report
+
+    def load_back_outcomes(self, tokens: list[int]) -> list:
+        return self.each(self._load_back_fn(tokens), return_exceptions=True)
+
+    def _load_back_fn(self, tokens: list[int]):
         def run(s):
             c = s.cache
             m = c.match_prefix(MatchPrefixParams(key=RadixKey(tokens)))
@@ -163,9 +177,7 @@ class CpCluster:
             c.loading_check()
             return (m.device_indices, vals, m.host_hit_length)
 
-        report = LoadBackReport(tokens)
-        report.loaded_per_rank = self.each(run)
-        return report
+        return run
 
     def device_locs(self, tokens: list[int]) -> list[torch.Tensor]:
         return [c.match_prefix(MatchPrefixParams(key=RadixKey(tokens))).device_indices for c in self.caches]

@@ -59,6 +59,7 @@ class _PendingWrite:
 class _QueuedLoad:
     op: CacheOperation
     logical_locs: torch.Tensor
+    allocator_state: object  # the allocator is identical on every rank: undo exactly
 
 
 class CpTransferAdapter:
@@ -177,6 +178,7 @@ class CpTransferAdapter:
         self._load = None
         ctrl = self.controller
         owners = page_owners_of(metadata, self.layout.page_size)
+        state = self.allocator.backup_state()
         logical = self.allocator.alloc_pages_with_owners(owners)
         if logical is None:
             return None
@@ -192,23 +194,25 @@ class CpTransferAdapter:
             extra_pools, alloc_host=False, kv_device_indices=physical, kv_host_indices=host
         )
         if pool_transfers is None and extra_pools:
-            self.allocator.free(logical)
+            self.allocator.restore_state(state)
             return None
         op = CacheOperation(host, physical, node_id, priority, pool_transfers=pool_transfers or None)
         ctrl.load_queue.append(op)
-        self._load = _QueuedLoad(op, logical)
+        self._load = _QueuedLoad(op, logical, state)
         self.stats.loads += 1
         self.stats.zero_owned_loads += int(host.numel() == 0)
         self.stats.load_slots += int(host.numel())
         return logical
 
     def drop_last_load(self) -> None:
-        """Take back the last queued (not yet started) load: unqueue, free pages."""
+        """Take back the last queued (not yet started) load: unqueue, and put
+        the allocator back exactly as it was (free-list order included), so it
+        stays identical to the allocators of ranks that never allocated."""
         queued, self._load = self._load, None
         if queued is None:
             raise RuntimeError("no queued CP load to drop")
         self.controller.load_queue.remove(queued.op)
-        self.allocator.free(queued.logical_locs)
+        self.allocator.restore_state(queued.allocator_state)
         self.stats.loads -= 1
         self.stats.zero_owned_loads -= int(queued.op.host_indices.numel() == 0)
         self.stats.load_slots -= int(queued.op.host_indices.numel())

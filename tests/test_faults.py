@@ -1,0 +1,150 @@
+"""Fault injection with rollback: after each fault the state is as before the
+operation on every rank, nothing leaked, and the result is a clean refusal
+or a clear error raised by every rank (never a hang, never a divergence).
+
+Ranks run in threads with real gloo groups, so the consensus votes are real.
+"""
+
+import pytest
+import torch
+
+from sglang_cp_hicache.sglang.hiradix import CpHiCacheTransferError
+from sglang_cp_hicache.sglang.stack import CpStackConfig
+
+from cp_cluster import CpCluster
+
+P = 64
+N = 3
+
+
+def seq(first, pages):
+    return list(range(first, first + pages * P))
+
+
+@pytest.fixture
+def cl():
+    c = CpCluster(CpStackConfig(cp_size=N, device_pages=6, host_pages=10), threaded=True, timeout_s=30)
+    yield c
+    c.close()
+
+
+def snapshot(c):
+    """Everything a rolled-back operation must leave as it found it."""
+    cache = c.cache
+    host = cache.token_to_kv_pool_host
+    return (
+        CpCluster.tree_shape(cache),
+        host.available_size(),
+        list(cache.host_slot_ledger.used),
+        c.allocator.allocator_state_str(),
+        len(cache.cache_controller.ack_write_queue),
+        len(cache.cache_controller.ack_load_queue),
+        len(cache.cache_controller.write_queue),
+        len(cache.cache_controller.load_queue),
+        sorted(cache.ongoing_write_through),
+        sorted(cache.ongoing_load_back),
+        cache.evictable_size_,
+        cache.protected_size_,
+    )
+
+
+class FailOnce:
+    """Wraps a callable; the first call (or the one after ``skip`` calls) fails."""
+
+    def __init__(self, fn, *, exc=None, skip=0):
+        self.fn, self.exc, self.skip, self.fired = fn, exc, skip, False
+
+    def __call__(self, *a, **kw):
+        if not self.fired:
+            if self.skip == 0:
+                self.fired = True
+                if self.exc is not None:
+                    raise self.exc
+                return None
+            self.skip -= 1
+        return self.fn(*a, **kw)
+
+
+def test_host_alloc_fails_on_one_rank_every_rank_refuses(cl):
+    victim = cl.stacks[1]
+    host = victim.cache.cache_controller.mem_pool_host
+    host.alloc = FailOnce(host.alloc)
+    before = [snapshot(s) for s in cl.stacks]
+    tokens = seq(100, 3)
+    cl.insert(tokens)
+    assert host.alloc.fired
+    for s, b in zip(cl.stacks, before):
+        node = s.cache.root_node.children[next(iter(s.cache.root_node.children))]
+        assert not node.backuped and node.cp_hicache is None  # nobody backed it up
+        assert s.cache.token_to_kv_pool_host.available_size() == b[1]
+        assert s.cache.host_slot_ledger.used == b[2]
+        assert s.cache.cp_counters.write_failures == 1
+    assert len({repr(CpCluster.tree_shape(c)) for c in cl.caches}) == 1
+    # The next write of the same node succeeds everywhere.
+    cl.insert(tokens)
+    assert all(s.cache.root_node.children[next(iter(s.cache.root_node.children))].backuped for s in cl.stacks)
+
+
+def test_copy_raises_midway_every_rank_rolls_back_and_raises(cl):
+    victim = cl.stacks[2]
+    kv_host = victim.cache.token_to_kv_pool_host.anchor_entry.host_pool
+    kv_host.backup_from_device_all_layer = FailOnce(
+        kv_host.backup_from_device_all_layer, exc=RuntimeError("DMA error (injected)")
+    )
+    tokens = seq(200, 3)  # round-robin allocation: every rank owns a page
+    before = [snapshot(s) for s in cl.stacks]
+    outcomes = cl.insert_outcomes(tokens)
+    assert all(isinstance(o, CpHiCacheTransferError) for o in outcomes), outcomes
+    assert "injected" in str(outcomes[2].__cause__)
+    for s, b in zip(cl.stacks, before):
+        after = snapshot(s)
+        assert after[1:3] == b[1:3]  # host pool and ledger as before
+        assert after[4:8] == b[4:8]  # no queued op, no stray ack
+        assert not s.cache.ongoing_write_through
+    assert len({repr(CpCluster.tree_shape(c)) for c in cl.caches}) == 1
+
+
+def test_device_alloc_fails_at_load_back_on_one_rank_nobody_loads(cl):
+    tokens = seq(300, 3)
+    cl.insert(tokens)
+    cl.evict_device(3 * P)
+    victim = cl.stacks[0]
+    # Fail the first owner-preserving allocation and the retry after eviction.
+    victim.allocator.alloc_pages_with_owners = FailOnce(FailOnce(victim.allocator.alloc_pages_with_owners))
+    before = [snapshot(s) for s in cl.stacks]
+    report = cl.load_back(tokens)
+    for (_, vals, _), s, b in zip(report.loaded_per_rank, cl.stacks, before):
+        assert vals.numel() == 0
+        after = snapshot(s)
+        assert after[0] == b[0] and after[2:] == b[2:]
+        assert after[1] == b[1]
+    # No fault now: the load-back succeeds and the bytes are right.
+    report = cl.load_back(tokens)
+    assert all(v.numel() == 3 * P for _, v, _ in report.loaded_per_rank)
+    assert cl.check(tokens) == {}
+
+
+def test_load_copy_raises_every_rank_undoes_the_load_back(cl):
+    tokens = seq(400, 2)
+    cl.insert(tokens)
+    cl.evict_device(2 * P)
+    victim = cl.stacks[1]
+    idx_host = victim.cache.token_to_kv_pool_host.entry_map
+    from sglang.srt.mem_cache.hicache_storage import PoolName
+
+    pool = idx_host[PoolName.INDEXER].host_pool
+    pool.load_to_device_per_layer = FailOnce(pool.load_to_device_per_layer, exc=RuntimeError("H2D fault (injected)"))
+    before = [snapshot(s) for s in cl.stacks]
+    before_free = cl.stacks[0].allocator.available_size()
+    outcomes = cl.load_back_outcomes(tokens)
+    assert all(isinstance(o, CpHiCacheTransferError) for o in outcomes), outcomes
+    for s, b in zip(cl.stacks, before):
+        after = snapshot(s)
+        assert after[0] == b[0], "nodes must be evicted again"
+        assert s.allocator.available_size() == before_free, "device pages must be free again"
+        assert after[5] == b[5] and after[7] == b[7] and after[9:] == b[9:]
+    # freed pages sit in the deferred lists now: identically on every rank
+    assert len({s.allocator.allocator_state_str() for s in cl.stacks}) == 1
+    report = cl.load_back(tokens)
+    assert all(v.numel() == 2 * P for _, v, _ in report.loaded_per_rank)
+    assert cl.check(tokens) == {}
