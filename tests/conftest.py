@@ -21,3 +21,8 @@ settings.register_profile(
     "dev", max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+# SGLang logs a host-pool sizing warning for every small test pool.
+import logging  # noqa: E402
+
+logging.getLogger("sglang").setLevel(logging.ERROR)

@@ -130,14 +130,15 @@ class CpCluster:
             m = c.match_prefix(MatchPrefixParams(key=RadixKey(tokens)))
             hit = len(m.device_indices)
             need = len(tokens) - hit
+            c.inc_lock_ref(m.last_device_node)  # the request holds its prefix (as the scheduler does)
             if s.allocator.available_size() < need:
                 c.evict(EvictParams(num_tokens=need - s.allocator.available_size()))
             new = s.allocator.alloc(need)
             if new is None:
+                c.dec_lock_ref(m.last_device_node)
                 return None
             locs = torch.cat([m.device_indices, new])
             self._fill(s, new, keys[hit:])
-            c.inc_lock_ref(m.last_device_node)  # the request holds its prefix
             res = c.insert(InsertParams(key=RadixKey(tokens), value=locs))
             c.dec_lock_ref(m.last_device_node)
             if res.prefix_len > hit:  # tree already had part of the new pages
