@@ -1,0 +1,147 @@
+"""What a real SGLang 0.5.18 ``HiRadixCache`` needs around it on a CPU machine.
+
+``HiRadixCache(params, server_args)`` reads three things besides its
+arguments:
+
+* a ``ServerArgs`` -- whose ``__post_init__`` loads ``config.json`` from
+  ``model_path`` through transformers (a Hub name means a download) and sets
+  several ``SGLANG_*`` environment variables;
+* the published runtime context (``runtime_context.publish``): the host pool
+  size comes from ``get_memory().hicache_ratio``;
+* a process group for ``CacheInitParams.tp_cache_group`` --
+  ``torch.distributed.get_world_size(group=...)`` runs in ``__init__``.
+
+The helpers here provide each without side effects on the user's setup: a
+two-key llama ``config.json`` in a per-process temporary directory, an
+``os.environ`` snapshot restored around ``ServerArgs(...)``, and a one-rank
+gloo group that never touches the default process group.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+import threading
+from typing import TYPE_CHECKING, Any, Iterator
+
+import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from sglang.srt.runtime_context import RuntimeContext
+    from sglang.srt.server_args import ServerArgs
+
+__all__ = [
+    "TINY_MODEL_CONFIG",
+    "make_cpu_server_args",
+    "make_local_gloo_group",
+    "preserved_environ",
+    "publish_server_args",
+    "tiny_model_dir",
+]
+
+#: The smallest config.json ServerArgs 0.5.18 accepts: without "architectures"
+#: its model-arch checks index None; without "model_type" transformers'
+#: AutoConfig refuses the directory. Any other field is optional.
+TINY_MODEL_CONFIG: dict[str, Any] = {"architectures": ["LlamaForCausalLM"], "model_type": "llama"}
+
+_model_dir_lock = threading.Lock()
+_model_dir: str | None = None
+
+
+def tiny_model_dir() -> str:
+    """A directory holding :data:`TINY_MODEL_CONFIG` as ``config.json``.
+
+    Created once per process under the system temp dir and removed at exit.
+    """
+    global _model_dir
+    with _model_dir_lock:
+        if _model_dir is None or not os.path.isfile(os.path.join(_model_dir, "config.json")):
+            path = tempfile.mkdtemp(prefix="sglang-cp-hicache-model-")
+            with open(os.path.join(path, "config.json"), "w") as f:
+                json.dump(TINY_MODEL_CONFIG, f)
+            atexit.register(shutil.rmtree, path, ignore_errors=True)
+            _model_dir = path
+        return _model_dir
+
+
+@contextlib.contextmanager
+def preserved_environ() -> Iterator[None]:
+    """Undo every change to ``os.environ`` made inside the block."""
+    before = dict(os.environ)
+    try:
+        yield
+    finally:
+        for key in [k for k in os.environ if k not in before]:
+            del os.environ[key]
+        for key, value in before.items():
+            if os.environ.get(key) != value:
+                os.environ[key] = value
+
+
+def make_cpu_server_args(
+    *,
+    page_size: int = 64,
+    hicache_mem_layout: str = "layer_first",
+    hicache_io_backend: str = "kernel",
+    hicache_ratio: float = 2.0,
+    hicache_size: int = 0,
+    hicache_write_policy: str = "write_through",
+    model_path: str | None = None,
+    keep_env_changes: bool = False,
+    **overrides: Any,
+) -> ServerArgs:
+    """``ServerArgs`` for a CPU HiCache with the given host-pool settings.
+
+    ``model_path`` defaults to :func:`tiny_model_dir`. Unless
+    ``keep_env_changes``, environment variables ``ServerArgs.__post_init__``
+    sets (``SGLANG_USE_CUDA_IPC_TRANSPORT``, ``SGLANG_ENABLE_TORCH_COMPILE``,
+    ...) are restored afterwards. Note that ServerArgs rewrites two layout/io
+    combinations: ``page_first_direct`` + ``kernel`` becomes ``direct`` io and
+    ``page_first`` + ``direct`` becomes ``page_first_direct``; read the
+    result's fields rather than the arguments.
+    """
+    from sglang.srt.server_args import ServerArgs
+
+    kwargs: dict[str, Any] = dict(
+        model_path=model_path if model_path is not None else tiny_model_dir(),
+        device="cpu",
+        page_size=page_size,
+        enable_hierarchical_cache=True,
+        hicache_mem_layout=hicache_mem_layout,
+        hicache_io_backend=hicache_io_backend,
+        hicache_ratio=hicache_ratio,
+        hicache_size=hicache_size,
+        hicache_write_policy=hicache_write_policy,
+    )
+    kwargs.update(overrides)
+    env = contextlib.nullcontext() if keep_env_changes else preserved_environ()
+    with env:
+        return ServerArgs(**kwargs)
+
+
+def publish_server_args(server_args: ServerArgs, *, role: str = "scheduler") -> RuntimeContext:
+    """Publish ``server_args`` as this process's runtime context.
+
+    Process-global and last-publish-wins: publish before constructing each
+    ``HiRadixCache`` whose settings differ (``get_memory().hicache_ratio`` is
+    read in its ``__init__`` only).
+    """
+    from sglang.srt import runtime_context
+
+    return runtime_context.publish(server_args, role=role)
+
+
+def make_local_gloo_group() -> dist.ProcessGroup:
+    """A gloo process group holding only this process (rank 0 of 1).
+
+    Built directly on an in-memory ``HashStore``: no default process group,
+    no port, no environment variable. ``torch.distributed.get_world_size``,
+    ``all_reduce`` and ``barrier`` accept it whether or not a default group
+    exists (checked with a 2-process default group on torch 2.13). With
+    world size 1, HiRadixCache skips every consensus ``all_reduce``.
+    """
+    return dist.ProcessGroupGloo(dist.HashStore(), 0, 1)
