@@ -165,13 +165,20 @@ class OwnerLaneAllocator:
         """Token locs whose i-th page is owned by ``owners[i]``; None (state
         unchanged) when any lane is short."""
         if isinstance(owners, torch.Tensor):
-            if owners.dtype.is_floating_point or owners.dtype == torch.bool:
+            if owners.dtype.is_floating_point or owners.dtype.is_complex or owners.dtype == torch.bool:
                 raise TypeError(f"owners must hold integers, got {owners.dtype}")
-            owners = owners.reshape(-1).tolist()
-        owner_list = [int(o) for o in owners]
-        for o in owner_list:
+            if owners.dim() != 1:
+                raise ValueError(f"owners must be 1-D, got shape {tuple(owners.shape)}")
+            owners = owners.tolist()
+        elif isinstance(owners, (str, bytes)) or not hasattr(owners, "__iter__"):
+            raise TypeError(f"owners must be a sequence of ints, got {type(owners).__name__}")
+        owner_list = []
+        for o in owners:
+            if isinstance(o, bool) or not isinstance(o, int):
+                raise TypeError(f"owners must hold ints, got {type(o).__name__}")
             if not 0 <= o < self.cp_size:
                 raise ValueError(f"owners must be in [0, cp_size={self.cp_size}), got {o}")
+            owner_list.append(o)
         counts = [0] * self.cp_size
         for o in owner_list:
             counts[o] += 1
@@ -186,6 +193,8 @@ class OwnerLaneAllocator:
         """Release every page touched by ``free_index`` (deferred)."""
         if not isinstance(free_index, torch.Tensor):
             raise TypeError(f"free_index must be a torch.Tensor, got {type(free_index).__name__}")
+        if free_index.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"free_index must be int32/int64, got {free_index.dtype}")
         if free_index.numel() == 0:
             return
         pages = torch.unique(

@@ -96,8 +96,10 @@ class OwnerPreservingAllocator(Protocol):
 def _check_locs(name: str, locs: torch.Tensor) -> torch.Tensor:
     if not isinstance(locs, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(locs).__name__}")
-    if locs.dim() != 1 or locs.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"{name} must be a 1-D int32/int64 tensor, got {locs.dtype} {tuple(locs.shape)}")
+    if locs.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{name} must be an int32/int64 tensor, got {locs.dtype}")
+    if locs.dim() != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {tuple(locs.shape)}")
     return locs
 
 
@@ -114,6 +116,8 @@ def map_cp_write(
     """
     _check_locs("logical_locs", logical_locs)
     locs_cpu = logical_locs.to("cpu", torch.int64)
+    if locs_cpu.numel() and int(locs_cpu.min()) < 0:
+        raise ValueError("logical_locs must be non-negative")
     owners = layout.owner_of(locs_cpu)
     owned_positions = torch.nonzero(owners == layout.cp_rank).reshape(-1)
     num_owned = int(owned_positions.numel())
@@ -139,7 +143,11 @@ def map_cp_write(
 def page_owners_of(metadata: Sequence[CpHiCacheNodeMetadata], page_size: int) -> list[int]:
     """Owner of every page of a node chain, as recorded at backup time."""
     owners: list[int] = []
+    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
+        raise ValueError(f"page_size must be a positive int, got {page_size!r}")
     for meta in metadata:
+        if not isinstance(meta, CpHiCacheNodeMetadata):
+            raise TypeError(f"metadata must hold CpHiCacheNodeMetadata, got {type(meta).__name__}")
         if meta.token_owners is None:
             raise ValueError("page_owners_of needs metadata with token_owners")
         if meta.logical_len % page_size != 0:

@@ -113,7 +113,7 @@ def test_never_double_allocates_and_conserves_pages(cp_size, page_size, num_page
         else:
             if held:
                 pages = held.pop(arg % len(held))
-                a.free(torch.tensor([p * page_size for p in pages]))
+                a.free(torch.tensor([p * page_size for p in pages], dtype=torch.int64))
             locs = None
             kind = "free"
         if kind != "free":
