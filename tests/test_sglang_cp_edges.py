@@ -179,3 +179,19 @@ def test_write_that_cannot_fit_fails_cleanly_on_every_rank(cluster):
         assert not node.backuped and node.cp_hicache is None
         assert host_slots_in_use(c) == 0 and c.host_slot_ledger.used == [0, 0]
         assert c.cp_counters.write_failures >= 1 and not c.ongoing_write_through
+
+
+def test_load_back_evicts_until_the_needed_owner_lane_has_room(cluster):
+    # Logical pages 1..5 over 2 ranks: lane 0 = {2, 4}, lane 1 = {1, 3, 5}.
+    cl = cluster(cp_size=2, device_pages=3, host_pages=8)
+    a = seq(10_000, 1)
+    cl.insert(a)  # lane 0 (page 2)
+    cl.evict_device(P)
+    for first in (20_000, 30_000, 40_000, 50_000):  # lanes 1, 0, 1, 0: lane 0 now full
+        cl.insert(seq(first, 1))
+    assert cl.stacks[0].allocator.lane_available_pages() == [0, 1]
+    # The LRU device node sits in lane 1: evicting "one page" alone frees the wrong lane.
+    report = cl.load_back(a)
+    assert all(v.numel() == P for _, v, _ in report.loaded_per_rank)
+    assert cl.check(a) == {}
+    assert len({repr(CpCluster.tree_shape(c)) for c in cl.caches}) == 1

@@ -41,7 +41,7 @@ from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
 from sglang.srt.mem_cache.radix_cache import RadixKey, TreeNode
 from sglang.srt.mem_cache.utils import compute_node_hash_values, split_node_hash_value
 
-from sglang_cp_hicache.controller import HiCacheWriteResult
+from sglang_cp_hicache.controller import HiCacheWriteResult, page_owners_of
 from sglang_cp_hicache.host_eviction import (
     HostEvictionResult,
     HostLeafIndex,
@@ -280,7 +280,7 @@ class CpHiRadixCache(HiRadixCache):
                 inc_lock_ref=lambda n: self.inc_lock_ref(n).delta,
                 dec_lock_ref=self.dec_lock_ref,
                 load=load,
-                evict_device=lambda n: self.evict(EvictParams(num_tokens=n)),
+                evict_device=lambda n: self._evict_device_for_lanes(protected),
             )
         finally:
             for n in protected:
@@ -304,6 +304,26 @@ class CpHiRadixCache(HiRadixCache):
         if self.metrics_collector is not None:
             self.metrics_collector.observe_load_back_duration(time.perf_counter() - start)
         return outcome.device_locs
+
+    def _evict_device_for_lanes(self, chain: list) -> int:
+        """Evict device nodes (LRU, as upstream) until every owner lane the
+        restored chain needs has enough free pages. Free pages of the wrong
+        owner are of no use to an owner-preserving restore, so a plain
+        ``evict(host_hit_len)`` can free enough tokens and still fail."""
+        owners = page_owners_of([n.cp_hicache for n in chain], self.page_size)
+        need = [0] * self.cp_layout.cp_size
+        for o in owners:
+            need[o] += 1
+        evicted = 0
+        while True:
+            lanes = self.token_to_kv_pool_allocator.lane_available_pages()
+            short = sum(max(0, n - a) for n, a in zip(need, lanes))
+            if short == 0:
+                return evicted
+            got = self.evict(EvictParams(num_tokens=short * self.page_size)).num_tokens_evicted
+            if got == 0:
+                return evicted
+            evicted += got
 
     def ready_to_load_host_cache(self) -> int:
         """Start the queued loads. If the copy fails on any rank, every rank
