@@ -12,13 +12,13 @@ Terms (shared with the Triton kernels):
 Host buffers follow SGLang 0.5.18's ``MLATokenToKVPoolHost`` and
 ``DSAIndexerPoolHost`` shapes:
 
-============== =============================== =================================
-layout          KV buffer                       indexer buffer
-============== =============================== =================================
-layer_first     (layers, slots, 1, dim)         (layers, host_pages, page_bytes)
-page_first      (slots, layers, 1, dim)         (host_pages, layers, 1, page_bytes)
-page_first_direct (host_pages, layers, P, 1, dim) (host_pages, layers, 1, page_bytes)
-============== =============================== =================================
+=================== ================================= ====================================
+host layout         KV buffer                         indexer buffer
+=================== ================================= ====================================
+layer_first         (layers, slots, 1, dim)           (layers, host_pages, page_bytes)
+page_first          (slots, layers, 1, dim)           (host_pages, layers, 1, page_bytes)
+page_first_direct   (host_pages, layers, P, 1, dim)   (host_pages, layers, 1, page_bytes)
+=================== ================================= ====================================
 
 Device buffers: KV ``kv_buffer[layer]`` is ``(slots, 1, dim)`` (token major);
 indexer ``index_k_with_scale_buffer[layer]`` is ``(pages, page_bytes)`` (page
@@ -32,9 +32,17 @@ from typing import Sequence
 
 import torch
 
+from sglang_cp_hicache.kernels import _checks
+from sglang_cp_hicache.kernels._checks import HOST_LAYOUTS
 from sglang_cp_hicache.layout import CpSharedKVLayout
 
-HOST_LAYOUTS = ("layer_first", "page_first", "page_first_direct")
+__all__ = [
+    "HOST_LAYOUTS",
+    "backup_indexer_all_layers_reference",
+    "backup_kv_all_layers_reference",
+    "load_indexer_one_layer_reference",
+    "load_kv_one_layer_reference",
+]
 
 
 def _owned_physical(
@@ -51,16 +59,23 @@ def _owned_physical(
     return layout.logical_locs_to_physical(owned)
 
 
-def _host_kv_layer(host_kv: torch.Tensor, host_layout: str, layer_id: int, page_size: int):
-    """A (slots, 1, dim)-indexable accessor for one layer of the host KV buffer."""
+def _host_kv_rows(host_kv: torch.Tensor, host_layout: str, layer_id: int, page_size: int):
+    """``(view, index_fn)``: ``view[index_fn(host_locs)]`` addresses one layer's host rows.
+
+    Always a view into ``host_kv``, never a copy, so it can be assigned to.
+    (``page_first_direct`` used to be flattened with ``reshape``, which copies
+    when there is more than one layer: backups into it were silently lost.)
+    """
     if host_layout == "layer_first":
-        return host_kv[layer_id]
+        return host_kv[layer_id], lambda locs: locs
     if host_layout == "page_first":
-        return host_kv[:, layer_id]
+        return host_kv[:, layer_id], lambda locs: locs
     if host_layout == "page_first_direct":
-        # (pages, layers, P, 1, dim) -> (pages, P, 1, dim) -> (slots, 1, dim) view
-        per_layer = host_kv[:, layer_id]
-        return per_layer.reshape(-1, *per_layer.shape[2:])
+        # (pages, layers, P, 1, dim) -> (pages, P, 1, dim), indexed by (page, offset)
+        return host_kv[:, layer_id], lambda locs: (
+            torch.div(locs, page_size, rounding_mode="floor"),
+            locs % page_size,
+        )
     raise ValueError(f"host_layout must be one of {HOST_LAYOUTS}, got {host_layout!r}")
 
 
@@ -77,6 +92,20 @@ def _pages(locs: torch.Tensor, page_size: int) -> torch.Tensor:
     return torch.div(locs.view(-1, page_size)[:, 0], page_size, rounding_mode="floor")
 
 
+def _check_common(layout, host_layout, device_locs, host_locs) -> CpSharedKVLayout:
+    layout = _checks.check_layout(layout)
+    _checks.check_host_layout(host_layout)
+    _checks.check_locs("device_locs", device_locs, layout.page_size)
+    _checks.check_locs("host_locs", host_locs, layout.page_size)
+    _checks.check_lengths(device_locs, host_locs)
+    return layout
+
+
+def _check_layers_fit(dev_name: str, num_dev_layers: int, host_name: str, geom) -> None:
+    if num_dev_layers > geom.num_layers:
+        raise ValueError(f"{dev_name} has {num_dev_layers} layers but {host_name} holds only {geom.num_layers}")
+
+
 def backup_kv_all_layers_reference(
     device_kv: Sequence[torch.Tensor],
     host_kv: torch.Tensor,
@@ -86,12 +115,16 @@ def backup_kv_all_layers_reference(
     layout: CpSharedKVLayout,
 ) -> None:
     """D2H: every layer's owned KV rows -> host slots."""
+    layout = _check_common(layout, host_layout, device_locs, host_locs)
+    layers = _checks.check_device_layers("device_kv", device_kv, ndim=3)
+    geom = _checks.check_kv_call("device_kv[0]", layers[0], host_kv, host_layout, layout)
+    _check_layers_fit("device_kv", len(layers), "host_kv", geom)
     phys = _owned_physical(device_locs, host_locs, layout)
     if phys.numel() == 0:
         return
-    for layer_id, dev in enumerate(device_kv):
-        view = _host_kv_layer(host_kv, host_layout, layer_id, layout.page_size)
-        view[host_locs.to(view.device)] = dev[phys].to(view.device)
+    for layer_id, dev in enumerate(layers):
+        view, index = _host_kv_rows(host_kv, host_layout, layer_id, layout.page_size)
+        view[index(host_locs.to(view.device))] = dev[phys].to(view.device)
 
 
 def load_kv_one_layer_reference(
@@ -104,11 +137,15 @@ def load_kv_one_layer_reference(
     layout: CpSharedKVLayout,
 ) -> None:
     """H2D: one layer's host slots -> owned physical KV rows."""
+    layout = _check_common(layout, host_layout, device_locs, host_locs)
+    _checks.check_device_layer("device_kv_layer", device_kv_layer, ndim=3)
+    geom = _checks.check_kv_call("device_kv_layer", device_kv_layer, host_kv, host_layout, layout)
+    _checks.check_layer_id("layer_id", layer_id, geom.num_layers)
     phys = _owned_physical(device_locs, host_locs, layout)
     if phys.numel() == 0:
         return
-    view = _host_kv_layer(host_kv, host_layout, layer_id, layout.page_size)
-    device_kv_layer[phys] = view[host_locs.to(view.device)].to(device_kv_layer.device)
+    view, index = _host_kv_rows(host_kv, host_layout, layer_id, layout.page_size)
+    device_kv_layer[phys] = view[index(host_locs.to(view.device))].to(device_kv_layer.device)
 
 
 def backup_indexer_all_layers_reference(
@@ -120,12 +157,16 @@ def backup_indexer_all_layers_reference(
     layout: CpSharedKVLayout,
 ) -> None:
     """D2H: every layer's owned indexer pages -> host pages (page granular)."""
+    layout = _check_common(layout, host_layout, device_locs, host_locs)
+    layers = _checks.check_device_layers("device_index", device_index, ndim=2)
+    geom = _checks.check_index_call("device_index[0]", layers[0], host_index, host_layout)
+    _check_layers_fit("device_index", len(layers), "host_index", geom)
     phys = _owned_physical(device_locs, host_locs, layout)
     if phys.numel() == 0:
         return
     dev_pages = _pages(phys, layout.page_size)
     host_pages = _pages(host_locs, layout.page_size)
-    for layer_id, dev in enumerate(device_index):
+    for layer_id, dev in enumerate(layers):
         view = _host_index_layer(host_index, host_layout, layer_id)
         view[host_pages.to(view.device)] = dev[dev_pages].to(view.device)
 
@@ -140,6 +181,10 @@ def load_indexer_one_layer_reference(
     layout: CpSharedKVLayout,
 ) -> None:
     """H2D: one layer's host indexer pages -> owned physical device pages."""
+    layout = _check_common(layout, host_layout, device_locs, host_locs)
+    _checks.check_device_layer("device_index_layer", device_index_layer, ndim=2)
+    geom = _checks.check_index_call("device_index_layer", device_index_layer, host_index, host_layout)
+    _checks.check_layer_id("layer_id", layer_id, geom.num_layers)
     phys = _owned_physical(device_locs, host_locs, layout)
     if phys.numel() == 0:
         return

@@ -74,3 +74,13 @@ def test_factory_defers_to_sglang_without_cp_allocator():
             registry.default_radix_cache_factory = orig
     finally:
         stack.close()
+
+
+def test_other_sglang_releases_are_refused(monkeypatch):
+    from sglang_cp_hicache.sglang import check_sglang_version
+
+    check_sglang_version("0.5.18")
+    with pytest.raises(RuntimeError, match="0.5.18.*0.5.21"):
+        check_sglang_version("0.5.21")
+    monkeypatch.setenv("SGLANG_CP_HICACHE_ALLOW_ANY_SGLANG", "1")
+    check_sglang_version("0.5.21")

@@ -1,1 +1,30 @@
-"""SGLang-aware code: the only part of the package that imports sglang."""
+"""SGLang-aware code: the only part of the package that imports sglang.
+
+Importing this package does not import sglang; its modules do.
+"""
+
+from __future__ import annotations
+
+import os
+
+#: The release whose HiRadixCache / HybridCacheController these subclasses follow.
+SUPPORTED_SGLANG = "0.5.18"
+
+__all__ = ["SUPPORTED_SGLANG", "check_sglang_version"]
+
+
+def check_sglang_version(version: str | None = None) -> None:
+    """Refuse an SGLang release the CP subclasses were not written against.
+
+    ``SGLANG_CP_HICACHE_ALLOW_ANY_SGLANG=1`` turns the error into a no-op
+    (at your own risk: the copied tree-edit methods follow 0.5.18).
+    """
+    if version is None:
+        import sglang
+
+        version = sglang.__version__
+    if version != SUPPORTED_SGLANG and os.environ.get("SGLANG_CP_HICACHE_ALLOW_ANY_SGLANG") != "1":
+        raise RuntimeError(
+            f"sglang-cp-hicache supports sglang=={SUPPORTED_SGLANG}, found {version}; "
+            "set SGLANG_CP_HICACHE_ALLOW_ANY_SGLANG=1 to try anyway"
+        )

@@ -57,7 +57,7 @@ __all__ = [
     "uninstall_cpu_support",
 ]
 
-SGLANG_VERSION = "0.5.18"
+from sglang_cp_hicache.sglang import SUPPORTED_SGLANG as SGLANG_VERSION  # noqa: E402
 #: io backends the patched host pools accept (SGLang's own names).
 IO_BACKENDS = ("kernel", "direct")
 

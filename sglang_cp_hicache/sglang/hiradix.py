@@ -50,6 +50,7 @@ from sglang_cp_hicache.host_eviction import (
 )
 from sglang_cp_hicache.load_back import cp_load_back
 from sglang_cp_hicache.node_state import set_host_state, split_host_state
+from sglang_cp_hicache.sglang import check_sglang_version
 from sglang_cp_hicache.sglang.allocator import CpSharedPagedTokenToKVPoolAllocator
 from sglang_cp_hicache.sglang.checks import check_cp_hicache_server_args
 from sglang_cp_hicache.sglang.transfer_adapter import CpTransferAdapter
@@ -89,6 +90,7 @@ class CpHiRadixCache(HiRadixCache):
     """HiRadixCache whose host tier is CP-sharded (see module docstring)."""
 
     def __init__(self, params, server_args) -> None:
+        check_sglang_version()
         allocator = params.token_to_kv_pool_allocator
         if not isinstance(allocator, CpSharedPagedTokenToKVPoolAllocator):
             raise TypeError(

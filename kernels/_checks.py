@@ -1,0 +1,256 @@
+"""Argument checks and copy geometry shared by the Triton launchers and the
+plain-torch reference.
+
+Every check raises ``TypeError`` (wrong kind of object or dtype) or
+``ValueError`` (wrong shape, length, range, device) with the offending
+argument's name first in the message, so a caller can tell which input was
+bad without reading a traceback. None of the checks here reads device memory;
+the ones that would (index ranges, page structure, owned-token count) live in
+:func:`debug_check_indices` and run only when ``SGLANG_CP_HICACHE_DEBUG=1``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from sglang_cp_hicache.layout import CpSharedKVLayout
+
+HOST_LAYOUTS = ("layer_first", "page_first", "page_first_direct")
+
+DEBUG_ENV = "SGLANG_CP_HICACHE_DEBUG"
+_TRUE = ("1", "true", "yes", "on")
+
+
+def debug_enabled() -> bool:
+    """``SGLANG_CP_HICACHE_DEBUG`` is read at every call, not at import."""
+    return os.environ.get(DEBUG_ENV, "").strip().lower() in _TRUE
+
+
+@dataclass(frozen=True)
+class HostGeometry:
+    """Where one host page of one layer lives, in elements of the host dtype.
+
+    Element ``(page, layer, row, col)`` of a copy is at
+    ``page * page_stride + layer * layer_stride + row * row_stride + col``
+    from the buffer's first element.
+    """
+
+    num_layers: int
+    num_pages: int
+    page_stride: int
+    layer_stride: int
+    row_stride: int
+    rows_per_page: int
+    row_elems: int
+
+
+def check_layout(layout: object) -> CpSharedKVLayout:
+    if not isinstance(layout, CpSharedKVLayout):
+        raise TypeError(f"layout must be a CpSharedKVLayout, got {type(layout).__name__}")
+    return layout
+
+
+def check_host_layout(host_layout: object) -> str:
+    if host_layout not in HOST_LAYOUTS:
+        raise ValueError(f"host_layout must be one of {HOST_LAYOUTS}, got {host_layout!r}")
+    return host_layout  # type: ignore[return-value]
+
+
+def check_tensor(name: str, value: object) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    return value
+
+
+def check_locs(name: str, locs: object, page_size: int) -> torch.Tensor:
+    """1-D int64 token locations covering whole pages."""
+    locs = check_tensor(name, locs)
+    if locs.dtype != torch.int64:
+        raise TypeError(f"{name} must be int64, got {locs.dtype}")
+    if locs.dim() != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {tuple(locs.shape)}")
+    if locs.numel() % page_size != 0:
+        raise ValueError(
+            f"{name} has {locs.numel()} entries, not a multiple of page_size={page_size}"
+        )
+    return locs
+
+
+def check_layer_id(name: str, layer_id: object, num_layers: int) -> int:
+    if isinstance(layer_id, bool) or not isinstance(layer_id, int):
+        raise TypeError(f"{name} must be an int, got {type(layer_id).__name__}")
+    if not 0 <= layer_id < num_layers:
+        raise ValueError(f"{name} must be in [0, {num_layers}), got {layer_id}")
+    return layer_id
+
+
+def check_device_layers(name: str, layers: object, ndim: int) -> list[torch.Tensor]:
+    """A non-empty sequence of per-layer device buffers of one shape/dtype/device."""
+    if isinstance(layers, torch.Tensor) or not isinstance(layers, Sequence):
+        raise TypeError(f"{name} must be a sequence of per-layer tensors, got {type(layers).__name__}")
+    layers = list(layers)
+    if not layers:
+        raise ValueError(f"{name} must hold at least one layer")
+    first = check_tensor(f"{name}[0]", layers[0])
+    for i, t in enumerate(layers):
+        check_device_layer(f"{name}[{i}]", t, ndim)
+        if t.shape != first.shape or t.dtype != first.dtype or t.device != first.device:
+            raise ValueError(
+                f"{name}[{i}] is {tuple(t.shape)} {t.dtype} on {t.device}, but {name}[0] is "
+                f"{tuple(first.shape)} {first.dtype} on {first.device}"
+            )
+    return layers
+
+
+def check_device_layer(name: str, t: object, ndim: int) -> torch.Tensor:
+    t = check_tensor(name, t)
+    if t.dim() != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
+    if ndim == 3 and t.shape[1] != 1:
+        raise ValueError(f"{name} must be (slots, 1, dim), got shape {tuple(t.shape)}")
+    return t
+
+
+def check_same_dtype(host_name: str, host: torch.Tensor, dev_name: str, dev: torch.Tensor) -> None:
+    if host.dtype != dev.dtype:
+        raise TypeError(f"{host_name} is {host.dtype} but {dev_name} is {dev.dtype}; they must match")
+
+
+def host_kv_geometry(
+    name: str, host_kv: torch.Tensor, host_layout: str, page_size: int, dim: int
+) -> HostGeometry:
+    """Geometry of an ``MLATokenToKVPoolHost.kv_buffer`` (SGLang 0.5.18 shapes)."""
+    s = host_kv.stride()
+    if host_layout == "layer_first":  # (layers, slots, 1, dim)
+        _expect_shape(name, host_kv, host_layout, (None, None, 1, dim), "(layers, slots, 1, dim)")
+        layers, slots = host_kv.shape[0], host_kv.shape[1]
+        return HostGeometry(layers, slots // page_size, page_size * s[1], s[0], s[1], page_size, dim)
+    if host_layout == "page_first":  # (slots, layers, 1, dim)
+        _expect_shape(name, host_kv, host_layout, (None, None, 1, dim), "(slots, layers, 1, dim)")
+        slots, layers = host_kv.shape[0], host_kv.shape[1]
+        return HostGeometry(layers, slots // page_size, page_size * s[0], s[1], s[0], page_size, dim)
+    # page_first_direct: (host_pages, layers, page_size, 1, dim)
+    _expect_shape(
+        name, host_kv, host_layout, (None, None, page_size, 1, dim),
+        "(host_pages, layers, page_size, 1, dim)",
+    )
+    pages, layers = host_kv.shape[0], host_kv.shape[1]
+    return HostGeometry(layers, pages, s[0], s[1], s[2], page_size, dim)
+
+
+def host_index_geometry(
+    name: str, host_index: torch.Tensor, host_layout: str, page_bytes: int
+) -> HostGeometry:
+    """Geometry of a ``DSAIndexerPoolHost.index_k_with_scale_buffer`` (0.5.18 shapes)."""
+    s = host_index.stride()
+    if host_layout == "layer_first":  # (layers, host_pages, page_bytes)
+        _expect_shape(name, host_index, host_layout, (None, None, page_bytes), "(layers, host_pages, page_bytes)")
+        layers, pages = host_index.shape[0], host_index.shape[1]
+        return HostGeometry(layers, pages, s[1], s[0], page_bytes, 1, page_bytes)
+    # page_first and page_first_direct: (host_pages, layers, 1, page_bytes)
+    _expect_shape(
+        name, host_index, host_layout, (None, None, 1, page_bytes), "(host_pages, layers, 1, page_bytes)"
+    )
+    pages, layers = host_index.shape[0], host_index.shape[1]
+    return HostGeometry(layers, pages, s[0], s[1], page_bytes, 1, page_bytes)
+
+
+def _expect_shape(name, t, host_layout, pattern, text) -> None:
+    ok = t.dim() == len(pattern) and all(p is None or p == n for p, n in zip(pattern, t.shape))
+    if not ok:
+        raise ValueError(
+            f"{name} must be {text} (last dim {pattern[-1]}) for host_layout={host_layout!r}, "
+            f"got shape {tuple(t.shape)}"
+        )
+
+
+def check_kv_call(
+    device_kv_layer_name: str,
+    dev: torch.Tensor,
+    host_kv: torch.Tensor,
+    host_layout: str,
+    layout: CpSharedKVLayout,
+) -> HostGeometry:
+    """Checks shared by both KV directions; returns the host geometry."""
+    check_tensor("host_kv", host_kv)
+    check_same_dtype("host_kv", host_kv, device_kv_layer_name, dev)
+    return host_kv_geometry("host_kv", host_kv, host_layout, layout.page_size, dev.shape[-1])
+
+
+def check_index_call(
+    device_index_layer_name: str,
+    dev: torch.Tensor,
+    host_index: torch.Tensor,
+    host_layout: str,
+) -> HostGeometry:
+    check_tensor("host_index", host_index)
+    check_same_dtype("host_index", host_index, device_index_layer_name, dev)
+    if dev.dtype != torch.uint8:
+        raise TypeError(f"{device_index_layer_name} must be uint8 (fp8 keys + fp32 scales), got {dev.dtype}")
+    return host_index_geometry("host_index", host_index, host_layout, dev.shape[-1])
+
+
+def check_lengths(device_locs: torch.Tensor, host_locs: torch.Tensor) -> None:
+    if host_locs.numel() > device_locs.numel():
+        raise ValueError(
+            f"host_locs has {host_locs.numel()} entries, more than the {device_locs.numel()} "
+            f"in device_locs; it must list only the owned tokens"
+        )
+
+
+def check_owned_count(
+    device_locs: torch.Tensor, host_locs: torch.Tensor, layout: CpSharedKVLayout
+) -> torch.Tensor:
+    """``len(host_locs)`` must equal the owned tokens of ``device_locs``.
+
+    Reads ``device_locs`` (a sync when it lives on a GPU): the launchers run it
+    always for CPU indices and in debug mode for CUDA ones. Returns the mask.
+    """
+    owned = layout.owned_by_this_rank(device_locs)
+    num_owned = int(owned.sum())
+    if num_owned != host_locs.numel():
+        raise ValueError(
+            f"host_locs has {host_locs.numel()} entries but device_locs holds {num_owned} "
+            f"tokens owned by cp_rank {layout.cp_rank}"
+        )
+    return owned
+
+
+def debug_check_indices(
+    device_locs: torch.Tensor,
+    host_locs: torch.Tensor,
+    layout: CpSharedKVLayout,
+    dev_num_pages: int,
+    host_num_pages: int,
+) -> None:
+    """Full index validation. Reads the indices back (a device sync on CUDA)."""
+    p = layout.page_size
+    for name, locs in (("device_locs", device_locs), ("host_locs", host_locs)):
+        if locs.numel() == 0:
+            continue
+        if bool((locs < 0).any()):
+            raise ValueError(f"{name} holds negative locations")
+        pages = locs.view(-1, p)
+        first = pages[:, :1]
+        if bool((first % p != 0).any()) or not torch.equal(
+            pages, first + torch.arange(p, device=locs.device)
+        ):
+            raise ValueError(f"{name} must list whole pages: each page's {p} locations contiguous and page aligned")
+    owned = check_owned_count(device_locs, host_locs, layout)
+    if host_locs.numel():
+        phys_pages = layout.logical_locs_to_physical(device_locs[owned]) // p
+        if int(phys_pages.max()) >= dev_num_pages:
+            raise ValueError(
+                f"device_locs maps to physical page {int(phys_pages.max())} on cp_rank "
+                f"{layout.cp_rank}, beyond the device buffer's {dev_num_pages} pages"
+            )
+        host_pages = host_locs // p
+        if int(host_pages.max()) >= host_num_pages:
+            raise ValueError(
+                f"host_locs reaches host page {int(host_pages.max())}, beyond the host "
+                f"buffer's {host_num_pages} pages"
+            )

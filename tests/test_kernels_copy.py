@@ -1,0 +1,232 @@
+"""Triton page-copy kernels (run by Triton's interpreter on CPU tensors) versus
+the torch reference and a page-by-page oracle: bitwise, with poisoned
+destinations, guard bands and unchanged sources (see kernels_conftest.check_copy).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kernels_conftest import (
+    HOST_LAYOUTS,
+    MAIN_BUFFERS,
+    PAGE_SIZES,
+    POISON,
+    assert_same_bytes,
+    bits,
+    changed_bytes,
+    check_copy,
+    make_pools,
+    owned_count,
+    page_locs,
+)
+from sglang_cp_hicache.kernels import cp_page_copy
+from sglang_cp_hicache.layout import CpSharedKVLayout
+
+DIRECTIONS = ("d2h", "h2d")
+
+
+def mixed_batch(layout: CpSharedKVLayout, dev_pages: int, host_pages: int, seed: int, max_owned: int = 3):
+    """A shuffled mix of owned and foreign logical pages that includes this
+    rank's last page of the pool, mapped to shuffled host pages that include
+    the last host page."""
+    n, r = layout.cp_size, layout.cp_rank
+    rng = random.Random(seed)
+    owned_all = [p for p in range(dev_pages * n) if p % n == r]
+    foreign = [p for p in range(dev_pages * n) if p % n != r]
+    k = min(max_owned, len(owned_all), host_pages)
+    owned = rng.sample(owned_all[:-1], k - 1) + [owned_all[-1]]
+    pages = owned + rng.sample(foreign, min(2, len(foreign)))
+    rng.shuffle(pages)
+    hosts = rng.sample(range(host_pages - 1), k - 1) + [host_pages - 1]
+    rng.shuffle(hosts)
+    return pages, hosts
+
+
+# ----------------------------------------------------------------------------- the full matrix
+@pytest.mark.parametrize("direction", DIRECTIONS)
+@pytest.mark.parametrize("host_layout", HOST_LAYOUTS)
+@pytest.mark.parametrize("page_size", PAGE_SIZES)
+@pytest.mark.parametrize("kind", MAIN_BUFFERS)
+def test_matches_reference(kind, page_size, host_layout, direction):
+    layout = CpSharedKVLayout(page_size, 3, 1)
+    pools = make_pools(kind, page_size, host_layout, layout, direction=direction, seed=page_size)
+    pages, hosts = mixed_batch(layout, dev_pages=5, host_pages=6, seed=7)
+    got = check_copy(
+        pools, direction, page_locs(pages, page_size), page_locs(hosts, page_size), layer_id=2
+    )
+    # something was copied: the destination is no longer all poison
+    dst = got.host_big if direction == "d2h" else got.dev_bigs[2]
+    assert changed_bytes(dst, pools.host_big if direction == "d2h" else pools.dev_bigs[2]) > 0
+
+
+# ----------------------------------------------------------------------------- edge cases
+EDGE = [("indexer", 64), ("kv_fp8", 16), ("kv_bf16", 1)]
+
+
+@pytest.mark.parametrize("direction", DIRECTIONS)
+@pytest.mark.parametrize("host_layout", HOST_LAYOUTS)
+@pytest.mark.parametrize("kind,page_size", EDGE)
+def test_zero_pages_touch_nothing(kind, page_size, host_layout, direction):
+    layout = CpSharedKVLayout(page_size, 2, 1)
+    pools = make_pools(kind, page_size, host_layout, layout, direction=direction)
+    empty = torch.zeros(0, dtype=torch.int64)
+    got = check_copy(pools, direction, empty, empty)
+    assert_same_bytes(got, pools, "empty batch")
+
+
+@pytest.mark.parametrize("direction", DIRECTIONS)
+@pytest.mark.parametrize("host_layout", HOST_LAYOUTS)
+@pytest.mark.parametrize("kind,page_size", EDGE)
+def test_all_pages_owned_by_another_rank(kind, page_size, host_layout, direction):
+    layout = CpSharedKVLayout(page_size, 4, 2)
+    pools = make_pools(kind, page_size, host_layout, layout, direction=direction)
+    foreign = [0, 1, 3, 5, 7, 19]  # none is 2 mod 4
+    got = check_copy(pools, direction, page_locs(foreign, page_size), torch.zeros(0, dtype=torch.int64))
+    assert_same_bytes(got, pools, "foreign pages only")
+
+
+@pytest.mark.parametrize("direction", DIRECTIONS)
+@pytest.mark.parametrize("host_layout", HOST_LAYOUTS)
+@pytest.mark.parametrize("kind,page_size", EDGE)
+def test_one_page_at_the_end_of_both_pools(kind, page_size, host_layout, direction):
+    """The last physical device page and the last host page sit next to the
+    guard bands: exactly one page per layer changes, nothing else."""
+    layout = CpSharedKVLayout(page_size, 2, 1)
+    dev_pages, host_pages = 5, 6
+    pools = make_pools(
+        kind, page_size, host_layout, layout, direction=direction,
+        dev_pages=dev_pages, host_pages=host_pages,
+    )
+    last_logical = (dev_pages - 1) * 2 + 1  # physical page dev_pages - 1 on rank 1
+    got = check_copy(
+        pools, direction, page_locs([last_logical], page_size), page_locs([host_pages - 1], page_size),
+        layer_id=1,
+    )
+    row_bytes = pools.devs[0][0].numel() * pools.devs[0].element_size()
+    page_bytes = row_bytes * (page_size if pools.kv else 1)
+    if direction == "d2h":
+        assert changed_bytes(got.host_big, pools.host_big) <= page_bytes * pools.num_layers
+        host_pages_view = bits(got.host)
+        assert bool((host_pages_view != POISON).any())
+    else:
+        dev = got.devs[1]
+        last = dev[-page_size:] if pools.kv else dev[-1:]
+        assert not bool((bits(last) == POISON).all())
+        assert bool((bits(dev[: -page_size if pools.kv else -1]) == POISON).all())
+
+
+@pytest.mark.parametrize("direction", DIRECTIONS)
+@pytest.mark.parametrize("cp_size,cp_rank", [(n, r) for n in (1, 2, 3, 4) for r in range(n)])
+def test_every_rank_of_cp_1_to_4(cp_size, cp_rank, direction):
+    layout = CpSharedKVLayout(16, cp_size, cp_rank)
+    pools = make_pools("kv_fp8", 16, "page_first", layout, direction=direction, dev_pages=4, host_pages=5)
+    pages, hosts = mixed_batch(layout, dev_pages=4, host_pages=5, seed=cp_size * 10 + cp_rank)
+    check_copy(pools, direction, page_locs(pages, 16), page_locs(hosts, 16), layer_id=cp_rank % 3)
+
+
+@pytest.mark.parametrize("direction", DIRECTIONS)
+@pytest.mark.parametrize("num_ctas", [1, 3, 8, 64])
+def test_persistent_grid_counts_owned_pages_ahead(num_ctas, direction):
+    """40 pages over up to 8 programs: later programs count >16 owned-or-not
+    pages ahead of their chunk (several steps of the counting loop)."""
+    layout = CpSharedKVLayout(1, 3, 2)
+    pools = make_pools("indexer", 1, "layer_first", layout, direction=direction,
+                       num_layers=2, dev_pages=20, host_pages=20)
+    rng = random.Random(num_ctas)
+    pages = rng.sample(range(60), 40)
+    hosts = rng.sample(range(20), owned_count(pages, layout))
+    check_copy(pools, direction, page_locs(pages, 1), page_locs(hosts, 1), layer_id=1, num_ctas=num_ctas)
+
+
+@pytest.mark.parametrize("num_ctas", [1, 2, 5])
+def test_backup_splits_layers_across_programs(num_ctas):
+    """One page, six layers: the grid splits the layers instead."""
+    layout = CpSharedKVLayout(16, 2, 0)
+    pools = make_pools("kv_bf16", 16, "layer_first", layout, direction="d2h", num_layers=6)
+    check_copy(pools, "d2h", page_locs([4], 16), page_locs([2], 16), num_ctas=num_ctas)
+
+
+@pytest.mark.parametrize("direction", DIRECTIONS)
+@pytest.mark.parametrize(
+    "kind,page_size,guard_rows",
+    [("kv_odd", 4, 1), ("kv_fp8", 4, 1), ("indexer", 1, 1), ("kv_bf16", 2, 3)],
+)
+def test_unaligned_and_odd_rows_fall_back_to_narrow_words(kind, page_size, guard_rows, direction):
+    layout = CpSharedKVLayout(page_size, 2, 0)
+    pools = make_pools(kind, page_size, "page_first", layout, direction=direction, dev_guard_rows=guard_rows)
+    pages, hosts = mixed_batch(layout, dev_pages=5, host_pages=6, seed=3)
+    check_copy(pools, direction, page_locs(pages, page_size), page_locs(hosts, page_size), layer_id=0)
+
+
+def test_block_smaller_than_page_loops_within_the_page():
+    layout = CpSharedKVLayout(16, 2, 1)
+    for direction in DIRECTIONS:
+        pools = make_pools("kv_bf16", 16, "page_first", layout, direction=direction)
+        pages, hosts = mixed_batch(layout, dev_pages=5, host_pages=6, seed=5)
+        check_copy(pools, direction, page_locs(pages, 16), page_locs(hosts, 16), layer_id=1, block_bytes=256)
+
+
+def test_word_plan():
+    wp = cp_page_copy._word_plan
+    assert wp(656, (656 * 64, 656), (4096, 8192)) == cp_page_copy._WordPlan(8, 2)
+    assert wp(1152, (1152,), (4096,)) == cp_page_copy._WordPlan(8, 2)
+    assert wp(132, (132,), (4096,)) == cp_page_copy._WordPlan(4, 1)
+    assert wp(8448, (8448,), (4096 + 8,)) == cp_page_copy._WordPlan(8, 1)
+    assert wp(13, (13,), (4096,)) == cp_page_copy._WordPlan(1, 1)
+
+
+# ----------------------------------------------------------------------------- random cases
+@st.composite
+def copy_cases(draw):
+    kind = draw(st.sampled_from(("indexer", "kv_fp8", "kv_bf16")))
+    page_size = draw(st.sampled_from((1, 2, 4, 16)))
+    cp_size = draw(st.integers(1, 4))
+    cp_rank = draw(st.integers(0, cp_size - 1))
+    host_layout = draw(st.sampled_from(HOST_LAYOUTS))
+    direction = draw(st.sampled_from(DIRECTIONS))
+    num_layers = draw(st.integers(1, 3))
+    dev_pages = draw(st.integers(1, 5))
+    host_pages = draw(st.integers(1, 6))
+    pool_pages = dev_pages * cp_size
+    pages = draw(st.lists(st.integers(0, pool_pages - 1), unique=True, max_size=min(pool_pages, 8)))
+    layout = CpSharedKVLayout(page_size, cp_size, cp_rank)
+    n_owned = owned_count(pages, layout)
+    if n_owned > host_pages:  # keep only as many owned pages as host pages exist
+        keep, seen = [], 0
+        for p in pages:
+            if p % cp_size == cp_rank:
+                if seen == host_pages:
+                    continue
+                seen += 1
+            keep.append(p)
+        pages, n_owned = keep, host_pages
+    hosts = draw(st.permutations(range(host_pages)))[:n_owned]
+    return dict(
+        kind=kind, page_size=page_size, layout=layout, host_layout=host_layout, direction=direction,
+        num_layers=num_layers, dev_pages=dev_pages, host_pages=host_pages, pages=pages, hosts=hosts,
+        layer_id=draw(st.integers(0, num_layers - 1)),
+        num_ctas=draw(st.integers(1, 6)),
+        guard_rows=draw(st.sampled_from((0, 1, page_size))),
+        seed=draw(st.integers(0, 2**16)),
+    )
+
+
+@settings(max_examples=30, deadline=None, derandomize=True)
+@given(copy_cases())
+def test_random_cases(case):
+    pools = make_pools(
+        case["kind"], case["page_size"], case["host_layout"], case["layout"],
+        num_layers=case["num_layers"], dev_pages=case["dev_pages"], host_pages=case["host_pages"],
+        direction=case["direction"], dev_guard_rows=case["guard_rows"], seed=case["seed"],
+    )
+    p = case["page_size"]
+    check_copy(
+        pools, case["direction"], page_locs(case["pages"], p), page_locs(case["hosts"], p),
+        layer_id=case["layer_id"], num_ctas=case["num_ctas"],
+    )
