@@ -1,1 +1,20 @@
-"""Multi-rank CP HiCache simulator (torch.distributed, gloo)."""
+"""Multi-rank CP HiCache simulator (torch.distributed, gloo).
+
+``sglang-cp-hicache simulate`` starts one process per CP rank; each builds a
+real SGLang 0.5.18 stack and replays the same requests, writing deterministic
+KV + indexer content into the pages it owns and checking every owned page of
+every matched prefix bit-exactly.
+
+Modules (none imports SGLang; the rank engine that calls SGLang's cache API
+is :mod:`sglang_cp_hicache.sglang.sim_engine`, loaded in the rank processes):
+
+* ``content``  -- deterministic page content and bit-exact checks (pure torch)
+* ``workload`` -- synthetic multi-turn chat, JSONL traces
+* ``config``   -- settings, per-process spec, the failure-injection test hook
+* ``records``  -- dataclasses passed from the ranks to the launcher
+* ``worker``   -- body of one rank process (or of the non-CP comparison)
+* ``launcher`` -- spawn, watch, stop on failure, collect
+* ``report``   -- summary JSON, table, comparison with non-CP
+* ``plot``     -- PNG (matplotlib, optional)
+* ``cli``      -- the ``simulate`` subcommand
+"""

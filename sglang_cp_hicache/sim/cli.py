@@ -1,0 +1,192 @@
+"""``sglang-cp-hicache simulate``: flags, workload, launch, report, exit status.
+
+Exit status: 0 when nothing was corrupted, every rank agreed (tree digest and
+ack counts) and no cache leaked; 1 when the run failed or a check did not
+pass; 2 for bad flags or a malformed trace.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Optional
+
+from sglang_cp_hicache.sim.config import DSA_PAGE_SIZE, FailureInjection, SimConfig, parse_failure_injection
+from sglang_cp_hicache.sim.worker import STARTUP_TIMEOUT_S
+from sglang_cp_hicache.sim.workload import ChatShape, SimRequest, TraceError, load_trace, synthetic_chat
+
+__all__ = ["add_simulate_parser", "run_simulate"]
+
+_DEFAULTS = SimConfig()
+
+
+def _positive(name: str, upper: Optional[int] = None):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be an integer, got {text!r}") from None
+        if value < 1 or (upper is not None and value > upper):
+            bound = f" in [1, {upper}]" if upper is not None else " >= 1"
+            raise argparse.ArgumentTypeError(f"{name} must be an integer{bound}, got {value}")
+        return value
+
+    return parse
+
+
+def _page_size(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+    if value != DSA_PAGE_SIZE:
+        raise argparse.ArgumentTypeError(
+            f"{value} is not supported: SGLang 0.5.18's DSATokenToKVPool requires page size "
+            f"{DSA_PAGE_SIZE} outside ROCm"
+        )
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
+
+
+def _seed(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+    if not 0 <= value < 2**31:
+        raise argparse.ArgumentTypeError(f"must be in [0, 2**31), got {value}")
+    return value
+
+
+def add_simulate_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "simulate",
+        help="replay requests on N CP ranks (one process each, gloo) and verify every restored byte",
+        description=(
+            "Start --cp-size processes joined by a torch.distributed gloo group. Each builds one "
+            "CP rank's real SGLang 0.5.18 HiCache stack (DSA device pool, CP allocator, "
+            "CpHiRadixCache) on CPU and replays the same requests: match, load-back, alloc, "
+            "write KV + indexer content into the pages it owns, insert, write-through. Every owned "
+            "page of every matched prefix is checked bit-exactly."
+        ),
+        epilog=(
+            "exit status: 0 = nothing corrupted, all ranks agree, no leaks; 1 = a check failed or a "
+            "rank failed; 2 = bad flags or a malformed trace."
+        ),
+    )
+    p.add_argument("--cp-size", type=_positive("--cp-size", 64), default=_DEFAULTS.cp_size,
+                   metavar="N", help=f"CP ranks, one process each (default {_DEFAULTS.cp_size})")
+    p.add_argument("--page-size", type=_page_size, default=_DEFAULTS.page_size,
+                   metavar="P", help="tokens per KV page; SGLang's DSA pool takes only 64 (default 64)")
+    p.add_argument("--layers", type=_positive("--layers", 64), default=_DEFAULTS.num_layers,
+                   metavar="L", help=f"KV (and indexer) layers per pool (default {_DEFAULTS.num_layers})")
+    p.add_argument("--requests", type=_positive("--requests"), default=None, metavar="R",
+                   help=f"requests to replay (synthetic default {_DEFAULTS.num_requests}; "
+                        "with --trace: the first R lines, default all)")
+    p.add_argument("--seed", type=_seed, default=_DEFAULTS.seed, metavar="S",
+                   help=f"workload and content seed (default {_DEFAULTS.seed})")
+    p.add_argument("--device-pages", type=_positive("--device-pages"), default=_DEFAULTS.device_pages,
+                   metavar="D", help="device KV pages per rank; the shared logical pool has N*D, page 0 "
+                                     f"being padding (default {_DEFAULTS.device_pages})")
+    p.add_argument("--host-pages", type=_positive("--host-pages"), default=_DEFAULTS.host_pages,
+                   metavar="H", help=f"host KV pages per rank (default {_DEFAULTS.host_pages})")
+    p.add_argument("--trace", metavar="FILE.jsonl", default=None,
+                   help='replay a trace: one {"tokens": [...]} or {"prompt_len": n, "prefix_group": g'
+                        ', "shared_len": s} per line')
+    p.add_argument("--json", metavar="PATH", default=None, help="write the summary as JSON")
+    p.add_argument("--plot", metavar="PATH", default=None,
+                   help="write a PNG: host slots per rank over time, hits and restores (needs matplotlib)")
+    p.add_argument("--compare-non-cp", action="store_true",
+                   help="also replay through a plain HiRadixCache in one process with the same logical "
+                        "capacity (device pages D*N, host pages H*N) and compare host slots and CPU")
+    p.add_argument("--collective-timeout", type=_seconds, default=_DEFAULTS.collective_timeout_s,
+                   metavar="SECONDS", help="gloo timeout once every rank is up: a rank that waits longer for "
+                                           "its peers fails (startup: import, rendezvous and stack build, "
+                                           f"allows {STARTUP_TIMEOUT_S:g} s) (default "
+                                           f"{_DEFAULTS.collective_timeout_s:g})")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.set_defaults(func=run_simulate)
+    return p
+
+
+def _error(message: str, code: int) -> int:
+    print(f"sglang-cp-hicache simulate: error: {message}", file=sys.stderr)
+    return code
+
+
+def _workload(args: argparse.Namespace, config: SimConfig) -> tuple[list[SimRequest], str]:
+    if args.trace is not None:
+        reqs = load_trace(args.trace, seed=config.seed, max_tokens=config.max_request_tokens,
+                          limit=args.requests)
+        return reqs, f"trace:{args.trace}"
+    shape = ChatShape()
+    first_turn = shape.system_tokens[1] + shape.user_tokens[1]
+    usable = config.max_request_tokens
+    if usable < first_turn:
+        raise ValueError(
+            f"--device-pages {config.device_pages} x --cp-size {config.cp_size} leaves {usable} usable "
+            f"logical tokens, but the synthetic chat needs {first_turn} per request: raise --device-pages"
+        )
+    # conversations grow up to half the logical device pool (at least one first turn)
+    max_tokens = max(usable // 2, first_turn)
+    return synthetic_chat(config.num_requests, seed=config.seed, max_tokens=max_tokens, shape=shape), \
+        "synthetic-chat"
+
+
+def run_simulate(args: argparse.Namespace) -> int:
+    from sglang_cp_hicache.sim.launcher import launch
+    from sglang_cp_hicache.sim.plot import PlotUnavailable, check_matplotlib, plot_summary
+    from sglang_cp_hicache.sim.report import dump_json, failure_message, format_table, summarize
+
+    config = SimConfig(
+        cp_size=args.cp_size, page_size=args.page_size, num_layers=args.layers,
+        num_requests=args.requests if args.requests is not None else _DEFAULTS.num_requests,
+        seed=args.seed, device_pages=args.device_pages, host_pages=args.host_pages,
+        collective_timeout_s=args.collective_timeout,
+        grace_s=min(_DEFAULTS.grace_s, args.collective_timeout),
+    )
+    try:
+        failure: Optional[FailureInjection] = parse_failure_injection()
+    except ValueError as exc:
+        return _error(str(exc), 2)
+    if args.plot is not None:
+        try:
+            check_matplotlib()
+        except PlotUnavailable as exc:
+            return _error(str(exc), 2)
+    try:
+        requests, workload = _workload(args, config)
+    except TraceError as exc:
+        return _error(str(exc), 2)
+    except ValueError as exc:
+        return _error(str(exc), 2)
+    token_lists = tuple(r.tokens for r in requests)
+
+    show = not args.no_progress
+    cp = launch(config, token_lists, cp_mode=True, failure=failure, show_progress=show)
+    if not cp.ok or len(cp.reports) != config.cp_size:
+        print(failure_message(cp), file=sys.stderr)
+        return 1
+    non_cp = None
+    if args.compare_non_cp:
+        non_cp = launch(config, token_lists, cp_mode=False, show_progress=show)
+        if not non_cp.ok or not non_cp.reports:
+            print(failure_message(non_cp), file=sys.stderr)
+            return 1
+    summary, verdict = summarize(config, workload, len(requests), cp, non_cp)
+    print(format_table(summary))
+    if args.json is not None:
+        with open(args.json, "w", encoding="utf-8") as f:
+            f.write(dump_json(summary))
+    if args.plot is not None:
+        plot_summary(summary, args.plot)
+    return 0 if verdict.ok else 1

@@ -1,0 +1,194 @@
+"""Deterministic KV + indexer content for DSA device pools, checked bit-exactly.
+
+Pure torch (no SGLang import): the functions take any object shaped like
+SGLang's ``DSATokenToKVPool`` -- ``kv_buffer[layer]`` ``(slots, 1, dim)``,
+``index_k_with_scale_buffer[layer]`` page-major ``(pages, P * (key + scale))``
+uint8, plus ``page_size``, ``layer_num``, ``index_head_dim`` and
+``quant_block_size``.
+
+A token's bytes are a pure function of ``(content key, seed, layer, part)``.
+The *content key* is whatever identifies what the token must hold: the tests
+pass plain positions, the simulator passes :func:`prefix_keys` (a rolling hash
+of every token id up to and including the token, so the key encodes both the
+position and the whole prefix). Bytes can then be checked wherever a page has
+moved to. Every comparison is bitwise (``uint8`` views, ``torch.equal``), so a
+bf16 NaN pattern compares equal to itself and nothing is compared with a
+tolerance.
+
+Indexer bytes of one token: its ``index_head_dim`` fp8 key bytes at
+``offset * key_bytes`` in its page row, and its fp32 scale bytes after all
+``P`` keys of the page (``P * key_bytes + offset * scale_bytes``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+__all__ = [
+    "KEY_MODULUS",
+    "POISON_BYTE",
+    "content_mismatches",
+    "corrupted_token_mask",
+    "pattern_bytes",
+    "poison_device",
+    "poisoned_elsewhere",
+    "prefix_keys",
+    "token_positions",
+    "write_content",
+]
+
+POISON_BYTE = 0xA5
+#: Content keys live in [0, KEY_MODULUS): a prime below 2**31, so every
+#: intermediate of :func:`pattern_bytes` stays far from int64 overflow.
+KEY_MODULUS = 2_147_483_647
+_KEY_BASE = 1_000_003
+
+_PART_KV, _PART_INDEX_K, _PART_INDEX_SCALE = 1, 2, 3
+
+
+def prefix_keys(token_ids: Sequence[int]) -> torch.Tensor:
+    """int64 content key per token: a polynomial rolling hash (mod a 31-bit
+    prime) of token ids ``[0..i]``. Two tokens share a key only if they have
+    the same position and (up to hash collisions) the same prefix."""
+    keys = [0] * len(token_ids)
+    h = 0
+    for i, token in enumerate(token_ids):
+        h = (h * _KEY_BASE + (int(token) & 0xFFFFFFFF) + 1) % KEY_MODULUS
+        keys[i] = h
+    return torch.tensor(keys, dtype=torch.int64)
+
+
+def pattern_bytes(positions: torch.Tensor, width: int, *, seed: int, layer: int, part: int) -> torch.Tensor:
+    """``(len(positions), width)`` uint8: a mixing hash of (key, byte, seed, layer, part).
+
+    ``positions`` are content keys in ``[0, 2**31)``; every product stays
+    below 2**63 (no reliance on integer wrap-around).
+    """
+    pos = (positions.to(torch.int64) & 0x7FFFFFFF).reshape(-1, 1)
+    col = torch.arange(width, dtype=torch.int64).reshape(1, -1)
+    salt = (seed * 104_729 + layer * 4_099 + part * 613) & 0x7FFFFFFF
+    x = (pos * 1_000_003 + col * 7_919 + salt) & 0x7FFFFFFF
+    x = x ^ (x >> 7)
+    x = (x * 2_654_435_761) & 0xFFFFFFFF
+    x = x ^ (x >> 15)
+    return (x & 0xFF).to(torch.uint8)
+
+
+def _kv_bytes(kv_pool: Any, layer: int) -> torch.Tensor:
+    return kv_pool.kv_buffer[layer].view(torch.uint8)  # (slots, 1, row_bytes)
+
+
+def _index_geometry(kv_pool: Any) -> tuple[int, int]:
+    key_bytes = kv_pool.index_head_dim  # fp8 keys: one byte each
+    scale_bytes = kv_pool.index_head_dim // kv_pool.quant_block_size * 4  # fp32 scales
+    return key_bytes, scale_bytes
+
+
+def _index_cells(kv_pool: Any, locs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Row and column indices of each token's indexer key bytes and scale bytes."""
+    page_size = kv_pool.page_size
+    key_bytes, scale_bytes = _index_geometry(kv_pool)
+    page = (locs // page_size).reshape(-1, 1)
+    offset = (locs % page_size).reshape(-1, 1)
+    key_cols = offset * key_bytes + torch.arange(key_bytes).reshape(1, -1)
+    scale_cols = page_size * key_bytes + offset * scale_bytes + torch.arange(scale_bytes).reshape(1, -1)
+    return page, key_cols, scale_cols
+
+
+def _check_lengths(locs: torch.Tensor, positions: torch.Tensor) -> None:
+    if locs.numel() != positions.numel():
+        raise ValueError(f"locs ({locs.numel()}) and positions ({positions.numel()}) differ in length")
+
+
+def write_content(kv_pool: Any, locs: torch.Tensor, positions: torch.Tensor, *, seed: int) -> None:
+    """Fill the KV rows and indexer key/scale bytes of physical ``locs``
+    with the content of ``positions`` (content keys), every layer."""
+    _check_lengths(locs, positions)
+    if locs.numel() == 0:
+        return
+    locs = locs.to(torch.int64)
+    key_bytes, scale_bytes = _index_geometry(kv_pool)
+    page, key_cols, scale_cols = _index_cells(kv_pool, locs)
+    for layer in range(kv_pool.layer_num):
+        kv = _kv_bytes(kv_pool, layer)
+        kv[locs, 0] = pattern_bytes(positions, kv.shape[-1], seed=seed, layer=layer, part=_PART_KV)
+        index = kv_pool.index_k_with_scale_buffer[layer]
+        index[page, key_cols] = pattern_bytes(positions, key_bytes, seed=seed, layer=layer, part=_PART_INDEX_K)
+        index[page, scale_cols] = pattern_bytes(
+            positions, scale_bytes, seed=seed, layer=layer, part=_PART_INDEX_SCALE
+        )
+
+
+def corrupted_token_mask(kv_pool: Any, locs: torch.Tensor, positions: torch.Tensor, *, seed: int) -> torch.Tensor:
+    """Bool per token: True where any KV or indexer byte of any layer differs
+    from the content of its key."""
+    _check_lengths(locs, positions)
+    bad = torch.zeros(locs.numel(), dtype=torch.bool)
+    if locs.numel() == 0:
+        return bad
+    locs = locs.to(torch.int64)
+    key_bytes, scale_bytes = _index_geometry(kv_pool)
+    page, key_cols, scale_cols = _index_cells(kv_pool, locs)
+    for layer in range(kv_pool.layer_num):
+        kv = _kv_bytes(kv_pool, layer)
+        want = pattern_bytes(positions, kv.shape[-1], seed=seed, layer=layer, part=_PART_KV)
+        bad |= (kv[locs, 0] != want).any(dim=1)
+        index = kv_pool.index_k_with_scale_buffer[layer]
+        want = pattern_bytes(positions, key_bytes, seed=seed, layer=layer, part=_PART_INDEX_K)
+        bad |= (index[page, key_cols] != want).any(dim=1)
+        want = pattern_bytes(positions, scale_bytes, seed=seed, layer=layer, part=_PART_INDEX_SCALE)
+        bad |= (index[page, scale_cols] != want).any(dim=1)
+    return bad
+
+
+def content_mismatches(kv_pool: Any, locs: torch.Tensor, positions: torch.Tensor, *, seed: int) -> list[str]:
+    """Every ``"kv[layer]"`` / ``"index_k[layer]"`` / ``"index_scale[layer]"`` whose bytes differ."""
+    _check_lengths(locs, positions)
+    locs = locs.to(torch.int64)
+    key_bytes, scale_bytes = _index_geometry(kv_pool)
+    page, key_cols, scale_cols = _index_cells(kv_pool, locs)
+    bad = []
+    for layer in range(kv_pool.layer_num):
+        kv = _kv_bytes(kv_pool, layer)
+        want = pattern_bytes(positions, kv.shape[-1], seed=seed, layer=layer, part=_PART_KV)
+        if not torch.equal(kv[locs, 0], want):
+            bad.append(f"kv[{layer}]")
+        index = kv_pool.index_k_with_scale_buffer[layer]
+        want = pattern_bytes(positions, key_bytes, seed=seed, layer=layer, part=_PART_INDEX_K)
+        if not torch.equal(index[page, key_cols], want):
+            bad.append(f"index_k[{layer}]")
+        want = pattern_bytes(positions, scale_bytes, seed=seed, layer=layer, part=_PART_INDEX_SCALE)
+        if not torch.equal(index[page, scale_cols], want):
+            bad.append(f"index_scale[{layer}]")
+    return bad
+
+
+def poison_device(kv_pool: Any, byte: int = POISON_BYTE) -> None:
+    """Overwrite every device KV and indexer byte (padding page included)."""
+    for layer in range(kv_pool.layer_num):
+        _kv_bytes(kv_pool, layer).fill_(byte)
+        kv_pool.index_k_with_scale_buffer[layer].fill_(byte)
+
+
+def poisoned_elsewhere(kv_pool: Any, written_locs: torch.Tensor, byte: int = POISON_BYTE) -> list[str]:
+    """Buffers holding a non-poison byte outside ``written_locs`` (and their pages)."""
+    written_locs = written_locs.to(torch.int64)
+    bad = []
+    for layer in range(kv_pool.layer_num):
+        kv = _kv_bytes(kv_pool, layer)
+        keep = torch.ones(kv.shape[0], dtype=torch.bool)
+        keep[written_locs] = False
+        if not bool((kv[keep] == byte).all()):
+            bad.append(f"kv[{layer}]")
+        index = kv_pool.index_k_with_scale_buffer[layer]
+        keep = torch.ones(index.shape[0], dtype=torch.bool)
+        keep[torch.unique(written_locs // kv_pool.page_size)] = False
+        if not bool((index[keep] == byte).all()):
+            bad.append(f"index[{layer}]")
+    return bad
+
+
+def token_positions(start: int, stop: int) -> torch.Tensor:
+    return torch.arange(start, stop, dtype=torch.int64)

@@ -1,0 +1,114 @@
+"""Records the simulator passes between rank processes and the launcher.
+
+Plain dataclasses of ints, floats, strings and lists: they travel through a
+``multiprocessing`` queue (pickled) and end up in the JSON report.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Optional
+
+__all__ = [
+    "AckCounts",
+    "EngineTotals",
+    "Progress",
+    "RankFailure",
+    "RankReport",
+    "RequestRecord",
+]
+
+
+@dataclass
+class RequestRecord:
+    """What one request did on one rank (all token counts are logical)."""
+
+    index: int
+    tokens: int
+    device_hit_tokens: int = 0
+    host_hit_tokens: int = 0  # matched on host only (match_prefix's host_hit_length)
+    loaded_tokens: int = 0  # restored by load-back (0 if it was refused)
+    new_tokens: int = 0  # computed and written by this request
+    duplicate_tokens_freed: int = 0  # insert found them already in the tree
+    device_tokens_evicted: int = 0  # evicted to make room for this request
+    verified_pages: int = 0  # owned prefix pages checked byte by byte (this rank)
+    restored_pages_verified: int = 0  # of those, pages that load-back just restored
+    corrupted_pages: int = 0
+    host_slots: int = 0  # physical host slots in use after the request (this rank)
+    skipped: bool = False  # did not fit on the device even after eviction
+
+
+@dataclass
+class AckCounts:
+    """Transfer operations queued and acks consumed by one rank."""
+
+    writes_queued: int = 0
+    loads_queued: int = 0
+    write_acks: int = 0
+    load_acks: int = 0
+
+    def as_tuple(self) -> tuple[int, int, int, int]:
+        return (self.writes_queued, self.loads_queued, self.write_acks, self.load_acks)
+
+
+@dataclass
+class EngineTotals:
+    """End-of-run state of one rank's cache."""
+
+    backup_tokens: int = 0  # logical tokens of the nodes backed up
+    backup_slots: int = 0  # physical host slots written by this rank
+    write_backups: int = 0  # nodes backed up
+    write_failures: int = 0
+    host_evicted_slots: int = 0  # physical, this rank
+    host_evicted_nodes: int = 0
+    load_backs: int = 0
+    load_back_tokens: int = 0  # logical
+    load_slots: int = 0  # physical slots restored by this rank
+    zero_owned_writes: int = 0
+    zero_owned_loads: int = 0
+    consensus_calls: int = 0
+    host_slot_capacity: int = 0  # physical, this rank
+    tree_digest: str = ""
+    invariant_violations: list[str] = field(default_factory=list)
+
+
+@dataclass
+class RankReport:
+    """Everything one rank (or the non-CP process, ``rank == -1``) sends back."""
+
+    rank: int
+    cp_size: int
+    cp_mode: bool
+    records: list[RequestRecord]
+    totals: EngineTotals
+    acks: AckCounts
+    cpu_seconds: float  # process CPU seconds of the replay (after import and build)
+    cache_cpu_seconds: float  # of which inside SGLang cache / allocator calls
+    content_cpu_seconds: float  # of which writing and verifying content
+    collective_cpu_seconds: float  # of the cache part, inside HiRadixCache._all_reduce
+    collective_calls: int
+    wall_seconds: float
+    startup_seconds: float  # wall: import + process group + stack build
+    agreement: Optional[dict[str, Any]] = None  # rank 0 only: the all_gather verdict
+
+    @property
+    def peak_host_slots(self) -> int:
+        return max((r.host_slots for r in self.records), default=0)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class Progress:
+    rank: int
+    done: int
+    total: int
+
+
+@dataclass
+class RankFailure:
+    rank: int
+    step: Optional[int]  # request index being served, None before the replay
+    error: str  # "ExceptionType: message"
+    traceback: str

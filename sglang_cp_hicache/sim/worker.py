@@ -1,0 +1,183 @@
+"""Body of one simulator process: a CP rank on a gloo group, or the non-CP run.
+
+The process writes its own stdout/stderr (SGLang import chatter, warnings,
+tracebacks) to ``spec.log_path`` and talks to the launcher only through the
+queue: :class:`Progress`, then one :class:`RankReport` or
+:class:`RankFailure`. SGLang is imported here, in the child, through
+:mod:`sglang_cp_hicache.sglang` (the only package allowed to import it).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import traceback
+import warnings
+from datetime import timedelta
+from typing import Any, Optional
+
+from sglang_cp_hicache.sim.config import FAIL_ENV, RankSpec
+from sglang_cp_hicache.sim.records import Progress, RankFailure, RankReport
+
+__all__ = ["STARTUP_TIMEOUT_S", "rank_main"]
+
+#: gloo timeout while the ranks import SGLang, rendezvous and build their stacks.
+STARTUP_TIMEOUT_S = 180.0
+
+
+class InjectedFailure(RuntimeError):
+    pass
+
+
+def _redirect_output(log_path: str) -> None:
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
+def _set_collective_timeout(seconds: float) -> None:
+    """Shorten the default group's timeout once every rank is up. Uses
+    torch's private ``_set_pg_timeout`` (present in torch 2.13); without it
+    the startup timeout stays in force, which is still bounded."""
+    from torch.distributed import distributed_c10d
+
+    setter = getattr(distributed_c10d, "_set_pg_timeout", None)
+    if setter is not None:
+        setter(timedelta(seconds=seconds))
+    else:
+        print("torch.distributed has no _set_pg_timeout: keeping the startup timeout", file=sys.stderr)
+
+
+def _agreement(engine_digest: str, acks: tuple, cp_size: int) -> dict[str, Any]:
+    """all_gather every rank's tree digest and ack counts; identical on all ranks."""
+    import torch.distributed as dist
+
+    gathered: list[Any] = [None] * cp_size
+    dist.all_gather_object(gathered, (engine_digest, acks))
+    digests = [g[0] for g in gathered]
+    ack_rows = [list(g[1]) for g in gathered]
+    return {
+        "tree_digests": digests,
+        "acks": ack_rows,
+        "digests_agree": len(set(digests)) == 1,
+        "acks_agree": all(row == ack_rows[0] for row in ack_rows),
+    }
+
+
+def _serve_all(spec: RankSpec, queue: Any, step_ref: list[Optional[int]]) -> RankReport:
+    import torch
+
+    from sglang_cp_hicache.sglang.cpu_support import ensure_sglang_importable
+
+    started = time.perf_counter()
+    torch.set_num_threads(1)  # ranks share the machine's cores; no oversubscription
+    warnings.filterwarnings("ignore", category=UserWarning)
+    ensure_sglang_importable()
+    from sglang_cp_hicache.sglang.sim_engine import SimRankEngine
+    from sglang_cp_hicache.sglang.stack import CpStackConfig, build_cp_rank_stack
+
+    cfg = spec.config
+    group = None
+    if spec.cp_mode:
+        import torch.distributed as dist
+
+        # Rendezvous and stack build wait for the slowest `import sglang` (seconds
+        # per process, more on a loaded machine): a generous startup timeout,
+        # then the collective timeout for the replay (below).
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{spec.master_port}",
+            rank=spec.rank,
+            world_size=cfg.cp_size,
+            timeout=timedelta(seconds=max(cfg.collective_timeout_s, STARTUP_TIMEOUT_S)),
+        )
+        group = dist.group.WORLD
+        stack_config = CpStackConfig(
+            cp_size=cfg.cp_size, page_size=cfg.page_size, num_layers=cfg.num_layers,
+            device_pages=cfg.device_pages, host_pages=cfg.host_pages, cp_mode=True,
+        )
+        rank = spec.rank
+    else:
+        # The same logical capacity in one process: the CP pool has
+        # device_pages * cp_size logical pages with page 0 as padding; the plain
+        # allocator adds its padding page on top, hence the -1.
+        stack_config = CpStackConfig(
+            cp_size=1, page_size=cfg.page_size, num_layers=cfg.num_layers,
+            device_pages=cfg.logical_device_pages - 1, host_pages=cfg.host_pages * cfg.cp_size,
+            cp_mode=False,
+        )
+        rank = 0
+    stack = build_cp_rank_stack(stack_config, rank, cp_group=group)
+    engine = SimRankEngine(stack, content_seed=cfg.seed)
+    if spec.cp_mode:
+        torch.distributed.barrier()
+        _set_collective_timeout(cfg.collective_timeout_s)
+    startup = time.perf_counter() - started
+
+    total = len(spec.requests)
+    every = max(1, total // 200)
+    wall0, cpu0 = time.perf_counter(), time.process_time()
+    records = []
+    for index, tokens in enumerate(spec.requests):
+        step_ref[0] = index
+        failure = spec.failure
+        if failure is not None and spec.cp_mode and failure.rank == spec.rank and failure.step == index:
+            if failure.mode == "hang":
+                while True:  # stop answering collectives; the launcher must end this
+                    time.sleep(1.0)
+            elif failure.mode == "corrupt":
+                engine.corrupt_next_restore = True
+            else:
+                raise InjectedFailure(f"injected failure ({FAIL_ENV}={failure.rank}:{failure.step})")
+        records.append(engine.serve(index, tokens))
+        if spec.progress and ((index + 1) % every == 0 or index + 1 == total):
+            queue.put(Progress(spec.rank, index + 1, total))
+    cpu = time.process_time() - cpu0
+    wall = time.perf_counter() - wall0
+    step_ref[0] = None
+
+    totals = engine.totals()
+    agreement = None
+    if spec.cp_mode:
+        agreement = _agreement(totals.tree_digest, engine.acks.as_tuple(), cfg.cp_size)
+        torch.distributed.destroy_process_group()
+    stack.close()
+    return RankReport(
+        rank=spec.rank,
+        cp_size=cfg.cp_size if spec.cp_mode else 1,
+        cp_mode=spec.cp_mode,
+        records=records,
+        totals=totals,
+        acks=engine.acks,
+        cpu_seconds=cpu,
+        cache_cpu_seconds=engine.cache_cpu_seconds,
+        content_cpu_seconds=engine.content_cpu_seconds,
+        collective_cpu_seconds=engine.collective_cpu_seconds,
+        collective_calls=engine.collective_calls,
+        wall_seconds=wall,
+        startup_seconds=startup,
+        agreement=agreement if spec.rank == 0 else None,
+    )
+
+
+def rank_main(spec: RankSpec, queue: Any) -> None:
+    """multiprocessing target: exit status 0 after a report, 1 after a failure."""
+    _redirect_output(spec.log_path)
+    step_ref: list[Optional[int]] = [None]
+    try:
+        report = _serve_all(spec, queue, step_ref)
+    except BaseException as exc:  # report anything, then exit non-zero
+        text = traceback.format_exc()
+        print(text, file=sys.stderr, flush=True)
+        queue.put(RankFailure(spec.rank, step_ref[0], f"{type(exc).__name__}: {exc}", text))
+        queue.close()
+        queue.join_thread()
+        sys.stdout.flush()
+        os._exit(1)
+    queue.put(report)
+    queue.close()
+    queue.join_thread()
