@@ -4,8 +4,9 @@ Logical page ``p`` lives on rank ``p % cp_size`` (its *lane*). The allocator
 is identical on every rank and must be driven by the same call sequence on
 every rank, so every decision is deterministic (no hashing, no timing).
 
-* ``alloc(need_size)`` -- new prefill: pages taken round-robin across lanes so
-  a sequence spreads evenly over the ranks.
+* ``alloc(need_size)`` -- new prefill: each page from the least loaded lane
+  (optional ``lane_bias``), then the one with the most free pages, then
+  round-robin, so a sequence spreads evenly over the ranks.
 * ``alloc_pages_with_owners(owners)`` -- load-back: page ``i`` of the result
   has owner ``owners[i]``, so restored data lands on the rank that holds it.
 * ``free(locs)`` -- deferred: pages go to per-lane release lists that are
@@ -17,7 +18,7 @@ Page 0 is reserved (SGLang uses slot 0 as padding).
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -65,6 +66,10 @@ class OwnerLaneAllocator:
         self._in_use = bytearray(self.num_pages + 1)
         self._in_use[0] = 1  # reserved padding page, never freed
         self._rr_cursor = 0
+        # Optional per-lane load (e.g. host slots each rank holds): lanes with
+        # less load are preferred. Must be identical on every rank.
+        if not hasattr(self, "lane_bias"):
+            self.lane_bias: Optional[Callable[[], Sequence[int]]] = None
 
     def lane_of_page(self, page: int) -> int:
         return page % self.cp_size
@@ -129,8 +134,10 @@ class OwnerLaneAllocator:
     def alloc(self, need_size: int) -> Optional[torch.Tensor]:
         """Token locs for ``need_size`` tokens (a multiple of page_size), or None.
 
-        Pages come round-robin from the lanes, starting where the previous
-        allocation stopped and skipping empty lanes.
+        Each page comes from the lane with the least ``lane_bias`` load (when
+        set; the CP cache sets it to every rank's host slots in use, so host
+        backups stay balanced), then the most free pages, then round-robin
+        from where the previous allocation stopped.
         """
         _check_int("need_size", need_size, 0)
         if need_size % self.page_size != 0:
@@ -141,14 +148,26 @@ class OwnerLaneAllocator:
         if need_pages > self.available_pages():
             return None
         avail = self.lane_available_pages()
+        biased = self.lane_bias is not None
+        bias = list(self.lane_bias()) if biased else [0] * self.cp_size
         order: list[int] = []
-        lane = self._rr_cursor
-        while len(order) < need_pages:
-            if avail[lane] > 0:
-                avail[lane] -= 1
-                order.append(lane)
-            lane = (lane + 1) % self.cp_size
-        self._rr_cursor = lane
+        cursor = self._rr_cursor
+        n = self.cp_size
+        for _ in range(need_pages):
+            best = -1
+            for i in range(n):
+                lane = (cursor + i) % n
+                if avail[lane] > 0 and (
+                    best < 0
+                    or (bias[lane], -avail[lane]) < (bias[best], -avail[best])
+                ):
+                    best = lane
+            avail[best] -= 1
+            if biased:  # count this call's pages towards the lane's load
+                bias[best] += self.page_size
+            order.append(best)
+            cursor = (best + 1) % n
+        self._rr_cursor = cursor
         return self._take_in_order(order)
 
     def _take_in_order(self, lanes_in_order: list[int]) -> torch.Tensor:

@@ -130,3 +130,20 @@ def test_never_double_allocates_and_conserves_pages(cp_size, page_size, num_page
         assert 0 not in flat
         assert all(1 <= p <= num_pages for p in flat)
         assert a.available_pages() + len(flat) == num_pages
+
+
+def test_alloc_prefers_the_fullest_lane():
+    a = OwnerLaneAllocator(4 * 12, 4, 3)  # pages 1..12: lanes 0, 1, 2 hold 4 each
+    a.alloc_pages_with_owners([1, 1, 1])  # lane 1 nearly drained: [4, 1, 4]
+    lanes = [p % 3 for p in pages_of(a.alloc(4 * 6), 4)]
+    assert lanes == [0, 2, 0, 2, 0, 2]  # the fullest lanes first, ties round-robin
+    assert a.lane_available_pages() == [1, 1, 1]
+
+
+def test_lane_bias_steers_pages_to_the_least_loaded_lanes():
+    a = OwnerLaneAllocator(4 * 12, 4, 3)  # 4 pages per lane
+    a.lane_bias = lambda: [128, 0, 64]  # e.g. host slots each rank already holds
+    lanes = [p % 3 for p in pages_of(a.alloc(4 * 5), 4)]
+    # lane 1 takes pages until it is out of them (its load stays below 64);
+    # then the next least loaded lane
+    assert lanes == [1, 1, 1, 1, 2]

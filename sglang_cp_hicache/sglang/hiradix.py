@@ -112,6 +112,7 @@ class CpHiRadixCache(HiRadixCache):
         self.evictable_host_leaves = _NoSet()  # the ordered index replaces SGLang's set
         self.cp_transfer = CpTransferAdapter(self.cache_controller, self.cp_layout, allocator)
         self._ledger = self._make_ledger()
+        allocator._lanes.lane_bias = lambda: self._ledger.used
 
     # ---- setup -----------------------------------------------------------
     def _host_priority(self, node):
