@@ -12,3 +12,7 @@ test:
 
 bench-bookkeeping:
 	$(PY) bench/bench_bookkeeping.py
+
+# 2 CP ranks as 2 processes on a gloo group, real SGLang, bit-exact checks.
+simulate:
+	$(PY) -m sglang_cp_hicache simulate

@@ -28,18 +28,9 @@ from sglang.srt.mem_cache.base_prefix_cache import (
 from sglang.srt.mem_cache.radix_cache import RadixKey
 
 from sglang_cp_hicache.sglang.stack import CpStackConfig, build_cp_rank_stack
-from sglang_fixtures import content_mismatches, write_content
+from sglang_cp_hicache.sim.content import content_mismatches, prefix_keys, write_content
 
 SEED = 11
-
-
-def prefix_keys(tokens: list[int]) -> torch.Tensor:
-    """Per-position key depending on every token up to and including it."""
-    out, h = [], 0
-    for t in tokens:
-        h = (h * 1_000_003 + t + 1) % 2_147_483_647
-        out.append(h)
-    return torch.tensor(out, dtype=torch.int64)
 
 
 @dataclass
