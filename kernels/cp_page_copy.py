@@ -534,6 +534,53 @@ def _check_layers_fit(dev_name: str, layers: Sequence[torch.Tensor], host_name: 
 
 
 # ----------------------------------------------------------------------------- public launchers
+def _backup_all_layers(
+    dev_name: str, device_layers, host_name: str, host: torch.Tensor, host_layout: str,
+    device_locs: torch.Tensor, host_locs: torch.Tensor, layout: CpSharedKVLayout,
+    *, kv: bool, num_ctas: int | None, block_bytes: int | None,
+) -> None:
+    """Shared body of the two backups (KV rows or indexer pages)."""
+    layout = _checks.check_layout(layout)
+    host_layout = _checks.check_host_layout(host_layout)
+    layers = _checks.check_device_layers(dev_name, device_layers, ndim=3 if kv else 2)
+    _checks.check_tensor(host_name, host)
+    geom, dev_num_pages, num_ctas, block_bytes = _prepare(
+        dev_name=f"{dev_name}[0]", dev=layers[0], host_name=host_name, host=host,
+        host_layout=host_layout, layout=layout, kv=kv, device_locs=device_locs,
+        host_locs=host_locs, num_ctas=num_ctas, block_bytes=block_bytes,
+    )
+    _check_layers_fit(dev_name, layers, host_name, geom)
+    if host_locs.numel() == 0:
+        return
+    _check_indices(device_locs, host_locs, layout, dev_num_pages, geom.num_pages)
+    plan = _Launch(tuple(layers), True, host, geom, 0, dev_num_pages, to_host=True)
+    _launch(plan, device_locs, host_locs, layout, num_ctas, block_bytes)
+
+
+def _load_one_layer(
+    dev_name: str, device_layer, host_name: str, host: torch.Tensor, host_layout: str,
+    layer_id: int, device_locs: torch.Tensor, host_locs: torch.Tensor, layout: CpSharedKVLayout,
+    *, kv: bool, num_ctas: int | None, block_bytes: int | None,
+) -> None:
+    """Shared body of the two loads (KV rows or indexer pages)."""
+    layout = _checks.check_layout(layout)
+    host_layout = _checks.check_host_layout(host_layout)
+    dev = _checks.check_device_layer(dev_name, device_layer, ndim=3 if kv else 2)
+    _checks.check_tensor(host_name, host)
+    geom, dev_num_pages, num_ctas, block_bytes = _prepare(
+        dev_name=dev_name, dev=dev, host_name=host_name, host=host,
+        host_layout=host_layout, layout=layout, kv=kv, device_locs=device_locs,
+        host_locs=host_locs, num_ctas=num_ctas, block_bytes=block_bytes,
+    )
+    _checks.check_layer_id("layer_id", layer_id, geom.num_layers)
+    _check_device_buffer(dev_name, dev)
+    if host_locs.numel() == 0:
+        return
+    _check_indices(device_locs, host_locs, layout, dev_num_pages, geom.num_pages)
+    plan = _Launch((dev,), False, host, geom, layer_id, dev_num_pages, to_host=False)
+    _launch(plan, device_locs, host_locs, layout, num_ctas, block_bytes)
+
+
 def backup_kv_all_layers(
     device_kv: Sequence[torch.Tensor],
     host_kv: torch.Tensor,
@@ -546,21 +593,8 @@ def backup_kv_all_layers(
     block_bytes: int | None = None,
 ) -> None:
     """D2H: every layer's owned KV pages -> host slots. One launch, no sync."""
-    layout = _checks.check_layout(layout)
-    host_layout = _checks.check_host_layout(host_layout)
-    layers = _checks.check_device_layers("device_kv", device_kv, ndim=3)
-    _checks.check_tensor("host_kv", host_kv)
-    geom, dev_num_pages, num_ctas, block_bytes = _prepare(
-        dev_name="device_kv[0]", dev=layers[0], host_name="host_kv", host=host_kv,
-        host_layout=host_layout, layout=layout, kv=True, device_locs=device_locs,
-        host_locs=host_locs, num_ctas=num_ctas, block_bytes=block_bytes,
-    )
-    _check_layers_fit("device_kv", layers, "host_kv", geom)
-    if host_locs.numel() == 0:
-        return
-    _check_indices(device_locs, host_locs, layout, dev_num_pages, geom.num_pages)
-    plan = _Launch(tuple(layers), True, host_kv, geom, 0, dev_num_pages, to_host=True)
-    _launch(plan, device_locs, host_locs, layout, num_ctas, block_bytes)
+    _backup_all_layers("device_kv", device_kv, "host_kv", host_kv, host_layout, device_locs,
+                       host_locs, layout, kv=True, num_ctas=num_ctas, block_bytes=block_bytes)
 
 
 def load_kv_one_layer(
@@ -576,22 +610,8 @@ def load_kv_one_layer(
     block_bytes: int | None = None,
 ) -> None:
     """H2D: one layer's host slots -> owned physical KV pages. One launch, no sync."""
-    layout = _checks.check_layout(layout)
-    host_layout = _checks.check_host_layout(host_layout)
-    dev = _checks.check_device_layer("device_kv_layer", device_kv_layer, ndim=3)
-    _checks.check_tensor("host_kv", host_kv)
-    geom, dev_num_pages, num_ctas, block_bytes = _prepare(
-        dev_name="device_kv_layer", dev=dev, host_name="host_kv", host=host_kv,
-        host_layout=host_layout, layout=layout, kv=True, device_locs=device_locs,
-        host_locs=host_locs, num_ctas=num_ctas, block_bytes=block_bytes,
-    )
-    _checks.check_layer_id("layer_id", layer_id, geom.num_layers)
-    _check_device_buffer("device_kv_layer", dev)
-    if host_locs.numel() == 0:
-        return
-    _check_indices(device_locs, host_locs, layout, dev_num_pages, geom.num_pages)
-    plan = _Launch((dev,), False, host_kv, geom, layer_id, dev_num_pages, to_host=False)
-    _launch(plan, device_locs, host_locs, layout, num_ctas, block_bytes)
+    _load_one_layer("device_kv_layer", device_kv_layer, "host_kv", host_kv, host_layout, layer_id,
+                    device_locs, host_locs, layout, kv=True, num_ctas=num_ctas, block_bytes=block_bytes)
 
 
 def backup_indexer_all_layers(
@@ -606,21 +626,9 @@ def backup_indexer_all_layers(
     block_bytes: int | None = None,
 ) -> None:
     """D2H: every layer's owned indexer pages -> host pages. One launch, no sync."""
-    layout = _checks.check_layout(layout)
-    host_layout = _checks.check_host_layout(host_layout)
-    layers = _checks.check_device_layers("device_index", device_index, ndim=2)
-    _checks.check_tensor("host_index", host_index)
-    geom, dev_num_pages, num_ctas, block_bytes = _prepare(
-        dev_name="device_index[0]", dev=layers[0], host_name="host_index", host=host_index,
-        host_layout=host_layout, layout=layout, kv=False, device_locs=device_locs,
-        host_locs=host_locs, num_ctas=num_ctas, block_bytes=block_bytes,
-    )
-    _check_layers_fit("device_index", layers, "host_index", geom)
-    if host_locs.numel() == 0:
-        return
-    _check_indices(device_locs, host_locs, layout, dev_num_pages, geom.num_pages)
-    plan = _Launch(tuple(layers), True, host_index, geom, 0, dev_num_pages, to_host=True)
-    _launch(plan, device_locs, host_locs, layout, num_ctas, block_bytes)
+    _backup_all_layers("device_index", device_index, "host_index", host_index, host_layout,
+                       device_locs, host_locs, layout, kv=False, num_ctas=num_ctas,
+                       block_bytes=block_bytes)
 
 
 def load_indexer_one_layer(
@@ -636,22 +644,9 @@ def load_indexer_one_layer(
     block_bytes: int | None = None,
 ) -> None:
     """H2D: one layer's host indexer pages -> owned physical device pages. No sync."""
-    layout = _checks.check_layout(layout)
-    host_layout = _checks.check_host_layout(host_layout)
-    dev = _checks.check_device_layer("device_index_layer", device_index_layer, ndim=2)
-    _checks.check_tensor("host_index", host_index)
-    geom, dev_num_pages, num_ctas, block_bytes = _prepare(
-        dev_name="device_index_layer", dev=dev, host_name="host_index", host=host_index,
-        host_layout=host_layout, layout=layout, kv=False, device_locs=device_locs,
-        host_locs=host_locs, num_ctas=num_ctas, block_bytes=block_bytes,
-    )
-    _checks.check_layer_id("layer_id", layer_id, geom.num_layers)
-    _check_device_buffer("device_index_layer", dev)
-    if host_locs.numel() == 0:
-        return
-    _check_indices(device_locs, host_locs, layout, dev_num_pages, geom.num_pages)
-    plan = _Launch((dev,), False, host_index, geom, layer_id, dev_num_pages, to_host=False)
-    _launch(plan, device_locs, host_locs, layout, num_ctas, block_bytes)
+    _load_one_layer("device_index_layer", device_index_layer, "host_index", host_index, host_layout,
+                    layer_id, device_locs, host_locs, layout, kv=False, num_ctas=num_ctas,
+                    block_bytes=block_bytes)
 
 
 # ----------------------------------------------------------------------------- warm-up and offline compile
