@@ -159,6 +159,10 @@ class CpSharedPagedTokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
         out = [next(fresh_pages) * P if new else l + 1 for new, l in zip(need_new, last)]
         return torch.tensor(out, dtype=torch.int64, device=self.device)
 
+    def set_lane_bias(self, lane_bias) -> None:
+        """Per-rank load (identical on every rank) that ``alloc`` balances."""
+        self._lanes.lane_bias = lane_bias
+
     # ---- accounting (seed Task 1) ---------------------------------------
     def lane_available_pages(self) -> list[int]:
         return self._lanes.lane_available_pages()

@@ -112,7 +112,8 @@ class CpHiRadixCache(HiRadixCache):
         self.evictable_host_leaves = _NoSet()  # the ordered index replaces SGLang's set
         self.cp_transfer = CpTransferAdapter(self.cache_controller, self.cp_layout, allocator)
         self._ledger = self._make_ledger()
-        allocator._lanes.lane_bias = lambda: self._ledger.used
+        # New pages go preferably to the ranks holding the fewest host slots.
+        allocator.set_lane_bias(lambda: self._ledger.used)
 
     # ---- setup -----------------------------------------------------------
     def _host_priority(self, node):
@@ -157,8 +158,8 @@ class CpHiRadixCache(HiRadixCache):
         self.cp_counters.consensus_calls += 1
         return int(flag)
 
-    def _owner_counts(self, logical_locs: torch.Tensor) -> list[int]:
-        owners = self.cp_layout.owner_of(logical_locs.to("cpu", torch.int64))
+    def _owner_counts(self, logical_locs_cpu: torch.Tensor) -> list[int]:
+        owners = self.cp_layout.owner_of(logical_locs_cpu)
         return torch.bincount(owners, minlength=self.cp_layout.cp_size).tolist()
 
     # ---- write-through ---------------------------------------------------
@@ -168,12 +169,14 @@ class CpHiRadixCache(HiRadixCache):
         # Backed-up nodes form a prefix from the root (as upstream).
         if node.parent is not self.root_node and not node.parent.backuped:
             return 0
-        need = self._owner_counts(node.value)
+        # One small D2H copy of the node's locs when they live on the GPU.
+        locs_cpu = node.value.to("cpu", torch.int64)
+        need = self._owner_counts(locs_cpu)
         if not self._ledger.fits(need):
             self._evict_host_for(self._ledger.shortfall(need))
         status, error, result = REFUSED, None, None
         if self._ledger.fits(need):
-            result = self.cp_transfer.write(node.value, node_id=node.id, **self._get_extra_pools())
+            result = self.cp_transfer.write(locs_cpu, node_id=node.id, **self._get_extra_pools())
             if isinstance(result, HiCacheWriteResult):
                 try:
                     self.cp_transfer.commit_last_write()
