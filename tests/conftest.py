@@ -15,7 +15,8 @@ for path in (_HERE, os.path.join(_HERE, "stubs")):
         sys.path.insert(0, path)
 
 settings.register_profile(
-    "ci", max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+    "ci", max_examples=60, deadline=None, derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow],
 )
 settings.register_profile(
     "dev", max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow]
