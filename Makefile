@@ -16,3 +16,8 @@ bench-bookkeeping:
 # 2 CP ranks as 2 processes on a gloo group, real SGLang, bit-exact checks.
 simulate:
 	$(PY) -m sglang_cp_hicache simulate
+
+# One-time setup of .venv-0523: CPU torch 2.13.0 and SGLang 0.5.23 (no GPU deps).
+.PHONY: install-0523
+install-0523:
+	bash scripts/install-0523.sh
