@@ -1,0 +1,220 @@
+"""Build one rank of SGLang 0.5.23's KV-sharded DSA HiCache stack on CPU.
+
+The pieces, built as the 0.5.23 PD-prefill path builds them
+(``kv_cache_configurator``: ``PageInterleaveDSATokenToKVPool`` +
+``PageInterleavePoolAllocator``; ``registry.create_tree_cache`` ->
+``UnifiedRadixCache.init_hicache`` -> the assembler's DSA strategy ->
+``PageInterleaveHostPool`` (MLA host) + ``DSAIndexerPoolHost`` +
+``HybridCacheController(is_kv_sharded=True)``), with fp8_e4m3 latent rows of
+576 bytes (the TRTLLM layout KV sharding requires) and page 64.
+
+Ranks must be separate processes: SGLang's runtime context is process-global.
+Each calls :func:`build_sharded_rank_stack` with the same config and its
+rank, over a gloo group of ``cp_size`` processes (the pool asserts
+``shard_size > 1``, so there is no one-rank sharded stack).
+
+``copy_path``: ``"upstream"`` builds upstream's stack (``owned_rows`` + the
+stock ops, emulated in :mod:`.cpu_0523`); ``"library"`` builds it through
+:class:`~sglang_cp_hicache.sglang_0523.strategy.LibraryDsaStrategy` (this
+library's kernels; the strategy is registered only for the build).
+
+Sizes are per rank and in pages: ``device_pages`` allocatable physical pages
+(plus SGLang's padding page), ``host_pages`` allocatable host pages.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import time
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from sglang_cp_hicache.layout import CpSharedKVLayout
+from sglang_cp_hicache.testing import cpu_0523, env
+
+__all__ = ["COPY_PATHS", "ShardedRankStack", "ShardedStackConfig", "build_sharded_rank_stack"]
+
+COPY_PATHS = ("upstream", "library")
+_TREE_CORE_ENV = "SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND"
+
+
+@dataclass(frozen=True)
+class ShardedStackConfig:
+    cp_size: int = 2
+    page_size: int = 64  # DSA pages; KV sharding requires 64
+    num_layers: int = 2
+    device_pages: int = 8  # allocatable physical pages per rank
+    host_pages: int = 16  # allocatable host pages per rank
+    host_layout: str = "layer_first"  # sharded DSA HiCache: layer_first or page_first
+    write_policy: str = "write_through"
+    copy_path: str = "upstream"
+    kv_lora_rank: int = 512
+    qk_rope_head_dim: int = 64
+    index_head_dim: int = 128  # DSATokenToKVPool asserts 128
+
+    def __post_init__(self) -> None:
+        for name in ("cp_size", "page_size", "num_layers", "device_pages", "host_pages"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.cp_size < 2:
+            raise ValueError(f"cp_size must be >= 2 (the sharded pool needs shard_size > 1), got {self.cp_size}")
+        if self.host_layout not in ("layer_first", "page_first"):
+            raise ValueError(f"host_layout must be layer_first or page_first, got {self.host_layout!r}")
+        if self.copy_path not in COPY_PATHS:
+            raise ValueError(f"copy_path must be one of {COPY_PATHS}, got {self.copy_path!r}")
+
+    @property
+    def kv_row_bytes(self) -> int:
+        return self.kv_lora_rank + self.qk_rope_head_dim  # fp8: one byte per element
+
+    @property
+    def logical_pages(self) -> int:
+        """Allocatable logical pages (all ranks)."""
+        return self.device_pages * self.cp_size
+
+    def hicache_ratio(self) -> float:
+        # Host rows = int(device rows * ratio) rounded to pages, plus a padding
+        # page the sharded slot allocator leaves unused: half a page above the
+        # target keeps float rounding off the boundary.
+        return (self.host_pages + 0.5) / self.device_pages
+
+
+@dataclass
+class ShardedRankStack:
+    config: ShardedStackConfig
+    cp_rank: int
+    server_args: Any
+    kv_pool: Any  # PageInterleaveDSATokenToKVPool
+    allocator: Any  # PageInterleavePoolAllocator
+    cache: Any  # UnifiedRadixCache
+    build_seconds: float
+
+    @property
+    def controller(self) -> Any:
+        return self.cache.cache_controller
+
+    @property
+    def host_group(self) -> Any:
+        return self.controller.mem_pool_host
+
+    @property
+    def kv_host(self) -> Any:
+        """The sharded anchor (``PageInterleaveHostPool``)."""
+        return self.host_group.anchor_entry.host_pool
+
+    @property
+    def index_host(self) -> Any:
+        from sglang.srt.mem_cache.hicache_storage import PoolName
+
+        return self.host_group.entry_map[PoolName.INDEXER].host_pool
+
+    @property
+    def layout(self) -> CpSharedKVLayout:
+        return CpSharedKVLayout(self.config.page_size, self.config.cp_size, self.cp_rank)
+
+    def close(self) -> None:
+        atexit.unregister(self.cache.shutdown)
+        self.cache.release_host_resources()
+
+
+class _TpWorkerStandIn:
+    """The one method ``create_tree_cache`` calls on the TP worker."""
+
+    def register_hicache_layer_transfer_counter(self, counter: Any) -> None:
+        self.counter = counter
+
+
+def _shard_group(cp_group: torch.distributed.ProcessGroup, cp_rank: int, cp_size: int) -> cpu_0523.CpuShardGroup:
+    size = torch.distributed.get_world_size(group=cp_group)
+    if size != cp_size:
+        raise ValueError(f"cp_group has {size} ranks, config.cp_size is {cp_size}")
+    return cpu_0523.CpuShardGroup(world_size=cp_size, rank_in_group=cp_rank, cpu_group=cp_group, device_group=cp_group)
+
+
+def _create_cache(ctx: Any, copy_path: str) -> Any:
+    from sglang.srt.mem_cache.registry import create_tree_cache
+
+    from sglang_cp_hicache.sglang_0523 import strategy
+
+    if copy_path == "upstream":
+        if strategy.strategy_installed():
+            raise RuntimeError("copy_path='upstream' but the library strategy is registered in this process")
+        return create_tree_cache(ctx)
+    strategy.install_strategy()
+    try:
+        return create_tree_cache(ctx)
+    finally:
+        strategy.uninstall_strategy()
+
+
+def build_sharded_rank_stack(
+    config: ShardedStackConfig,
+    cp_rank: int,
+    *,
+    cp_group: torch.distributed.ProcessGroup,
+    **overrides: Any,
+) -> ShardedRankStack:
+    """One rank's stack over ``cp_group`` (gloo, ``cp_size`` processes)."""
+    config = replace(config, **overrides)
+    if not 0 <= cp_rank < config.cp_size:
+        raise ValueError(f"cp_rank must be in [0, {config.cp_size}), got {cp_rank}")
+    start = time.perf_counter()
+    # KV sharding forces the Python tree core (the Rust core has no rotation bases).
+    os.environ.setdefault(_TREE_CORE_ENV, "python")
+    cpu_0523.install_cpu_support()
+
+    from sglang.srt import runtime_context
+    from sglang.srt.mem_cache.allocator.page_interleave import PageInterleavePoolAllocator
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.page_interleave import PageShardSpec
+    from sglang.srt.mem_cache.page_interleave_pool import PageInterleaveDSATokenToKVPool
+    from sglang.srt.mem_cache.registry import TreeCacheBuildContext
+
+    P, N = config.page_size, config.cp_size
+    server_args = env.make_cpu_server_args(
+        page_size=P,
+        hicache_mem_layout=config.host_layout,
+        hicache_io_backend="kernel",
+        hicache_ratio=config.hicache_ratio(),
+        hicache_write_policy=config.write_policy,
+    )
+    env.publish_server_args(server_args)
+    # The DSA pool sizes its indexer from attn_dcp_size, which only a real
+    # parallel setup fills in.
+    runtime_context.get_parallel().override_permanently(attn_dcp_size=1)
+
+    shard_group = _shard_group(cp_group, cp_rank, N)
+    spec = PageShardSpec(
+        shard_rank=cp_rank, shard_size=N, page_size=P,
+        max_prefix_tokens=2 * N * P, chunk_tokens=4 * P,  # forward-pass scratch: unused here
+    )
+    physical_size = config.device_pages * P
+    kv_pool = PageInterleaveDSATokenToKVPool(
+        physical_size, page_size=P, dtype=torch.float8_e4m3fn,
+        kv_lora_rank=config.kv_lora_rank, qk_rope_head_dim=config.qk_rope_head_dim,
+        layer_num=config.num_layers, device="cpu", kv_cache_dim=config.kv_row_bytes,
+        enable_memory_saver=False, start_layer=0, end_layer=config.num_layers,
+        index_head_dim=config.index_head_dim, index_kpool=1, index_kpool_compress=False,
+        tail_extra_slots=0, max_running_requests=4, shard_spec=spec, shard_group=shard_group,
+    )
+    allocator = PageInterleavePoolAllocator(
+        physical_size, physical_page_size=P, shard_size=N, dtype=torch.float8_e4m3fn,
+        device="cpu", kvcache=kv_pool, need_sort=True, shard_spec=spec,
+    )
+    params = CacheInitParams(
+        disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=allocator, page_size=P,
+        tp_cache_group=cp_group, attn_cp_cache_group=cp_group, attn_tp_cache_group=None,
+        attn_cp_rank=cp_rank, attn_cp_size=N,
+    )
+    ctx = TreeCacheBuildContext(
+        server_args=server_args, params=params, is_hybrid_swa=False, is_hybrid_ssm=False,
+        enable_hierarchical_cache=True, disable_radix_cache=False, tp_worker=_TpWorkerStandIn(),
+        model_config=None, tp_size=N, tp_rank=cp_rank, tp_group=cp_group, is_dsa=True,
+    )
+    cache = _create_cache(ctx, config.copy_path)
+    cpu_0523.register_stack_buffers(cache.cache_controller.mem_pool_host)
+    return ShardedRankStack(config, cp_rank, server_args, kv_pool, allocator, cache, time.perf_counter() - start)
