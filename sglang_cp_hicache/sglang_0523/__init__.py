@@ -1,0 +1,41 @@
+"""SGLang 0.5.23 adapter: this library's CP page-copy kernels in upstream's
+KV-sharded (page-interleave) DSA HiCache copy path.
+
+The only code that imports SGLang 0.5.23; importing this package itself does
+not import sglang. Modules:
+
+* :mod:`.copy_engine` -- an ``L2TransferEngine`` whose per-transfer copies are
+  this library's fused mask-and-translate kernels;
+* :mod:`.controller` -- a ``HybridCacheController`` that hands those kernels
+  logical device locs (no host ``nonzero`` + device gather per transfer);
+* :mod:`.strategy` -- the ``register_stack_strategy`` seam that builds the
+  sharded DSA stack with them, and the start-up check that refuses to serve
+  if any seam did not take;
+* :mod:`.plugin` -- the ``sglang.srt.plugins`` entry point.
+"""
+
+from __future__ import annotations
+
+import os
+
+#: The release whose private names (``_move_kv_shard_indices``,
+#: ``L2TransferEngine._submission``, ``_DsaStrategy.build``) this adapter follows.
+SUPPORTED_SGLANG = "0.5.23"
+
+#: ``1``: run on another SGLang release anyway (at your own risk).
+ALLOW_ANY_ENV = "SGLANG_CP_HICACHE_ALLOW_ANY_SGLANG"
+
+__all__ = ["ALLOW_ANY_ENV", "SUPPORTED_SGLANG", "check_sglang_version"]
+
+
+def check_sglang_version(version: str | None = None) -> None:
+    """Refuse an SGLang release this adapter was not written against."""
+    if version is None:
+        import sglang
+
+        version = sglang.__version__
+    if version != SUPPORTED_SGLANG and os.environ.get(ALLOW_ANY_ENV) != "1":
+        raise RuntimeError(
+            f"sglang_cp_hicache.sglang_0523 supports sglang=={SUPPORTED_SGLANG}, found {version}; "
+            f"set {ALLOW_ANY_ENV}=1 to try anyway"
+        )

@@ -1,0 +1,93 @@
+"""``HybridCacheController`` that hands the library's kernels logical locs.
+
+Upstream (0.5.23) prepares every sharded transfer in
+``HybridCacheController._move_kv_shard_indices``: ``PageInterleaveHostPool.
+owned_rows`` builds the host owner mask, ``nonzero``s it on the host and
+gathers the matching device locs on the device, then translates both sides to
+rank-local rows for the stock kernels. :class:`LibraryCopyController` keeps
+the host half (host slots are CPU tensors, owner-matched with their device
+pages by construction) and drops the device half: the device locs stay
+logical and whole, and the kernel masks and translates them itself.
+
+Everything else -- queues, acks, consensus, the tree-facing API -- is
+upstream's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any, Optional
+
+import torch
+from sglang.srt.managers.cache_controller import CacheOperation
+from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController
+
+from sglang_cp_hicache.layout import CpSharedKVLayout
+from sglang_cp_hicache.sglang_0523.copy_engine import LibraryL2TransferEngine
+
+__all__ = ["LibraryCopyController"]
+
+
+class LibraryCopyController(HybridCacheController):
+    """Sharded DSA HiCache controller whose copies are this library's kernels."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if not self.is_kv_sharded:
+            raise ValueError(
+                "LibraryCopyController needs a KV-sharded host pool group "
+                "(anchor PageInterleaveHostPool); build it only for PageInterleave pools"
+            )
+        anchor = self.mem_pool_host.anchor_entry.host_pool
+        self.cp_layout = CpSharedKVLayout(anchor.page_size, anchor.shard_size, anchor.shard_rank)
+        self.l2_transfer_engine = LibraryL2TransferEngine(self.io_backend, self.cp_layout)
+        # Bumped on every preparation, so start-up can prove this override is
+        # what upstream's write and load paths reach.
+        self.prepared_operations = 0
+
+    def _owned_host_rows(self, host_indices: torch.Tensor) -> torch.Tensor:
+        """This rank's local host rows of ``host_indices`` (logical host slots,
+        CPU), in order, on the controller's device."""
+        anchor = self.mem_pool_host.anchor_entry.host_pool
+        host = host_indices.cpu() if host_indices.device.type != "cpu" else host_indices
+        mask = anchor.placement.local_mask(host, anchor.shard_rank)
+        rows = anchor.placement.local_index(host[mask])
+        if torch.device(self.device).type != "cpu":
+            rows = rows.to(self.device, non_blocking=True)
+        return rows
+
+    def _move_kv_shard_indices(
+        self, operation: CacheOperation, *, write_back_jit: bool
+    ) -> tuple[torch.Tensor, torch.Tensor, Optional[list[Any]]]:
+        """(owned host rows, LOGICAL device locs, pool transfers likewise).
+
+        ``write_back_jit`` is upstream's switch for its staged page_first
+        kernel; the library's kernels write page_first hosts directly, so it
+        changes nothing here.
+        """
+        self.prepared_operations += 1
+        prepared: dict[int, torch.Tensor] = {}
+
+        def host_rows(host: torch.Tensor) -> torch.Tensor:
+            # The indexer transfer shares the anchor's host slots: narrow once.
+            if id(host) not in prepared:
+                prepared[id(host)] = self._owned_host_rows(host)
+            return prepared[id(host)]
+
+        host_indices = host_rows(operation.host_indices)
+        device_indices = operation.device_indices
+        resolved: Optional[list[Any]] = None
+        if operation.pool_transfers:
+            resolved = []
+            for pool_transfer in operation.pool_transfers:
+                if pool_transfer.host_indices is None or pool_transfer.device_indices is None:
+                    raise ValueError(f"Unresolved L2 transfer for {pool_transfer.name}.")
+                rows = host_rows(pool_transfer.host_indices)
+                if rows.numel() == 0:
+                    continue
+                resolved.append(
+                    replace(pool_transfer, host_indices=rows, device_indices=pool_transfer.device_indices)
+                )
+        # A rank that owns nothing still submits (an empty transfer list) and
+        # publishes its ack, like upstream.
+        return host_indices, device_indices, resolved

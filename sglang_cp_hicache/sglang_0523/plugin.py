@@ -1,0 +1,91 @@
+"""Switching the library's copy kernels on in an SGLang 0.5.23 server.
+
+SGLang loads every installed ``sglang.srt.plugins`` entry point in the
+launcher and in each scheduler process (``load_plugins()``). This package
+declares ``cp_hicache_0523 = sglang_cp_hicache.sglang_0523.plugin:register``,
+which registers :class:`~.strategy.LibraryDsaStrategy`. It changes only
+stacks built on upstream's KV-sharded DSA pool (``--enable-kv-cache-sharding``
+with HiCache on a DSA model); every other stack keeps upstream's strategies.
+
+``SGLANG_CP_HICACHE_COPY`` picks the copy path: ``library`` (default) or
+``upstream`` (register nothing). ``SGLANG_PLUGINS`` (SGLang's allow-list)
+can leave the plugin out entirely.
+
+SGLang only logs a plugin that raises, so nothing here refuses by raising:
+a supported release registers the strategy, whose ``build`` runs the start-up
+check and raises inside cache construction (which does stop the server). A
+release without KV sharding (0.5.18) is left alone; any other release that
+has the strategy seam gets a strategy that refuses to build the sharded DSA
+stack, naming the version.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import logging
+import os
+from typing import Any
+
+from sglang_cp_hicache.sglang_0523 import SUPPORTED_SGLANG, check_sglang_version
+
+__all__ = ["COPY_ENV", "COPY_PATHS", "copy_path_from_env", "register"]
+
+logger = logging.getLogger(__name__)
+
+#: Environment variable that selects the copy path.
+COPY_ENV = "SGLANG_CP_HICACHE_COPY"
+COPY_PATHS = ("library", "upstream")
+
+_ASSEMBLER = "sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler"
+
+
+def copy_path_from_env() -> str:
+    value = os.environ.get(COPY_ENV, "library").strip().lower() or "library"
+    if value not in COPY_PATHS:
+        raise ValueError(f"{COPY_ENV} must be one of {COPY_PATHS}, got {value!r}")
+    return value
+
+
+def _refusing_strategy(version: str) -> Any:
+    assembler = importlib.import_module(_ASSEMBLER)
+
+    class UnsupportedReleaseStrategy(assembler._DsaStrategy):
+        def matches(self, kvcache: Any, components: set) -> bool:
+            pool = importlib.import_module("sglang.srt.mem_cache.page_interleave_pool")
+            return isinstance(kvcache, pool.PageInterleaveKVPoolMixin) and super().matches(
+                kvcache, components
+            )
+
+        def build(self, **kwargs: Any) -> Any:
+            check_sglang_version(version)  # raises: the release is not supported
+            raise AssertionError("unreachable")
+
+    return UnsupportedReleaseStrategy()
+
+
+def register() -> None:
+    """Entry point (``sglang.srt.plugins``); idempotent."""
+    import sglang
+
+    version = sglang.__version__
+    path = copy_path_from_env()
+    if importlib.util.find_spec(_ASSEMBLER) is None:
+        logger.info("sglang-cp-hicache (0.5.23 adapter): sglang %s has no KV sharding; nothing to do", version)
+        return
+    if path == "upstream":
+        logger.info("sglang-cp-hicache: %s=upstream, SGLang keeps its own sharded copy path", COPY_ENV)
+        return
+    try:
+        check_sglang_version(version)
+    except RuntimeError:
+        logger.error(
+            "sglang-cp-hicache supports sglang==%s, found %s: KV-sharded DSA HiCache will refuse to start",
+            SUPPORTED_SGLANG, version,
+        )
+        importlib.import_module(_ASSEMBLER).register_stack_strategy(_refusing_strategy(version))
+        return
+    from sglang_cp_hicache.sglang_0523.strategy import install_strategy
+
+    install_strategy()
+    logger.info("sglang-cp-hicache: library copy kernels registered for KV-sharded DSA HiCache")

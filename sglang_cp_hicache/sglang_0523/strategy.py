@@ -1,0 +1,240 @@
+"""The seam: a HiCache stack strategy for SGLang 0.5.23's sharded DSA pool.
+
+``hybrid_pool_assembler.attach_hybrid_pool_to_unified_cache`` builds a
+``UnifiedRadixCache``'s host side through the first registered
+``StackStrategy`` that matches the device pool; ``register_stack_strategy``
+prepends one. :class:`LibraryDsaStrategy` matches exactly the KV-sharded DSA
+pool (``PageInterleaveDSATokenToKVPool``) and builds what upstream's
+``_DsaStrategy`` builds -- the same host pool group (``PageInterleaveHostPool``
++ ``DSAIndexerPoolHost``), the same controller arguments -- with
+:class:`~.controller.LibraryCopyController` in place of
+``HybridCacheController``. No upstream class or function is patched.
+
+Start-up check (:func:`verify_library_stack`, run inside ``build``, so a
+failure aborts the cache and the server refuses to start): the stack is one
+the kernels support (kernel io, ``layer_first``/``page_first``, no DCP, no
+layer sharding, no packed MTP drafts, every layer with an indexer), and an
+empty write and an empty load sent through upstream's own entry points
+(``_move_write_operation`` / ``_move_op_indices`` and
+``l2_transfer_engine.submit_*``) reach this adapter's overrides. A seam that
+did not take -- a renamed private method upstream, another strategy or plugin
+that replaced ours -- is refused by name instead of silently falling back to
+upstream's copies.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from sglang.srt.managers.cache_controller import CacheOperation
+from sglang.srt.mem_cache.hicache_storage import PoolName
+from sglang.srt.mem_cache.hybrid_cache import hybrid_pool_assembler as assembler
+from sglang.srt.mem_cache.hybrid_cache.host_pool_config import prepare_host_pool_config
+from sglang.srt.mem_cache.page_interleave_pool import PageInterleaveKVPoolMixin
+from sglang.srt.mem_cache.pool_host.dsa import DSAIndexerPoolHost
+from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
+from sglang.srt.runtime_context import get_memory
+
+from sglang_cp_hicache.kernels._checks import HOST_LAYOUTS
+from sglang_cp_hicache.sglang_0523 import check_sglang_version
+from sglang_cp_hicache.sglang_0523.controller import LibraryCopyController
+from sglang_cp_hicache.sglang_0523.copy_engine import LibraryL2TransferEngine, kv_host_pool_of
+
+__all__ = [
+    "LibraryDsaStrategy",
+    "LibraryStackError",
+    "install_strategy",
+    "strategy_installed",
+    "uninstall_strategy",
+    "verify_library_stack",
+]
+
+logger = logging.getLogger(__name__)
+
+
+class LibraryStackError(RuntimeError):
+    """The sharded stack cannot run the library's copies; the server must not start."""
+
+
+class LibraryDsaStrategy(assembler._DsaStrategy):
+    """``_DsaStrategy`` for the KV-sharded DSA pool, with the library's copies."""
+
+    def matches(self, kvcache: Any, components: set) -> bool:
+        return isinstance(kvcache, PageInterleaveKVPoolMixin) and super().matches(kvcache, components)
+
+    def build(
+        self,
+        *,
+        cache,
+        kvcache,
+        params,
+        server_args,
+        load_cache_event,
+        storage_backend=None,
+        storage_backend_extra_config=None,
+        prefetch_threshold=256,
+        model_name=None,
+        enable_storage_metrics=False,
+    ) -> assembler.StackBuildResult:
+        check_sglang_version()
+        # Follows upstream _DsaStrategy.build (0.5.23) line for line; only the
+        # controller class differs.
+        config = prepare_host_pool_config(
+            decls=kvcache.host_pool_decls(),
+            full_layer_mapping={i: i for i in range(kvcache.layer_num)},
+            transfer_layer_id_max=kvcache.layer_num,
+            transfer_page_size=params.page_size,
+            packed_draft_device_pools=params.mtp_draft_device_pools,
+        )
+        host_pool_group = assembler.build_host_pool_group(config=config)
+        memory = get_memory()
+        cache_controller = LibraryCopyController(
+            params.token_to_kv_pool_allocator,
+            host_pool_group,
+            config.transfer_page_size,
+            params.tp_cache_group,
+            load_cache_event=load_cache_event,
+            attn_cp_group=params.attn_cp_cache_group,
+            attn_tp_group=params.attn_tp_cache_group,
+            pp_group=params.pp_cache_group,
+            write_policy=memory.hicache_write_policy,
+            io_backend=memory.hicache_io_backend,
+            storage_backend=storage_backend,
+            prefetch_threshold=prefetch_threshold,
+            model_name=model_name,
+            storage_backend_extra_config=storage_backend_extra_config,
+            transfer_layer_id_max=kvcache.layer_num,
+            enable_storage_metrics=enable_storage_metrics,
+            host_memory_mode=memory.hicache_host_memory_mode,
+        )
+        result = assembler.StackBuildResult(
+            host_pool_group=host_pool_group,
+            cache_controller=cache_controller,
+            component_host_pools={
+                ComponentType.FULL: host_pool_group.get_pool(PoolName.KV),
+            },
+            sidecars=[c.decl.sidecar_spec() for c in config.pools if not c.decl.is_primary],
+            pools_desc=" + ".join(c.decl.pool_name.value.upper() for c in config.pools),
+            pool_declarations=tuple(c.decl for c in config.pools),
+        )
+        verify_library_stack(result, kvcache, params)
+        logger.info(
+            "sglang-cp-hicache: library copy kernels on the sharded DSA HiCache path "
+            "(cp_rank %d of %d, host layout %s)",
+            cache_controller.cp_layout.cp_rank, cache_controller.cp_layout.cp_size,
+            host_pool_group.layout,
+        )
+        return result
+
+
+# ---- start-up check ---------------------------------------------------------
+
+
+def _refuse(problem: str) -> None:
+    raise LibraryStackError(
+        f"sglang-cp-hicache cannot run the library copy kernels on this stack: {problem}. "
+        "Set SGLANG_CP_HICACHE_COPY=upstream to keep SGLang's own copy path."
+    )
+
+
+def _check_supported(result: Any, kvcache: Any, params: Any) -> None:
+    controller = result.cache_controller
+    group = result.host_pool_group
+    if controller.io_backend != "kernel":
+        _refuse(f"hicache io backend {controller.io_backend!r} (needs 'kernel')")
+    if group.layout not in HOST_LAYOUTS:
+        _refuse(f"host layout {group.layout!r} (supported: {HOST_LAYOUTS})")
+    if params.mtp_draft_device_pools:
+        _refuse("packed MTP draft pools")
+    if getattr(kvcache, "layer_shard_enabled", False):
+        _refuse("a layer-sharded device pool")
+    names = sorted(entry.name.value for entry in group.entries)
+    if names != ["indexer", "kv"]:
+        _refuse(f"host pools {names} (expected kv + indexer)")
+    kv_pool = kv_host_pool_of(group.anchor_entry.host_pool)
+    if kv_pool is None:
+        _refuse(f"anchor host pool {type(group.anchor_entry.host_pool).__name__}")
+    if kv_pool.dcp_size != 1:
+        _refuse(f"decode context parallel (dcp_size={kv_pool.dcp_size})")
+    layers = list(range(kvcache.layer_num))
+    # The engine addresses host layer l with device layer l: both maps must be identity.
+    if list(kv_pool._target_layer_indices) != layers or len(kv_pool.device_kv_buffers) != len(layers):
+        _refuse(f"KV layer map {list(kv_pool._target_layer_indices)} is not 0..{len(layers) - 1}")
+    index_pool = group.entry_map[PoolName.INDEXER].host_pool
+    if not isinstance(index_pool, DSAIndexerPoolHost):
+        _refuse(f"indexer host pool {type(index_pool).__name__}")
+    if list(index_pool._live_target_layers) != layers or index_pool.layer_num != len(layers):
+        _refuse(f"indexer layers {list(index_pool._live_target_layers)} are not 0..{len(layers) - 1}")
+    if index_pool.layout != group.layout:
+        _refuse(f"indexer layout {index_pool.layout!r} differs from the KV layout {group.layout!r}")
+
+
+def _check_seams_reached(controller: Any) -> None:
+    """Send an empty write and an empty load through upstream's entry points;
+    each must run this adapter's preparation and engine."""
+    engine = controller.l2_transfer_engine
+    if not isinstance(controller, LibraryCopyController):
+        _refuse(f"the controller is {type(controller).__name__}, not LibraryCopyController")
+    if not isinstance(engine, LibraryL2TransferEngine):
+        _refuse(f"the transfer engine is {type(engine).__name__}, not LibraryL2TransferEngine")
+    empty = torch.empty((0,), dtype=torch.int64)
+    device_empty = empty.to(controller.device)
+    before = (controller.prepared_operations, engine.counters.d2h_submissions, engine.counters.h2d_submissions)
+    host, device, pools = controller._move_write_operation(CacheOperation(empty, device_empty, -1))
+    engine.submit_device_to_host(controller._l2_transfers(host, device, pools)).finish_event.synchronize()
+    host, device, pools = controller._move_op_indices(CacheOperation(empty, device_empty, -1))
+    engine.submit_host_to_device(
+        controller._l2_load_transfers(host, device, pools),
+        transfer_layer_id_max=controller.transfer_layer_id_max,
+    ).finish_event.synchronize()
+    after = (controller.prepared_operations, engine.counters.d2h_submissions, engine.counters.h2d_submissions)
+    missed = [
+        name
+        for name, b, a, want in zip(
+            ("HybridCacheController._move_kv_shard_indices", "L2TransferEngine.submit_device_to_host",
+             "L2TransferEngine.submit_host_to_device"),
+            before, after, (2, 1, 1),
+        )
+        if a - b != want
+    ]
+    if missed:
+        _refuse(f"upstream's write/load paths did not reach the overrides of {missed}")
+
+
+def verify_library_stack(result: Any, kvcache: Any, params: Any) -> None:
+    """Raise :class:`LibraryStackError` unless every seam took (see module doc)."""
+    _check_supported(result, kvcache, params)
+    _check_seams_reached(result.cache_controller)
+
+
+# ---- registration -----------------------------------------------------------
+
+_strategy: LibraryDsaStrategy | None = None
+
+
+def strategy_installed() -> bool:
+    """True while :class:`LibraryDsaStrategy` is first in SGLang's strategy list."""
+    return _strategy is not None and assembler._STRATEGIES[:1] == [_strategy]
+
+
+def install_strategy() -> LibraryDsaStrategy:
+    """Register the strategy (idempotent). Raises unless it ends up first."""
+    global _strategy
+    if _strategy is None or _strategy not in assembler._STRATEGIES:
+        _strategy = LibraryDsaStrategy()
+        assembler.register_stack_strategy(_strategy)
+    if not strategy_installed():
+        raise LibraryStackError(
+            "another HiCache stack strategy was registered ahead of sglang-cp-hicache's"
+        )
+    return _strategy
+
+
+def uninstall_strategy() -> None:
+    """Remove the strategy: later stacks use upstream's copy path."""
+    global _strategy
+    if _strategy is not None and _strategy in assembler._STRATEGIES:
+        assembler._STRATEGIES.remove(_strategy)
+    _strategy = None
