@@ -1,0 +1,442 @@
+"""One simulated scheduler rank on SGLang 0.5.23's KV-sharded DSA HiCache
+(:mod:`sglang_cp_hicache.testing.stack_0523`), writing and verifying the same
+deterministic KV + indexer content as :mod:`.engine` (0.5.18).
+
+Per request, in the same order on every rank (the 0.5.23 prefill scheduler's
+flow, one request per batch)::
+
+    match_prefix -> lock the device prefix -> evict for the request ->
+    [host hit] init_load_back + ready_to_load_host_cache -> lock the
+    request's last node -> verify every owned page of the matched prefix (KV
+    rows and indexer row) -> evict + alloc_extend on the chain's rotation base
+    -> write content into the owned new pages -> insert (rotation base,
+    prev_prefix_len: the tree frees duplicates itself) -> free the unaligned
+    tail -> unlock -> check_hicache_events
+
+Upstream's sharded pool decides every owner: the allocator's rotation gives
+page ``i`` of a chain to rank ``(base + i) % N``, host slots follow their
+device pages' owners and a load-back allocates device pages of the host
+pages' owners. The engine reads ownership off the logical locs with this
+library's :class:`CpSharedKVLayout` (the same bijection; the differential
+tests pin that) and checks owner preservation as an invariant.
+
+``copy_path`` is the stack's: ``"upstream"`` (``owned_rows`` + the stock ops)
+or ``"library"`` (this library's kernels through the 0.5.23 adapter). The CPU
+time spent preparing indices and copying (``_move_write_operation``,
+``_move_op_indices``, the engine's ``submit_*``) is measured per rank.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from array import array
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Optional, Sequence
+
+import torch
+from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams, InsertParams, MatchPrefixParams
+from sglang.srt.mem_cache.common import evict_from_tree_cache
+from sglang.srt.mem_cache.radix_cache import RadixKey
+from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
+
+from sglang_cp_hicache.layout import CpSharedKVLayout
+from sglang_cp_hicache.sim.content import corrupted_token_mask, prefix_keys, write_content
+from sglang_cp_hicache.sim.records import AckCounts, EngineTotals, RequestRecord
+from sglang_cp_hicache.testing.stack_0523 import ShardedRankStack
+
+__all__ = ["CopyPathTimes", "ShardedSimRankEngine"]
+
+_EMPTY = torch.empty((0,), dtype=torch.int64)
+_FULL = ComponentType.FULL
+
+
+@dataclass
+class CopyPathTimes:
+    """Process CPU seconds and calls in the sharded copy path on one rank."""
+
+    copy_path: str
+    prepare_seconds: float = 0.0  # _move_write_operation + _move_op_indices
+    submit_seconds: float = 0.0  # L2 engine submit_device_to_host + submit_host_to_device
+    prepare_calls: int = 0
+    submit_calls: int = 0
+
+    @property
+    def total_seconds(self) -> float:
+        return self.prepare_seconds + self.submit_seconds
+
+
+@dataclass
+class _LoadBackRequest:
+    """The request fields ``UnifiedRadixCache.init_load_back`` reads."""
+
+    rid: str
+    last_node: Any
+    kv_rotation_base: Optional[int]
+    swa_host_hit_length: int = 0
+    mamba_host_hit_length: int = 0
+    extra_key: Optional[str] = None
+    prefix_len: int = 0
+
+    @property
+    def kv(self) -> Any:
+        return _NoMamba
+
+
+class _NoMamba:
+    mamba_pool_idx = None
+
+
+class ShardedSimRankEngine:
+    """Drives one rank's :class:`ShardedRankStack` request by request."""
+
+    def __init__(self, stack: ShardedRankStack, *, content_seed: int = 0) -> None:
+        self.stack = stack
+        self.cache = stack.cache
+        self.allocator = stack.allocator
+        self.kv_pool = stack.kv_pool
+        self.page_size = stack.config.page_size
+        self.cp_size = stack.config.cp_size
+        self.layout: CpSharedKVLayout = stack.layout
+        self.copy_path = stack.config.copy_path
+        self.content_seed = content_seed
+        # Test hook: flip one byte ("kv" row or "indexer" row) of the next
+        # restored page this rank owns.
+        self.corrupt_next_restore = False
+        self.corrupt_part = "kv"
+        self.acks = AckCounts()
+        self.copy_times = CopyPathTimes(self.copy_path)
+        self.cache_cpu_seconds = 0.0
+        self.content_cpu_seconds = 0.0
+        self.collective_cpu_seconds = 0.0
+        self.collective_calls = 0
+        self.indexer_pages_verified = 0
+        self._totals = EngineTotals()
+        self._instrument()
+
+    # ---- instrumentation (instance attributes shadow the bound methods) ------
+    def _owned_tokens(self, logical: torch.Tensor) -> int:
+        return int(self.layout.owned_by_this_rank(logical.to(torch.int64).cpu()).sum())
+
+    def _instrument(self) -> None:
+        cache, ctrl = self.cache, self.cache.cache_controller
+        engine, anchor = ctrl.l2_transfer_engine, ctrl.mem_pool_host.anchor_entry.host_pool
+        t = self._totals
+
+        def timed(fn: Callable[..., Any], add: Callable[[float], None]) -> Callable[..., Any]:
+            def wrapper(*args: Any, **kwargs: Any) -> Any:
+                start = time.process_time()
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    add(time.process_time() - start)
+
+            return wrapper
+
+        def add_prepare(seconds: float) -> None:
+            self.copy_times.prepare_seconds += seconds
+            self.copy_times.prepare_calls += 1
+
+        def add_write_submit(seconds: float) -> None:
+            self.copy_times.submit_seconds += seconds
+            self.copy_times.submit_calls += 1
+            self.acks.writes_queued += 1  # one merged write operation, one ack
+
+        def add_load_submit(seconds: float) -> None:
+            self.copy_times.submit_seconds += seconds
+            self.copy_times.submit_calls += 1
+            self.acks.loads_queued += 1
+
+        def add_collective(seconds: float) -> None:
+            self.collective_cpu_seconds += seconds
+            self.collective_calls += 1
+
+        ctrl._move_write_operation = timed(ctrl._move_write_operation, add_prepare)
+        ctrl._move_op_indices = timed(ctrl._move_op_indices, add_prepare)
+        engine.submit_device_to_host = timed(engine.submit_device_to_host, add_write_submit)
+        engine.submit_host_to_device = timed(engine.submit_host_to_device, add_load_submit)
+        cache._all_reduce_attn_groups = timed(cache._all_reduce_attn_groups, add_collective)
+
+        write, load, free_host = ctrl.write, ctrl.load, anchor.free
+
+        def counted_write(device_indices: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            host = write(device_indices, *args, **kwargs)
+            if host is None:
+                t.write_failures += 1
+                return host
+            owned = self._owned_tokens(host)
+            t.write_backups += 1
+            t.backup_tokens += int(len(host))
+            t.backup_slots += owned
+            t.zero_owned_writes += int(owned == 0)
+            return host
+
+        def counted_load(host_indices: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            device = load(host_indices, *args, **kwargs)
+            if device is not None and host_indices.numel():
+                owned = self._owned_tokens(host_indices)
+                t.load_backs += 1
+                t.load_back_tokens += int(host_indices.numel())
+                t.load_slots += owned
+                t.zero_owned_loads += int(owned == 0)
+            return device
+
+        def counted_free(indices: torch.Tensor) -> int:
+            t.host_evicted_slots += self._owned_tokens(indices)
+            t.host_evicted_nodes += 1
+            return free_host(indices)
+
+        ctrl.write, ctrl.load, anchor.free = counted_write, counted_load, counted_free
+
+    @contextmanager
+    def _cache_time(self) -> Iterator[None]:
+        start = time.process_time()
+        try:
+            yield
+        finally:
+            self.cache_cpu_seconds += time.process_time() - start
+
+    @contextmanager
+    def _content_time(self) -> Iterator[None]:
+        start = time.process_time()
+        try:
+            yield
+        finally:
+            self.content_cpu_seconds += time.process_time() - start
+
+    # ---- SGLang calls -------------------------------------------------------
+    def _reserve_tokens(self, new_tokens: int) -> int:
+        # alloc_extend's conservative demand: one spare page per owner class.
+        return new_tokens + self.page_size * self.cp_size
+
+    def _make_room(self, new_tokens: int) -> int:
+        before = self._device_tokens_in_tree()
+        evict_from_tree_cache(self.cache, self._reserve_tokens(new_tokens))
+        return max(before - self._device_tokens_in_tree(), 0)
+
+    def _check_events(self) -> None:
+        """The scheduler's per-iteration poll: flushes the deferred backups
+        (new write acks), one MIN all-reduce of ready acks, then writing_check
+        and loading_check consume that many."""
+        ctrl = self.cache.cache_controller
+        writes, loads = len(ctrl.ack_write_queue), len(ctrl.ack_load_queue)
+        submitted = self.acks.writes_queued
+        self.cache.check_hicache_events()
+        writes += self.acks.writes_queued - submitted  # queued by the flush inside the poll
+        self.acks.write_acks += writes - len(ctrl.ack_write_queue)
+        self.acks.load_acks += loads - len(ctrl.ack_load_queue)
+
+    def _alloc(self, prefix_len: int, total: int, last_loc: int, base: Optional[int]) -> tuple[Any, Optional[int]]:
+        lens = torch.tensor([prefix_len, total], dtype=torch.int64)
+        bases = [base]
+        out = self.allocator.alloc_extend(
+            prefix_lens=lens[:1], prefix_lens_cpu=lens[:1], seq_lens=lens[1:], seq_lens_cpu=lens[1:],
+            last_loc=torch.tensor([last_loc], dtype=torch.int64), extend_num_tokens=total - prefix_len,
+            rotation_bases=bases,
+        )
+        return out, bases[0]
+
+    # ---- content ------------------------------------------------------------
+    def _write(self, locs: torch.Tensor, keys: torch.Tensor) -> None:
+        mask = self.layout.owned_by_this_rank(locs)
+        write_content(self.kv_pool, self.layout.logical_locs_to_physical(locs[mask]), keys[mask], seed=self.content_seed)
+
+    def _verify(self, locs: torch.Tensor, keys: torch.Tensor, restored_from: int) -> tuple[int, int, int]:
+        """(owned pages checked, of which restored, corrupted) over ``locs``."""
+        if locs.numel() == 0:
+            return 0, 0, 0
+        P = self.page_size
+        mask = self.layout.owned_by_this_rank(locs)
+        if not bool(mask.any()):
+            return 0, 0, 0
+        bad = corrupted_token_mask(
+            self.kv_pool, self.layout.logical_locs_to_physical(locs[mask]), keys[mask], seed=self.content_seed
+        )
+        page_of_token = torch.arange(locs.numel(), dtype=torch.int64)[mask] // P
+        pages = torch.unique(page_of_token)
+        bad_pages = torch.unique(page_of_token[bad])
+        restored = int((pages * P >= restored_from).sum())
+        self.indexer_pages_verified += int(pages.numel())  # every page check covers its indexer row
+        return int(pages.numel()), restored, int(bad_pages.numel())
+
+    def _corrupt_one_byte(self, restored_locs: torch.Tensor) -> None:
+        mask = self.layout.owned_by_this_rank(restored_locs)
+        if not bool(mask.any()):
+            return  # wait for a restore that lands on this rank
+        slot = int(self.layout.logical_locs_to_physical(restored_locs[mask][:1]))
+        if self.corrupt_part == "indexer":
+            self.kv_pool.index_k_with_scale_buffer[0][slot // self.page_size, 0] ^= 0x01
+        else:
+            self.kv_pool.kv_buffer[0].view(torch.uint8)[slot, 0, 0] ^= 0x01
+        self.corrupt_next_restore = False
+
+    # ---- one request --------------------------------------------------------
+    def serve(self, index: int, tokens: Sequence[int]) -> RequestRecord:
+        P = self.page_size
+        cache = self.cache
+        tokens = list(tokens)
+        record = RequestRecord(index=index, tokens=len(tokens))
+        with self._content_time():
+            keys = prefix_keys(tokens)
+        padded_len = -(-len(tokens) // P) * P
+        key_len = len(tokens) // P * P
+        token_array = array("q", tokens)
+
+        with self._cache_time():
+            match = cache.match_prefix(MatchPrefixParams(key=RadixKey(token_array)))
+            record.device_hit_tokens = int(match.device_prefix_len)
+            record.host_hit_tokens = int(match.host_hit_length)
+            device_locs = cache.path_device_indices(match.last_device_node)[: record.device_hit_tokens]
+            admission = cache.lock(match.last_device_node)
+            record.device_tokens_evicted += self._make_room(padded_len - record.device_hit_tokens)
+            last_node = match.last_device_node
+            loaded = _EMPTY
+            if record.host_hit_tokens > 0:
+                new_tokens = padded_len - record.device_hit_tokens - record.host_hit_tokens
+                quota = max(self.allocator.available_size() - self._reserve_tokens(new_tokens), 0)
+                request = _LoadBackRequest(
+                    rid=f"sim-{index}", last_node=match.last_device_node,
+                    kv_rotation_base=cache.rotation_base_of(match.best_match_node),
+                )
+                num_loaded, last_node = cache.init_load_back(
+                    InitLoadBackParams(
+                        best_match_node=match.best_match_node, host_hit_length=record.host_hit_tokens,
+                        mem_quota=quota, req=request,
+                    )
+                )
+                cache.ready_to_load_host_cache()
+                if num_loaded:
+                    loaded = cache.path_device_indices(last_node)[record.device_hit_tokens :].to(torch.int64)
+            record.loaded_tokens = int(loaded.numel())
+            request_lock = cache.lock(last_node)
+            cache.unlock(admission)
+        # On CPU the copies ran inside ready_to_load_host_cache (synchronous
+        # streams); the ack is consumed with the others at the end.
+        prefix = torch.cat([device_locs.to(torch.int64), loaded])
+        if self.corrupt_next_restore and loaded.numel():
+            self._corrupt_one_byte(loaded)
+        with self._content_time():
+            checked, restored, corrupted = self._verify(prefix, keys[: prefix.numel()], record.device_hit_tokens)
+        record.verified_pages, record.restored_pages_verified, record.corrupted_pages = checked, restored, corrupted
+
+        prefix_len = int(prefix.numel())
+        new_len = padded_len - prefix_len
+        new, base = _EMPTY, cache.rotation_base_of(last_node) if prefix_len else None
+        if new_len > 0:
+            with self._cache_time():
+                record.device_tokens_evicted += self._make_room(new_len)
+                last_loc = int(prefix[-1]) if prefix_len else -1
+                new, base = self._alloc(prefix_len, padded_len, last_loc, base)
+            if new is None:  # everything left is locked: identical on every rank
+                record.skipped = True
+                with self._cache_time():
+                    cache.unlock(request_lock)
+                    self._check_events()
+                record.host_slots = self.host_slots_in_use()
+                return record
+            new = new.to(torch.int64)
+            record.new_tokens = len(tokens) - prefix_len
+            with self._content_time():
+                self._write(new[: len(tokens) - prefix_len], keys[prefix_len:])
+
+        locs = torch.cat([prefix, new])
+        with self._cache_time():
+            if key_len > prefix_len:
+                result = cache.insert(
+                    InsertParams(
+                        key=RadixKey(token_array[:key_len]), value=locs[:key_len].clone(),
+                        rotation_base=base, prev_prefix_len=prefix_len,
+                    )
+                )
+                if result.rotation_tail_declined:  # the request keeps its own pages: free them
+                    self.allocator.free(locs[prefix_len:key_len])
+                else:
+                    # The tree freed what it already held (between prev_prefix_len and its match).
+                    record.duplicate_tokens_freed = max(int(result.prefix_len) - prefix_len, 0)
+            if padded_len > max(key_len, prefix_len):
+                self.allocator.free(locs[max(key_len, prefix_len) :])
+            cache.unlock(request_lock)
+            self._check_events()
+        record.host_slots = self.host_slots_in_use()
+        return record
+
+    # ---- end of run ---------------------------------------------------------
+    def host_slots_in_use(self) -> int:
+        """Physical host slots this rank holds (its share of the logical slots in use)."""
+        slots = self.cache.cache_controller.mem_pool_host.anchor_entry.host_pool._slots
+        return (slots.size - slots.aggregate_free_size()) // self.cp_size
+
+    def _nodes(self) -> list[Any]:
+        out, stack = [], [self.cache.tree_core.root_node]
+        while stack:
+            node = stack.pop()
+            for child in node.children.values():
+                out.append(child)
+                stack.append(child)
+        return out
+
+    def _device_tokens_in_tree(self) -> int:
+        return sum(len(n.component(_FULL).value) for n in self._nodes() if not n.evicted)
+
+    def tree_digest(self) -> str:
+        """Hash of the tree's shape and logical state: keys, logical device
+        locs, logical host slots (mirrored on every rank under sharding),
+        evicted / backed up, rotation base, locks."""
+        rows = []
+
+        def walk(node: Any, path: tuple) -> None:
+            children = sorted(node.children.values(), key=lambda c: tuple(c.key.token_ids))
+            for i, child in enumerate(children):
+                data = child.component(_FULL)
+                value = () if data.value is None else tuple(data.value.tolist())
+                host = () if data.host_value is None else tuple(data.host_value.tolist())
+                here = path + (i,)
+                rows.append((here, tuple(child.key.token_ids), value, host, child.evicted, child.backuped,
+                             child.rotation_base, data.lock_ref))
+                walk(child, here)
+
+        walk(self.cache.tree_core.root_node, ())
+        return hashlib.sha256(repr(rows).encode()).hexdigest()[:16]
+
+    def invariant_violations(self) -> list[str]:
+        """No leaks with no request in flight, owners preserved, acks consumed."""
+        out = []
+        P = self.page_size
+        nodes = self._nodes()
+        slots = self.cache.cache_controller.mem_pool_host.anchor_entry.host_pool._slots
+        host_in_use = slots.size - slots.aggregate_free_size()
+        host_in_tree = sum(len(n.component(_FULL).host_value) for n in nodes if n.backuped)
+        if host_in_tree != host_in_use:
+            out.append(f"logical host slots in use {host_in_use} != held by tree nodes {host_in_tree}")
+        device_in_use = int(self.allocator.size - self.allocator.aggregate_free_size())
+        device_in_tree = self._device_tokens_in_tree()
+        if device_in_tree != device_in_use:
+            out.append(f"device tokens in use {device_in_use} != held by tree nodes {device_in_tree}")
+        for node in nodes:
+            data = node.component(_FULL)
+            if data.value is not None and data.host_value is not None:
+                device_owners = self.layout.owner_of(data.value[::P].to(torch.int64).cpu())
+                host_owners = self.layout.owner_of(data.host_value[::P].to(torch.int64))
+                if not torch.equal(device_owners, host_owners):
+                    out.append(f"node {node.id}: host page owners {host_owners.tolist()} != device {device_owners.tolist()}")
+        locked = [n.id for n in nodes if n.component(_FULL).lock_ref != 0]
+        if locked:
+            out.append(f"nodes still locked: {locked[:8]}")
+        ctrl = self.cache.cache_controller
+        if ctrl.ack_write_queue or ctrl.ack_load_queue:
+            out.append(f"unconsumed acks: {len(ctrl.ack_write_queue)} write, {len(ctrl.ack_load_queue)} load")
+        return out
+
+    def totals(self) -> EngineTotals:
+        t = self._totals
+        slots = self.cache.cache_controller.mem_pool_host.anchor_entry.host_pool._slots
+        return EngineTotals(
+            backup_tokens=t.backup_tokens, backup_slots=t.backup_slots, write_backups=t.write_backups,
+            write_failures=t.write_failures, host_evicted_slots=t.host_evicted_slots,
+            host_evicted_nodes=t.host_evicted_nodes, load_backs=t.load_backs,
+            load_back_tokens=t.load_back_tokens, load_slots=t.load_slots,
+            zero_owned_writes=t.zero_owned_writes, zero_owned_loads=t.zero_owned_loads,
+            consensus_calls=self.collective_calls, host_slot_capacity=slots.size // self.cp_size,
+            tree_digest=self.tree_digest(), invariant_violations=self.invariant_violations(),
+        )
