@@ -1,4 +1,6 @@
-"""CPU bookkeeping costs: split, write mapping, load mapping, host eviction.
+"""CPU bookkeeping costs of the path the CP cache runs: split, the write plan,
+the load plan (with the allocator checkpoint the adapter opens per load-back
+to undo a refused one), host eviction.
 
 Usage: python bench/bench_bookkeeping.py [--out bench/results/bookkeeping.csv]
 
@@ -29,8 +31,8 @@ from sglang_cp_hicache import (
     HostLeafIndex,
     OwnerLaneAllocator,
     evict_host_slots,
-    map_cp_load,
-    map_cp_write,
+    plan_load,
+    plan_write,
     set_host_state,
 )
 
@@ -76,10 +78,15 @@ class _HostPool:
         return out
 
 
+def _node(page_size: int, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(CPU page mirror, logical locs) of a node of ``tokens`` tokens from page 1."""
+    pages = torch.arange(1, 1 + tokens // page_size)
+    return pages, torch.arange(page_size, page_size + tokens)
+
+
 def bench_split(rows: list, page_size: int, cp_size: int, tokens: int) -> None:
     lay = CpSharedKVLayout(page_size, cp_size, 0)
-    result, _ = map_cp_write(lay, torch.arange(page_size, page_size + tokens), _HostPool(10**7).alloc)
-    meta = result.metadata
+    meta = plan_write(lay, *_node(page_size, tokens), _HostPool(10**7).alloc).metadata
     cut = (tokens // 2 // page_size) * page_size
     p50, p80 = _time_us(lambda: meta.split(cut), 2000)
     rows.append(("split", page_size, cp_size, tokens, "", p50, p80))
@@ -88,22 +95,48 @@ def bench_split(rows: list, page_size: int, cp_size: int, tokens: int) -> None:
 def bench_write(rows: list, page_size: int, cp_size: int, tokens: int) -> None:
     lay = CpSharedKVLayout(page_size, cp_size, 0)
     pool = _HostPool(10**7)
-    locs = torch.arange(page_size, page_size + tokens)
-    p50, p80 = _time_us(lambda: map_cp_write(lay, locs, pool.alloc), 1000)
-    rows.append(("write_mapping", page_size, cp_size, tokens, "", p50, p80))
+    pages, locs = _node(page_size, tokens)
+    p50, p80 = _time_us(lambda: plan_write(lay, pages, locs, pool.alloc), 1000)
+    rows.append(("write_plan", page_size, cp_size, tokens, "", p50, p80))
 
 
 def bench_load(rows: list, page_size: int, cp_size: int, tokens: int) -> None:
     lay = CpSharedKVLayout(page_size, cp_size, 0)
-    result, _ = map_cp_write(lay, torch.arange(page_size, page_size + tokens), _HostPool(10**7).alloc)
+    meta = plan_write(lay, *_node(page_size, tokens), _HostPool(10**7).alloc).metadata
     alloc = OwnerLaneAllocator(page_size * (4 * tokens // page_size + 4 * cp_size), page_size, cp_size)
 
     def once():
-        plan = map_cp_load(lay, [result.metadata], alloc)
-        alloc.free(plan.device_locs)
+        cp = alloc.checkpoint()  # what the adapter opens to undo a refused load exactly
+        plan = plan_load(lay, [meta], alloc)
+        alloc.commit(cp)
+        alloc.free_mirrored(plan.allocation.pages)
 
     p50, p80 = _time_us(once, 500)
-    rows.append(("load_mapping", page_size, cp_size, tokens, "", p50, p80))
+    rows.append(("load_plan", page_size, cp_size, tokens, "", p50, p80))
+
+
+def bench_load_vs_free_pages(rows: list, free_pages: int, chain_pages: int = 16) -> None:
+    """One load-back's bookkeeping with a large free pool, undone the old way
+    (a snapshot of every free list, O(free pages)) and the current way (an
+    undo log, O(pages touched)); both then roll the allocation back."""
+    page_size, cp_size = 64, 8
+    lay = CpSharedKVLayout(page_size, cp_size, 0)
+    meta = plan_write(lay, *_node(page_size, chain_pages * page_size), _HostPool(10**7).alloc).metadata
+    alloc = OwnerLaneAllocator(page_size * free_pages, page_size, cp_size)
+
+    def with_snapshot():
+        snap = alloc.snapshot()
+        plan_load(lay, [meta], alloc)
+        alloc.restore(snap)
+
+    def with_undo_log():
+        cp = alloc.checkpoint()
+        plan_load(lay, [meta], alloc)
+        alloc.rollback(cp)
+
+    for name, fn in (("load_back_refused_snapshot", with_snapshot), ("load_back_refused_undo_log", with_undo_log)):
+        p50, p80 = _time_us(fn, 50)
+        rows.append((name, page_size, cp_size, chain_pages * page_size, f"free={free_pages}", p50, p80))
 
 
 def bench_host_eviction(rows: list, num_leaves: int, evict_k: int = 100, rounds: int = 5) -> None:
@@ -130,7 +163,7 @@ def bench_host_eviction(rows: list, num_leaves: int, evict_k: int = 100, rounds:
     samples.sort()
     p50 = statistics.median(samples)
     rows.append(("host_eviction_k100", page_size, cp_size, "", num_leaves, p50, samples[-1]))
-    # Baseline: the seed plan's approach, a heap of every host leaf rebuilt per call.
+    # Baseline: a heap of every host leaf rebuilt per call (the naive approach).
     leaves = [(((i * 7919) % num_leaves), i) for i in range(num_leaves)]
     base = []
     for _ in range(rounds):
@@ -155,6 +188,8 @@ def main() -> int:
             bench_split(rows, 64, cp_size, tokens)
             bench_write(rows, 64, cp_size, tokens)
             bench_load(rows, 64, cp_size, tokens)
+    for free_pages in (10**4, 10**5):
+        bench_load_vs_free_pages(rows, free_pages)
     for leaves in (10**2, 10**3, 10**4, 10**5):
         bench_host_eviction(rows, leaves)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
@@ -165,9 +200,9 @@ def main() -> int:
         w.writerow(header)
         for row in rows:
             w.writerow([*row[:5], f"{row[5]:.1f}", f"{row[6]:.1f}", *meta])
-    print(f"{'op':<28}{'P':>4}{'N':>4}{'tokens':>8}{'leaves':>9}{'p50 us':>11}{'p80 us':>11}")
+    print(f"{'op':<28}{'P':>4}{'N':>4}{'tokens':>8}{'leaves':>13}{'p50 us':>11}{'p80 us':>11}")
     for op, p, n, t, l, p50, p80 in rows:
-        print(f"{op:<28}{p:>4}{n:>4}{str(t):>8}{str(l):>9}{p50:>11.1f}{p80:>11.1f}")
+        print(f"{op:<28}{p:>4}{n:>4}{str(t):>8}{str(l):>13}{p50:>11.1f}{p80:>11.1f}")
     print(f"wrote {args.out}")
     return 0
 

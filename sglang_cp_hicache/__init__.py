@@ -1,21 +1,13 @@
 """Context-parallel (CP shared KV) support for SGLang's hierarchical KV cache.
 
-Everything importable from here needs only torch; the SGLang adapter lives in
-``sglang_cp_hicache.sglang`` and the kernels in ``sglang_cp_hicache.kernels``.
+Everything importable from here needs only torch (policy and vocabulary).
+The rooms above it: ``sglang_cp_hicache.kernels`` (Triton page copies and
+their dispatcher, ``kernels.transfer``), ``sglang_cp_hicache.sglang`` (the
+SGLang 0.5.18 adapter a server runs), ``sglang_cp_hicache.testing`` (CPU
+harness for tests and the simulator) and ``sglang_cp_hicache.sim``.
 """
 
-from sglang_cp_hicache.allocator import OwnerLaneAllocator
-from sglang_cp_hicache.controller import (
-    CpAck,
-    CpHiCacheController,
-    CpLoadOp,
-    CpLoadPlan,
-    CpWriteOp,
-    HiCacheWriteFailure,
-    HiCacheWriteResult,
-    map_cp_load,
-    map_cp_write,
-)
+from sglang_cp_hicache.allocator import AllocatorSnapshot, OwnerLaneAllocator, PageAllocation
 from sglang_cp_hicache.host_eviction import (
     HostEvictionResult,
     HostLeafIndex,
@@ -23,7 +15,7 @@ from sglang_cp_hicache.host_eviction import (
     evict_host_slots,
     is_host_leaf,
 )
-from sglang_cp_hicache.layout import CpSharedKVLayout
+from sglang_cp_hicache.layout import DSA_PAGE_SIZE, CpSharedKVLayout
 from sglang_cp_hicache.load_back import LoadBackOutcome, collect_evicted_chain, cp_load_back
 from sglang_cp_hicache.metadata import CpHiCacheNodeMetadata
 from sglang_cp_hicache.node_state import (
@@ -34,23 +26,31 @@ from sglang_cp_hicache.node_state import (
     set_host_state,
     split_host_state,
 )
+from sglang_cp_hicache.plan import (
+    CpLoadPlan,
+    CpWritePlan,
+    HiCacheWriteFailure,
+    owner_token_counts,
+    page_owners_of,
+    plan_load,
+    plan_write,
+)
 
 __all__ = [
-    "CpAck",
-    "CpHiCacheController",
+    "DSA_PAGE_SIZE",
+    "AllocatorSnapshot",
     "CpHiCacheNodeMetadata",
-    "CpLoadOp",
     "CpLoadPlan",
     "CpSharedKVLayout",
-    "CpWriteOp",
+    "CpWritePlan",
     "HiCacheWriteFailure",
-    "HiCacheWriteResult",
     "HostClearResult",
     "HostEvictionResult",
     "HostLeafIndex",
     "HostSlotLedger",
     "LoadBackOutcome",
     "OwnerLaneAllocator",
+    "PageAllocation",
     "clear_host_state",
     "collect_evicted_chain",
     "cp_load_back",
@@ -58,8 +58,10 @@ __all__ = [
     "is_backed_up",
     "is_host_leaf",
     "logical_host_len",
-    "map_cp_load",
-    "map_cp_write",
+    "owner_token_counts",
+    "page_owners_of",
+    "plan_load",
+    "plan_write",
     "set_host_state",
     "split_host_state",
 ]

@@ -18,19 +18,48 @@ Page 0 is reserved (SGLang uses slot 0 as padding).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 import torch
 
-__all__ = ["OwnerLaneAllocator"]
+from sglang_cp_hicache.validation import check_int as _check_int
+from sglang_cp_hicache.validation import check_int_tensor
+
+__all__ = ["AllocatorCheckpoint", "AllocatorSnapshot", "OwnerLaneAllocator", "PageAllocation"]
 
 
-def _check_int(name: str, value: object, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
+@dataclass(frozen=True)
+class PageAllocation:
+    """Pages handed out by one allocation, twice: ``locs`` (token locations
+    on the allocator's device, for SGLang) and ``pages`` (the same logical
+    pages as CPU int64, the mirror that the write and load paths read so they
+    never read device memory back)."""
+
+    locs: torch.Tensor
+    pages: torch.Tensor
+
+
+@dataclass(frozen=True)
+class AllocatorCheckpoint:
+    """A point :meth:`OwnerLaneAllocator.rollback` can return to: the length
+    of the undo log when it was taken, and the round-robin cursor then."""
+
+    log_len: int
+    rr_cursor: int
+    depth: int
+
+
+@dataclass(frozen=True)
+class AllocatorSnapshot:
+    """Everything :meth:`OwnerLaneAllocator.restore` needs to undo allocations
+    exactly (free-list order included), so a rank that undoes stays identical
+    to ranks that never allocated."""
+
+    free: tuple[tuple[int, ...], ...]
+    release: tuple[tuple[int, ...], ...]
+    in_use: bytes
+    rr_cursor: int
 
 
 class OwnerLaneAllocator:
@@ -66,6 +95,10 @@ class OwnerLaneAllocator:
         self._in_use = bytearray(self.num_pages + 1)
         self._in_use[0] = 1  # reserved padding page, never freed
         self._rr_cursor = 0
+        # Undo log, kept only while a checkpoint is open: ("take", lane, pages),
+        # ("merge", lane, old_free, old_release) or ("free", pages).
+        self._undo: list[tuple] = []
+        self._open_checkpoints = 0
         # Optional per-lane load (e.g. host slots each rank holds): lanes with
         # less load are preferred. Must be identical on every rank.
         if not hasattr(self, "lane_bias"):
@@ -114,13 +147,83 @@ class OwnerLaneAllocator:
     # ---- allocation -------------------------------------------------------
     def _merge_lane(self, lane: int) -> None:
         if self._release[lane]:
+            if self._open_checkpoints:  # a merge is O(lane) work already: so is its undo
+                self._undo.append(("merge", lane, self._free[lane], self._release[lane]))
             self._free[lane] = sorted(self._free[lane] + self._release[lane])
             self._release[lane] = []
 
-    def _pages_to_locs(self, pages: list[int]) -> torch.Tensor:
+    # ---- undo log: take back allocations in O(pages touched) ---------------
+    def checkpoint(self) -> AllocatorCheckpoint:
+        """Start (or nest) an undo log; :meth:`rollback` returns here exactly
+        (free-list order included), :meth:`commit` keeps what happened since.
+        Costs O(pages touched), unlike a :meth:`snapshot` of every free list."""
+        self._open_checkpoints += 1
+        return AllocatorCheckpoint(len(self._undo), self._rr_cursor, self._open_checkpoints)
+
+    def _close(self, checkpoint: AllocatorCheckpoint) -> None:
+        if not isinstance(checkpoint, AllocatorCheckpoint):
+            raise TypeError(f"checkpoint must be an AllocatorCheckpoint, got {type(checkpoint).__name__}")
+        if checkpoint.depth != self._open_checkpoints or checkpoint.log_len > len(self._undo):
+            raise ValueError("checkpoint is not the innermost open checkpoint of this allocator")
+        self._open_checkpoints -= 1
+        if self._open_checkpoints == 0:
+            self._undo.clear()
+
+    def rollback(self, checkpoint: AllocatorCheckpoint) -> None:
+        """Undo every allocation and free since ``checkpoint`` and close it."""
+        if not isinstance(checkpoint, AllocatorCheckpoint):
+            raise TypeError(f"checkpoint must be an AllocatorCheckpoint, got {type(checkpoint).__name__}")
+        if checkpoint.depth != self._open_checkpoints or checkpoint.log_len > len(self._undo):
+            raise ValueError("checkpoint is not the innermost open checkpoint of this allocator")
+        while len(self._undo) > checkpoint.log_len:
+            entry = self._undo.pop()
+            if entry[0] == "take":
+                _, lane, pages = entry
+                self._free[lane][:0] = pages
+                for page in pages:
+                    self._in_use[page] = 0
+            elif entry[0] == "merge":
+                _, lane, old_free, old_release = entry
+                self._free[lane], self._release[lane] = old_free, old_release
+            else:  # "free": the pages went to the end of their release lists
+                _, pages = entry
+                for page in reversed(pages):
+                    self._release[page % self.cp_size].pop()
+                    self._in_use[page] = 1
+        self._rr_cursor = checkpoint.rr_cursor
+        self._close(checkpoint)
+
+    def commit(self, checkpoint: AllocatorCheckpoint) -> None:
+        """Keep everything since ``checkpoint`` and close it."""
+        self._close(checkpoint)
+
+    def snapshot(self) -> AllocatorSnapshot:
+        return AllocatorSnapshot(
+            tuple(tuple(x) for x in self._free), tuple(tuple(x) for x in self._release),
+            bytes(self._in_use), self._rr_cursor,
+        )
+
+    def restore(self, snapshot: AllocatorSnapshot) -> None:
+        if not isinstance(snapshot, AllocatorSnapshot):
+            raise TypeError(f"snapshot must be an AllocatorSnapshot, got {type(snapshot).__name__}")
+        if len(snapshot.free) != self.cp_size or len(snapshot.in_use) != self.num_pages + 1:
+            raise ValueError("snapshot was taken from an allocator of another size")
+        self._free = [list(x) for x in snapshot.free]
+        self._release = [list(x) for x in snapshot.release]
+        self._in_use = bytearray(snapshot.in_use)
+        self._rr_cursor = snapshot.rr_cursor
+        self._undo.clear()
+        self._open_checkpoints = 0
+
+    def merge_free(self) -> None:
+        """Move every deferred release into the sorted free lists now."""
+        for lane in range(self.cp_size):
+            self._merge_lane(lane)
+
+    def _allocation(self, pages: list[int]) -> PageAllocation:
         p = torch.tensor(pages, dtype=torch.int64)
         locs = (p[:, None] * self.page_size + torch.arange(self.page_size)).reshape(-1)
-        return locs.to(self.device)
+        return PageAllocation(locs=locs.to(self.device), pages=p)
 
     def _take(self, lane: int, count: int) -> list[int]:
         if len(self._free[lane]) < count:
@@ -129,10 +232,17 @@ class OwnerLaneAllocator:
         del self._free[lane][:count]
         for page in taken:
             self._in_use[page] = 1
+        if self._open_checkpoints:
+            self._undo.append(("take", lane, taken))
         return taken
 
     def alloc(self, need_size: int) -> Optional[torch.Tensor]:
-        """Token locs for ``need_size`` tokens (a multiple of page_size), or None.
+        """Token locs for ``need_size`` tokens (a multiple of page_size), or None."""
+        got = self.alloc_mirrored(need_size)
+        return None if got is None else got.locs
+
+    def alloc_mirrored(self, need_size: int) -> Optional[PageAllocation]:
+        """:meth:`alloc`, with the CPU mirror of the pages handed out.
 
         Each page comes from the lane with the least ``lane_bias`` load (when
         set; the CP cache sets it to every rank's host slots in use, so host
@@ -170,22 +280,30 @@ class OwnerLaneAllocator:
         self._rr_cursor = cursor
         return self._take_in_order(order)
 
-    def _take_in_order(self, lanes_in_order: list[int]) -> torch.Tensor:
+    def _take_in_order(self, lanes_in_order: list[int]) -> PageAllocation:
         counts = [0] * self.cp_size
         for lane in lanes_in_order:
             counts[lane] += 1
         taken = {lane: iter(self._take(lane, c)) for lane, c in enumerate(counts) if c}
         pages = [next(taken[lane]) for lane in lanes_in_order]
-        return self._pages_to_locs(pages)
+        return self._allocation(pages)
 
     def alloc_pages_with_owners(
         self, owners: Sequence[int] | torch.Tensor
     ) -> Optional[torch.Tensor]:
         """Token locs whose i-th page is owned by ``owners[i]``; None (state
         unchanged) when any lane is short."""
+        got = self.alloc_with_owners_mirrored(owners)
+        return None if got is None else got.locs
+
+    def alloc_with_owners_mirrored(
+        self, owners: Sequence[int] | torch.Tensor
+    ) -> Optional[PageAllocation]:
+        """:meth:`alloc_pages_with_owners`, with the CPU mirror of the pages."""
         if isinstance(owners, torch.Tensor):
-            if owners.dtype.is_floating_point or owners.dtype.is_complex or owners.dtype == torch.bool:
-                raise TypeError(f"owners must hold integers, got {owners.dtype}")
+            check_int_tensor("owners", owners)
+            if owners.device.type != "cpu":
+                raise ValueError(f"owners must be a CPU tensor (a host-side list of ranks), got {owners.device}")
             if owners.dim() != 1:
                 raise ValueError(f"owners must be 1-D, got shape {tuple(owners.shape)}")
             owners = owners.tolist()
@@ -205,7 +323,7 @@ class OwnerLaneAllocator:
         if any(c > a for c, a in zip(counts, avail)):
             return None
         if not owner_list:
-            return torch.empty((0,), dtype=torch.int64, device=self.device)
+            return self._allocation([])
         return self._take_in_order(owner_list)
 
     def free(self, free_index: torch.Tensor) -> None:
@@ -216,19 +334,36 @@ class OwnerLaneAllocator:
             raise TypeError(f"free_index must be int32/int64, got {free_index.dtype}")
         if free_index.numel() == 0:
             return
-        pages = torch.unique(
-            torch.div(free_index.reshape(-1).to("cpu", torch.int64), self.page_size, rounding_mode="floor")
-        ).tolist()
+        # SGLang's scheduler frees device tensors: this read is the one place
+        # the allocator looks at device memory. The CP cache frees through
+        # free_mirrored() with its CPU mirror instead.
+        pages = torch.div(free_index.reshape(-1).to("cpu", torch.int64), self.page_size, rounding_mode="floor")
+        self._free_pages("free_index", pages)
+
+    def free_mirrored(self, pages: torch.Tensor) -> None:
+        """Release logical pages given on the CPU (deferred); duplicates are
+        one release. Checks every page first, so a bad call frees nothing."""
+        check_int_tensor("pages", pages)
+        if pages.device.type != "cpu":
+            raise ValueError(f"pages must be a CPU tensor, got {pages.device}")
+        self._free_pages("pages", pages)
+
+    def _free_pages(self, name: str, pages: torch.Tensor) -> None:
+        if pages.numel() == 0:
+            return
+        pages = torch.unique(pages.reshape(-1).to(torch.int64)).tolist()
         for page in pages:
             if not 1 <= page <= self.num_pages:
                 raise ValueError(
-                    f"free_index holds page {page} outside [1, {self.num_pages}]"
+                    f"{name} holds page {page} outside [1, {self.num_pages}]"
                 )
             if not self._in_use[page]:
-                raise ValueError(f"free_index frees page {page}, which is not allocated")
+                raise ValueError(f"{name} frees page {page}, which is not allocated")
         for page in pages:
             self._in_use[page] = 0
             self._release[page % self.cp_size].append(page)
+        if self._open_checkpoints:
+            self._undo.append(("free", pages))
 
     def is_page_in_use(self, page: int) -> bool:
         return bool(self._in_use[page])

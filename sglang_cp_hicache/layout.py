@@ -17,14 +17,13 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["CpSharedKVLayout"]
+from sglang_cp_hicache.validation import check_int, check_int_tensor as _check_locs
 
+__all__ = ["DSA_PAGE_SIZE", "CpSharedKVLayout"]
 
-def _check_locs(name: str, locs: torch.Tensor) -> None:
-    if not isinstance(locs, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(locs).__name__}")
-    if locs.dtype.is_floating_point or locs.dtype.is_complex or locs.dtype == torch.bool:
-        raise TypeError(f"{name} must be an integer tensor, got {locs.dtype}")
+#: Tokens per KV page of SGLang's DSA pools: ``DSATokenToKVPool`` accepts no
+#: other page size outside ROCm, and the DSA indexer stores whole pages.
+DSA_PAGE_SIZE = 64
 
 
 @dataclass(frozen=True)
@@ -37,9 +36,7 @@ class CpSharedKVLayout:
 
     def __post_init__(self) -> None:
         for name in ("page_size", "cp_size", "cp_rank"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+            check_int(name, getattr(self, name))
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
         if self.cp_size < 1:
@@ -82,8 +79,7 @@ class CpSharedKVLayout:
     # ---- sizes ---------------------------------------------------------------
     def owned_pages(self, logical_num_pages: int) -> int:
         """How many of logical pages [0, logical_num_pages) this rank owns."""
-        if logical_num_pages < 0:
-            raise ValueError(f"logical_num_pages must be non-negative, got {logical_num_pages}")
+        check_int("logical_num_pages", logical_num_pages, 0)
         if logical_num_pages <= self.cp_rank:
             return 0
         return (logical_num_pages - self.cp_rank + self.cp_size - 1) // self.cp_size
@@ -93,10 +89,7 @@ class CpSharedKVLayout:
 
         A partial last page still takes a whole physical page.
         """
-        if isinstance(logical_size, bool) or not isinstance(logical_size, int):
-            raise TypeError(f"logical_size must be an int, got {type(logical_size).__name__}")
-        if logical_size < 0:
-            raise ValueError(f"logical_size must be non-negative, got {logical_size}")
+        check_int("logical_size", logical_size, 0)
         num_pages = (logical_size + self.page_size - 1) // self.page_size
         return self.owned_pages(num_pages) * self.page_size
 

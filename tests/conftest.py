@@ -1,18 +1,16 @@
-"""Test-wide setup: import paths and hypothesis profiles.
+"""Test-wide setup: hypothesis profiles, and SGLang importable on CPU.
 
-``tests/stubs`` holds a torchvision stand-in so SGLang imports on CPU-only
-machines; it exists only in the test tree, never in a user's environment.
+Without a GPU, ``import torchvision`` fails (its PyPI wheel is a CUDA build);
+the CPU harness registers its in-memory, import-only stand-in for this process
+only then, so ``import sglang`` works. Nothing is installed on disk.
 """
 
+import logging
 import os
-import sys
 
 from hypothesis import HealthCheck, settings
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-for path in (_HERE, os.path.join(_HERE, "stubs")):
-    if path not in sys.path:
-        sys.path.insert(0, path)
+from sglang_cp_hicache.testing.cpu_support import ensure_sglang_importable
 
 settings.register_profile(
     "ci", max_examples=60, deadline=None, derandomize=True,
@@ -23,7 +21,7 @@ settings.register_profile(
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
-# SGLang logs a host-pool sizing warning for every small test pool.
-import logging  # noqa: E402
+ensure_sglang_importable()
 
+# SGLang logs a host-pool sizing warning for every small test pool.
 logging.getLogger("sglang").setLevel(logging.ERROR)

@@ -1,6 +1,11 @@
-"""SGLang-aware code: the only part of the package that imports sglang.
+"""The SGLang 0.5.18 adapter: only what a server runs.
 
-Importing this package does not import sglang; its modules do.
+``hiradix`` (CpHiRadixCache), ``allocator`` (the CP shared token allocator),
+``transfer_adapter`` (SGLang's queues, with undo handles), ``host_copies``
+(CP copies through this library's kernels), ``plugin`` (the
+``sglang.srt.plugins`` entry point), ``checks`` (start-up refusals). The CPU
+harness lives in ``sglang_cp_hicache.testing``. Importing this package does
+not import sglang; its modules do.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """SGLang-compatible CP shared KV token allocator (owner lanes, logical pages).
 
 Wraps :class:`sglang_cp_hicache.allocator.OwnerLaneAllocator` behind SGLang's
-``BaseTokenToKVPoolAllocator`` interface, with the seed plan's constructor.
+``BaseTokenToKVPoolAllocator`` interface (constructor: logical and physical
+sizes, page size, dtype, device, kvcache, need_sort, cp_size, cp_rank).
 Allocations are decided on the CPU, so page owners are known there without
 reading anything back from the GPU.
 """
@@ -13,7 +14,12 @@ from typing import Optional, Sequence
 import torch
 from sglang.srt.mem_cache.allocator.base import BaseTokenToKVPoolAllocator
 
-from sglang_cp_hicache.allocator import OwnerLaneAllocator
+from sglang_cp_hicache.allocator import (
+    AllocatorCheckpoint,
+    AllocatorSnapshot,
+    OwnerLaneAllocator,
+    PageAllocation,
+)
 from sglang_cp_hicache.layout import CpSharedKVLayout
 
 __all__ = ["CPSharedPagedTokenToKVPoolAllocator", "CpSharedPagedTokenToKVPoolAllocator"]
@@ -78,8 +84,16 @@ class CpSharedPagedTokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
     def alloc(self, need_size: int) -> Optional[torch.Tensor]:
         return self._lanes.alloc(need_size)
 
+    def alloc_mirrored(self, need_size: int) -> Optional[PageAllocation]:
+        """:meth:`alloc` plus the CPU mirror of the pages (for
+        ``CpInsertParams.value_pages``)."""
+        return self._lanes.alloc_mirrored(need_size)
+
     def alloc_pages_with_owners(self, owners: Sequence[int]) -> Optional[torch.Tensor]:
         return self._lanes.alloc_pages_with_owners(owners)
+
+    def alloc_with_owners_mirrored(self, owners: Sequence[int]) -> Optional[PageAllocation]:
+        return self._lanes.alloc_with_owners_mirrored(owners)
 
     def free(self, free_index: torch.Tensor) -> None:
         if free_index.numel() == 0:
@@ -89,22 +103,39 @@ class CpSharedPagedTokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
         else:
             self.free_group.append(self._copy_for_free_group(free_index))
 
+    def free_mirrored(self, pages: torch.Tensor) -> None:
+        """Free logical pages named by their CPU mirror (no device read)."""
+        if self.is_not_in_free_group:
+            self._lanes.free_mirrored(pages)
+        else:
+            P = self.page_size
+            locs = (pages.to(torch.int64)[:, None] * P + torch.arange(P)).reshape(-1)
+            self.free_group.append(locs)
+
     def merge_and_sort_free(self) -> None:
-        for lane in range(self.cp_size):
-            self._lanes._merge_lane(lane)
+        self._lanes.merge_free()
 
-    def backup_state(self):
-        lanes = self._lanes
-        return ([list(x) for x in lanes._free], [list(x) for x in lanes._release],
-                bytes(lanes._in_use), lanes._rr_cursor)
+    def snapshot(self) -> AllocatorSnapshot:
+        return self._lanes.snapshot()
 
-    def restore_state(self, state) -> None:
-        free, release, in_use, cursor = state
-        lanes = self._lanes
-        lanes._free = [list(x) for x in free]
-        lanes._release = [list(x) for x in release]
-        lanes._in_use = bytearray(in_use)
-        lanes._rr_cursor = cursor
+    def checkpoint(self) -> AllocatorCheckpoint:
+        return self._lanes.checkpoint()
+
+    def rollback(self, checkpoint: AllocatorCheckpoint) -> None:
+        self._lanes.rollback(checkpoint)
+
+    def commit(self, checkpoint: AllocatorCheckpoint) -> None:
+        self._lanes.commit(checkpoint)
+
+    def restore(self, snapshot: AllocatorSnapshot) -> None:
+        self._lanes.restore(snapshot)
+
+    # SGLang's names for the same thing.
+    def backup_state(self) -> AllocatorSnapshot:
+        return self.snapshot()
+
+    def restore_state(self, state: AllocatorSnapshot) -> None:
+        self.restore(state)
 
     # ---- paged extend/decode for the scheduler ----------------------------
     def alloc_extend(
@@ -123,6 +154,11 @@ class CpSharedPagedTokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
         seq = seq_lens_cpu.tolist()
         last = last_loc.to("cpu").tolist()
         new_pages = [(-(-s // P)) - (-(-p // P)) for p, s in zip(prefix, seq)]
+        asked = sum(s - p for p, s in zip(prefix, seq))
+        if asked != extend_num_tokens:  # checked before taking anything: no leak
+            raise ValueError(
+                f"extend_num_tokens={extend_num_tokens} but the lengths ask for {asked}"
+            )
         if sum(new_pages) > self._lanes.available_pages():
             return None
         fresh = self._lanes.alloc(sum(new_pages) * P)
@@ -138,10 +174,6 @@ class CpSharedPagedTokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
                 out.extend(range(page * P, page * P + take))
                 remaining -= take
             cursor += k
-        if len(out) != extend_num_tokens:
-            raise ValueError(
-                f"extend_num_tokens={extend_num_tokens} but the lengths ask for {len(out)}"
-            )
         return torch.tensor(out, dtype=torch.int64, device=self.device)
 
     def alloc_decode(
@@ -163,7 +195,7 @@ class CpSharedPagedTokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
         """Per-rank load (identical on every rank) that ``alloc`` balances."""
         self._lanes.lane_bias = lane_bias
 
-    # ---- accounting (seed Task 1) ---------------------------------------
+    # ---- accounting (what SGLang prints on KV OOM) ------------------------
     def lane_available_pages(self) -> list[int]:
         return self._lanes.lane_available_pages()
 
@@ -180,5 +212,5 @@ class CpSharedPagedTokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
         return self._lanes.pages_in_use()
 
 
-# The seed plan's spelling.
+# The capitalised spelling some integrations use.
 CPSharedPagedTokenToKVPoolAllocator = CpSharedPagedTokenToKVPoolAllocator

@@ -1,4 +1,4 @@
-"""Start-up checks for CP shared KV HiCache (seed Task 2 fail-fast)."""
+"""Start-up checks for CP shared KV HiCache: refuse what it cannot honour, early."""
 
 from __future__ import annotations
 

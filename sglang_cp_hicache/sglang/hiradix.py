@@ -5,7 +5,12 @@ Switched on by constructing :class:`CpHiRadixCache` with this library's
 
 * nodes are :class:`CpTreeNode`: ``value`` stays the full logical locs,
   ``host_len`` + ``cp_hicache`` carry host state, ``host_value`` stays None;
-* write-through backs up only this rank's pages; host room is decided with a
+* every node keeps a CPU mirror of its logical pages (``cp_pages``): page
+  owners, host-slot counts and ledger charges are read from it, never from
+  the device locs, so writes, host eviction and load-backs do not sync with
+  the GPU; callers hand the mirror in with :class:`CpInsertParams`;
+* write-through backs up only this rank's pages, through this library's copy
+  kernels (:mod:`.host_copies`); host room is decided with a
   :class:`HostSlotLedger` that mirrors every rank's host usage, so every rank
   evicts the same host nodes; one MIN all-reduce per write makes every rank
   take the same decision even when one rank's allocation fails;
@@ -21,6 +26,7 @@ that release by ``sglang_cp_hicache.sglang.SUPPORTED_SGLANG``.
 
 from __future__ import annotations
 
+import enum
 import logging
 import time
 from dataclasses import dataclass
@@ -41,7 +47,9 @@ from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
 from sglang.srt.mem_cache.radix_cache import RadixKey, TreeNode
 from sglang.srt.mem_cache.utils import compute_node_hash_values, split_node_hash_value
 
-from sglang_cp_hicache.controller import HiCacheWriteResult, page_owners_of
+from sglang_cp_hicache.kernels import transfer
+from sglang_cp_hicache.kernels._checks import debug_enabled
+from sglang_cp_hicache.plan import HiCacheWriteFailure, check_pages, page_owners_of
 from sglang_cp_hicache.host_eviction import (
     HostEvictionResult,
     HostLeafIndex,
@@ -53,15 +61,34 @@ from sglang_cp_hicache.node_state import set_host_state, split_host_state
 from sglang_cp_hicache.sglang import check_sglang_version
 from sglang_cp_hicache.sglang.allocator import CpSharedPagedTokenToKVPoolAllocator
 from sglang_cp_hicache.sglang.checks import check_cp_hicache_server_args
-from sglang_cp_hicache.sglang.transfer_adapter import CpTransferAdapter
+from sglang_cp_hicache.sglang.host_copies import cp_copies_installed, install_cp_copies
+from sglang_cp_hicache.sglang.transfer_adapter import CpTransferAdapter, PendingLoad
 from sglang_cp_hicache.sglang.tree_node import CpTreeNode
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CpHiRadixCache", "CpHiCacheCounters", "CpHiCacheTransferError"]
+__all__ = ["CpHiRadixCache", "CpHiCacheCounters", "CpHiCacheTransferError", "CpInsertParams", "Vote"]
 
-# Vote values for _agree (MIN wins).
-FAILED, REFUSED, OK = 0, 1, 2
+_EMPTY = torch.empty((0,), dtype=torch.int64)
+
+
+class Vote(enum.IntEnum):
+    """A rank's outcome of one write or load-back; the group takes the MIN."""
+
+    FAILED = 0  # a copy or allocation raised: every rank rolls back and raises
+    REFUSED = 1  # no room on some rank: every rank rolls back quietly
+    OK = 2
+
+
+@dataclass
+class CpInsertParams(InsertParams):
+    """``InsertParams`` plus the CPU mirror of ``value``: its logical pages
+    (``value_pages[i]`` is page ``i`` of ``value``, i.e. ``value[i*P] // P``),
+    as the allocator handed them out. With it the cache never reads ``value``
+    back from the device; without it the cache reads it once (a sync) and
+    counts that in ``cp_counters.device_page_reads``."""
+
+    value_pages: Optional[torch.Tensor] = None
 
 
 class CpHiCacheTransferError(RuntimeError):
@@ -73,6 +100,7 @@ class _LoadBackRecord:
     last_node: TreeNode
     nodes: list
     device_locs: torch.Tensor
+    pages: torch.Tensor  # CPU mirror of device_locs
 
 
 @dataclass
@@ -84,6 +112,7 @@ class CpHiCacheCounters:
     load_backs: int = 0
     load_back_tokens: int = 0  # logical
     consensus_calls: int = 0
+    device_page_reads: int = 0  # inserts without a CPU page mirror (each one a sync)
 
 
 class CpHiRadixCache(HiRadixCache):
@@ -110,14 +139,42 @@ class CpHiRadixCache(HiRadixCache):
         self._unstarted_load_backs: list[_LoadBackRecord] = []
         super().__init__(params, server_args)
         self.evictable_host_leaves = _NoSet()  # the ordered index replaces SGLang's set
+        self.cp_copy_targets = install_cp_copies(self.cache_controller, self.cp_layout)
+        if not cp_copies_installed(self.cp_copy_targets):
+            raise RuntimeError("CP copies did not take on this cache's host pools; refusing to start")
         self.cp_transfer = CpTransferAdapter(self.cache_controller, self.cp_layout, allocator)
         self._ledger = self._make_ledger()
         # New pages go preferably to the ranks holding the fewest host slots.
         allocator.set_lane_bias(lambda: self._ledger.used)
+        self.cp_warmup = self._warm_up_copies()
+        self._warned_device_page_read = False
 
     # ---- setup -----------------------------------------------------------
     def _host_priority(self, node):
         return self.eviction_strategy.get_priority(node)
+
+    def _warm_up_copies(self):
+        """Compile (CUDA) or load (interpreter) the copy kernels for exactly
+        this cache's pools now, so the first request pays no JIT."""
+        kv_pool = self.token_to_kv_pool_allocator.get_kvcache()
+        kv_layer = kv_pool.kv_buffer[0]
+        index_layer = kv_pool.index_k_with_scale_buffer[0]
+        report = transfer.warmup(
+            page_size=self.page_size,
+            host_layout=self.cache_controller.mem_pool_host.layout,
+            num_layers=len(kv_pool.kv_buffer),
+            kv_dim=int(kv_layer.shape[-1]),
+            kv_dtype=kv_layer.dtype,
+            indexer_page_bytes=int(index_layer.shape[-1]),
+            device=kv_layer.device,
+        )
+        logger.info(
+            "cp-hicache: copy kernels ready on cp_rank %d/%d: backend=%s, %d kernel(s) %s in %.2f s "
+            "(cache dir: %s; set TRITON_CACHE_DIR to a persistent directory to skip this on restart)",
+            self.cp_layout.cp_rank, self.cp_layout.cp_size, report.backend, report.compiled,
+            ",".join(report.ops) or "-", report.seconds, report.cache_dir,
+        )
+        return report
 
     def _make_ledger(self) -> HostSlotLedger:
         capacity = int(self.token_to_kv_pool_host.size)
@@ -140,6 +197,7 @@ class CpHiRadixCache(HiRadixCache):
         root.key, root.value, root.lock_ref = old.key, old.value, old.lock_ref
         root.hash_value = old.hash_value
         root.is_cp_root = True
+        root.cp_pages = _EMPTY
         self.root_node = root
         self._empty_match_result = self._empty_match_result._replace(
             last_device_node=root, last_host_node=root, best_match_node=root
@@ -150,17 +208,52 @@ class CpHiRadixCache(HiRadixCache):
             self._ledger = HostSlotLedger(list(self._ledger.capacity))
 
     # ---- consensus -------------------------------------------------------
-    def _agree(self, status: int) -> int:
-        """MIN of every rank's status (FAILED < REFUSED < OK). Called on every
+    def _agree(self, status: Vote) -> Vote:
+        """MIN of every rank's vote (FAILED < REFUSED < OK). Called on every
         rank, every time, whatever this rank's own outcome."""
-        flag = torch.tensor([status], dtype=torch.int32)
+        flag = torch.tensor([int(status)], dtype=torch.int32)
         self._all_reduce(flag, torch.distributed.ReduceOp.MIN)
         self.cp_counters.consensus_calls += 1
-        return int(flag)
+        return Vote(int(flag))
 
-    def _owner_counts(self, logical_locs_cpu: torch.Tensor) -> list[int]:
-        owners = self.cp_layout.owner_of(logical_locs_cpu)
-        return torch.bincount(owners, minlength=self.cp_layout.cp_size).tolist()
+    # ---- the CPU page mirror ----------------------------------------------
+    def _pages_for(self, value: torch.Tensor, value_pages: Optional[torch.Tensor]) -> torch.Tensor:
+        """The CPU mirror of ``value`` (logical pages of its whole pages)."""
+        P = self.page_size
+        num_pages = len(value) // P
+        if value_pages is None:
+            self.cp_counters.device_page_reads += 1
+            if not self._warned_device_page_read:
+                self._warned_device_page_read = True
+                logger.warning(
+                    "cp-hicache: insert without CpInsertParams.value_pages: reading the node's "
+                    "locs back from the device (one sync per insert); pass the allocator's CPU "
+                    "page mirror to keep the write path sync-free"
+                )
+            return value[: num_pages * P : P].to("cpu", torch.int64) // P
+        pages = check_pages(value_pages)
+        if pages.numel() < num_pages:
+            raise ValueError(
+                f"value_pages lists {pages.numel()} pages, value has {num_pages} whole pages"
+            )
+        pages = pages[:num_pages]
+        if debug_enabled():  # a sync, on purpose: catch a mirror that lies
+            actual = value[: num_pages * P : P].to("cpu", torch.int64) // P
+            if not torch.equal(actual, pages):
+                raise ValueError("value_pages does not match value's pages")
+        return pages
+
+    def cp_prefix_pages(self, node: TreeNode) -> torch.Tensor:
+        """CPU mirror of the device locs from the root down to ``node``
+        (every node on the path must be on the device)."""
+        chunks = []
+        while node is not self.root_node:
+            if node.evicted:
+                raise ValueError(f"node {node.id} is evicted: no device pages to mirror")
+            chunks.append(node.cp_pages)
+            node = node.parent
+        chunks.reverse()
+        return torch.cat(chunks) if chunks else _EMPTY
 
     # ---- write-through ---------------------------------------------------
     def write_backup(self, node: TreeNode, write_back: bool = False) -> int:
@@ -169,35 +262,41 @@ class CpHiRadixCache(HiRadixCache):
         # Backed-up nodes form a prefix from the root (as upstream).
         if node.parent is not self.root_node and not node.parent.backuped:
             return 0
-        # One small D2H copy of the node's locs when they live on the GPU.
-        locs_cpu = node.value.to("cpu", torch.int64)
-        need = self._owner_counts(locs_cpu)
+        # Owners come from the node's CPU page mirror: no read of node.value.
+        pages = node.cp_pages
+        need = (torch.bincount(pages % self.cp_layout.cp_size, minlength=self.cp_layout.cp_size)
+                * self.page_size).tolist()
         if not self._ledger.fits(need):
             self._evict_host_for(self._ledger.shortfall(need))
-        status, error, result = REFUSED, None, None
+        status, error, pending = Vote.REFUSED, None, None
         if self._ledger.fits(need):
-            result = self.cp_transfer.write(locs_cpu, node_id=node.id, **self._get_extra_pools())
-            if isinstance(result, HiCacheWriteResult):
-                try:
-                    self.cp_transfer.commit_last_write()
-                    status = OK
-                except Exception as exc:  # a failed copy: every rank must hear of it
-                    status, error = FAILED, exc
+            try:
+                pending = self.cp_transfer.plan_write(
+                    node.value, pages, node_id=node.id, **self._get_extra_pools()
+                )
+                if isinstance(pending, HiCacheWriteFailure):
+                    pending = None
+                else:
+                    pending.start()
+                    status = Vote.OK
+            except Exception as exc:  # a failed allocation or copy: every rank must hear of it
+                status, error = Vote.FAILED, exc
         agreed = self._agree(status)
-        if agreed != OK:
-            if status == OK:
-                self.cp_transfer.undo_last_commit()
-            else:
-                self.cp_transfer.abort_last_write()
+        if agreed != Vote.OK:
+            if pending is not None:
+                if status == Vote.OK:
+                    pending.undo()
+                else:
+                    pending.abort()
             self.cp_counters.write_failures += 1
-            if agreed == FAILED:
+            if agreed == Vote.FAILED:
                 raise CpHiCacheTransferError(
                     f"CP HiCache backup of node {node.id} failed on a CP rank; rolled back "
                     f"on every rank (this rank: {error!r})"
                 ) from error
             return 0
-        self.cp_transfer.forget_last_write()
-        set_host_state(node, result.metadata)
+        pending.keep()
+        set_host_state(node, pending.metadata)
         node.host_value = None
         self._ledger.charge(need)
         self._track_write_through_node(node, len(node.key))
@@ -205,7 +304,7 @@ class CpHiRadixCache(HiRadixCache):
         self.cp_counters.write_backups += 1
         return len(node.value)
 
-    # ---- device eviction + OOM reporting (seed Task 1) ----------------------
+    # ---- device eviction + OOM reporting -------------------------------------
     def evict(self, params: EvictParams):
         result = super().evict(params)
         self.last_evict_result = result
@@ -261,22 +360,37 @@ class CpHiRadixCache(HiRadixCache):
         start = time.perf_counter()
         last_hit_node = node
         protected: list = []
+        queued: list[PendingLoad] = []
 
         def load(chain):
             if not protected:
                 for n in chain:
                     n.protect_host()
                 protected.extend(chain)
-            locs = self.cp_transfer.load(
-                [n.cp_hicache for n in chain], node_id=last_hit_node.id, **self._get_extra_pools()
-            )
+            pending = None
+            status, error = Vote.REFUSED, None
+            try:
+                pending = self.cp_transfer.queue_load(
+                    [n.cp_hicache for n in chain], node_id=last_hit_node.id, **self._get_extra_pools()
+                )
+                status = Vote.OK if pending is not None else Vote.REFUSED
+            except Exception as exc:  # every rank must hear of it
+                status, error = Vote.FAILED, exc
             # The allocator is identical on every rank, so this vote only
             # differs when a rank's allocation failed on its own.
-            if self._agree(OK if locs is not None else REFUSED) != OK:
-                if locs is not None:
-                    self.cp_transfer.drop_last_load()
+            agreed = self._agree(status)
+            if agreed != Vote.OK:
+                if pending is not None:
+                    pending.drop()
+                if agreed == Vote.FAILED:
+                    raise CpHiCacheTransferError(
+                        f"CP HiCache load-back of node {last_hit_node.id} failed on a CP rank; "
+                        f"nothing was queued on any rank (this rank: {error!r})"
+                    ) from error
                 return None
-            return locs
+            pending.keep()
+            queued.append(pending)
+            return pending.plan.device_locs
 
         try:
             outcome = cp_load_back(
@@ -299,8 +413,16 @@ class CpHiRadixCache(HiRadixCache):
                     self.available_and_evictable_str().strip(),
                 )
             return None
+        pages = queued[-1].plan.allocation.pages
+        offset = 0
+        for n in outcome.nodes:  # the CPU mirror of each restored node's new value
+            num_pages = n.host_len // self.page_size
+            n.cp_pages = pages[offset : offset + num_pages]
+            offset += num_pages
         self.ongoing_load_back[last_hit_node.id] = last_hit_node
-        self._unstarted_load_backs.append(_LoadBackRecord(last_hit_node, outcome.nodes, outcome.device_locs))
+        self._unstarted_load_backs.append(
+            _LoadBackRecord(last_hit_node, outcome.nodes, outcome.device_locs, pages)
+        )
         for n in outcome.nodes:
             self._record_store_event(n, medium=StorageMedium.GPU)
         self.evictable_size_ += outcome.host_hit_len
@@ -336,25 +458,17 @@ class CpHiRadixCache(HiRadixCache):
         takes its load-backs of this batch back (nodes evicted again, pages
         freed, locks released) and raises."""
         records, self._unstarted_load_backs = self._unstarted_load_backs, []
-        status, error, producer = OK, None, -1
-        acks_before = len(self.cache_controller.ack_load_queue)
-        try:
-            producer = self.cache_controller.start_loading()
-        except Exception as exc:
-            status, error = FAILED, exc
-            self.cache_controller.load_queue.clear()
-        if self._agree(status) == OK:
-            return producer
-        queue = self.cache_controller.ack_load_queue
-        for ack in queue[acks_before:]:
-            ack.finish_event.synchronize()
-        del queue[acks_before:]
+        started = self.cp_transfer.start_loading()
+        status = Vote.OK if started.error is None else Vote.FAILED
+        if self._agree(status) == Vote.OK:
+            return started.producer_id
+        started.undo()
         for record in records:
             self._undo_load_back(record)
         raise CpHiCacheTransferError(
             f"CP HiCache load of {len(records)} load-back(s) failed on a CP rank; "
-            f"rolled back on every rank (this rank: {error!r})"
-        ) from error
+            f"rolled back on every rank (this rank: {started.error!r})"
+        ) from started.error
 
     def _undo_load_back(self, record: "_LoadBackRecord") -> None:
         self.ongoing_load_back.pop(record.last_node.id, None)
@@ -363,12 +477,29 @@ class CpHiRadixCache(HiRadixCache):
             self.evictable_size_ -= len(n.value)
             self._record_remove_event(n, medium=StorageMedium.GPU)
             n.value = None
+            n.cp_pages = None
             self._update_leaf_status(n)
             self._update_host_leaf_status(n)
             self._update_leaf_status(n.parent)
-        self.token_to_kv_pool_allocator.free(record.device_locs)
+        self.token_to_kv_pool_allocator.free_mirrored(record.pages)
         self.cp_counters.load_backs -= 1
         self.cp_counters.load_back_tokens -= int(record.device_locs.numel())
+
+    # ---- device eviction: free by the CPU mirror (no read of node.value) ----
+    def _evict_backuped(self, node: TreeNode):
+        pages, node.cp_pages = node.cp_pages, None
+        num_evicted = self._detach_backuped(node)
+        self.token_to_kv_pool_allocator.free_mirrored(pages)
+        return num_evicted
+
+    def _evict_regular(self, node: TreeNode):
+        assert len(node.children) == 0, f"non-leaf, {node.id=}"
+        self._record_remove_event(node)
+        self.token_to_kv_pool_allocator.free_mirrored(node.cp_pages)
+        num_evicted = len(node.value)
+        node.cp_pages = None
+        self._delete_leaf(node)
+        return num_evicted
 
     def init_load_back(self, params: InitLoadBackParams):
         if params.mem_quota is None:
@@ -429,6 +560,9 @@ class CpHiRadixCache(HiRadixCache):
         else:
             new_node.value = child.value[:split_len].clone()
             child.value = child.value[split_len:].clone()
+            split_pages = split_len // self.page_size
+            new_node.cp_pages = child.cp_pages[:split_pages]
+            child.cp_pages = child.cp_pages[split_pages:]
         was_backed_up = child.backuped
         split_host_state(child, new_node, split_len)
         new_node.hash_value, child.hash_value = split_node_hash_value(
@@ -455,6 +589,8 @@ class CpHiRadixCache(HiRadixCache):
             value = value[: len(key)]
         if len(key) == 0:
             return InsertResult(prefix_len=0)
+        P = self.page_size
+        pages = self._pages_for(value, getattr(params, "value_pages", None))
         node = self.root_node
         child_key = key.child_key(self.page_size)
         total_prefix_length = 0
@@ -469,6 +605,7 @@ class CpHiRadixCache(HiRadixCache):
             if node.evicted:
                 # recomputed KV replaces the evicted device copy
                 node.value = value[:prefix_len].clone()
+                node.cp_pages = pages[: prefix_len // P]
                 self.evictable_size_ += len(node.value)
                 self._update_leaf_status(node)
                 self._update_host_leaf_status(node)
@@ -478,6 +615,7 @@ class CpHiRadixCache(HiRadixCache):
                 total_prefix_length += prefix_len
             key = key[prefix_len:]
             value = value[prefix_len:]
+            pages = pages[prefix_len // P :]
             if len(key):
                 child_key = key.child_key(self.page_size)
         if len(key):
@@ -485,6 +623,7 @@ class CpHiRadixCache(HiRadixCache):
             new_node.parent = node
             new_node.key = key
             new_node.value = value.clone()
+            new_node.cp_pages = pages
             node.children[child_key] = new_node
             self.evictable_size_ += len(value)
             self._update_leaf_status(node)

@@ -1,41 +1,40 @@
 """CP writes and loads on top of SGLang 0.5.18's ``HybridCacheController``.
 
-SGLang's host pools stay unaware of the layout: this adapter maps a node's
-logical locs to the owned physical device slots (policy in
-``sglang_cp_hicache.controller``) and hands SGLang an ordinary
-``CacheOperation`` with physical indices. The indexer rides the KV indices
-(``indices_from_pool=KV``), so it is backed up and restored with the KV.
+The one place that edits SGLang's queues. A plan from
+:mod:`sglang_cp_hicache.plan` becomes an ordinary ``CacheOperation`` whose
+``device_indices`` are the node's LOGICAL locs (they stay on the device, never
+read on the host) and whose ``host_indices`` are this rank's host slots of the
+owned tokens. SGLang's controller then submits the copies on its own streams
+(per-layer loads keep its ``layer_done_counter``), and the CP host pools (see
+:mod:`.host_copies`) run them through this library's kernels, which mask
+other ranks' pages and translate owned ones to physical slots on the device.
+The indexer rides the KV indices (``indices_from_pool=KV``), so it is backed
+up and restored with the KV.
 
 A rank owning nothing in a node still queues an (empty) operation: it gets
 the same ack as every other rank, and SGLang's MIN all-reduce over ready acks
 stays in step on every rank.
 
-Every step can be taken back (the cache calls these after a group vote):
-:meth:`abort_last_write` before the copy starts, :meth:`undo_last_commit`
-after it (waits for the copy, drops its ack, frees the host slots), and
-:meth:`drop_last_load` for a queued load that has not started.
+Every step can be taken back through its handle: :class:`PendingWrite`
+(``start`` / ``abort`` / ``undo``), :class:`PendingLoad` (``drop``) and
+:class:`StartedLoads` (``undo``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import enum
+from dataclasses import dataclass, field
 from typing import Optional, Sequence, Union
 
 import torch
 from sglang.srt.managers.cache_controller import CacheOperation
 
-from sglang_cp_hicache.controller import (
-    HiCacheWriteFailure,
-    HiCacheWriteResult,
-    map_cp_write,
-    page_owners_of,
-)
+from sglang_cp_hicache.allocator import AllocatorCheckpoint
 from sglang_cp_hicache.layout import CpSharedKVLayout
 from sglang_cp_hicache.metadata import CpHiCacheNodeMetadata
+from sglang_cp_hicache.plan import CpLoadPlan, CpWritePlan, HiCacheWriteFailure, plan_load, plan_write
 
-__all__ = ["CpTransferAdapter", "CpTransferStats"]
-
-_EMPTY = torch.empty((0,), dtype=torch.int64)
+__all__ = ["CpTransferAdapter", "CpTransferStats", "PendingLoad", "PendingWrite", "StartedLoads"]
 
 
 @dataclass
@@ -48,18 +47,132 @@ class CpTransferStats:
     load_slots: int = 0  # physical slots restored by this rank
 
 
-@dataclass
-class _PendingWrite:
-    op: CacheOperation
-    metadata: CpHiCacheNodeMetadata
-    committed: bool = False
+class WriteState(enum.Enum):
+    PLANNED = "planned"  # host slots held, nothing queued
+    STARTED = "started"  # copy submitted, its ack in SGLang's ack queue
+    CLOSED = "closed"  # kept, aborted or undone: nothing left to do
 
 
-@dataclass
-class _QueuedLoad:
+def _to_copy_engine(host_locs: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host slots as SGLang hands them to the copy: pinned on CUDA machines,
+    so the controller's ``non_blocking`` H2D copy of the indices never blocks."""
+    if device.type == "cuda" and host_locs.numel() and not host_locs.is_pinned():
+        return host_locs.pin_memory()
+    return host_locs
+
+
+@dataclass(eq=False)
+class PendingWrite:
+    """One node's backup on this rank, from planned to kept or taken back."""
+
+    adapter: "CpTransferAdapter"
+    plan: CpWritePlan
     op: CacheOperation
-    logical_locs: torch.Tensor
-    allocator_state: object  # the allocator is identical on every rank: undo exactly
+    state: WriteState = WriteState.PLANNED
+
+    @property
+    def metadata(self) -> CpHiCacheNodeMetadata:
+        return self.plan.metadata
+
+    def start(self) -> None:
+        """Queue and submit the copy. On an exception nothing stays queued
+        and no ack is left behind; the host slots are still held (abort)."""
+        if self.state is not WriteState.PLANNED:
+            raise RuntimeError(f"cannot start a CP write in state {self.state.value}")
+        ctrl = self.adapter.controller
+        acks_before = len(ctrl.ack_write_queue)
+        ctrl.write_queue.append(self.op)
+        try:
+            ctrl.start_writing()
+        except BaseException:
+            if self.op in ctrl.write_queue:
+                ctrl.write_queue.remove(self.op)
+            del ctrl.ack_write_queue[acks_before:]
+            raise
+        self.state = WriteState.STARTED
+        self.adapter._count_write(self.plan, +1)
+
+    def abort(self) -> None:
+        """Release a planned write that never started (or failed to)."""
+        if self.state is not WriteState.PLANNED:
+            raise RuntimeError(f"cannot abort a CP write in state {self.state.value}: use undo")
+        self.state = WriteState.CLOSED
+        if self.op.host_indices.numel():
+            self.adapter.controller.mem_pool_host.free(self.op.host_indices)
+
+    def undo(self) -> None:
+        """Take back a started write the group refused: wait for its copy,
+        drop its ack, free its host slots."""
+        if self.state is not WriteState.STARTED:
+            raise RuntimeError(f"cannot undo a CP write in state {self.state.value}")
+        self.state = WriteState.CLOSED
+        ctrl = self.adapter.controller
+        node_id = self.op.node_ids[0]
+        for i in range(len(ctrl.ack_write_queue) - 1, -1, -1):
+            ack = ctrl.ack_write_queue[i]
+            if node_id in ack.node_ids:
+                ack.finish_event.synchronize()  # the slots are busy until the copy ends
+                del ctrl.ack_write_queue[i]
+                break
+        if self.op.host_indices.numel():
+            ctrl.mem_pool_host.free(self.op.host_indices)
+        self.adapter._count_write(self.plan, -1)
+
+    def keep(self) -> None:
+        """The group agreed: the node now owns the host slots."""
+        if self.state is not WriteState.STARTED:
+            raise RuntimeError(f"cannot keep a CP write in state {self.state.value}")
+        self.state = WriteState.CLOSED
+
+
+@dataclass(eq=False)
+class PendingLoad:
+    """One queued (not yet submitted) restore of a node chain."""
+
+    adapter: "CpTransferAdapter"
+    plan: CpLoadPlan
+    op: CacheOperation
+    checkpoint: AllocatorCheckpoint
+    closed: bool = False
+
+    def drop(self) -> None:
+        """Unqueue it and put the allocator back exactly as it was (free-list
+        order included, in O(pages allocated)), so it stays identical to the
+        allocators of ranks that never allocated."""
+        if self.closed:
+            raise RuntimeError("CP load already dropped or kept")
+        self.closed = True
+        self.adapter.controller.load_queue.remove(self.op)
+        self.adapter.allocator.rollback(self.checkpoint)
+        self.adapter._count_load(self.plan, -1)
+
+    def keep(self) -> None:
+        """The group agreed: the allocation stays (closes the undo log)."""
+        if self.closed:
+            raise RuntimeError("CP load already dropped or kept")
+        self.closed = True
+        self.adapter.allocator.commit(self.checkpoint)
+
+
+@dataclass(eq=False)
+class StartedLoads:
+    """The outcome of submitting every queued load of a batch."""
+
+    adapter: "CpTransferAdapter"
+    producer_id: int
+    error: Optional[BaseException]
+    acks_before: int
+    undone: bool = field(default=False)
+
+    def undo(self) -> None:
+        """Wait for the copies that did start and drop their acks."""
+        if self.undone:
+            raise RuntimeError("started CP loads already undone")
+        self.undone = True
+        queue = self.adapter.controller.ack_load_queue
+        for ack in queue[self.acks_before :]:
+            ack.finish_event.synchronize()
+        del queue[self.acks_before :]
 
 
 class CpTransferAdapter:
@@ -68,151 +181,88 @@ class CpTransferAdapter:
         self.layout = layout
         self.allocator = allocator
         self.stats = CpTransferStats()
-        self._write: Optional[_PendingWrite] = None
-        self._load: Optional[_QueuedLoad] = None
+        self._device = torch.device(getattr(allocator, "device", "cpu"))
 
-    def _physical(self, logical_locs_cpu: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.layout.logical_locs_to_physical(logical_locs_cpu[positions])
+    def _count_write(self, plan: CpWritePlan, sign: int) -> None:
+        self.stats.writes += sign
+        self.stats.zero_owned_writes += sign * int(plan.num_host_slots == 0)
+        self.stats.backup_slots += sign * plan.num_host_slots
+
+    def _count_load(self, plan: CpLoadPlan, sign: int) -> None:
+        n = int(plan.host_locs.numel())
+        self.stats.loads += sign
+        self.stats.zero_owned_loads += sign * int(n == 0)
+        self.stats.load_slots += sign * n
 
     # ---- writes ------------------------------------------------------------
-    def write(
+    def plan_write(
         self,
-        device_indices: torch.Tensor,
+        device_locs: torch.Tensor,
+        pages: torch.Tensor,
         node_id: int = -1,
         priority: Optional[int] = None,
         extra_pools=None,
-    ) -> Union[HiCacheWriteResult, HiCacheWriteFailure]:
-        """Allocate host slots for this rank's pages of one node; the copy
-        starts at :meth:`commit_last_write`."""
-        self._write = None
+    ) -> Union[PendingWrite, HiCacheWriteFailure]:
+        """Take host slots for this rank's pages of one node (``pages``: the
+        node's logical pages on the CPU; ``device_locs``: its logical locs,
+        never read). Nothing is queued until :meth:`PendingWrite.start`."""
         ctrl = self.controller
-        locs_cpu = device_indices.to("cpu", torch.int64)
-        host_slots: list[torch.Tensor] = []
-
-        def host_alloc(n: int) -> Optional[torch.Tensor]:
-            got = ctrl.mem_pool_host.alloc(n)
-            if got is not None:
-                host_slots.append(got)
-            return got
-
-        result, _ = map_cp_write(self.layout, locs_cpu, host_alloc, node_id)
-        if isinstance(result, HiCacheWriteFailure):
-            return result
-        meta = result.metadata
-        physical = self._physical(locs_cpu, meta.owned_positions)
-        host = host_slots[0] if host_slots else _EMPTY
+        host_pool = ctrl.mem_pool_host
+        plan = plan_write(self.layout, pages, device_locs, host_pool.alloc, host_pool.free)
+        if isinstance(plan, HiCacheWriteFailure):
+            return plan
+        host = _to_copy_engine(plan.host_locs, self._device)
         pool_transfers = ctrl._resolve_pool_transfers_allocation(
-            extra_pools, alloc_host=True, kv_device_indices=physical, kv_host_indices=host
+            extra_pools, alloc_host=True, kv_device_indices=device_locs, kv_host_indices=host
         )
         if pool_transfers is None and extra_pools:
             if host.numel():
-                ctrl.mem_pool_host.free(host)
-            return HiCacheWriteFailure(required_host_slots=meta.num_host_slots)
-        op = CacheOperation(host, physical, node_id, priority, pool_transfers=pool_transfers or None)
-        self._write = _PendingWrite(op, meta)
-        return result
-
-    def commit_last_write(self) -> None:
-        """Queue and start the prepared copy. On an exception nothing stays
-        queued (the host slots are still held; undo or abort frees them)."""
-        pending = self._write
-        if pending is None or pending.committed:
-            raise RuntimeError("no prepared CP write to commit")
-        ctrl = self.controller
-        acks_before = len(ctrl.ack_write_queue)
-        ctrl.write_queue.append(pending.op)
-        try:
-            ctrl.start_writing()
-        except BaseException:
-            if pending.op in ctrl.write_queue:
-                ctrl.write_queue.remove(pending.op)
-            del ctrl.ack_write_queue[acks_before:]
-            raise
-        pending.committed = True
-        self.stats.writes += 1
-        self.stats.zero_owned_writes += int(pending.metadata.num_host_slots == 0)
-        self.stats.backup_slots += pending.metadata.num_host_slots
-
-    def abort_last_write(self) -> None:
-        """Release a prepared write that never started copying (or failed to)."""
-        pending, self._write = self._write, None
-        if pending is None:
-            return
-        if pending.committed:
-            raise RuntimeError("write already started: use undo_last_commit")
-        if pending.op.host_indices.numel():
-            self.controller.mem_pool_host.free(pending.op.host_indices)
-
-    def undo_last_commit(self) -> None:
-        """Take back a started write the group refused: wait for its copy,
-        drop its ack, free its host slots."""
-        pending, self._write = self._write, None
-        if pending is None or not pending.committed:
-            raise RuntimeError("no committed CP write to undo")
-        ctrl = self.controller
-        for i in range(len(ctrl.ack_write_queue) - 1, -1, -1):
-            ack = ctrl.ack_write_queue[i]
-            if pending.op.node_ids[0] in ack.node_ids:
-                ack.finish_event.synchronize()  # the slots are busy until the copy ends
-                del ctrl.ack_write_queue[i]
-                break
-        if pending.op.host_indices.numel():
-            ctrl.mem_pool_host.free(pending.op.host_indices)
-        self.stats.writes -= 1
-        self.stats.zero_owned_writes -= int(pending.metadata.num_host_slots == 0)
-        self.stats.backup_slots -= pending.metadata.num_host_slots
-
-    def forget_last_write(self) -> None:
-        self._write = None
+                host_pool.free(plan.host_locs)
+            return HiCacheWriteFailure(required_host_slots=plan.num_host_slots)
+        op = CacheOperation(host, device_locs, node_id, priority, pool_transfers=pool_transfers or None)
+        return PendingWrite(self, plan, op)
 
     # ---- loads -------------------------------------------------------------
-    def load(
+    def queue_load(
         self,
         metadata: Sequence[CpHiCacheNodeMetadata],
         node_id: int = -1,
         priority: Optional[int] = None,
         extra_pools=None,
-    ) -> Optional[torch.Tensor]:
+    ) -> Optional[PendingLoad]:
         """Owner-preserving allocation for a node chain; queues this rank's
-        pages (an empty op if none). Returns the full logical locs or None."""
-        self._load = None
+        pages (an empty op if none). None, with nothing changed, when the
+        device allocator cannot give every owner lane its pages."""
         ctrl = self.controller
-        owners = page_owners_of(metadata, self.layout.page_size)
-        state = self.allocator.backup_state()
-        logical = self.allocator.alloc_pages_with_owners(owners)
-        if logical is None:
+        checkpoint = self.allocator.checkpoint()
+        try:
+            plan = plan_load(self.layout, metadata, self.allocator)
+            pool_transfers = None
+            if plan is not None:
+                host = _to_copy_engine(plan.host_locs, self._device)
+                pool_transfers = ctrl._resolve_pool_transfers_allocation(
+                    extra_pools, alloc_host=False, kv_device_indices=plan.device_locs, kv_host_indices=host
+                )
+        except BaseException:
+            self.allocator.rollback(checkpoint)
+            raise
+        if plan is None or (pool_transfers is None and extra_pools):
+            self.allocator.rollback(checkpoint)
             return None
-        locs_cpu = logical.to("cpu", torch.int64)
-        positions, offset = [], 0
-        for meta in metadata:
-            positions.append(meta.owned_positions + offset)
-            offset += meta.logical_len
-        owned = torch.cat(positions) if positions else _EMPTY
-        physical = self._physical(locs_cpu, owned)
-        host = torch.cat([m.host_indices for m in metadata]) if metadata else _EMPTY
-        pool_transfers = ctrl._resolve_pool_transfers_allocation(
-            extra_pools, alloc_host=False, kv_device_indices=physical, kv_host_indices=host
-        )
-        if pool_transfers is None and extra_pools:
-            self.allocator.restore_state(state)
-            return None
-        op = CacheOperation(host, physical, node_id, priority, pool_transfers=pool_transfers or None)
+        op = CacheOperation(host, plan.device_locs, node_id, priority, pool_transfers=pool_transfers or None)
         ctrl.load_queue.append(op)
-        self._load = _QueuedLoad(op, logical, state)
-        self.stats.loads += 1
-        self.stats.zero_owned_loads += int(host.numel() == 0)
-        self.stats.load_slots += int(host.numel())
-        return logical
+        self._count_load(plan, +1)
+        return PendingLoad(self, plan, op, checkpoint)
 
-    def drop_last_load(self) -> None:
-        """Take back the last queued (not yet started) load: unqueue, and put
-        the allocator back exactly as it was (free-list order included), so it
-        stays identical to the allocators of ranks that never allocated."""
-        queued, self._load = self._load, None
-        if queued is None:
-            raise RuntimeError("no queued CP load to drop")
-        self.controller.load_queue.remove(queued.op)
-        self.allocator.restore_state(queued.allocator_state)
-        self.stats.loads -= 1
-        self.stats.zero_owned_loads -= int(queued.op.host_indices.numel() == 0)
-        self.stats.load_slots -= int(queued.op.host_indices.numel())
+    def start_loading(self) -> StartedLoads:
+        """Submit every queued load. Never raises: a failure is returned in
+        ``error`` (with the queue cleared) so the caller can tell the group
+        before it raises."""
+        ctrl = self.controller
+        acks_before = len(ctrl.ack_load_queue)
+        try:
+            producer = ctrl.start_loading()
+        except Exception as exc:  # reported to every rank by the caller
+            ctrl.load_queue.clear()
+            return StartedLoads(self, -1, exc, acks_before)
+        return StartedLoads(self, producer, None, acks_before)

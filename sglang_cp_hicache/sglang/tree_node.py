@@ -1,7 +1,10 @@
 """``TreeNode`` for CP mode: plain-dict children and CP host state.
 
-``value`` keeps the full logical device locs; ``host_value`` (SGLang's
-non-CP field) stays None; ``host_len`` + ``cp_hicache`` carry host state.
+``value`` keeps the full logical device locs; ``cp_pages`` is their CPU
+mirror (one logical page id per page, None while evicted), which the CP
+write, load and eviction paths read instead of ``value``; ``host_value``
+(SGLang's non-CP field) stays None; ``host_len`` + ``cp_hicache`` carry host
+state.
 ``backuped`` is answered from the CP state, so SGLang's own eviction and
 hit-count code, which reads ``backuped``, does the right thing unchanged.
 """
@@ -10,6 +13,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+import torch
 from sglang.srt.mem_cache.radix_cache import TreeNode
 
 from sglang_cp_hicache.metadata import CpHiCacheNodeMetadata
@@ -30,6 +34,7 @@ class CpTreeNode(TreeNode):
         self.children = {}
         self.host_len: int = 0
         self.cp_hicache: Optional[CpHiCacheNodeMetadata] = None
+        self.cp_pages: Optional[torch.Tensor] = None
 
     @property
     def backuped(self) -> bool:

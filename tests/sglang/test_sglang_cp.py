@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from sglang_cp_hicache.sglang.stack import CpStackConfig
+from sglang_cp_hicache.testing.stack import CpStackConfig
 
-from cp_cluster import CpCluster
+from tests.helpers.cp_cluster import CpCluster
 
 P = 64
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from sglang_cp_hicache.sglang.hiradix import CpHiCacheTransferError
-from sglang_cp_hicache.sglang.stack import CpStackConfig
+from sglang_cp_hicache.testing.stack import CpStackConfig
 
-from cp_cluster import CpCluster
+from tests.helpers.cp_cluster import CpCluster
 
 P = 64
 N = 3
@@ -110,7 +110,7 @@ def test_device_alloc_fails_at_load_back_on_one_rank_nobody_loads(cl):
     cl.evict_device(3 * P)
     victim = cl.stacks[0]
     # Fail the first owner-preserving allocation and the retry after eviction.
-    victim.allocator.alloc_pages_with_owners = FailOnce(FailOnce(victim.allocator.alloc_pages_with_owners))
+    victim.allocator.alloc_with_owners_mirrored = FailOnce(FailOnce(victim.allocator.alloc_with_owners_mirrored))
     before = [snapshot(s) for s in cl.stacks]
     report = cl.load_back(tokens)
     for (_, vals, _), s, b in zip(report.loaded_per_rank, cl.stacks, before):

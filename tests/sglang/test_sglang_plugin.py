@@ -7,7 +7,7 @@ import pytest
 
 from sglang_cp_hicache.sglang import plugin
 from sglang_cp_hicache.sglang.hiradix import CpHiRadixCache
-from sglang_cp_hicache.sglang.stack import CpStackConfig, build_cp_rank_stack
+from sglang_cp_hicache.testing.stack import CpStackConfig, build_cp_rank_stack
 
 
 def test_entry_point_is_declared_for_sglang_plugin_loader():
@@ -84,3 +84,39 @@ def test_other_sglang_releases_are_refused(monkeypatch):
         check_sglang_version("0.5.21")
     monkeypatch.setenv("SGLANG_CP_HICACHE_ALLOW_ANY_SGLANG", "1")
     check_sglang_version("0.5.21")
+
+
+def test_factory_warms_the_copy_kernels_up_for_this_server(monkeypatch, caplog):
+    """Server start compiles (CUDA) or loads (interpreter) exactly the kernels
+    this cache's pools need, once per cache, and says so in one log line."""
+    from sglang_cp_hicache.kernels import transfer
+
+    calls = []
+    real = transfer.warmup
+
+    def recording_warmup(**kwargs):
+        calls.append(kwargs)
+        return real(**kwargs)
+
+    monkeypatch.setattr(transfer, "warmup", recording_warmup)
+    config = CpStackConfig(cp_size=2, num_layers=3, host_layout="page_first")
+    stack = build_cp_rank_stack(config, 1)
+    try:
+        assert len(calls) == 1  # build_cp_rank_stack's cache
+        calls.clear()
+        with caplog.at_level("INFO", logger="sglang_cp_hicache.sglang.hiradix"):
+            cache = plugin.cp_hicache_factory(ctx_for(stack))
+        expected = dict(
+            page_size=64, host_layout="page_first", num_layers=3,
+            kv_dim=config.kv_lora_rank + config.qk_rope_head_dim, kv_dtype=config.dtype,
+            indexer_page_bytes=64 * (config.index_head_dim + 4), device=stack.kv_pool.kv_buffer[0].device,
+        )
+        assert calls == [expected]
+        reported = cache.cp_warmup.config  # JSON-ready: names for device and dtype
+        assert {k: reported[k] for k in expected} == {
+            **expected, "device": "cpu", "kv_dtype": str(config.dtype).removeprefix("torch.")
+        }
+        lines = [r.getMessage() for r in caplog.records if "copy kernels ready" in r.getMessage()]
+        assert len(lines) == 1 and "cp_rank 1/2" in lines[0] and "TRITON_CACHE_DIR" in lines[0]
+    finally:
+        stack.close()

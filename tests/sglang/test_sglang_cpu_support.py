@@ -1,4 +1,4 @@
-"""Real SGLang 0.5.18 HiCache on CPU through sglang_cp_hicache.sglang.cpu_support.
+"""Real SGLang 0.5.18 HiCache on CPU through sglang_cp_hicache.testing.cpu_support.
 
 Byte checks are bitwise (torch.equal on uint8 views); device buffers are
 poisoned between eviction and load-back, so a transfer that writes nothing,
@@ -15,8 +15,8 @@ from typing import Sequence
 import pytest
 import torch
 
-import sglang_fixtures as F
-from sglang_cp_hicache.sglang import cpu_support, env
+import tests.helpers.sglang_fixtures as F
+from sglang_cp_hicache.testing import cpu_support, env
 
 from sglang.srt.mem_cache.base_prefix_cache import (
     EvictParams,
@@ -250,18 +250,38 @@ def test_local_gloo_group_is_a_single_rank():
     assert value.item() == 3
 
 
-def test_ensure_sglang_importable_keeps_a_working_torchvision():
-    import torchvision  # the tests' stub package, importable here
+def test_ensure_sglang_importable_keeps_a_working_torchvision(tmp_path):
+    # A torchvision that imports is kept: here an on-disk package (in tmp_path,
+    # on PYTHONPATH for the child only) exporting the names SGLang imports.
+    from sglang_cp_hicache.testing.torchvision_standin import _STANDIN_MODULES
 
-    assert cpu_support.ensure_sglang_importable() is False
-    assert not cpu_support.torchvision_standin_installed()
-    assert sys.modules["torchvision"] is torchvision
+    for name in _STANDIN_MODULES:
+        pkg = tmp_path.joinpath(*name.split("."))
+        pkg.mkdir(parents=True, exist_ok=True)
+        (pkg / "__init__.py").write_text(
+            "from sglang_cp_hicache.testing.torchvision_standin import _STANDIN_MODULES as _M\n"
+            f"globals().update(_M[{name!r}])\n"
+            + ("__version__ = 'on-disk'\n" if name == "torchvision" else "")
+        )
+    code = (
+        "import sys, torchvision\n"
+        "from sglang_cp_hicache.testing.torchvision_standin import ensure_sglang_importable, "
+        "torchvision_standin_installed\n"
+        "print(ensure_sglang_importable(), torchvision_standin_installed(), "
+        "sys.modules['torchvision'] is torchvision, torchvision.__version__)\n"
+    )
+    child_env = dict(os.environ, PYTHONPATH=str(tmp_path))
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=child_env, cwd="/", timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["False", "False", "True", "on-disk"]
 
 
 def test_ensure_sglang_importable_stands_in_when_torchvision_is_missing():
     code = (
         "import sys\n"
-        "from sglang_cp_hicache.sglang.cpu_support import ensure_sglang_importable\n"
+        "from sglang_cp_hicache.testing.cpu_support import ensure_sglang_importable\n"
         "assert 'torchvision' not in sys.modules\n"
         "print(ensure_sglang_importable())\n"
         "import sglang.srt.server_args, sglang.srt.mem_cache.hiradix_cache\n"

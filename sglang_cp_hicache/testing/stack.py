@@ -15,7 +15,9 @@ from typing import Any, Optional
 
 import torch
 
-from sglang_cp_hicache.sglang import cpu_support, env
+from sglang_cp_hicache.layout import DSA_PAGE_SIZE
+from sglang_cp_hicache.testing import cpu_support, env
+from sglang_cp_hicache.validation import check_int
 
 __all__ = ["CpStackConfig", "CpRankStack", "build_cp_rank_stack"]
 
@@ -23,7 +25,7 @@ __all__ = ["CpStackConfig", "CpRankStack", "build_cp_rank_stack"]
 @dataclass(frozen=True)
 class CpStackConfig:
     cp_size: int = 2
-    page_size: int = 64  # DSATokenToKVPool requires 64 outside ROCm
+    page_size: int = DSA_PAGE_SIZE
     num_layers: int = 2
     device_pages: int = 8  # physical, per rank
     host_pages: int = 16  # per rank
@@ -35,12 +37,11 @@ class CpStackConfig:
     index_head_dim: int = 128
     dtype: torch.dtype = torch.bfloat16
     cp_mode: bool = True  # False: plain HiRadixCache over a plain allocator (comparison)
+    device: str = "cpu"  # where the KV pools live ("cuda" on a GPU machine)
 
     def __post_init__(self) -> None:
         for name in ("cp_size", "page_size", "num_layers", "device_pages", "host_pages"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+            check_int(name, getattr(self, name), 1)
 
     @property
     def logical_size(self) -> int:
@@ -102,6 +103,7 @@ def build_cp_rank_stack(
         hicache_io_backend=config.io_backend,
         hicache_ratio=config.hicache_ratio(),
         hicache_write_policy=config.write_policy,
+        device=config.device,
     )
     env.publish_server_args(server_args)
     physical_size = config.device_pages * config.page_size
@@ -112,7 +114,7 @@ def build_cp_rank_stack(
         dtype=config.dtype,
         qk_rope_head_dim=config.qk_rope_head_dim,
         layer_num=config.num_layers,
-        device="cpu",
+        device=config.device,
         index_head_dim=config.index_head_dim,
         enable_memory_saver=False,
         kv_cache_dim=config.kv_lora_rank + config.qk_rope_head_dim,
@@ -124,7 +126,7 @@ def build_cp_rank_stack(
             physical_size=physical_size,
             page_size=config.page_size,
             dtype=config.dtype,
-            device="cpu",
+            device=config.device,
             kvcache=kv_pool,
             need_sort=True,
             cp_size=config.cp_size,
@@ -133,7 +135,7 @@ def build_cp_rank_stack(
     else:
         allocator = PagedTokenToKVPoolAllocator(
             size=physical_size, page_size=config.page_size, dtype=config.dtype,
-            device="cpu", kvcache=kv_pool, need_sort=True,
+            device=config.device, kvcache=kv_pool, need_sort=True,
         )
     params = CacheInitParams(
         disable=False,

@@ -14,8 +14,8 @@ from sglang_cp_hicache import (
     CpSharedKVLayout,
     HostSlotLedger,
     OwnerLaneAllocator,
-    map_cp_load,
-    map_cp_write,
+    plan_load,
+    plan_write,
 )
 
 TRIED = {"count": 0}
@@ -130,13 +130,21 @@ def test_allocator_and_ledger_constructors(bad):
         expect_named_error("capacity", HostSlotLedger, bad)
 
 
-@given(locs=bad_tensors(), negative=st.booleans())
-def test_write_mapping(locs, negative):
+@given(pages=st.one_of(bad_tensors(), st.just(torch.tensor([-1, 2])), st.just(torch.tensor([3, 5, 3]))))
+def test_write_plan_pages(pages):
+    # Malformed, negative or repeated pages (a page twice could never be restored).
     lay = CpSharedKVLayout(4, 2, 0)
-    if negative:
-        locs = torch.tensor([-4, -3, -2, -1])
     calls = []
-    expect_named_error("logical_locs", map_cp_write, lay, locs, lambda n: calls.append(n))
+    expect_named_error("pages", plan_write, lay, pages, torch.arange(12), lambda n: calls.append(n))
+    assert calls == [], "host slots allocated for malformed input"
+
+
+@given(locs=st.one_of(bad_tensors(), st.just(torch.arange(6))))
+def test_write_plan_device_locs(locs):
+    # Not a 1-D integer tensor, or not whole pages of the listed pages.
+    lay = CpSharedKVLayout(4, 2, 0)
+    calls = []
+    expect_named_error("device_locs", plan_write, lay, torch.tensor([2, 3]), locs, lambda n: calls.append(n))
     assert calls == [], "host slots allocated for malformed input"
 
 
@@ -146,7 +154,7 @@ def test_load_mapping(bad):
     a = OwnerLaneAllocator(4 * 8, 4, 2)
     before = allocator_state(a)
     name = "token_owners" if isinstance(bad[0], CpHiCacheNodeMetadata) else "metadata"
-    expect_named_error(name, map_cp_load, lay, bad, a)
+    expect_named_error(name, plan_load, lay, bad, a)
     assert allocator_state(a) == before
 
 

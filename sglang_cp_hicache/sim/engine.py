@@ -1,5 +1,5 @@
 """One simulated scheduler rank: serves requests against a real SGLang 0.5.18
-HiCache stack (:mod:`sglang_cp_hicache.sglang.stack`), writing and verifying
+HiCache stack (:mod:`sglang_cp_hicache.testing.stack`), writing and verifying
 deterministic KV + indexer content.
 
 Per request, in the same order on every rank (the SGLang contract)::
@@ -37,7 +37,8 @@ from sglang.srt.mem_cache.base_prefix_cache import (
 from sglang.srt.mem_cache.radix_cache import RadixKey
 
 from sglang_cp_hicache.layout import CpSharedKVLayout
-from sglang_cp_hicache.sglang.stack import CpRankStack
+from sglang_cp_hicache.sglang.hiradix import CpInsertParams
+from sglang_cp_hicache.testing.stack import CpRankStack
 from sglang_cp_hicache.sim.content import corrupted_token_mask, prefix_keys, write_content
 from sglang_cp_hicache.sim.records import AckCounts, EngineTotals, RequestRecord
 
@@ -245,9 +246,16 @@ class SimRankEngine:
         record.verified_pages, record.restored_pages_verified, record.corrupted_pages = checked, restored, corrupted
 
         new_len = padded_len - prefix.numel()
+        new_pages = _EMPTY
         with self._cache_time():
             record.device_tokens_evicted += self._make_room(new_len)
-            new = allocator.alloc(new_len) if new_len > 0 else _EMPTY
+            if new_len <= 0:
+                new = _EMPTY
+            elif self.cp_mode:  # the CP allocator also hands out the CPU page mirror
+                got = allocator.alloc_mirrored(new_len)
+                new, new_pages = (None, None) if got is None else (got.locs, got.pages)
+            else:
+                new = allocator.alloc(new_len)
         if new is None:  # everything left is locked: identical on every rank
             record.skipped = True
             with self._cache_time():
@@ -263,7 +271,14 @@ class SimRankEngine:
 
         locs = torch.cat([prefix, new])
         with self._cache_time():
-            result = cache.insert(InsertParams(key=RadixKey(tokens[:key_len]), value=locs[:key_len].clone()))
+            key = RadixKey(tokens[:key_len])
+            if self.cp_mode:
+                # The CPU page mirror of the value: the cache never reads it back.
+                pages = torch.cat([cache.cp_prefix_pages(last_node), new_pages])
+                params = CpInsertParams(key=key, value=locs[:key_len].clone(), value_pages=pages)
+            else:
+                params = InsertParams(key=key, value=locs[:key_len].clone())
+            result = cache.insert(params)
             # cache_finished_req: free what the tree already had, then the tail
             duplicates = locs[prefix.numel() : max(int(result.prefix_len), prefix.numel())]
             record.duplicate_tokens_freed = int(duplicates.numel())
@@ -315,7 +330,8 @@ class SimRankEngine:
         return hashlib.sha256(repr(rows).encode()).hexdigest()[:16]
 
     def invariant_violations(self) -> list[str]:
-        """No leaks (DESIGN invariant 8), with no request in flight."""
+        """No leaks, with no request in flight: host slots in use equal those the
+        tree holds, device tokens in use equal the tree's device tokens."""
         out = []
         nodes = self._nodes()
         host_in_tree = sum(self._host_slots_of(n) for n in nodes)

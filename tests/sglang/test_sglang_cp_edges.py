@@ -9,10 +9,10 @@ from sglang.srt.mem_cache.radix_cache import RadixKey
 
 from sglang_cp_hicache.sglang.allocator import CPSharedPagedTokenToKVPoolAllocator
 from sglang_cp_hicache.sglang.checks import check_cp_hicache_server_args
-from sglang_cp_hicache.sglang.stack import CpStackConfig, build_cp_rank_stack
+from sglang_cp_hicache.testing.stack import CpStackConfig, build_cp_rank_stack
 from sglang_cp_hicache.sglang.tree_node import CpTreeNode
 
-from cp_cluster import CpCluster
+from tests.helpers.cp_cluster import CpCluster
 
 P = 64
 
@@ -94,7 +94,7 @@ def test_storage_backend_is_refused_naming_both_settings():
 
 
 def test_cache_construction_refuses_storage_backend(monkeypatch):
-    from sglang_cp_hicache.sglang import env
+    from sglang_cp_hicache.testing import env
 
     real = env.make_cpu_server_args
 

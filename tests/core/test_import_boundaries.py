@@ -1,0 +1,124 @@
+"""Rooms by audience, every import pointing down:
+
+    sim  ->  testing  ->  sglang (0.5.18 adapter), sglang_0523  ->  kernels  ->  core
+
+* core (``sglang_cp_hicache/*.py``) imports nothing of the package above it,
+  and never sglang or triton at import;
+* kernels import only core (never sglang);
+* each adapter imports only its own SGLang release, never the harness, the
+  simulator or the tests (production code);
+* the harness never imports the simulator; nothing in the package imports tests.
+"""
+
+import ast
+import pathlib
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+PKG = "sglang_cp_hicache"
+
+# room -> rooms of this package it may import (core is always allowed)
+ALLOWED = {
+    "core": set(),
+    "kernels": set(),
+    "sglang": {"kernels"},
+    "sglang_0523": {"kernels"},
+    "testing": {"kernels", "sglang", "sglang_0523"},
+    "sim": {"kernels", "sglang", "sglang_0523", "testing"},
+    "cli": {"sim"},
+}
+PRODUCTION = {"core", "kernels", "sglang", "sglang_0523"}
+
+
+def room_of_file(path: pathlib.Path) -> str:
+    rel = path.relative_to(ROOT).parts
+    if rel[0] == "kernels":
+        return "kernels"
+    if len(rel) == 2:
+        return "cli" if rel[1] == "__main__.py" else "core"
+    return rel[1]
+
+
+def room_of_module(module: str) -> str | None:
+    parts = module.split(".")
+    if parts[0] != PKG:
+        return None
+    if len(parts) == 1:
+        return "core"
+    return parts[1] if parts[1] in ALLOWED else "core"
+
+
+def imports(path: pathlib.Path) -> list[tuple[int, str]]:
+    """(line, module) of every import, including import_module('...') calls."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            out.append((node.lineno, node.module))
+            out += [(node.lineno, f"{node.module}.{a.name}") for a in node.names if node.module == PKG]
+        elif isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")) in (
+            "import_module", "__import__",
+        ):
+            if node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str):
+                out.append((node.lineno, node.args[0].value))
+    return out
+
+
+def package_files():
+    yield from (ROOT / PKG).rglob("*.py")
+    yield from (ROOT / "kernels").rglob("*.py")
+
+
+def violations() -> list[str]:
+    bad = []
+    for path in package_files():
+        room = room_of_file(path)
+        rel = path.relative_to(ROOT).as_posix()
+        for line, module in imports(path):
+            top = module.split(".")[0]
+            if top == "tests":
+                bad.append(f"{rel}:{line} imports tests ({module})")
+            elif top == "sglang" and room in ("core", "kernels"):
+                bad.append(f"{rel}:{line} ({room}) imports sglang ({module})")
+            target = room_of_module(module)
+            if target is None or target == "core" or target == room:
+                continue
+            if target not in ALLOWED[room]:
+                bad.append(f"{rel}:{line} ({room}) imports {target} ({module})")
+    return bad
+
+
+def test_every_import_points_down():
+    assert violations() == []
+
+
+def test_the_checker_catches_each_kind_of_upward_import(tmp_path, monkeypatch):
+    fake = tmp_path / PKG / "sglang"
+    fake.mkdir(parents=True)
+    (fake / "bad.py").write_text(
+        "from sglang_cp_hicache.testing import stack\n"
+        "import importlib\nimportlib.import_module('sglang_cp_hicache.sim.engine')\n"
+        "from tests.helpers import cp_cluster\n"
+    )
+    core = tmp_path / PKG / "plan.py"
+    core.write_text("from sglang_cp_hicache.kernels import transfer\nimport sglang.srt\n")
+    (tmp_path / "kernels").mkdir()
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    found = violations()
+    assert any("sglang/bad.py:1 (sglang) imports testing" in v for v in found)
+    assert any("sglang/bad.py:3 (sglang) imports sim" in v for v in found)
+    assert any("sglang/bad.py:4 imports tests" in v for v in found)
+    assert any("plan.py:1 (core) imports kernels" in v for v in found)
+    assert any("plan.py:2 (core) imports sglang" in v for v in found)
+
+
+def test_core_import_does_not_load_sglang_or_triton():
+    code = (
+        "import sys, sglang_cp_hicache, sglang_cp_hicache.plan;"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('sglang', 'triton')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
