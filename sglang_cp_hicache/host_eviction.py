@@ -21,6 +21,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import torch
 
 from sglang_cp_hicache.node_state import CpNode, clear_host_state, is_backed_up
+from sglang_cp_hicache.validation import check_int, check_int_list
 
 __all__ = [
     "HostEvictionResult",
@@ -109,45 +110,81 @@ class HostLeafIndex:
 
 @dataclass
 class HostSlotLedger:
-    """Every rank's host slot capacity and usage, kept identically on every rank."""
+    """Every rank's host slot capacity and usage, kept identically on every rank.
+
+    ``used`` defaults to all zeros. Every count list must have exactly one
+    non-negative int per rank: a shorter list would make ``zip`` drop ranks
+    and the ledgers of different ranks drift apart.
+    """
 
     capacity: list[int]
     used: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        if not self.capacity:
+        capacity = check_int_list("capacity", self.capacity, minimum=0)
+        if not capacity:
             raise ValueError("capacity must list at least one rank")
-        if any(c < 0 for c in self.capacity):
-            raise ValueError(f"capacity must be non-negative, got {self.capacity}")
-        if not self.used:
-            self.used = [0] * len(self.capacity)
-        if len(self.used) != len(self.capacity):
-            raise ValueError("used and capacity must have the same length")
+        if isinstance(self.used, Sequence) and len(self.used) == 0:
+            used = [0] * len(capacity)
+        else:
+            used = check_int_list("used", self.used, length=len(capacity), minimum=0)
+        over = [r for r, (u, c) in enumerate(zip(used, capacity)) if u > c]
+        if over:
+            raise ValueError(f"used {used} exceeds capacity {capacity} on rank(s) {over}")
+        self.capacity, self.used = capacity, used
 
     @property
     def cp_size(self) -> int:
         return len(self.capacity)
+
+    def _counts(self, name: str, counts: object) -> list[int]:
+        return check_int_list(name, counts, length=self.cp_size, minimum=0)
 
     def free_slots(self) -> list[int]:
         return [c - u for c, u in zip(self.capacity, self.used)]
 
     def shortfall(self, need: Sequence[int]) -> list[int]:
         """Per-rank slots still missing to place ``need``."""
+        need = self._counts("need", need)
         return [max(0, n - f) for n, f in zip(need, self.free_slots())]
 
     def fits(self, need: Sequence[int]) -> bool:
         return not any(self.shortfall(need))
 
     def charge(self, counts: Sequence[int]) -> None:
+        counts = self._counts("counts", counts)
         if not self.fits(counts):
-            raise ValueError(f"charge {list(counts)} exceeds free slots {self.free_slots()}")
+            raise ValueError(f"charge: counts {counts} exceeds the free slots {self.free_slots()}")
         self.used = [u + c for u, c in zip(self.used, counts)]
 
     def release(self, counts: Sequence[int]) -> None:
+        counts = self._counts("counts", counts)
         new = [u - c for u, c in zip(self.used, counts)]
         if any(u < 0 for u in new):
-            raise ValueError(f"release {list(counts)} exceeds used slots {self.used}")
+            raise ValueError(f"release: counts {counts} exceeds the used slots {self.used}")
         self.used = new
+
+
+def _slot_counts(
+    node: CpNode, cp_size: Optional[int], cp_rank: int, ledger: Optional[HostSlotLedger]
+) -> Optional[list[int]]:
+    """Host slots every rank frees with ``node`` (None when not needed),
+    checked against this rank's own slots and the ledger before anything is
+    freed: a mismatch would make the ranks' ledgers drift apart."""
+    if cp_size is None:
+        return None
+    meta = node.cp_hicache
+    counts = meta.owner_slot_counts(cp_size)
+    if counts[cp_rank] != meta.num_host_slots:
+        raise RuntimeError(
+            f"host eviction: node {node.id} holds {meta.num_host_slots} host slots on "
+            f"cp_rank {cp_rank} but its token_owners give that rank {counts[cp_rank]}"
+        )
+    if ledger is not None and any(c > u for c, u in zip(counts, ledger.used)):
+        raise RuntimeError(
+            f"host eviction: node {node.id} frees {counts} slots but the ledger holds {ledger.used}"
+        )
+    return counts
 
 
 @dataclass(frozen=True)
@@ -178,12 +215,20 @@ def evict_host_slots(
     that becomes a childless, evicted, backed-up node joins the index and can
     be evicted in the same call.
     """
-    per_rank = not isinstance(required, int)
-    need = list(required) if per_rank else [int(required)]
-    if any(r < 0 for r in need):
-        raise ValueError(f"required must be non-negative, got {required}")
-    if per_rank and not 0 <= cp_rank < len(need):
-        raise ValueError(f"cp_rank {cp_rank} outside required's {len(need)} ranks")
+    per_rank = not isinstance(required, int) or isinstance(required, bool)
+    if per_rank:
+        need = check_int_list("required", required, minimum=0)
+        if not need:
+            raise ValueError("required must list at least one rank")
+    else:
+        need = [check_int("required", required, 0)]
+    if ledger is not None and not isinstance(ledger, HostSlotLedger):
+        raise TypeError(f"ledger must be a HostSlotLedger, got {type(ledger).__name__}")
+    if per_rank and ledger is not None and ledger.cp_size != len(need):
+        raise ValueError(f"required lists {len(need)} ranks but the ledger has {ledger.cp_size}")
+    # Per-rank counts need every rank's share of each node: one per rank.
+    cp_size = len(need) if per_rank else (ledger.cp_size if ledger is not None else None)
+    check_int("cp_rank", cp_rank, 0, None if cp_size is None else cp_size - 1)
     freed = [0] * len(need)
     local_freed = logical_freed = evicted = 0
     skipped: list[CpNode] = []
@@ -191,36 +236,41 @@ def evict_host_slots(
     def satisfied() -> bool:
         return all(f >= r for f, r in zip(freed, need))
 
-    while not satisfied():
-        node = index.pop()
-        if node is None:
-            break
-        if not is_host_leaf(node):
-            continue
-        if is_protected(node):
-            skipped.append(node)
-            continue
-        meta = node.cp_hicache
-        counts = meta.owner_slot_counts(len(need)) if (per_rank or ledger) else None
-        cleared = clear_host_state(node, free_host)
-        if ledger is not None and counts is not None:
-            ledger.release(counts)
-        if per_rank:
-            freed = [f + c for f, c in zip(freed, counts)]
-        else:
-            freed[0] += cleared.physical_slots
-        local_freed += cleared.physical_slots
-        logical_freed += cleared.logical_tokens
-        evicted += 1
-        parent = node.parent
-        removed = parent.children.pop(child_key(node.key), None)
-        if removed is not node:
-            raise RuntimeError(f"host eviction: node {node.id} is not its parent's child")
-        if on_remove is not None:
-            on_remove(node)
-        index.refresh(parent)
-    for node in skipped:
-        index.add(node)
+    try:
+        while not satisfied():
+            node = index.pop()
+            if node is None:
+                break
+            if not is_host_leaf(node):
+                continue
+            if is_protected(node):
+                skipped.append(node)
+                continue
+            try:
+                counts = _slot_counts(node, cp_size, cp_rank, ledger)
+            except (ValueError, RuntimeError):
+                index.add(node)  # untouched: it stays evictable
+                raise
+            cleared = clear_host_state(node, free_host)
+            if ledger is not None:
+                ledger.release(counts)
+            if per_rank:
+                freed = [f + c for f, c in zip(freed, counts)]
+            else:
+                freed[0] += cleared.physical_slots
+            local_freed += cleared.physical_slots
+            logical_freed += cleared.logical_tokens
+            evicted += 1
+            parent = node.parent
+            removed = parent.children.pop(child_key(node.key), None)
+            if removed is not node:
+                raise RuntimeError(f"host eviction: node {node.id} is not its parent's child")
+            if on_remove is not None:
+                on_remove(node)
+            index.refresh(parent)
+    finally:
+        for node in skipped:
+            index.add(node)
     return HostEvictionResult(
         physical_slots_freed=local_freed,
         logical_tokens_freed=logical_freed,

@@ -13,6 +13,7 @@ from typing import Callable, Optional
 import torch
 
 from sglang_cp_hicache.node_state import CpNode, is_backed_up, logical_host_len
+from sglang_cp_hicache.validation import check_int
 
 __all__ = ["LoadBackOutcome", "collect_evicted_chain", "cp_load_back"]
 
@@ -54,6 +55,9 @@ def cp_load_back(
     which, as in SGLang, counts towards the quota. On success each restored
     node's ``value`` is its slice of the returned logical locs.
     """
+    check_int("load_back_threshold", load_back_threshold, 0)
+    if mem_quota is not None:
+        check_int("mem_quota", mem_quota)
     chain, ancestor = collect_evicted_chain(node)
     delta = inc_lock_ref(ancestor)
     try:

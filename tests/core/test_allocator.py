@@ -11,7 +11,7 @@ def pages_of(locs, page_size):
 
 
 def test_state_str_reports_free_and_release_pages():
-    # Seed Task 1 accounting, numbers from our layout: 8 logical pages of 64
+    # OOM accounting, numbers from the page-interleave layout: 8 logical pages of 64
     # (page 0 reserved) over 4 ranks -> pages 1..8 free initially.
     a = OwnerLaneAllocator(logical_size=64 * 8, page_size=64, cp_size=4)
     locs = a.alloc(64 * 6)  # leaves 2 pages free

@@ -1,4 +1,4 @@
-"""Seed Task 3 tests, plus properties of split."""
+"""Metadata construction and validation, plus properties of split."""
 
 import pytest
 import torch
@@ -75,7 +75,7 @@ def test_invalid_split_raises():
         ((4, [1, 2], [9]), "same length"),
         ((4, [4], [9]), r"\[0, logical_len\)"),
         ((4, [-1], [9]), r"\[0, logical_len\)"),
-        ((-1, [], []), "non-negative"),
+        ((-1, [], []), "logical_len"),
         ((4, [1], [-3]), "non-negative"),
     ],
 )

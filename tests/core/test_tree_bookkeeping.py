@@ -15,7 +15,7 @@ from sglang_cp_hicache import (
     set_host_state,
     split_host_state,
 )
-from tree_nodes import Node, attach, child_key
+from tests.helpers.tree_nodes import Node, attach, child_key
 
 
 def meta(n, pos, hosts, owners=None):
@@ -165,7 +165,7 @@ def test_ledger_rejects_overcharge():
         ledger.release([0, 1])
 
 
-# ---- load-back (seed Task 8) ------------------------------------------------
+# ---- load-back ----------------------------------------------------------------
 
 class Locks:
     def __init__(self, delta=0):
