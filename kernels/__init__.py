@@ -2,24 +2,25 @@
 
 Shipped as ``sglang_cp_hicache.kernels`` (see pyproject's package-dir).
 
-* :mod:`.cp_page_copy` -- the Triton kernels and their launchers (compiled on
-  CUDA tensors, Triton's interpreter on CPU tensors), ``warmup`` and
-  ``compile_offline``.
+* :mod:`.transfer` -- the front door: the four copies, dispatched per call to
+  a backend (compiled Triton, Triton's interpreter, or the torch reference),
+  copy counters, and :func:`~.transfer.warmup`.
+* :mod:`.cp_page_copy` -- the Triton launchers (extra tuning arguments).
 * :mod:`.reference` -- the plain-torch reference, also the CPU backend.
-
-:mod:`sglang_cp_hicache.transfer` picks between them.
+* :mod:`.compile` -- warm-up and offline compilation.
+* :mod:`._kernel` (the kernel), :mod:`._twin` (its compiled/interpreted
+  flavours), :mod:`._checks` (argument checks), :mod:`._backend` (backend choice).
 """
 
 from sglang_cp_hicache.kernels._checks import DEBUG_ENV, HOST_LAYOUTS
+from sglang_cp_hicache.kernels.compile import WarmupReport, compile_offline, warmup
 from sglang_cp_hicache.kernels.cp_page_copy import (
     DEFAULT_BLOCK_BYTES,
     DEFAULT_NUM_CTAS,
     backup_indexer_all_layers,
     backup_kv_all_layers,
-    compile_offline,
     load_indexer_one_layer,
     load_kv_one_layer,
-    warmup,
 )
 from sglang_cp_hicache.kernels.reference import (
     backup_indexer_all_layers_reference,
@@ -33,6 +34,7 @@ __all__ = [
     "DEFAULT_BLOCK_BYTES",
     "DEFAULT_NUM_CTAS",
     "HOST_LAYOUTS",
+    "WarmupReport",
     "backup_indexer_all_layers",
     "backup_indexer_all_layers_reference",
     "backup_kv_all_layers",

@@ -4,9 +4,10 @@ plain-torch reference.
 Every check raises ``TypeError`` (wrong kind of object or dtype) or
 ``ValueError`` (wrong shape, length, range, device) with the offending
 argument's name first in the message, so a caller can tell which input was
-bad without reading a traceback. None of the checks here reads device memory;
-the ones that would (index ranges, page structure, owned-token count) live in
-:func:`debug_check_indices` and run only when ``SGLANG_CP_HICACHE_DEBUG=1``.
+bad without reading a traceback. None of the checks here reads device memory
+except :func:`check_indices` (index values: sign, page structure, owned-token
+count, ranges), which the callers run only when that is free -- indices on
+the CPU -- or when ``SGLANG_CP_HICACHE_DEBUG=1`` asks for it.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Sequence
 import torch
 
 from sglang_cp_hicache.layout import CpSharedKVLayout
+from sglang_cp_hicache.validation import check_int
 
 HOST_LAYOUTS = ("layer_first", "page_first", "page_first_direct")
 
@@ -81,8 +83,7 @@ def check_locs(name: str, locs: object, page_size: int) -> torch.Tensor:
 
 
 def check_layer_id(name: str, layer_id: object, num_layers: int) -> int:
-    if isinstance(layer_id, bool) or not isinstance(layer_id, int):
-        raise TypeError(f"{name} must be an int, got {type(layer_id).__name__}")
+    check_int(name, layer_id)
     if not 0 <= layer_id < num_layers:
         raise ValueError(f"{name} must be in [0, {num_layers}), got {layer_id}")
     return layer_id
@@ -207,8 +208,7 @@ def check_owned_count(
 ) -> torch.Tensor:
     """``len(host_locs)`` must equal the owned tokens of ``device_locs``.
 
-    Reads ``device_locs`` (a sync when it lives on a GPU): the launchers run it
-    always for CPU indices and in debug mode for CUDA ones. Returns the mask.
+    Reads ``device_locs`` (a sync when it lives on a GPU). Returns the mask.
     """
     owned = layout.owned_by_this_rank(device_locs)
     num_owned = int(owned.sum())
@@ -220,37 +220,48 @@ def check_owned_count(
     return owned
 
 
-def debug_check_indices(
+def check_indices(
     device_locs: torch.Tensor,
     host_locs: torch.Tensor,
     layout: CpSharedKVLayout,
     dev_num_pages: int,
     host_num_pages: int,
 ) -> None:
-    """Full index validation. Reads the indices back (a device sync on CUDA)."""
+    """Full index validation; reads the indices (a device sync on CUDA).
+
+    In this order: no negative location in either tensor; both list whole
+    pages (each page's ``page_size`` locations contiguous, the first one page
+    aligned); ``host_locs`` has exactly the owned tokens of ``device_locs``;
+    every owned page's physical page fits the device buffer and every host
+    page the host buffer. Both backends run it whenever the indices are on the
+    CPU, so the same bad call fails the same way on either.
+    """
     p = layout.page_size
     for name, locs in (("device_locs", device_locs), ("host_locs", host_locs)):
         if locs.numel() == 0:
             continue
         if bool((locs < 0).any()):
-            raise ValueError(f"{name} holds negative locations")
+            raise ValueError(f"{name} holds negative locations (min {int(locs.min())})")
         pages = locs.view(-1, p)
         first = pages[:, :1]
         if bool((first % p != 0).any()) or not torch.equal(
             pages, first + torch.arange(p, device=locs.device)
         ):
-            raise ValueError(f"{name} must list whole pages: each page's {p} locations contiguous and page aligned")
+            raise ValueError(
+                f"{name} must list whole pages: each page's {p} locations contiguous and page aligned"
+            )
     owned = check_owned_count(device_locs, host_locs, layout)
-    if host_locs.numel():
-        phys_pages = layout.logical_locs_to_physical(device_locs[owned]) // p
-        if int(phys_pages.max()) >= dev_num_pages:
-            raise ValueError(
-                f"device_locs maps to physical page {int(phys_pages.max())} on cp_rank "
-                f"{layout.cp_rank}, beyond the device buffer's {dev_num_pages} pages"
-            )
-        host_pages = host_locs // p
-        if int(host_pages.max()) >= host_num_pages:
-            raise ValueError(
-                f"host_locs reaches host page {int(host_pages.max())}, beyond the host "
-                f"buffer's {host_num_pages} pages"
-            )
+    if host_locs.numel() == 0:
+        return
+    phys_pages = layout.logical_locs_to_physical(device_locs[owned]) // p
+    if int(phys_pages.max()) >= dev_num_pages:
+        raise ValueError(
+            f"device_locs maps to physical page {int(phys_pages.max())} on cp_rank "
+            f"{layout.cp_rank}, beyond the device buffer's {dev_num_pages} pages"
+        )
+    host_pages = host_locs // p
+    if int(host_pages.max()) >= host_num_pages:
+        raise ValueError(
+            f"host_locs reaches host page {int(host_pages.max())}, beyond the host "
+            f"buffer's {host_num_pages} pages"
+        )

@@ -23,7 +23,10 @@ page_first_direct   (host_pages, layers, P, 1, dim)   (host_pages, layers, 1, pa
 Device buffers: KV ``kv_buffer[layer]`` is ``(slots, 1, dim)`` (token major);
 indexer ``index_k_with_scale_buffer[layer]`` is ``(pages, page_bytes)`` (page
 major). The reference uses boolean indexing, so on CUDA it synchronises; the
-Triton kernels do not.
+Triton kernels do not. Since it reads the indices anyway, it always checks
+their values (:func:`._checks.check_indices`: no negatives, whole aligned
+pages, owned-token count, ranges) and raises ``ValueError`` naming the
+argument, exactly like the Triton launchers do for CPU indices.
 """
 
 from __future__ import annotations
@@ -45,18 +48,10 @@ __all__ = [
 ]
 
 
-def _owned_physical(
-    device_locs: torch.Tensor, host_locs: torch.Tensor, layout: CpSharedKVLayout
-) -> torch.Tensor:
-    """Physical device slots of the owned tokens, aligned with ``host_locs``."""
-    mask = layout.owned_by_this_rank(device_locs)
-    owned = device_locs[mask]
-    if owned.numel() != host_locs.numel():
-        raise ValueError(
-            f"host_locs has {host_locs.numel()} entries but device_locs holds "
-            f"{owned.numel()} tokens owned by cp_rank {layout.cp_rank}"
-        )
-    return layout.logical_locs_to_physical(owned)
+def _owned_physical(device_locs: torch.Tensor, layout: CpSharedKVLayout) -> torch.Tensor:
+    """Physical device slots of the owned tokens, in order (aligned with
+    ``host_locs`` once :func:`_checks.check_indices` passed)."""
+    return layout.logical_locs_to_physical(device_locs[layout.owned_by_this_rank(device_locs)])
 
 
 def _host_kv_rows(host_kv: torch.Tensor, host_layout: str, layer_id: int, page_size: int):
@@ -119,7 +114,8 @@ def backup_kv_all_layers_reference(
     layers = _checks.check_device_layers("device_kv", device_kv, ndim=3)
     geom = _checks.check_kv_call("device_kv[0]", layers[0], host_kv, host_layout, layout)
     _check_layers_fit("device_kv", len(layers), "host_kv", geom)
-    phys = _owned_physical(device_locs, host_locs, layout)
+    _checks.check_indices(device_locs, host_locs, layout, layers[0].shape[0] // layout.page_size, geom.num_pages)
+    phys = _owned_physical(device_locs, layout)
     if phys.numel() == 0:
         return
     for layer_id, dev in enumerate(layers):
@@ -141,7 +137,10 @@ def load_kv_one_layer_reference(
     _checks.check_device_layer("device_kv_layer", device_kv_layer, ndim=3)
     geom = _checks.check_kv_call("device_kv_layer", device_kv_layer, host_kv, host_layout, layout)
     _checks.check_layer_id("layer_id", layer_id, geom.num_layers)
-    phys = _owned_physical(device_locs, host_locs, layout)
+    _checks.check_indices(
+        device_locs, host_locs, layout, device_kv_layer.shape[0] // layout.page_size, geom.num_pages
+    )
+    phys = _owned_physical(device_locs, layout)
     if phys.numel() == 0:
         return
     view, index = _host_kv_rows(host_kv, host_layout, layer_id, layout.page_size)
@@ -161,7 +160,8 @@ def backup_indexer_all_layers_reference(
     layers = _checks.check_device_layers("device_index", device_index, ndim=2)
     geom = _checks.check_index_call("device_index[0]", layers[0], host_index, host_layout)
     _check_layers_fit("device_index", len(layers), "host_index", geom)
-    phys = _owned_physical(device_locs, host_locs, layout)
+    _checks.check_indices(device_locs, host_locs, layout, layers[0].shape[0], geom.num_pages)
+    phys = _owned_physical(device_locs, layout)
     if phys.numel() == 0:
         return
     dev_pages = _pages(phys, layout.page_size)
@@ -185,7 +185,8 @@ def load_indexer_one_layer_reference(
     _checks.check_device_layer("device_index_layer", device_index_layer, ndim=2)
     geom = _checks.check_index_call("device_index_layer", device_index_layer, host_index, host_layout)
     _checks.check_layer_id("layer_id", layer_id, geom.num_layers)
-    phys = _owned_physical(device_locs, host_locs, layout)
+    _checks.check_indices(device_locs, host_locs, layout, device_index_layer.shape[0], geom.num_pages)
+    phys = _owned_physical(device_locs, layout)
     if phys.numel() == 0:
         return
     dev_pages = _pages(phys, layout.page_size)

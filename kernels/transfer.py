@@ -1,127 +1,137 @@
-"""Picks the page-copy backend: Triton on CUDA, the Triton interpreter when
-``TRITON_INTERPRET=1``, the plain-torch reference otherwise.
+"""The front door of the page copies: one call per operation, dispatched per
+call to a backend, counted, and warmed up at server start.
 
-Every copy function here has the signature of its ``kernels.reference`` twin
-and the same semantics; the backend is chosen per call from the device of the
-device buffers and the environment at that moment:
-
-========================= ============================== ==================
-device buffers on         ``TRITON_INTERPRET``           backend
-========================= ============================== ==================
+========================= ============================== ======================
+device buffers on         ``TRITON_INTERPRET`` (now)     backend
+========================= ============================== ======================
 CUDA                      (ignored)                      ``"triton"``
 CPU                       ``1`` / ``true`` / ``on``      ``"triton-interpret"``
 CPU (or anything else)    unset / ``0``                  ``"reference"``
-========================= ============================== ==================
+========================= ============================== ======================
+
+The four copies (``backup_kv_all_layers``, ``load_kv_one_layer``,
+``backup_indexer_all_layers``, ``load_indexer_one_layer``) are generated from
+the :mod:`.reference` functions: same signatures, same semantics, same
+argument errors on every backend. Each successful call is counted
+(:func:`copy_stats`); interpreted launches are serialised process-wide by the
+launcher, so threaded CP ranks can share the interpreter.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+import functools
+import inspect
+import threading
+from dataclasses import asdict, dataclass
+from typing import Callable
 
 import torch
-import triton
 
 from sglang_cp_hicache.kernels import cp_page_copy as _triton
 from sglang_cp_hicache.kernels import reference as _reference
-from sglang_cp_hicache.kernels.cp_page_copy import warmup
+from sglang_cp_hicache.kernels._backend import BACKENDS, backend_of, select_backend
+from sglang_cp_hicache.kernels.compile import WarmupReport, warmup
 from sglang_cp_hicache.layout import CpSharedKVLayout
 
 __all__ = [
     "BACKENDS",
+    "CopyStats",
+    "WarmupReport",
     "backup_indexer_all_layers",
     "backup_kv_all_layers",
+    "copy_stats",
     "load_indexer_one_layer",
     "load_kv_one_layer",
+    "reset_copy_stats",
     "select_backend",
     "warmup",
 ]
 
-BACKENDS = ("triton", "triton-interpret", "reference")
+
+# ----------------------------------------------------------------------------- counters
+@dataclass(frozen=True)
+class CopyStats:
+    """Copies made through this module since the last :func:`reset_copy_stats`
+    (process-wide: threaded ranks add up).
+
+    ``pages_copied`` counts the owned pages of each call (``len(host_locs) //
+    page_size``, known on the host without reading device memory); a backup
+    of L layers counts each page once. ``backend`` and ``cp_size`` are the
+    last call's (None before the first).
+    """
+
+    backend: str | None = None
+    kv_backup_calls: int = 0
+    kv_load_calls: int = 0
+    indexer_backup_calls: int = 0
+    indexer_load_calls: int = 0
+    cp_size: int | None = None
+    pages_copied: int = 0
+
+    def as_dict(self) -> dict:
+        return asdict(self)
 
 
-def _interpret_requested() -> bool:
-    # Triton's own parsing of TRITON_INTERPRET, read now (not at import).
-    return bool(triton.knobs.runtime.interpret)
+_STATS_LOCK = threading.Lock()
+_stats = CopyStats()
 
 
-def select_backend(device: torch.device | str) -> str:
-    """The backend a copy whose device buffers live on ``device`` will use."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        return "triton"
-    if device.type == "cpu" and _interpret_requested():
-        return "triton-interpret"
-    return "reference"
+def copy_stats() -> CopyStats:
+    """A snapshot of the copy counters."""
+    with _STATS_LOCK:
+        return _stats
 
 
-def _device_of(buffers: object) -> torch.device | None:
-    if isinstance(buffers, torch.Tensor):
-        return buffers.device
-    if isinstance(buffers, Sequence) and buffers and isinstance(buffers[0], torch.Tensor):
-        return buffers[0].device
-    return None  # malformed: let the reference raise its usual error
+def reset_copy_stats() -> None:
+    global _stats
+    with _STATS_LOCK:
+        _stats = CopyStats()
 
 
-def _pick(buffers: object, triton_fn, reference_fn):
-    device = _device_of(buffers)
-    if device is None or select_backend(device) == "reference":
-        return reference_fn
-    return triton_fn
+def _record(counter: str, backend: str, layout: CpSharedKVLayout, host_locs: torch.Tensor) -> None:
+    global _stats
+    with _STATS_LOCK:
+        s = _stats
+        _stats = CopyStats(
+            **{
+                **asdict(s),
+                counter: getattr(s, counter) + 1,
+                "backend": backend,
+                "cp_size": layout.cp_size,
+                "pages_copied": s.pages_copied + host_locs.numel() // layout.page_size,
+            }
+        )
 
 
-def backup_kv_all_layers(
-    device_kv: Sequence[torch.Tensor],
-    host_kv: torch.Tensor,
-    host_layout: str,
-    device_locs: torch.Tensor,
-    host_locs: torch.Tensor,
-    layout: CpSharedKVLayout,
-) -> None:
-    """D2H: every layer's owned KV pages -> host slots."""
-    fn = _pick(device_kv, _triton.backup_kv_all_layers, _reference.backup_kv_all_layers_reference)
-    fn(device_kv, host_kv, host_layout, device_locs, host_locs, layout)
+# ----------------------------------------------------------------------------- the four copies
+def _dispatcher(name: str, counter: str) -> Callable[..., None]:
+    """``name`` with the reference's signature, run on the backend
+    :func:`select_backend` picks for its device buffers (first argument)."""
+    ref = getattr(_reference, f"{name}_reference")
+    params = list(inspect.signature(ref).parameters)
+    buffers_at, host_locs_at, layout_at = 0, params.index("host_locs"), params.index("layout")
 
+    def arg(args: tuple, kwargs: dict, at: int):
+        return args[at] if len(args) > at else kwargs.get(params[at])
 
-def load_kv_one_layer(
-    device_kv_layer: torch.Tensor,
-    host_kv: torch.Tensor,
-    host_layout: str,
-    layer_id: int,
-    device_locs: torch.Tensor,
-    host_locs: torch.Tensor,
-    layout: CpSharedKVLayout,
-) -> None:
-    """H2D: one layer's host slots -> owned physical KV pages."""
-    fn = _pick(device_kv_layer, _triton.load_kv_one_layer, _reference.load_kv_one_layer_reference)
-    fn(device_kv_layer, host_kv, host_layout, layer_id, device_locs, host_locs, layout)
+    @functools.wraps(ref)
+    def dispatch(*args, **kwargs) -> None:
+        backend = backend_of(arg(args, kwargs, buffers_at))
+        # Looked up per call, so a test can wrap either implementation.
+        impl = getattr(_reference, f"{name}_reference") if backend == "reference" else getattr(_triton, name)
+        impl(*args, **kwargs)
+        _record(counter, backend, arg(args, kwargs, layout_at), arg(args, kwargs, host_locs_at))
 
-
-def backup_indexer_all_layers(
-    device_index: Sequence[torch.Tensor],
-    host_index: torch.Tensor,
-    host_layout: str,
-    device_locs: torch.Tensor,
-    host_locs: torch.Tensor,
-    layout: CpSharedKVLayout,
-) -> None:
-    """D2H: every layer's owned indexer pages -> host pages."""
-    fn = _pick(
-        device_index, _triton.backup_indexer_all_layers, _reference.backup_indexer_all_layers_reference
+    dispatch.__name__ = dispatch.__qualname__ = name
+    dispatch.__module__ = __name__
+    dispatch.__doc__ = (
+        f"{ref.__doc__}\n\nRuns on the Triton kernels (compiled on CUDA, interpreted on CPU with "
+        f"TRITON_INTERPRET=1) or the torch reference; see :func:`select_backend`."
     )
-    fn(device_index, host_index, host_layout, device_locs, host_locs, layout)
+    return dispatch
 
 
-def load_indexer_one_layer(
-    device_index_layer: torch.Tensor,
-    host_index: torch.Tensor,
-    host_layout: str,
-    layer_id: int,
-    device_locs: torch.Tensor,
-    host_locs: torch.Tensor,
-    layout: CpSharedKVLayout,
-) -> None:
-    """H2D: one layer's host indexer pages -> owned physical device pages."""
-    fn = _pick(
-        device_index_layer, _triton.load_indexer_one_layer, _reference.load_indexer_one_layer_reference
-    )
-    fn(device_index_layer, host_index, host_layout, layer_id, device_locs, host_locs, layout)
+backup_kv_all_layers = _dispatcher("backup_kv_all_layers", "kv_backup_calls")
+load_kv_one_layer = _dispatcher("load_kv_one_layer", "kv_load_calls")
+backup_indexer_all_layers = _dispatcher("backup_indexer_all_layers", "indexer_backup_calls")
+load_indexer_one_layer = _dispatcher("load_indexer_one_layer", "indexer_load_calls")

@@ -1,8 +1,8 @@
 """Compile the page-copy kernels for Hopper (sm_90) on a machine without a GPU
-and dump their PTX. Run as a script by tests/test_kernels_compile.py, in a
+and dump their PTX. Run as a script by tests/kernels/test_kernels_compile.py, in a
 fresh process with a fresh TRITON_CACHE_DIR:
 
-    python tests/kernels_aot_job.py OUT_DIR
+    python tests/helpers/kernels_aot_job.py OUT_DIR
 
 Writes OUT_DIR/<config>__<op>.ptx and OUT_DIR/index.json.
 """
@@ -37,6 +37,15 @@ CONFIGS = [
 ]
 
 
+def _tile_bytes(compiled) -> int:
+    """Bytes of one tile: TILE_PAGES x TILE_WORDS words (the word is the
+    host pointer's element type)."""
+    names = list(compiled.src.signature)  # constants are keyed by (argument index,)
+    constants = {names[k[0]] if isinstance(k, tuple) else k: v for k, v in compiled.src.constants.items()}
+    word = {"*i64": 8, "*i32": 4, "*i16": 2, "*u8": 1}[compiled.src.signature["host_ptr"]]
+    return constants["TILE_PAGES"] * constants["TILE_WORDS"] * word
+
+
 def main(out_dir: str) -> None:
     target = GPUTarget("cuda", 90, 32)
     index = {}
@@ -48,7 +57,7 @@ def main(out_dir: str) -> None:
                 f.write(compiled.asm["ptx"])
             index[f"{name}__{op}"] = dict(
                 ptx=path, expect_vectors=vectors, cubin_bytes=len(compiled.asm["cubin"]),
-                num_warps=compiled.metadata.num_warps,
+                num_warps=compiled.metadata.num_warps, tile_bytes=_tile_bytes(compiled),
             )
     with open(os.path.join(out_dir, "index.json"), "w") as f:
         json.dump(index, f, indent=1)

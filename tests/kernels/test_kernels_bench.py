@@ -14,7 +14,7 @@ import torch
 
 from sglang_cp_hicache.layout import CpSharedKVLayout
 
-BENCH = pathlib.Path(__file__).resolve().parents[1] / "bench" / "bench_transfer.py"
+BENCH = pathlib.Path(__file__).resolve().parents[2] / "bench" / "bench_transfer.py"
 
 
 @pytest.fixture(scope="module")
@@ -59,21 +59,42 @@ def test_baselines_move_the_same_pages_as_the_reference(bench, kind, direction):
         assert torch.equal(staged.dev_pages[0][phys], pinned[0, :5])
 
 
+@pytest.mark.parametrize("cp_size", [1, 2, 8])
+@pytest.mark.parametrize("num_pages", [1, 7, 8, 17, 64])
+def test_batches_have_the_real_owner_mix(bench, cp_size, num_pages):
+    """Groups of cp_size consecutive logical pages, one per owner: rank 0 owns
+    ceil(num_pages / cp_size) of them, every rank its round-robin share."""
+    for rank in range(cp_size):
+        layout = CpSharedKVLayout(bench.PAGE_SIZE, cp_size, rank)
+        dl, hl, phys, hpages = bench.make_batch(num_pages, 64, layout, torch.device("cpu"), seed=num_pages)
+        logical = dl[:: bench.PAGE_SIZE] // bench.PAGE_SIZE
+        assert logical.numel() == num_pages and logical.unique().numel() == num_pages
+        assert (logical % cp_size).tolist() == [i % cp_size for i in range(num_pages)]
+        owned = logical[logical % cp_size == rank]
+        assert owned.numel() == len(range(rank, num_pages, cp_size)) == phys.numel() == hpages.numel()
+        assert torch.equal(phys, owned // cp_size) and all(0 <= p < 64 for p in phys.tolist())
+        assert hl.numel() == owned.numel() * bench.PAGE_SIZE and hpages.unique().numel() == hpages.numel()
+
+
 def test_cpu_run_writes_csv_and_plots(bench, tmp_path):
-    rc = bench.main(["--cpu", "--quick", "--pages", "1,4", "--layers", "2", "--ceiling-mib", "8",
-                     "--kinds", "indexer,kv_fp8", "--out", str(tmp_path), "--git-sha", "abc123"])
+    rc = bench.main(["--cpu", "--quick", "--pages", "1,4,16", "--layers", "2", "--ceiling-mib", "8",
+                     "--kinds", "indexer,kv_fp8", "--cp-sizes", "1,8", "--out", str(tmp_path),
+                     "--git-sha", "abc123"])
     assert rc == 0
     with open(tmp_path / "transfer_cpu_quick.csv") as f:
         rows = list(csv.DictReader(f))
     assert list(rows[0]) == bench.CSV_FIELDS
-    assert len(rows) == 2 * 2 * 2  # kinds x pages x directions
+    assert len(rows) == 2 * 2 * 3 * 2  # kinds x cp sizes x pages x directions
     assert {r["provider"] for r in rows} == {"reference"}
     assert {r["git_sha"] for r in rows} == {"abc123"}
+    assert {r["cp_size"] for r in rows} == {"1", "8"}
     for r in rows:
         assert float(r["p20_ms"]) <= float(r["p50_ms"]) <= float(r["p80_ms"])
         assert float(r["gbps"]) > 0 and float(r["ceiling_gbps"]) > 0
         layers = 2 if r["direction"] == "d2h" else 1
-        assert int(r["bytes"]) == int(r["num_pages"]) * int(r["page_bytes"]) * layers
+        cp, pages = int(r["cp_size"]), int(r["num_pages"])
+        assert int(r["owned_pages"]) == -(-pages // cp)  # rank 0's round-robin share
+        assert int(r["bytes"]) == int(r["owned_pages"]) * int(r["page_bytes"]) * layers
     for direction in ("d2h", "h2d"):
         png = tmp_path / f"transfer_cpu_quick_{direction}.png"
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-JOB = pathlib.Path(__file__).with_name("kernels_aot_job.py")
+JOB = pathlib.Path(__file__).resolve().parents[1] / "helpers" / "kernels_aot_job.py"
 ROOT = JOB.parents[1]
 
 # 16-byte global accesses: 4 x 32-bit or 2 x 64-bit lanes, any cache qualifiers
@@ -65,6 +65,11 @@ def test_copy_loops_use_16_byte_vector_loads_and_stores(compiled):
         assert stores and len(vec_stores) == len(stores), (name, sorted(set(stores)))
         # and every stored vector was loaded as a vector (indices are the only scalar loads)
         assert len(vec_loads) == len(vec_stores), (name, len(vec_loads), len(vec_stores))
+        # software pipelining: the tile load sits at two sites (before the
+        # loop and inside it, ahead of the store of the previous tile), each
+        # a tile's worth of vectors per thread
+        per_thread = info["tile_bytes"] // (32 * info["num_warps"] * 16)
+        assert len(vec_loads) == 2 * per_thread, (name, len(vec_loads), per_thread)
         checked += 1
     assert checked == 3 * 4 + 3 * 2 + 4
 
@@ -98,11 +103,11 @@ def test_no_recompile_across_ranks_layers_batch_sizes_and_slices():
     from triton._C.libtriton import native_specialize_impl
     from triton.backends.compiler import BaseBackend
 
-    from sglang_cp_hicache.kernels import cp_page_copy
+    from sglang_cp_hicache.kernels import _twin, compile, cp_page_copy
     from sglang_cp_hicache.layout import CpSharedKVLayout
 
-    kernel = cp_page_copy._kernel_for(False)
-    plans = cp_page_copy._warmup_plans(
+    kernel = _twin.kernel_for(False)
+    stand_ins = compile._stand_ins(
         page_size=16, host_layout="page_first", num_layers=3, kv_dim=656, kv_dtype=torch.uint8,
         indexer_page_bytes=16 * 132, device=torch.device("cpu"), pin_memory=False,
     )
@@ -117,7 +122,8 @@ def test_no_recompile_across_ranks_layers_batch_sizes_and_slices():
         return per_arg, sorted(spec.meta.items())
 
     big = torch.arange(64 * 16 + 1, dtype=torch.int64)
-    for op, plan, _, _ in plans:
+    for s in stand_ins:
+        op, plan = s.op, s.plan
         keys = set()
         for cp_size, cp_rank, layer, num_pages, offset in [
             (1, 0, 0, 1, 0), (2, 1, 1, 16, 1), (4, 3, 2, 17, 0), (3, 2, 0, 64, 1), (8, 5, 1, 2, 0),
@@ -128,11 +134,11 @@ def test_no_recompile_across_ranks_layers_batch_sizes_and_slices():
             keys.add(repr(key(p, locs, host_locs, CpSharedKVLayout(16, cp_size, cp_rank))))
         assert len(keys) == 1, (op, keys)
     # ...while the pool configuration does pick its own specialisation
-    other = cp_page_copy._warmup_plans(
+    other = compile._stand_ins(
         page_size=64, host_layout="page_first", num_layers=3, kv_dim=656, kv_dtype=torch.uint8,
         indexer_page_bytes=None, device=torch.device("cpu"), pin_memory=False,
     )
     locs64 = torch.arange(64, dtype=torch.int64)
-    assert key(other[0][1], locs64, locs64, CpSharedKVLayout(64, 1, 0)) != key(
-        plans[0][1], locs64[:16], locs64[:16], CpSharedKVLayout(16, 1, 0)
+    assert key(other[0].plan, locs64, locs64, CpSharedKVLayout(64, 1, 0)) != key(
+        stand_ins[0].plan, locs64[:16], locs64[:16], CpSharedKVLayout(16, 1, 0)
     )

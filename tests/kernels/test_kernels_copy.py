@@ -1,6 +1,7 @@
 """Triton page-copy kernels (run by Triton's interpreter on CPU tensors) versus
 the torch reference and a page-by-page oracle: bitwise, with poisoned
-destinations, guard bands and unchanged sources (see kernels_conftest.check_copy).
+destinations, guard bands and unchanged sources (see tests.helpers.kernel_pools.check_copy),
+at awkward sizes, every rank of CP 1-4 and the CP 8 owner mix.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels_conftest import (
+from tests.helpers.kernel_pools import (
     HOST_LAYOUTS,
     MAIN_BUFFERS,
     PAGE_SIZES,
@@ -170,6 +171,57 @@ def test_block_smaller_than_page_loops_within_the_page():
         pools = make_pools("kv_bf16", 16, "page_first", layout, direction=direction)
         pages, hosts = mixed_batch(layout, dev_pages=5, host_pages=6, seed=5)
         check_copy(pools, direction, page_locs(pages, 16), page_locs(hosts, 16), layer_id=1, block_bytes=256)
+
+
+def test_tile_shape_packs_page_units_into_tiles():
+    ts = cp_page_copy._tile_shape
+    T = cp_page_copy._TileShape
+    # 32 KiB tiles of int64 words (4,096 words)
+    assert ts(8448 // 8, 8, 32768) == T(16, 256)  # indexer page: 5 units of 256 words, 16 per tile
+    assert ts(41984 // 8, 8, 32768) == T(16, 256)  # fp8 KV page: 21 units
+    assert ts(73728 // 8, 8, 32768) == T(4, 1024)  # bf16 KV page: 9 units, exact
+    assert ts(33, 4, 32768) == T(16, 64)  # 132-byte page: one unit, 16 pages per tile
+    assert ts(13, 1, 32768) == T(16, 16)
+    assert ts(1, 8, 16) == T(2, 1)
+    for page_words in (1, 7, 33, 1056, 5248, 9216):
+        for block in (16, 256, 4096, 32768):
+            t = ts(page_words, 8, block)
+            assert t.pages * t.words * 8 <= max(block, 8), (page_words, block, t)
+            assert t.pages <= cp_page_copy.MAX_TILE_PAGES
+
+
+def test_several_indexer_pages_per_tile_and_several_tiles_per_walk_block():
+    """20 owned 8,448-byte pages in one walk block: 16 x 256-word tiles, each
+    holding units of several pages, a 2-deep pipeline over many tiles."""
+    layout = CpSharedKVLayout(64, 2, 0)
+    for direction in DIRECTIONS:
+        pools = make_pools("indexer", 64, "page_first", layout, direction=direction, num_layers=2,
+                           dev_pages=24, host_pages=24)
+        rng = random.Random(5)
+        pages = rng.sample(range(48), 40)
+        hosts = rng.sample(range(24), owned_count(pages, layout))
+        assert len(hosts) >= 17
+        check_copy(pools, direction, page_locs(pages, 64), page_locs(hosts, 64), layer_id=1, num_ctas=1)
+
+
+@pytest.mark.parametrize("num_ctas", [1, 2, 7])
+def test_cp8_real_owner_mix_across_walk_and_count_blocks(num_ctas):
+    """CP 8 with pages assigned round-robin to owners (7 of 8 foreign), 2,100
+    pages in shuffled order: a program walks several WALK_PAGES blocks and,
+    with 2 CTAs, counts more than COUNT_PAGES pages ahead of its chunk."""
+    layout = CpSharedKVLayout(1, 8, 5)
+    num_pages = 2100
+    assert num_pages // 2 > cp_page_copy.COUNT_PAGES and num_pages // 7 > cp_page_copy.WALK_PAGES
+    pool = num_pages // 8 + 1
+    pools = make_pools("indexer", 1, "layer_first", layout, direction="h2d", num_layers=2,
+                       dev_pages=pool, host_pages=pool)
+    rng = random.Random(num_ctas)
+    pages = list(range(num_pages))
+    rng.shuffle(pages)
+    owned = owned_count(pages, layout)
+    assert owned == (num_pages - 5 + 7) // 8
+    hosts = rng.sample(range(pool), owned)
+    check_copy(pools, "h2d", page_locs(pages, 1), page_locs(hosts, 1), layer_id=1, num_ctas=num_ctas)
 
 
 def test_word_plan():

@@ -1,6 +1,7 @@
-"""Launcher argument checks: each bad input raises TypeError/ValueError naming
-the argument; empty batches return before any launch; debug-mode index checks;
-out-of-range pages never write outside the buffers even without debug mode."""
+"""Argument checks: each bad input raises TypeError/ValueError naming the
+argument and writes nothing; both CPU backends refuse the same bad index
+values with the same message; empty batches return before any launch; on the
+device (indices unchecked) out-of-range and negative pages are skipped."""
 
 from __future__ import annotations
 
@@ -9,8 +10,10 @@ import re
 import pytest
 import torch
 
-from kernels_conftest import POISON, assert_same_bytes, bits, make_pools, page_locs, run_triton
-from sglang_cp_hicache.kernels import DEBUG_ENV, cp_page_copy, reference
+from tests.helpers.kernel_pools import (
+    POISON, assert_same_bytes, bits, changed_bytes, make_pools, page_locs, run_triton,
+)
+from sglang_cp_hicache.kernels import DEBUG_ENV, cp_page_copy, reference, transfer
 from sglang_cp_hicache.layout import CpSharedKVLayout
 
 P = 4
@@ -153,7 +156,6 @@ def test_empty_batches_return_before_launching(monkeypatch, fn, build, foreign_o
         raise AssertionError("launched a kernel for an empty batch")
 
     monkeypatch.setattr(cp_page_copy, "_launch", no_launch)
-    monkeypatch.setattr(cp_page_copy, "_kernel_for", no_launch)
     empty = torch.zeros(0, dtype=I64)
     device_locs = page_locs([1, 3], P) if foreign_only else empty  # rank 0 owns neither
     fn(**build(device_locs=device_locs, host_locs=empty))
@@ -161,24 +163,80 @@ def test_empty_batches_return_before_launching(monkeypatch, fn, build, foreign_o
         fn(**build())  # the same call with pages does launch
 
 
-# ----------------------------------------------------------------------------- debug mode
-DEBUG_BAD = [
-    (dict(device_locs=page_locs([0, 1, 8], P)), "device_locs maps to physical page 4"),
-    (dict(host_locs=page_locs([0, 3], P)), "host_locs reaches host page 3"),
-    (dict(host_locs=page_locs([0, 2], P).flip(0).contiguous()), "host_locs must list whole pages"),
-    (dict(host_locs=page_locs([0, 2], P) + 1), "host_locs must list whole pages"),
-    (dict(device_locs=page_locs([0, 1, 2], P) - 2 * P), "device_locs holds negative"),
+def test_owned_pages_without_host_slots_are_refused_before_the_empty_return():
+    """An empty host_locs returns early only once the count says nothing is owned."""
+    for fn in BACKUP_KV:
+        with pytest.raises(ValueError, match=r"^host_locs has 0 entries but device_locs holds 8"):
+            fn(**kv_args(host_locs=torch.zeros(0, dtype=I64)))
+
+
+# ----------------------------------------------------------------------------- index values
+# (overrides, message start). kv_args: P=4, N=2, rank 0, 4 device pages, 3 host pages.
+BAD_INDICES = [
+    pytest.param(dict(device_locs=page_locs([0, 1, 2], P) - 2 * P), "device_locs holds negative locations",
+                 id="negative-device"),
+    pytest.param(dict(host_locs=page_locs([0, 2], P) - 4 * P), "host_locs holds negative locations",
+                 id="negative-host"),
+    # the owned-token count matches (4), but no page is whole: the first page
+    # would be read from logical page 0 and the tail of page 1
+    pytest.param(dict(device_locs=torch.tensor([2, 3, 4, 5, 10, 11, 12, 13]), host_locs=page_locs([0], P)),
+                 "device_locs must list whole pages", id="unaligned-device"),
+    pytest.param(dict(host_locs=page_locs([0, 2], P) + 1), "host_locs must list whole pages", id="unaligned-host"),
+    pytest.param(dict(host_locs=page_locs([0, 2], P).flip(0).contiguous()), "host_locs must list whole pages",
+                 id="reversed-host"),
+    pytest.param(dict(device_locs=page_locs([0, 1, 8], P)), "device_locs maps to physical page 4",
+                 id="device-out-of-range"),
+    pytest.param(dict(host_locs=page_locs([0, 3], P)), "host_locs reaches host page 3", id="host-out-of-range"),
+    pytest.param(dict(host_locs=page_locs([0], P)), "host_locs has 4 entries but device_locs holds 8",
+                 id="owned-count"),
+]
+
+OPS = [
+    pytest.param("backup_kv_all_layers", kv_args, id="backup_kv"),
+    pytest.param("load_kv_one_layer", load_kv_args, id="load_kv"),
+    pytest.param("backup_indexer_all_layers", index_args, id="backup_indexer"),
+    pytest.param("load_indexer_one_layer", load_index_args, id="load_indexer"),
 ]
 
 
-@pytest.mark.parametrize("over,message", DEBUG_BAD)
-def test_debug_mode_checks_indices(monkeypatch, over, message):
-    monkeypatch.setenv(DEBUG_ENV, "1")
-    with pytest.raises(ValueError) as info:
-        cp_page_copy.backup_kv_all_layers(**kv_args(**over))
-    assert str(info.value).startswith(message), str(info.value)
-    monkeypatch.setenv(DEBUG_ENV, "0")
-    cp_page_copy.backup_kv_all_layers(**kv_args(**over))  # not checked: no error
+def _snapshot(args: dict) -> list[torch.Tensor]:
+    out = []
+    for v in args.values():
+        if isinstance(v, torch.Tensor):
+            out.append(bits(v.clone()))
+        elif isinstance(v, list):
+            out.extend(bits(t.clone()) for t in v)
+    return out
+
+
+@pytest.mark.parametrize("debug", ["0", "1"])
+@pytest.mark.parametrize("op,build", OPS)
+@pytest.mark.parametrize("over,message", BAD_INDICES)
+def test_both_backends_refuse_the_same_bad_indices(monkeypatch, op, build, over, message, debug):
+    """CPU indices are checked for free on both backends, debug mode or not:
+    same ValueError (naming the argument), and nothing is written."""
+    monkeypatch.setenv(DEBUG_ENV, debug)
+    errors = {}
+    for interpret in (None, "1"):
+        if interpret is None:
+            monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+        else:
+            monkeypatch.setenv("TRITON_INTERPRET", interpret)
+        args = build(**over)
+        # fill the buffers so an unwanted copy would show
+        for v in args.values():
+            for t in v if isinstance(v, list) else [v]:
+                if isinstance(t, torch.Tensor) and t.dtype != torch.int64:  # buffers, not indices
+                    bits(t).copy_(torch.randint(0, 256, bits(t).shape, dtype=torch.uint8))
+        before = _snapshot(args)
+        with pytest.raises(ValueError) as info:
+            getattr(transfer, op)(**args)
+        after = _snapshot(args)
+        assert all(torch.equal(a, b) for a, b in zip(before, after)), "a refused call wrote something"
+        errors[transfer.select_backend("cpu")] = str(info.value)
+    assert set(errors) == {"reference", "triton-interpret"}
+    assert errors["reference"] == errors["triton-interpret"], errors
+    assert errors["reference"].startswith(message), errors["reference"]
 
 
 @pytest.mark.parametrize("debug", ["0", "1"])
@@ -193,12 +251,19 @@ def test_owned_count_mismatch_is_caught_on_cpu_indices(monkeypatch, fns, build, 
             fn(**build(host_locs=page_locs(host_pages, P)))
 
 
+# ----------------------------------------------------------------------------- device behaviour
+def _unchecked(monkeypatch) -> None:
+    """Skip the index-value checks, as a CUDA launch without debug mode does
+    (reading CUDA indices would be a sync): the kernel's own guards act."""
+    monkeypatch.setattr(cp_page_copy, "_check_indices", lambda *a, **k: None)
+
+
 @pytest.mark.parametrize("direction", ["d2h", "h2d"])
 @pytest.mark.parametrize("kind", ["kv_fp8", "indexer"])
-def test_out_of_range_pages_are_skipped_without_debug(monkeypatch, kind, direction):
-    """Without debug mode, pages beyond either pool are not copied: no byte
-    outside the buffers (or anywhere) changes, and in-range pages still copy."""
-    monkeypatch.delenv(DEBUG_ENV, raising=False)
+def test_out_of_range_pages_are_skipped_on_the_device(monkeypatch, kind, direction):
+    """Unchecked, pages beyond either pool are not copied: no byte outside the
+    buffers (or anywhere) changes, and in-range pages still copy."""
+    _unchecked(monkeypatch)
     layout = CpSharedKVLayout(P, 2, 1)
     pools = make_pools(kind, P, "layer_first", layout, direction=direction, dev_pages=3, host_pages=3)
     bad_dev = page_locs([7], P)  # physical page 3 of 3
@@ -214,3 +279,25 @@ def test_out_of_range_pages_are_skipped_without_debug(monkeypatch, kind, directi
     run_triton(fixed, direction, page_locs([5], P), page_locs([2], P))
     assert_same_bytes(got, fixed, "host page out of range")
     assert bool((bits(fixed.host_big if direction == "d2h" else fixed.dev_bigs[0]) == POISON).any())
+
+
+@pytest.mark.parametrize("direction", ["d2h", "h2d"])
+@pytest.mark.parametrize("kind", ["kv_bf16", "indexer"])
+def test_negative_locations_are_skipped_on_the_device_and_keep_the_pairing(monkeypatch, kind, direction):
+    """Unchecked, the kernel computes owners with floor division like the CPU
+    side: logical page -1 belongs to rank 1 of 2, takes the first host slot,
+    and is skipped (physical page -1); a negative host location is skipped
+    too. The other owned pages keep their host slots."""
+    _unchecked(monkeypatch)
+    layout = CpSharedKVLayout(P, 2, 1)
+    pools = make_pools(kind, P, "page_first", layout, direction=direction, dev_pages=3, host_pages=4)
+    got = pools.clone()
+    device_locs = torch.cat([page_locs([-1], P), page_locs([1, 2, 3, 5], P)])  # owned: -1, 1, 3, 5
+    host_locs = torch.cat([page_locs([0, 1], P), page_locs([-1], P), page_locs([3], P)])
+    run_triton(got, direction, device_locs, host_locs, layer_id=1)
+    want = pools.clone()
+    run_triton(want, direction, page_locs([1, 5], P), page_locs([1, 3], P), layer_id=1)
+    assert_same_bytes(got, want, "negative pages")
+    dst_changed = changed_bytes(got.host_big, pools.host_big) if direction == "d2h" else changed_bytes(
+        got.dev_bigs[1], pools.dev_bigs[1])
+    assert dst_changed > 0

@@ -1,23 +1,25 @@
-"""sglang_cp_hicache.transfer: backend choice (read at call time), identical
-results across backends, warm-up entry point, and a backup -> load round trip."""
+"""sglang_cp_hicache.kernels.transfer: backend choice (read at call time),
+identical results across backends, copy counters, warm-up, a backup -> load
+round trip, and threaded ranks sharing Triton's interpreter."""
 
 from __future__ import annotations
 
 import inspect
+import json
 import os
 import pathlib
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
 
-from kernels_conftest import POISON, bits, make_pools, page_locs
-from sglang_cp_hicache import transfer
-from sglang_cp_hicache.kernels import cp_page_copy, reference
+from tests.helpers.kernel_pools import POISON, bits, make_pools, page_locs
+from sglang_cp_hicache.kernels import _twin, compile, cp_page_copy, reference, transfer
 from sglang_cp_hicache.layout import CpSharedKVLayout
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 FUNCS = ["backup_kv_all_layers", "load_kv_one_layer", "backup_indexer_all_layers", "load_indexer_one_layer"]
 
 
@@ -139,19 +141,58 @@ def test_backup_then_load_restores_every_owned_byte(monkeypatch, host_layout, in
                 assert torch.equal(bits(got), bits(want)), (kind, layer, new_page)
 
 
-def test_warmup_is_a_no_op_without_cuda():
-    assert transfer.warmup is cp_page_copy.warmup
-    cfg = dict(page_size=64, host_layout="page_first", num_layers=61, kv_dim=576, kv_dtype=torch.bfloat16,
-               indexer_page_bytes=64 * 132)
-    assert transfer.warmup(**cfg, device="cpu") == 0
-    if not torch.cuda.is_available():
-        assert transfer.warmup(**cfg) == 0
+WARM_CFG = dict(page_size=64, host_layout="page_first", num_layers=61, kv_dim=576, kv_dtype=torch.bfloat16,
+                indexer_page_bytes=64 * 132)
+
+
+def test_warmup_is_a_no_op_on_the_reference_backend(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert transfer.warmup is compile.warmup
+    for device in ("cpu", None) if not torch.cuda.is_available() else ("cpu",):
+        report = transfer.warmup(**WARM_CFG, device=device)
+        assert isinstance(report, transfer.WarmupReport)
+        assert (report.backend, report.ops, report.compiled, report.cache_dir) == ("reference", [], 0, None)
+        assert report.config == dict(page_size=64, host_layout="page_first", num_layers=61, kv_dim=576,
+                                     kv_dtype="bfloat16", indexer_page_bytes=8448, device="cpu",
+                                     block_bytes=cp_page_copy.DEFAULT_BLOCK_BYTES)
+        json.dumps(report.as_dict())
+
+
+@pytest.mark.parametrize("kv,indexer,ops", [
+    (True, True, ["kv_d2h", "kv_h2d", "indexer_d2h", "indexer_h2d"]),
+    (True, False, ["kv_d2h", "kv_h2d"]),
+    (False, True, ["indexer_d2h", "indexer_h2d"]),
+])
+def test_warmup_runs_each_op_once_under_the_interpreter(monkeypatch, kv, indexer, ops):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    launched = []
+    real = cp_page_copy._launch
+
+    def spy(plan, *a, **k):
+        launched.append((plan.to_host, plan.dev_ptr_table, len(plan.dev_layers)))
+        return real(plan, *a, **k)
+
+    monkeypatch.setattr(cp_page_copy, "_launch", spy)
+    cfg = dict(WARM_CFG, device="cpu")
+    if not kv:
+        cfg.update(kv_dim=None, kv_dtype=None)
+    if not indexer:
+        cfg.update(indexer_page_bytes=None)
+    report = transfer.warmup(**cfg)
+    assert report.backend == "triton-interpret"
+    assert report.ops == ops and report.compiled == len(ops)
+    assert report.cache_dir is None and report.seconds >= 0
+    assert report.config["num_layers"] == 61 and report.config["host_layout"] == "page_first"
+    assert launched == [(op.endswith("d2h"), op.endswith("d2h"), 1) for op in ops]
+    assert _twin.is_interpreted(_twin.kernel_for(True))
+    json.dumps(report.as_dict())
 
 
 @pytest.mark.parametrize(
     "over,name",
     [(dict(host_layout="pages"), "host_layout"), (dict(page_size=0), "page_size"), (dict(num_layers=0), "num_layers"),
-     (dict(kv_dim=None, indexer_page_bytes=None), "kv_dim"), (dict(block_bytes=3), "block_bytes")],
+     (dict(kv_dim=None, indexer_page_bytes=None), "kv_dim"), (dict(block_bytes=3), "block_bytes"),
+     (dict(kv_dtype=None), "kv_dtype"), (dict(kv_dim=True), "kv_dim")],
 )
 def test_warmup_validates_the_configuration(over, name):
     cfg = dict(page_size=64, host_layout="page_first", num_layers=2, kv_dim=576, kv_dtype=torch.bfloat16,
@@ -171,11 +212,10 @@ def test_malformed_buffers_get_the_reference_error():
 def test_triton_interpret_set_before_import_uses_the_module_kernel():
     """The classic way: TRITON_INTERPRET=1 exported before python starts."""
     code = """
-import torch
-from sglang_cp_hicache import transfer
-from sglang_cp_hicache.kernels import cp_page_copy, reference
+import os, torch
+from sglang_cp_hicache.kernels import _kernel, _twin, transfer, reference
 from sglang_cp_hicache.layout import CpSharedKVLayout
-assert cp_page_copy._is_interpreted(cp_page_copy._copy_pages_kernel)
+assert _kernel.INTERPRETED and _twin.kernel_for(True) is _kernel._copy_pages_kernel
 assert transfer.select_backend("cpu") == "triton-interpret"
 lay = CpSharedKVLayout(16, 2, 0)
 dev = [torch.randint(0, 256, (64, 1, 656), dtype=torch.uint8) for _ in range(3)]
@@ -191,3 +231,133 @@ print("ok")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip() == "ok"
+
+
+def test_the_twin_loader_never_touches_the_environment():
+    """TRITON_INTERPRET unset at import: the interpreted twin is built without
+    setting the variable, even for a moment (other threads read it)."""
+    code = """
+import os
+seen = []
+import sglang_cp_hicache.kernels._twin as twin
+from sglang_cp_hicache.kernels import _kernel
+assert not _kernel.INTERPRETED
+real_setitem = type(os.environ).__setitem__
+def watch(self, key, value):
+    seen.append(key)
+    return real_setitem(self, key, value)
+type(os.environ).__setitem__ = watch
+k = twin.kernel_for(True)
+assert twin.is_interpreted(k) and twin.kernel_for(True) is k
+assert twin.kernel_for(False) is _kernel._copy_pages_kernel
+assert "TRITON_INTERPRET" not in os.environ and not seen, seen
+print("ok")
+"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == "ok"
+
+
+# ----------------------------------------------------------------------------- copy counters
+def test_copy_stats_count_calls_pages_backend_and_cp_size(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    transfer.reset_copy_stats()
+    assert transfer.copy_stats() == transfer.CopyStats()
+    assert transfer.copy_stats().backend is None and transfer.copy_stats().cp_size is None
+    layout = CpSharedKVLayout(16, 2, 1)
+    kv = make_pools("kv_bf16", 16, "layer_first", layout, direction="d2h")
+    idx = make_pools("indexer", 16, "page_first", layout, direction="d2h")
+    dl, hl = page_locs([3, 4, 9, 0], 16), page_locs([5, 1], 16)  # owned: 3, 9
+    _run(kv, "d2h", dl, hl)
+    _run(kv, "h2d", dl, hl)
+    _run(kv, "h2d", dl, hl, layer_id=2)
+    _run(idx, "d2h", dl, hl)
+    _run(idx, "h2d", page_locs([0, 2], 16), torch.zeros(0, dtype=torch.int64))  # zero owned: still a call
+    stats = transfer.copy_stats()
+    assert stats == transfer.CopyStats(
+        backend="reference", kv_backup_calls=1, kv_load_calls=2, indexer_backup_calls=1, indexer_load_calls=1,
+        cp_size=2, pages_copied=2 * 4,
+    )
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    _run(idx, "d2h", dl, hl)
+    stats = transfer.copy_stats()
+    assert (stats.backend, stats.indexer_backup_calls, stats.pages_copied) == ("triton-interpret", 2, 10)
+    assert json.loads(json.dumps(stats.as_dict()))["indexer_backup_calls"] == 2
+    transfer.reset_copy_stats()
+    assert transfer.copy_stats() == transfer.CopyStats()
+
+
+def test_refused_calls_are_not_counted(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    transfer.reset_copy_stats()
+    layout = CpSharedKVLayout(16, 2, 1)
+    kv = make_pools("kv_bf16", 16, "layer_first", layout, direction="d2h")
+    with pytest.raises(ValueError, match="^host_locs has 16 entries"):
+        _run(kv, "d2h", page_locs([3, 4, 9, 0], 16), page_locs([5], 16))
+    assert transfer.copy_stats() == transfer.CopyStats()
+
+
+def test_copy_stats_are_thread_safe(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    transfer.reset_copy_stats()
+    layout = CpSharedKVLayout(1, 1, 0)
+    dev = [torch.zeros(4, 8, dtype=torch.uint8)]
+    host = torch.zeros(1, 4, 8, dtype=torch.uint8)
+    locs = torch.arange(2, dtype=torch.int64)
+    barrier = threading.Barrier(4)
+
+    def worker():
+        barrier.wait()
+        for _ in range(200):
+            transfer.backup_indexer_all_layers(dev, host, "layer_first", locs, locs, layout)
+
+    threads = [threading.Thread(target=worker) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    stats = transfer.copy_stats()
+    assert (stats.indexer_backup_calls, stats.pages_copied) == (800, 1600)
+    transfer.reset_copy_stats()
+
+
+# ----------------------------------------------------------------------------- threads + interpreter
+def test_threaded_ranks_share_the_interpreter(monkeypatch):
+    """Four CP ranks on four threads launch interpreted kernels at once (the
+    interpreter patches triton.language process-wide while a kernel runs);
+    every copy matches the reference bit for bit."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    n, P = 4, 16
+    errors: list[str] = []
+    barrier = threading.Barrier(n)
+
+    def rank(r: int) -> None:
+        try:
+            layout = CpSharedKVLayout(P, n, r)
+            pools = make_pools("kv_fp8", P, "page_first", layout, direction="d2h", dev_pages=8, host_pages=8, seed=r)
+            pages = list(range(4 * n))
+            dl = page_locs(pages, P)
+            hl = page_locs(range(sum(1 for p in pages if p % n == r)), P)
+            barrier.wait()
+            for _ in range(4):
+                got, want = pools.clone(), pools.clone()
+                _run(got, "d2h", dl, hl)
+                reference.backup_kv_all_layers_reference(want.devs, want.host, want.host_layout, dl, hl, layout)
+                if not torch.equal(bits(got.host_big), bits(want.host_big)):
+                    errors.append(f"rank {r}: bytes differ")
+                got, want = pools.clone(), pools.clone()
+                _run(got, "h2d", dl, hl, layer_id=r % 3)
+                reference.load_kv_one_layer_reference(want.devs[r % 3], want.host, want.host_layout, r % 3, dl, hl,
+                                                      layout)
+                if not all(torch.equal(bits(x), bits(y)) for x, y in zip(got.dev_bigs, want.dev_bigs)):
+                    errors.append(f"rank {r}: load bytes differ")
+        except Exception as exc:  # noqa: BLE001 -- reported below with the rank
+            errors.append(f"rank {r}: {exc!r}"[:300])
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
