@@ -4,7 +4,11 @@ GPU mode (the default when CUDA is available) sweeps
 
 * buffers: ``indexer`` (8,448 B pages), ``kv_fp8`` (41,984 B), ``kv_bf16`` (73,728 B),
   page_size 64 (DSA);
-* pages per call: 1 .. 4096 (scattered device and host pages);
+* pages per call: 1 .. 4096 logical pages, laid out as a sequence's pages sit
+  in a CP-shared pool: groups of ``cp_size`` consecutive logical pages (one per
+  owner, round robin) scattered over the pool, scattered host pages; the
+  benchmark runs rank 0, so at CP 8 it owns 1 page in 8 and skips 7;
+* CP sizes: 1, 2, 8 (``--cp-sizes``); bytes and GB/s count the owned pages;
 * providers: ``triton`` (this library's kernels, swept over CTA count and, at
   a few points, block bytes and host layouts), ``torch_staged`` (GPU
   ``index_select`` / ``index_copy_`` through a device staging buffer plus one
@@ -17,8 +21,9 @@ Before timing it checks the compiled kernels bitwise against the torch
 reference on the GPU for every buffer and host layout, and that a backup and
 a load run under ``torch.cuda.set_sync_debug_mode("error")``.
 
-CPU mode (``--cpu``, or no CUDA) times the plain-torch reference backend on a
-small sweep against a plain memcpy ceiling.
+CPU mode (``--cpu``, or no CUDA) times the plain-torch reference backend (the
+CPU copy path of a server without ``TRITON_INTERPRET``) on a small sweep
+against a plain memcpy ceiling.
 
 Output: a long-format CSV (one row per measurement) and one PNG per direction
 with the ceiling drawn, in ``--out`` (default ``bench/results``).
@@ -52,6 +57,7 @@ from sglang_cp_hicache.kernels import (
     HOST_LAYOUTS,
     cp_page_copy,
     reference,
+    warmup,
 )
 from sglang_cp_hicache.layout import CpSharedKVLayout
 
@@ -65,7 +71,8 @@ KINDS = {
 }
 
 CSV_FIELDS = [
-    "kernel", "provider", "direction", "host_layout", "page_bytes", "num_pages", "num_layers",
+    "kernel", "provider", "direction", "host_layout", "cp_size", "page_bytes", "num_pages", "owned_pages",
+    "num_layers",
     "ctas", "block_bytes", "bytes", "reps", "p20_ms", "p50_ms", "p80_ms", "gbps", "pct_of_ceiling",
     "ceiling_gbps", "device", "torch", "triton", "cuda", "git_sha", "timestamp",
 ]
@@ -220,19 +227,22 @@ def make_pools(kind: str, host_layout: str, num_layers: int, num_pages: int, dev
 
 
 def make_batch(num_pages: int, pool_pages: int, layout: CpSharedKVLayout, device, seed: int):
-    """Scattered logical pages (owned ones map to random physical pages) and
-    scattered host pages for the owned ones."""
+    """``num_pages`` logical pages with the real owner mix, for ``layout``'s rank.
+
+    A sequence's pages sit in a CP-shared pool as groups of ``cp_size``
+    consecutive logical pages, one per owner (round robin); the groups are
+    scattered over the pool (``pool_pages`` physical pages per rank), and the
+    owned pages go to scattered host pages. Returns (device_locs, host_locs,
+    physical pages of the owned ones, their host pages).
+    """
     g = torch.Generator().manual_seed(seed)
     n, r = layout.cp_size, layout.cp_rank
-    phys = torch.randperm(pool_pages, generator=g)[:num_pages]
-    logical = phys * n + r
-    if n > 1:  # every other page belongs to another rank
-        logical = torch.stack([logical, phys * n + (r + 1) % n], 1).flatten()[:num_pages]
+    groups = torch.randperm(pool_pages, generator=g)[: -(-num_pages // n)]
+    logical = (groups[:, None] * n + torch.arange(n)).flatten()[:num_pages]
     owned = logical[logical % n == r]
     host_pages = torch.randperm(pool_pages, generator=g)[: owned.numel()]
     to_locs = lambda pages: (pages[:, None] * PAGE_SIZE + torch.arange(PAGE_SIZE)).flatten().to(torch.int64)
-    return (to_locs(logical).to(device), to_locs(host_pages).to(device),
-            (logical // n)[logical % n == r], host_pages)
+    return to_locs(logical).to(device), to_locs(host_pages).to(device), owned // n, host_pages
 
 
 # ----------------------------------------------------------------------------- providers
@@ -347,13 +357,14 @@ class Sweep:
     kinds: tuple
     pages: tuple
     ctas: tuple
-    blocks: tuple  # extra block_bytes values, timed at (block_ctas x block_pages)
+    blocks: tuple  # extra block_bytes values, timed at (block_ctas x block_pages), CP 1
     block_ctas: tuple
     block_pages: tuple
-    layout_pages: tuple  # pages at which the other host layouts are timed (triton only)
+    layout_pages: tuple  # pages at which the other host layouts are timed (triton only, CP 1)
     direct_max_pages: int
     num_layers: int
     target_s: float
+    cp_sizes: tuple
 
 
 def gpu_sweep(args, device) -> Sweep:
@@ -361,10 +372,26 @@ def gpu_sweep(args, device) -> Sweep:
     kinds = tuple(args.kinds or KINDS)
     if args.quick:
         return Sweep(kinds, tuple(args.pages or (1, 64, 1024)), (1, 4, 16), (), (), (), (256,), 1024,
-                     args.layers, 0.05)
+                     args.layers, 0.05, tuple(args.cp_sizes))
     return Sweep(kinds, tuple(args.pages or (1, 4, 16, 64, 256, 1024, 4096)),
                  tuple(sorted({1, 2, 4, 8, 16, 32, sms})), (8192, 65536), (4, 16), (256, 4096), (16, 1024),
-                 4096, args.layers, 0.12)
+                 4096, args.layers, 0.12, tuple(args.cp_sizes))
+
+
+def make_row(*, kind, provider, direction, hl, cp_size, page_bytes, num_pages, owned_pages, num_layers,
+             ctas, block, times, ceiling, info) -> dict:
+    """One CSV row; bytes and GB/s count the owned pages only (the ones moved)."""
+    n_bytes = owned_pages * page_bytes * num_layers
+    p50 = percentile(times, 0.5)
+    gbps = n_bytes / (p50 * 1e-3) / 1e9
+    return dict(
+        kernel=kind, provider=provider, direction=direction, host_layout=hl, cp_size=cp_size,
+        page_bytes=page_bytes, num_pages=num_pages, owned_pages=owned_pages, num_layers=num_layers,
+        ctas=ctas, block_bytes=block, bytes=n_bytes, reps=len(times),
+        p20_ms=round(percentile(times, 0.2), 5), p50_ms=round(p50, 5), p80_ms=round(percentile(times, 0.8), 5),
+        gbps=round(gbps, 3), pct_of_ceiling=round(100 * gbps / ceiling[direction], 2),
+        ceiling_gbps=round(ceiling[direction], 3), **info,
+    )
 
 
 def run_gpu(args) -> tuple[list[dict], dict, dict]:
@@ -375,13 +402,15 @@ def run_gpu(args) -> tuple[list[dict], dict, dict]:
     meta: dict = {"mode": "gpu", "quick": args.quick, **info}
 
     t0 = time.perf_counter()
-    compiled = sum(
-        cp_page_copy.warmup(page_size=PAGE_SIZE, host_layout=hl, num_layers=sweep.num_layers,
-                            kv_dim=KINDS[k][2], kv_dtype=KINDS[k][1])
+    reports = [
+        warmup(page_size=PAGE_SIZE, host_layout=hl, num_layers=sweep.num_layers,
+               kv_dim=KINDS[k][2], kv_dtype=KINDS[k][1], device=device)
         for hl in HOST_LAYOUTS for k in ("kv_fp8", "kv_bf16")
-    ) + sum(cp_page_copy.warmup(page_size=PAGE_SIZE, host_layout=hl, num_layers=sweep.num_layers,
-                                indexer_page_bytes=KINDS["indexer"][2]) for hl in HOST_LAYOUTS)
-    meta["warmup"] = {"kernels": compiled, "seconds": round(time.perf_counter() - t0, 2)}
+    ] + [warmup(page_size=PAGE_SIZE, host_layout=hl, num_layers=sweep.num_layers,
+                indexer_page_bytes=KINDS["indexer"][2], device=device) for hl in HOST_LAYOUTS]
+    compiled = sum(r.compiled for r in reports)
+    meta["warmup"] = {"kernels": compiled, "seconds": round(time.perf_counter() - t0, 2),
+                      "cache_dir": reports[0].cache_dir}
     print(f"warmup: {compiled} kernels in {meta['warmup']['seconds']} s", flush=True)
 
     meta["checks"] = gpu_checks(device)
@@ -392,29 +421,19 @@ def run_gpu(args) -> tuple[list[dict], dict, dict]:
     print(f"ceiling: d2h {ceiling['d2h']:.1f} GB/s, h2d {ceiling['h2d']:.1f} GB/s", flush=True)
 
     rows = []
-    layout = CpSharedKVLayout(PAGE_SIZE, args.cp_size, 0)
 
     def out_of_time() -> bool:
         return time.perf_counter() - t_start > args.time_budget_s
 
-    def record(kind, provider, direction, hl, page_bytes, num_pages, n_bytes, ctas, block, times, L):
-        p50 = percentile(times, 0.5)
-        gbps = n_bytes / (p50 * 1e-3) / 1e9
-        rows.append(dict(
-            kernel=kind, provider=provider, direction=direction, host_layout=hl,
-            page_bytes=page_bytes, num_pages=num_pages, num_layers=L, ctas=ctas, block_bytes=block,
-            bytes=n_bytes, reps=len(times), p20_ms=round(percentile(times, 0.2), 5), p50_ms=round(p50, 5),
-            p80_ms=round(percentile(times, 0.8), 5), gbps=round(gbps, 3),
-            pct_of_ceiling=round(100 * gbps / ceiling[direction], 2), ceiling_gbps=round(ceiling[direction], 3),
-            **info,
-        ))
-        print(f"{kind:8s} {provider:12s} {direction} {hl:17s} pages={num_pages:5d} ctas={ctas!s:4s} "
-              f"block={block!s:6s} {p50 * 1e3:9.1f} us {gbps:7.2f} GB/s", flush=True)
+    def record(**kw):
+        row = make_row(ceiling=ceiling, info=info, **kw)
+        rows.append(row)
+        print(f"{row['kernel']:8s} {row['provider']:12s} {row['direction']} {row['host_layout']:17s} "
+              f"cp={row['cp_size']} pages={row['num_pages']:5d} ctas={row['ctas']!s:4s} "
+              f"block={row['block_bytes']!s:6s} {row['p50_ms'] * 1e3:9.1f} us {row['gbps']:7.2f} GB/s", flush=True)
 
     for kind in sweep.kinds:
         for hl in HOST_LAYOUTS:
-            if out_of_time():
-                break
             main = hl == args.host_layout
             sizes = sweep.pages if main else sweep.layout_pages
             pool_pages = max(sizes)
@@ -424,30 +443,34 @@ def run_gpu(args) -> tuple[list[dict], dict, dict]:
                 staging = torch.empty(pool_pages, pools.page_bytes, dtype=torch.uint8, device=device)
                 pinned = torch.empty(sweep.num_layers, pool_pages, pools.page_bytes, dtype=torch.uint8,
                                      pin_memory=True)
-            for num_pages in sizes:
-                dl, hloc, phys, hpages = make_batch(num_pages, pool_pages // args.cp_size, layout, device, num_pages)
-                owned = phys.numel()
-                for direction in ("d2h", "h2d"):
-                    if out_of_time():
-                        break
-                    L = sweep.num_layers if direction == "d2h" else 1
-                    n_bytes = owned * pools.page_bytes * L
-                    points = [(c, DEFAULT_BLOCK_BYTES) for c in (sweep.ctas if main else (DEFAULT_NUM_CTAS, 16))]
-                    if main and num_pages in sweep.block_pages:
-                        points += [(c, b) for b in sweep.blocks for c in sweep.block_ctas]
-                    for ctas, block in points:
-                        fn = triton_call(pools, direction, dl, hloc, layout, ctas, block)
-                        record(kind, "triton", direction, hl, pools.page_bytes, num_pages, n_bytes, ctas, block,
-                               time_gpu(fn, sweep.target_s), L)
-                    if not main or pools.host_pages is None:  # baselines index layer_first pages
-                        continue
-                    fn = torch_staged_call(pools, direction, phys, hpages, staging, pinned)
-                    record(kind, "torch_staged", direction, hl, pools.page_bytes, num_pages, n_bytes, "", "",
-                           time_gpu(fn, sweep.target_s), L)
-                    if num_pages <= sweep.direct_max_pages:
-                        fn = direct_call(pools, direction, phys, hpages)
-                        record(kind, "direct", direction, hl, pools.page_bytes, num_pages, n_bytes, "", "",
-                               time_gpu(fn, sweep.target_s), L)
+            for cp_size in sweep.cp_sizes if main else (1,):
+                layout = CpSharedKVLayout(PAGE_SIZE, cp_size, 0)
+                for num_pages in sizes:
+                    dl, hloc, phys, hpages = make_batch(num_pages, pool_pages, layout, device, num_pages)
+                    common = dict(kind=kind, hl=hl, cp_size=cp_size, page_bytes=pools.page_bytes,
+                                  num_pages=num_pages, owned_pages=phys.numel())
+                    for direction in ("d2h", "h2d"):
+                        if out_of_time():
+                            break
+                        L = sweep.num_layers if direction == "d2h" else 1
+                        points = [(c, DEFAULT_BLOCK_BYTES) for c in (sweep.ctas if main else (DEFAULT_NUM_CTAS, 16))]
+                        if main and cp_size == 1 and num_pages in sweep.block_pages:
+                            points += [(c, b) for b in sweep.blocks for c in sweep.block_ctas]
+                        for ctas, block in points:
+                            fn = triton_call(pools, direction, dl, hloc, layout, ctas, block)
+                            record(provider="triton", direction=direction, num_layers=L, ctas=ctas, block=block,
+                                   times=time_gpu(fn, sweep.target_s), **common)
+                        if not main or pools.host_pages is None:  # baselines index layer_first pages
+                            continue
+                        # Baselines get the owned pages' physical and host pages
+                        # ready-made (a device->host sync in real use).
+                        fn = torch_staged_call(pools, direction, phys, hpages, staging, pinned)
+                        record(provider="torch_staged", direction=direction, num_layers=L, ctas="", block="",
+                               times=time_gpu(fn, sweep.target_s), **common)
+                        if phys.numel() <= sweep.direct_max_pages:
+                            fn = direct_call(pools, direction, phys, hpages)
+                            record(provider="direct", direction=direction, num_layers=L, ctas="", block="",
+                                   times=time_gpu(fn, sweep.target_s), **common)
             del pools, staging, pinned
             torch.cuda.empty_cache()
     meta["seconds"] = round(time.perf_counter() - t_start, 1)
@@ -467,27 +490,23 @@ def run_cpu(args) -> tuple[list[dict], dict, dict]:
     target = 0.05 if args.quick else 0.2
     ceiling = measure_ceiling(device, args.ceiling_mib << 20, 0.5)
     print(f"ceiling (memcpy): {ceiling['d2h']:.1f} GB/s", flush=True)
-    layout = CpSharedKVLayout(PAGE_SIZE, args.cp_size, 0)
     rows = []
     for kind in args.kinds or KINDS:
         pools = make_pools(kind, args.host_layout, args.layers, max(pages), device)
-        for num_pages in pages:
-            dl, hloc, phys, _ = make_batch(num_pages, max(pages) // args.cp_size, layout, device, num_pages)
-            for direction in ("d2h", "h2d"):
-                L = args.layers if direction == "d2h" else 1
-                n_bytes = phys.numel() * pools.page_bytes * L
-                times = time_cpu(reference_call(pools, direction, dl, hloc, layout), target)
-                p50 = percentile(times, 0.5)
-                gbps = n_bytes / (p50 * 1e-3) / 1e9
-                rows.append(dict(
-                    kernel=kind, provider="reference", direction=direction, host_layout=args.host_layout,
-                    page_bytes=pools.page_bytes, num_pages=num_pages, num_layers=L, ctas="", block_bytes="",
-                    bytes=n_bytes, reps=len(times), p20_ms=round(percentile(times, 0.2), 5), p50_ms=round(p50, 5),
-                    p80_ms=round(percentile(times, 0.8), 5), gbps=round(gbps, 3),
-                    pct_of_ceiling=round(100 * gbps / ceiling[direction], 2),
-                    ceiling_gbps=round(ceiling[direction], 3), **info,
-                ))
-                print(f"{kind:8s} reference {direction} pages={num_pages:4d} {p50:8.3f} ms {gbps:6.2f} GB/s", flush=True)
+        for cp_size in args.cp_sizes:
+            layout = CpSharedKVLayout(PAGE_SIZE, cp_size, 0)
+            for num_pages in pages:
+                dl, hloc, phys, _ = make_batch(num_pages, max(pages), layout, device, num_pages)
+                for direction in ("d2h", "h2d"):
+                    L = args.layers if direction == "d2h" else 1
+                    times = time_cpu(reference_call(pools, direction, dl, hloc, layout), target)
+                    row = make_row(kind=kind, provider="reference", direction=direction, hl=args.host_layout,
+                                   cp_size=cp_size, page_bytes=pools.page_bytes, num_pages=num_pages,
+                                   owned_pages=phys.numel(), num_layers=L, ctas="", block="", times=times,
+                                   ceiling=ceiling, info=info)
+                    rows.append(row)
+                    print(f"{kind:8s} reference {direction} cp={cp_size} pages={num_pages:4d} "
+                          f"{row['p50_ms']:8.3f} ms {row['gbps']:6.2f} GB/s", flush=True)
     meta = {"mode": "cpu", "quick": args.quick, **info, "ceiling_gbps": ceiling,
             "torch_threads": torch.get_num_threads(), "cpus": os.cpu_count(),
             "loadavg_at_end": os.getloadavg(), "seconds": round(time.perf_counter() - t_start, 1)}
@@ -503,6 +522,19 @@ def write_csv(rows: list[dict], path: str) -> None:
             w.writerow(row)
 
 
+def _series_label(r: dict, main_layout: str) -> str | None:
+    """Legend entry of a row, or None for rows the plot leaves out (other host
+    layouts and block sizes; CTA sweeps other than the default at CP > 1)."""
+    cp = int(r["cp_size"])
+    if r["provider"] != "triton":
+        return f"{r['provider']} cp{cp}"
+    if r["host_layout"] != main_layout or r["block_bytes"] != DEFAULT_BLOCK_BYTES:
+        return None
+    if cp != 1 and r["ctas"] != DEFAULT_NUM_CTAS:
+        return None
+    return f"triton cp{cp} {r['ctas']} CTAs"
+
+
 def plot(rows: list[dict], ceiling: dict, direction: str, path: str, title: str) -> None:
     import matplotlib
 
@@ -516,24 +548,19 @@ def plot(rows: list[dict], ceiling: dict, direction: str, path: str, title: str)
         main_layout = sel[0]["host_layout"]
         series: dict[str, list] = {}
         for r in sel:
-            if r["provider"] == "triton":
-                if r["host_layout"] != main_layout or r["block_bytes"] != DEFAULT_BLOCK_BYTES:
-                    continue
-                label = f"triton {r['ctas']} CTAs"
-            else:
-                label = r["provider"]
-            series.setdefault(label, []).append((r["num_pages"], r["gbps"]))
-        for label, pts in sorted(series.items(), key=lambda kv: (not kv[0].startswith("triton"),
-                                                                 int(kv[0].split()[1]) if kv[0].startswith("triton") else 0)):
+            label = _series_label(r, main_layout)
+            if label is not None:
+                series.setdefault(label, []).append((r["num_pages"], r["gbps"]))
+        for label, pts in sorted(series.items()):
             pts.sort()
             style = dict(marker="o", ms=3, lw=1.2) if label.startswith("triton") else dict(marker="s", ms=4, lw=2, ls="--")
             ax.plot([p for p, _ in pts], [g for _, g in pts], label=label, **style)
         ax.axhline(ceiling[direction], color="k", lw=1.5, ls=":", label=f"ceiling {ceiling[direction]:.1f} GB/s")
         ax.set_xscale("log", base=2)
-        ax.set_xlabel("pages per call")
+        ax.set_xlabel("logical pages per call (rank 0 owns 1 in cp)")
         ax.set_title(f"{kind} ({sel[0]['page_bytes']} B pages, {sel[0]['num_layers']} layer(s))")
         ax.grid(True, alpha=0.3)
-    axes[0][0].set_ylabel("GB/s")
+    axes[0][0].set_ylabel("GB/s of owned pages moved")
     axes[0][-1].legend(fontsize=7, loc="best")
     fig.suptitle(title)
     fig.tight_layout()
@@ -547,7 +574,8 @@ def main(argv=None) -> int:
     ap.add_argument("--cpu", action="store_true", help="CPU mode (reference backend) even if CUDA is available")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     ap.add_argument("--layers", type=int, default=4, help="layers in the device pool (backups copy all)")
-    ap.add_argument("--cp-size", type=int, default=1, help="CP group size; the benchmark runs rank 0")
+    ap.add_argument("--cp-sizes", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 8],
+                    help="comma-separated CP group sizes (real owner mix; the benchmark runs rank 0)")
     ap.add_argument("--host-layout", default="layer_first", choices=HOST_LAYOUTS,
                     help="host layout of the full sweep (the others get a few triton points)")
     ap.add_argument("--time-budget-s", type=float, default=420.0,
@@ -563,6 +591,8 @@ def main(argv=None) -> int:
     unknown = sorted(set(args.kinds or ()) - set(KINDS))
     if unknown:
         ap.error(f"--kinds: unknown {unknown}; choose from {list(KINDS)}")
+    if any(n < 1 for n in args.cp_sizes):
+        ap.error(f"--cp-sizes: every size must be >= 1, got {args.cp_sizes}")
 
     gpu = torch.cuda.is_available() and not args.cpu
     os.makedirs(args.out, exist_ok=True)
