@@ -1,0 +1,101 @@
+"""Run one function on N rank processes over a gloo group; collect their results.
+
+SGLang 0.5.23's runtime context is process-global, so each CP rank of the
+sharded stack needs its own process. :func:`run_ranks` spawns ``world``
+processes (``spawn``: a clean interpreter each, sys.path inherited), joins a
+gloo group through a FileStore in ``workdir`` and calls
+``fn(rank, world, **kwargs)`` in every one. It returns the per-rank results in
+rank order, or raises :class:`RankError` with every failing rank's traceback;
+a rank still running past ``timeout_s`` is terminated and reported.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import multiprocessing
+import os
+import queue as queue_mod
+import traceback
+from typing import Any, Callable, Iterator
+
+__all__ = ["RankError", "run_ranks"]
+
+
+class RankError(RuntimeError):
+    pass
+
+
+def _child(fn: Callable[..., Any], rank: int, world: int, store: str, kwargs: dict, out: Any) -> None:
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)  # the ranks share the machine's cores
+        dist.init_process_group(
+            "gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+            timeout=datetime.timedelta(seconds=120),
+        )
+        result = fn(rank, world, **kwargs)
+        dist.destroy_process_group()
+        out.put((rank, True, result))
+    except BaseException:  # report anything to the parent
+        out.put((rank, False, traceback.format_exc()))
+
+
+@contextlib.contextmanager
+def _environ(extra: dict[str, str]) -> Iterator[None]:
+    before = {k: os.environ.get(k) for k in extra}
+    os.environ.update(extra)
+    try:
+        yield
+    finally:
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    world: int,
+    workdir: str,
+    *,
+    timeout_s: float = 240.0,
+    env: dict[str, str] | None = None,
+    **kwargs: Any,
+) -> list[Any]:
+    """``fn(rank, world, **kwargs)`` on ``world`` processes; results in rank order.
+
+    ``env``: extra environment variables the children start with (set before
+    they import anything, e.g. ``TRITON_INTERPRET``).
+    """
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    store = os.path.join(workdir, f"gloo-store-{world}")
+    with _environ(env or {}):
+        procs = [ctx.Process(target=_child, args=(fn, r, world, store, kwargs, out)) for r in range(world)]
+        for proc in procs:
+            proc.start()
+    results: dict[int, Any] = {}
+    failures: dict[int, str] = {}
+    try:
+        while len(results) + len(failures) < world:
+            try:
+                rank, ok, payload = out.get(timeout=timeout_s)
+            except queue_mod.Empty:
+                missing = sorted(set(range(world)) - set(results) - set(failures))
+                raise RankError(f"ranks {missing} gave no result within {timeout_s} s; failures: {failures}")
+            (results if ok else failures)[rank] = payload
+            if failures:
+                break  # peers blocked in a collective would wait for the gloo timeout
+    finally:
+        for proc in procs:
+            proc.join(timeout=5 if not failures else 0.5)
+            if proc.is_alive():
+                proc.terminate()
+                proc.join()
+    if failures:
+        raise RankError("\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(failures.items())))
+    return [results[r] for r in range(world)]

@@ -1,0 +1,124 @@
+"""The 0.5.23 adapter: start-up refusals, the plugin entry point, argument checks."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import sglang
+from sglang.srt.mem_cache.hybrid_cache import hybrid_pool_assembler as assembler
+
+from sglang_cp_hicache.layout import CpSharedKVLayout
+from sglang_cp_hicache.sglang_0523 import ALLOW_ANY_ENV, SUPPORTED_SGLANG, check_sglang_version, plugin, strategy
+from sglang_cp_hicache.sglang_0523.copy_engine import LibraryL2TransferEngine
+from sglang_cp_hicache.sglang_0523.strategy import LibraryDsaStrategy, LibraryStackError
+
+
+@pytest.fixture
+def strategies():
+    """Restore SGLang's strategy list and the adapter's registration."""
+    saved, saved_ours = list(assembler._STRATEGIES), strategy._strategy
+    yield assembler._STRATEGIES
+    assembler._STRATEGIES[:] = saved
+    strategy._strategy = saved_ours
+
+
+# ---- start-up check on real stacks (two rank processes) ----------------------
+
+
+def test_every_knocked_out_seam_refuses_start_up_by_name(two_ranks):
+    names = {
+        "prepare": "HybridCacheController._move_kv_shard_indices",
+        "d2h": "L2TransferEngine.submit_device_to_host",
+        "h2d": "L2TransferEngine.submit_host_to_device",
+    }
+    for rank, result in enumerate(two_ranks):
+        refusals = result["refusals"]
+        for knockout, name in names.items():
+            assert name in refusals[knockout], (rank, knockout, refusals[knockout])
+            assert "SGLANG_CP_HICACHE_COPY=upstream" in refusals[knockout]
+        assert refusals["intact"] == "LibraryCopyController", rank
+
+
+def _fake_stack(io_backend="kernel", layout="layer_first", drafts=()):
+    result = SimpleNamespace(
+        cache_controller=SimpleNamespace(io_backend=io_backend),
+        host_pool_group=SimpleNamespace(layout=layout, entries=[]),
+    )
+    return result, SimpleNamespace(layer_shard_enabled=False), SimpleNamespace(mtp_draft_device_pools=drafts)
+
+
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        ({"io_backend": "direct"}, "io backend 'direct'"),
+        ({"layout": "page_first_kv_split"}, "host layout 'page_first_kv_split'"),
+        ({"drafts": (object(),)}, "packed MTP draft pools"),
+    ],
+)
+def test_unsupported_stacks_are_refused_by_name(kwargs, words):
+    with pytest.raises(LibraryStackError, match=words):
+        strategy._check_supported(*_fake_stack(**kwargs))
+
+
+# ---- registration -----------------------------------------------------------
+
+
+def test_plugin_registers_the_strategy_first(strategies, monkeypatch):
+    monkeypatch.delenv(plugin.COPY_ENV, raising=False)
+    strategy.uninstall_strategy()
+    plugin.register()
+    assert isinstance(strategies[0], LibraryDsaStrategy) and strategy.strategy_installed()
+    plugin.register()  # idempotent
+    assert sum(isinstance(s, LibraryDsaStrategy) for s in strategies) == 1
+
+
+def test_copy_env_upstream_registers_nothing(strategies, monkeypatch):
+    strategy.uninstall_strategy()
+    monkeypatch.setenv(plugin.COPY_ENV, "upstream")
+    plugin.register()
+    assert not any(isinstance(s, LibraryDsaStrategy) for s in strategies)
+
+
+def test_copy_env_must_name_a_copy_path(monkeypatch):
+    monkeypatch.setenv(plugin.COPY_ENV, "fast")
+    with pytest.raises(ValueError, match="SGLANG_CP_HICACHE_COPY must be one of"):
+        plugin.register()
+
+
+def test_another_release_gets_a_strategy_that_refuses_to_build(strategies, monkeypatch):
+    strategy.uninstall_strategy()
+    monkeypatch.delenv(plugin.COPY_ENV, raising=False)
+    monkeypatch.delenv(ALLOW_ANY_ENV, raising=False)
+    monkeypatch.setattr(sglang, "__version__", "0.5.24")
+    plugin.register()
+    refusing = strategies[0]
+    assert not isinstance(refusing, LibraryDsaStrategy)
+    with pytest.raises(RuntimeError, match=r"supports sglang==0\.5\.23, found 0\.5\.24"):
+        refusing.build(cache=None, kvcache=None, params=None, server_args=None, load_cache_event=None)
+
+
+def test_version_pin(monkeypatch):
+    monkeypatch.delenv(ALLOW_ANY_ENV, raising=False)
+    check_sglang_version(SUPPORTED_SGLANG)
+    with pytest.raises(RuntimeError, match="found 0.5.18"):
+        check_sglang_version("0.5.18")
+    monkeypatch.setenv(ALLOW_ANY_ENV, "1")
+    check_sglang_version("0.5.18")
+
+
+def test_a_strategy_registered_ahead_of_ours_is_refused(strategies):
+    strategy.install_strategy()
+    assembler.register_stack_strategy(LibraryDsaStrategy())  # someone else's, first
+    with pytest.raises(LibraryStackError, match="ahead of sglang-cp-hicache"):
+        strategy.install_strategy()
+
+
+# ---- arguments --------------------------------------------------------------
+
+
+def test_engine_arguments():
+    with pytest.raises(TypeError, match="layout must be a CpSharedKVLayout"):
+        LibraryL2TransferEngine("kernel", (64, 2, 0))
+    with pytest.raises(ValueError, match="io_backend must be 'kernel'"):
+        LibraryL2TransferEngine("direct", CpSharedKVLayout(64, 2, 0))
