@@ -21,3 +21,10 @@ simulate:
 .PHONY: install-0523
 install-0523:
 	bash scripts/install-0523.sh
+
+# The CP cache state machine under the hypothesis dev profile with random
+# seeds, for SOAK_MINUTES minutes; prints every seed and step count.
+SOAK_MINUTES ?= 20
+.PHONY: soak
+soak:
+	$(PY) -m tests.sglang.soak --minutes $(SOAK_MINUTES)

@@ -15,6 +15,12 @@ The helpers here provide each without side effects on the user's setup: a
 two-key llama ``config.json`` in a per-process temporary directory, an
 ``os.environ`` snapshot restored around ``ServerArgs(...)``, and a one-rank
 gloo group that never touches the default process group.
+
+``os.environ`` is process-wide: ranks simulated as threads build their
+``ServerArgs`` concurrently, and one thread's restore would delete the
+variables another has just set (``KeyError`` inside ``ServerArgs``) or change
+the C environment while another forks ``lscpu`` (``EFAULT``). Every
+environment change here holds :data:`ENVIRON_LOCK`.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ if TYPE_CHECKING:
     from sglang.srt.server_args import ServerArgs
 
 __all__ = [
+    "ENVIRON_LOCK",
     "TINY_MODEL_CONFIG",
     "make_cpu_server_args",
     "make_local_gloo_group",
@@ -47,6 +54,11 @@ __all__ = [
 #: its model-arch checks index None; without "model_type" transformers'
 #: AutoConfig refuses the directory. Any other field is optional.
 TINY_MODEL_CONFIG: dict[str, Any] = {"architectures": ["LlamaForCausalLM"], "model_type": "llama"}
+
+#: Held while ``os.environ`` may change: around every ``ServerArgs(...)``
+#: built here and every :func:`preserved_environ` block. Re-entrant, so a
+#: caller may hold it across several steps (build, then publish).
+ENVIRON_LOCK = threading.RLock()
 
 _model_dir_lock = threading.Lock()
 _model_dir: str | None = None
@@ -70,16 +82,21 @@ def tiny_model_dir() -> str:
 
 @contextlib.contextmanager
 def preserved_environ() -> Iterator[None]:
-    """Undo every change to ``os.environ`` made inside the block."""
-    before = dict(os.environ)
-    try:
-        yield
-    finally:
-        for key in [k for k in os.environ if k not in before]:
-            del os.environ[key]
-        for key, value in before.items():
-            if os.environ.get(key) != value:
-                os.environ[key] = value
+    """Undo every change to ``os.environ`` made inside the block.
+
+    Holds :data:`ENVIRON_LOCK` throughout: the snapshot and the restore must
+    not interleave with another thread's changes.
+    """
+    with ENVIRON_LOCK:
+        before = dict(os.environ)
+        try:
+            yield
+        finally:
+            for key in [k for k in os.environ if k not in before]:
+                os.environ.pop(key, None)
+            for key, value in before.items():
+                if os.environ.get(key) != value:
+                    os.environ[key] = value
 
 
 def make_cpu_server_args(
@@ -99,7 +116,8 @@ def make_cpu_server_args(
     ``model_path`` defaults to :func:`tiny_model_dir`. Unless
     ``keep_env_changes``, environment variables ``ServerArgs.__post_init__``
     sets (``SGLANG_USE_CUDA_IPC_TRANSPORT``, ``SGLANG_ENABLE_TORCH_COMPILE``,
-    ...) are restored afterwards. Note that ServerArgs rewrites two layout/io
+    ...) are restored afterwards. Safe to call from several threads at once:
+    the construction holds :data:`ENVIRON_LOCK`. Note that ServerArgs rewrites two layout/io
     combinations: ``page_first_direct`` + ``kernel`` becomes ``direct`` io and
     ``page_first`` + ``direct`` becomes ``page_first_direct``; read the
     result's fields rather than the arguments.
@@ -119,7 +137,8 @@ def make_cpu_server_args(
     )
     kwargs.update(overrides)
     env = contextlib.nullcontext() if keep_env_changes else preserved_environ()
-    with env:
+    # ServerArgs.__post_init__ sets variables and runs subprocesses: one at a time.
+    with ENVIRON_LOCK, env:
         return ServerArgs(**kwargs)
 
 

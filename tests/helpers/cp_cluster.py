@@ -3,7 +3,9 @@
 Every rank replays the same operations (the SGLang contract: identical
 scheduler decisions on every rank). With ``threaded=True`` each rank runs in
 its own thread with its own gloo process group (shared in-memory store), so
-the caches' consensus all-reduces are real collectives across ranks.
+the caches' consensus all-reduces are real collectives across ranks. A rank
+whose stack construction fails makes its peers stop waiting at once, and the
+cluster raises that rank's error (not a peer's time-out).
 
 Content of a token is a function of its whole prefix (a rolling hash of the
 token ids), written only by the rank that owns its page; restored bytes are
@@ -22,13 +24,14 @@ import torch.distributed as dist
 from sglang.srt.mem_cache.base_prefix_cache import (
     EvictParams,
     InitLoadBackParams,
-    InsertParams,
     MatchPrefixParams,
 )
 from sglang.srt.mem_cache.radix_cache import RadixKey
 
-from sglang_cp_hicache.sglang.stack import CpStackConfig, build_cp_rank_stack
+from sglang_cp_hicache.sglang.hiradix import CpInsertParams
 from sglang_cp_hicache.sim.content import content_mismatches, prefix_keys, write_content
+from sglang_cp_hicache.testing.stack import CpStackConfig, build_cp_rank_stack
+from tests.helpers.rank_failure import FailFastGroup, PeerRankFailed, RankFailure, release_groups
 
 SEED = 11
 
@@ -45,16 +48,56 @@ class CpCluster:
         self.threaded = threaded and config.cp_size > 1
         self._pool = ThreadPoolExecutor(config.cp_size) if self.threaded else None
         if self.threaded:
-            store = dist.HashStore()
-            timeout = datetime.timedelta(seconds=timeout_s)
-            self.groups = list(self._pool.map(
-                lambda r: dist.ProcessGroupGloo(store, r, config.cp_size, timeout), range(config.cp_size)
-            ))
-            self.stacks = list(self._pool.map(
-                lambda r: build_cp_rank_stack(config, r, cp_group=self.groups[r]), range(config.cp_size)
-            ))
+            self.stacks = self._build_threaded(timeout_s)
         else:
             self.stacks = [build_cp_rank_stack(config, r) for r in range(config.cp_size)]
+
+    def _build_threaded(self, timeout_s: float) -> list:
+        config = self.config
+        store = dist.HashStore()
+        timeout = datetime.timedelta(seconds=timeout_s)
+        failure = RankFailure()
+        self.groups = list(self._pool.map(
+            lambda r: FailFastGroup(dist.ProcessGroupGloo(store, r, config.cp_size, timeout), failure),
+            range(config.cp_size),
+        ))
+
+        def build(r: int):
+            try:
+                return build_cp_rank_stack(config, r, cp_group=self.groups[r])
+            except PeerRankFailed:
+                raise
+            except BaseException as exc:
+                failure.record(r, exc)
+                raise
+
+        futures = [self._pool.submit(build, r) for r in range(config.cp_size)]
+        outcomes = []
+        for f in futures:
+            try:
+                outcomes.append(f.result())
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                outcomes.append(exc)
+        if failure.error is None:
+            return outcomes
+        self._abandon([o for o in outcomes if not isinstance(o, BaseException)])
+        summary = ", ".join(
+            f"cp_rank {r}: {'built' if not isinstance(o, BaseException) else type(o).__name__}"
+            for r, o in enumerate(outcomes)
+        )
+        failure.error.add_note(
+            f"CpCluster: cp_rank {failure.cp_rank} of {config.cp_size} failed to build its stack "
+            f"first; the other ranks stopped ({summary})"
+        )
+        raise failure.error
+
+    def _abandon(self, built: list) -> None:
+        """After a failed start: close the stacks that were built, release
+        every gloo group without waiting for time-outs, stop the threads."""
+        for stack in built:
+            stack.close()
+        release_groups(self.groups)
+        self._pool.shutdown()
 
     def close(self) -> None:
         for s in self.stacks:
@@ -124,16 +167,19 @@ class CpCluster:
             c.inc_lock_ref(m.last_device_node)  # the request holds its prefix (as the scheduler does)
             if s.allocator.available_size() < need:
                 c.evict(EvictParams(num_tokens=need - s.allocator.available_size()))
-            new = s.allocator.alloc(need)
-            if new is None:
+            got = s.allocator.alloc_mirrored(need)
+            if got is None:
                 c.dec_lock_ref(m.last_device_node)
                 return None
+            new = got.locs
             locs = torch.cat([m.device_indices, new])
             self._fill(s, new, keys[hit:])
-            res = c.insert(InsertParams(key=RadixKey(tokens), value=locs))
+            # The CPU page mirror rides along: the cache never reads locs back.
+            pages = torch.cat([c.cp_prefix_pages(m.last_device_node), got.pages])
+            res = c.insert(CpInsertParams(key=RadixKey(tokens), value=locs, value_pages=pages))
             c.dec_lock_ref(m.last_device_node)
             if res.prefix_len > hit:  # tree already had part of the new pages
-                s.allocator.free(new[: res.prefix_len - hit])
+                s.allocator.free_mirrored(got.pages[: (res.prefix_len - hit) // s.allocator.page_size])
             c.writing_check()
             c.loading_check()
             return locs
