@@ -36,6 +36,7 @@ __all__ = [
     "owner_token_counts",
     "page_owners_of",
     "plan_load",
+    "placeholder_write_plan",
     "plan_write",
 ]
 
@@ -174,6 +175,20 @@ def plan_write(
     metadata = CpHiCacheNodeMetadata._trusted(
         int(device_locs.numel()), owned_positions, host_locs, owners.repeat_interleave(P)
     )
+    counts = (torch.bincount(owners, minlength=N) * P).tolist()
+    return CpWritePlan(metadata=metadata, device_locs=device_locs, owner_tokens=counts)
+
+
+def placeholder_write_plan(
+    layout: CpSharedKVLayout, pages: torch.Tensor, device_locs: torch.Tensor
+) -> CpWritePlan:
+    """The plan of a write this rank could not take host slots for: every
+    owner recorded, no slots. It keeps the node (and the ledger) as on every
+    other rank until the step's all-reduce takes the write back everywhere."""
+    pages = check_pages(pages)
+    P, N = layout.page_size, layout.cp_size
+    owners = pages % N
+    metadata = CpHiCacheNodeMetadata._trusted(int(device_locs.numel()), _EMPTY, _EMPTY, owners.repeat_interleave(P))
     counts = (torch.bincount(owners, minlength=N) * P).tolist()
     return CpWritePlan(metadata=metadata, device_locs=device_locs, owner_tokens=counts)
 

@@ -26,7 +26,6 @@ that release by ``sglang_cp_hicache.sglang.SUPPORTED_SGLANG``.
 
 from __future__ import annotations
 
-import enum
 import logging
 import time
 from dataclasses import dataclass
@@ -62,7 +61,8 @@ from sglang_cp_hicache.sglang import check_sglang_version
 from sglang_cp_hicache.sglang.allocator import CpSharedPagedTokenToKVPoolAllocator
 from sglang_cp_hicache.sglang.checks import check_cp_hicache_server_args
 from sglang_cp_hicache.sglang.host_copies import cp_copies_installed, install_cp_copies
-from sglang_cp_hicache.sglang.transfer_adapter import CpTransferAdapter, PendingLoad
+from sglang_cp_hicache.sglang.step_status import GroupOutcome, StepStatus, Vote
+from sglang_cp_hicache.sglang.transfer_adapter import CpTransferAdapter, PendingLoad, PendingWrite
 from sglang_cp_hicache.sglang.tree_node import CpTreeNode
 
 logger = logging.getLogger(__name__)
@@ -70,14 +70,6 @@ logger = logging.getLogger(__name__)
 __all__ = ["CpHiRadixCache", "CpHiCacheCounters", "CpHiCacheTransferError", "CpInsertParams", "Vote"]
 
 _EMPTY = torch.empty((0,), dtype=torch.int64)
-
-
-class Vote(enum.IntEnum):
-    """A rank's outcome of one write or load-back; the group takes the MIN."""
-
-    FAILED = 0  # a copy or allocation raised: every rank rolls back and raises
-    REFUSED = 1  # no room on some rank: every rank rolls back quietly
-    OK = 2
 
 
 @dataclass
@@ -97,10 +89,22 @@ class CpHiCacheTransferError(RuntimeError):
 
 @dataclass
 class _LoadBackRecord:
+    """A load-back whose ack has not been consumed yet."""
+
+    seq: int
     last_node: TreeNode
     nodes: list
     device_locs: torch.Tensor
     pages: torch.Tensor  # CPU mirror of device_locs
+
+
+@dataclass
+class _InflightWrite:
+    """A write whose ack has not been consumed yet (one ack per write)."""
+
+    seq: int
+    pending: PendingWrite
+    need: list[int]  # ledger charge, tokens per rank
 
 
 @dataclass
@@ -136,7 +140,11 @@ class CpHiRadixCache(HiRadixCache):
         self.cp_counters = CpHiCacheCounters()
         self._host_leaves = HostLeafIndex(self._host_priority)
         self._ledger: Optional[HostSlotLedger] = None
-        self._unstarted_load_backs: list[_LoadBackRecord] = []
+        self._inflight_loads: list[_LoadBackRecord] = []
+        self._inflight_writes: dict[int, _InflightWrite] = {}
+        self._write_seq = 0
+        self._load_seq = 0
+        self._step_status = StepStatus()
         super().__init__(params, server_args)
         self.evictable_host_leaves = _NoSet()  # the ordered index replaces SGLang's set
         self.cp_copy_targets = install_cp_copies(self.cache_controller, self.cp_layout)
@@ -203,19 +211,13 @@ class CpHiRadixCache(HiRadixCache):
             last_device_node=root, last_host_node=root, best_match_node=root
         )
         self._host_leaves = HostLeafIndex(self._host_priority)
-        self._unstarted_load_backs = []
+        self._inflight_loads = []
+        self._inflight_writes = {}
+        self._step_status = StepStatus()
         if self._ledger is not None:
             self._ledger = HostSlotLedger(list(self._ledger.capacity))
 
     # ---- consensus -------------------------------------------------------
-    def _agree(self, status: Vote) -> Vote:
-        """MIN of every rank's vote (FAILED < REFUSED < OK). Called on every
-        rank, every time, whatever this rank's own outcome."""
-        flag = torch.tensor([int(status)], dtype=torch.int32)
-        self._all_reduce(flag, torch.distributed.ReduceOp.MIN)
-        self.cp_counters.consensus_calls += 1
-        return Vote(int(flag))
-
     # ---- the CPU page mirror ----------------------------------------------
     def _pages_for(self, value: torch.Tensor, value_pages: Optional[torch.Tensor]) -> torch.Tensor:
         """The CPU mirror of ``value`` (logical pages of its whole pages)."""
@@ -257,6 +259,11 @@ class CpHiRadixCache(HiRadixCache):
 
     # ---- write-through ---------------------------------------------------
     def write_backup(self, node: TreeNode, write_back: bool = False) -> int:
+        """Back up this rank's pages of ``node``, with no collective: the
+        ledger decides identically on every rank. A local failure (host
+        allocation short, copy raised) leaves the node looking backed up
+        here too, so the trees stay identical, and is reported in the step's
+        all-reduce, where every rank takes the write back."""
         if write_back:
             raise ValueError("CP HiCache supports write_through policies, not write_back")
         # Backed-up nodes form a prefix from the root (as upstream).
@@ -268,41 +275,142 @@ class CpHiRadixCache(HiRadixCache):
                 * self.page_size).tolist()
         if not self._ledger.fits(need):
             self._evict_host_for(self._ledger.shortfall(need))
-        status, error, pending = Vote.REFUSED, None, None
-        if self._ledger.fits(need):
-            try:
-                pending = self.cp_transfer.plan_write(
-                    node.value, pages, node_id=node.id, **self._get_extra_pools()
-                )
-                if isinstance(pending, HiCacheWriteFailure):
-                    pending = None
-                else:
-                    pending.start()
-                    status = Vote.OK
-            except Exception as exc:  # a failed allocation or copy: every rank must hear of it
-                status, error = Vote.FAILED, exc
-        agreed = self._agree(status)
-        if agreed != Vote.OK:
-            if pending is not None:
-                if status == Vote.OK:
-                    pending.undo()
-                else:
-                    pending.abort()
+        if not self._ledger.fits(need):  # identical on every rank: nothing to tell
             self.cp_counters.write_failures += 1
-            if agreed == Vote.FAILED:
-                raise CpHiCacheTransferError(
-                    f"CP HiCache backup of node {node.id} failed on a CP rank; rolled back "
-                    f"on every rank (this rank: {error!r})"
-                ) from error
             return 0
-        pending.keep()
+        seq, self._write_seq = self._write_seq, self._write_seq + 1
+        extra = self._get_extra_pools()
+        pending = None
+        try:
+            pending = self.cp_transfer.plan_write(node.value, pages, node_id=node.id, **extra)
+            if isinstance(pending, HiCacheWriteFailure):
+                self._step_status.fail_write(Vote.REFUSED, seq)
+                pending = self.cp_transfer.placeholder_write(node.value, pages, node_id=node.id, **extra)
+            pending.start()
+        except Exception as exc:  # the group hears of it at the step's all-reduce
+            self._step_status.fail_write(Vote.FAILED, seq, exc)
+            if pending is not None and pending.state.value == "planned":
+                pending.abort()
+            pending = self.cp_transfer.placeholder_write(node.value, pages, node_id=node.id)
         set_host_state(node, pending.metadata)
         node.host_value = None
         self._ledger.charge(need)
         self._track_write_through_node(node, len(node.key))
+        self._inflight_writes[node.id] = _InflightWrite(seq, pending, need)
         self.inc_lock_ref(node)
         self.cp_counters.write_backups += 1
         return len(node.value)
+
+    def _finish_write_through_ack(self, ack_id: int, *, release_lock: bool) -> None:
+        record = self._inflight_writes.pop(ack_id, None)
+        if record is not None and record.pending.state.value == "started":
+            record.pending.keep()
+        super()._finish_write_through_ack(ack_id, release_lock=release_lock)
+
+    def _undo_write(self, ack_id: int, record: _InflightWrite) -> None:
+        """Take one in-flight write back on this rank (before its ack is consumed)."""
+        lock_node, _, publish_nodes = self.ongoing_write_through.pop(ack_id)
+        if record.pending.state.value == "started":
+            record.pending.undo()  # waits for the copy, drops the ack, frees the host slots
+        for n in publish_nodes:  # the node, or its pieces if it was split since
+            n.write_through_pending_id = None
+            n.cp_hicache = None
+            n.host_len = 0
+            self._update_host_leaf_status(n)
+        self._ledger.release(record.need)
+        self.dec_lock_ref(lock_node)
+        self.cp_counters.write_backups -= 1
+        self.cp_counters.write_failures += 1
+
+    # ---- the step's all-reduce: SGLang's ready acks + this rank's status ---
+    def _exchange(self, counts: list[int]) -> list[int]:
+        """SGLang's MIN all-reduce of ready-ack counts, widened by the CP step
+        status; every rank then takes back the same failed writes and
+        load-backs before any ack is consumed. Returns the counts (clamped
+        to what is left after a take-back)."""
+        n = len(counts)
+        vec = torch.tensor([*counts, *self._step_status.words()], dtype=torch.int64)
+        self._all_reduce(vec, torch.distributed.ReduceOp.MIN)
+        reduced = vec.tolist()
+        write, load = self._step_status.read(reduced[n:])
+        mine_write, mine_load = self._step_status.clear()
+        counts = reduced[:n]
+        if write.ok and load.ok:
+            return counts
+        if not write.ok:
+            self._take_back_writes(write)
+        if not load.ok:
+            self._take_back_loads()
+        ctrl = self.cache_controller
+        counts[0] = min(counts[0], len(ctrl.ack_write_queue))
+        if n > 1:
+            counts[1] = min(counts[1], len(ctrl.ack_load_queue))
+        if write.vote == Vote.FAILED or load.vote == Vote.FAILED:
+            mine = mine_write if write.vote == Vote.FAILED else mine_load
+            error = mine.error if mine is not None else None
+            what = "backup" if write.vote == Vote.FAILED else "load-back"
+            raise CpHiCacheTransferError(
+                f"CP HiCache {what} failed on a CP rank; rolled back on every rank "
+                f"(this rank: {error!r})"
+            ) from error
+        return counts
+
+    def _take_back_writes(self, outcome: GroupOutcome) -> None:
+        """Undo every in-flight write from the first failed one on (newest
+        first): later writes may be children of it."""
+        doomed = [(a, r) for a, r in self._inflight_writes.items() if r.seq >= outcome.seq]
+        for ack_id, record in reversed(doomed):
+            del self._inflight_writes[ack_id]
+            self._undo_write(ack_id, record)
+
+    def _take_back_loads(self) -> None:
+        """Undo every load-back whose ack has not been consumed: a failed
+        load may share a merged copy (and its ack) with the others."""
+        records, self._inflight_loads = self._inflight_loads, []
+        queue = self.cache_controller.ack_load_queue
+        for ack in queue:
+            ack.finish_event.synchronize()
+        queue.clear()
+        for record in reversed(records):
+            if record.last_node.id in self.ongoing_load_back:
+                self._undo_load_back(record)
+        # A rank whose allocation failed never took the pages the others just
+        # freed: the free SETS agree, the lists may not. Sorting every free
+        # list makes the allocators identical again.
+        self.token_to_kv_pool_allocator.merge_and_sort_free()
+
+    def _sync_hicache_ready_counts(self):
+        ctrl = self.cache_controller
+        storage = (
+            (ctrl.prefetch_hit_queue.qsize(), ctrl.ack_backup_queue.qsize(), ctrl.host_mem_release_queue.qsize())
+            if self.enable_storage else ()
+        )
+        counts = [self._count_ready_acks(ctrl.ack_write_queue), self._count_ready_acks(ctrl.ack_load_queue), *storage]
+        counts = self._exchange(counts)
+        return counts[0], counts[1], tuple(counts[2:])
+
+    def writing_check(self, write_back: bool = False, finish_count: Optional[int] = None):
+        if finish_count is None and not write_back:
+            ready = self._count_ready_acks(self.cache_controller.ack_write_queue) if self.pp_rank == 0 else 0
+            finish_count = self._exchange([ready])[0]
+        return super().writing_check(write_back=write_back, finish_count=finish_count)
+
+    def loading_check(self, finish_count: Optional[int] = None):
+        self._retire_loads()
+        if finish_count is None:
+            ready = self._count_ready_acks(self.cache_controller.ack_load_queue) if self.pp_rank == 0 else 0
+            # the load count sits where _exchange expects the write count
+            finish_count = self._exchange_loads(ready)
+        super().loading_check(finish_count=finish_count)
+        self._retire_loads()
+
+    def _exchange_loads(self, ready: int) -> int:
+        counts = self._exchange([0, ready])
+        return counts[1]
+
+    def _retire_loads(self) -> None:
+        """Forget load-backs whose acks SGLang consumed."""
+        self._inflight_loads = [r for r in self._inflight_loads if r.last_node.id in self.ongoing_load_back]
 
     # ---- device eviction + OOM reporting -------------------------------------
     def evict(self, params: EvictParams):
@@ -367,30 +475,30 @@ class CpHiRadixCache(HiRadixCache):
                 for n in chain:
                     n.protect_host()
                 protected.extend(chain)
-            pending = None
-            status, error = Vote.REFUSED, None
+            if self._step_status.load is not None:
+                return None  # this rank already failed this step: no further allocation
+            metadata = [n.cp_hicache for n in chain]
+            # The allocator is identical on every rank: its lanes decide for all.
+            if not self._lanes_fit(metadata):
+                return None
+            seq, self._load_seq = self._load_seq, self._load_seq + 1
             try:
                 pending = self.cp_transfer.queue_load(
-                    [n.cp_hicache for n in chain], node_id=last_hit_node.id, **self._get_extra_pools()
+                    metadata, node_id=last_hit_node.id, **self._get_extra_pools()
                 )
-                status = Vote.OK if pending is not None else Vote.REFUSED
-            except Exception as exc:  # every rank must hear of it
-                status, error = Vote.FAILED, exc
-            # The allocator is identical on every rank, so this vote only
-            # differs when a rank's allocation failed on its own.
-            agreed = self._agree(status)
-            if agreed != Vote.OK:
-                if pending is not None:
-                    pending.drop()
-                if agreed == Vote.FAILED:
-                    raise CpHiCacheTransferError(
-                        f"CP HiCache load-back of node {last_hit_node.id} failed on a CP rank; "
-                        f"nothing was queued on any rank (this rank: {error!r})"
-                    ) from error
+                if pending is None:
+                    raise RuntimeError("owner-preserving allocation failed although every lane had room")
+            except Exception as exc:  # the group hears of it at the step's all-reduce
+                self._step_status.fail_load(Vote.FAILED, seq, exc)
                 return None
             pending.keep()
             queued.append(pending)
             return pending.plan.device_locs
+
+        def evict_device(num_tokens):
+            if self._step_status.load is not None:
+                return 0  # failed locally: evicting here alone would split the trees
+            return self._evict_device_for_lanes(protected)
 
         try:
             outcome = cp_load_back(
@@ -400,7 +508,7 @@ class CpHiRadixCache(HiRadixCache):
                 inc_lock_ref=lambda n: self.inc_lock_ref(n).delta,
                 dec_lock_ref=self.dec_lock_ref,
                 load=load,
-                evict_device=lambda n: self._evict_device_for_lanes(protected),
+                evict_device=evict_device,
             )
         finally:
             for n in protected:
@@ -420,8 +528,8 @@ class CpHiRadixCache(HiRadixCache):
             n.cp_pages = pages[offset : offset + num_pages]
             offset += num_pages
         self.ongoing_load_back[last_hit_node.id] = last_hit_node
-        self._unstarted_load_backs.append(
-            _LoadBackRecord(last_hit_node, outcome.nodes, outcome.device_locs, pages)
+        self._inflight_loads.append(
+            _LoadBackRecord(self._load_seq - 1, last_hit_node, outcome.nodes, outcome.device_locs, pages)
         )
         for n in outcome.nodes:
             self._record_store_event(n, medium=StorageMedium.GPU)
@@ -432,6 +540,15 @@ class CpHiRadixCache(HiRadixCache):
         if self.metrics_collector is not None:
             self.metrics_collector.observe_load_back_duration(time.perf_counter() - start)
         return outcome.device_locs
+
+    def _lanes_fit(self, metadata: list) -> bool:
+        """Whether every owner lane has the pages a restore of ``metadata``
+        needs (the allocator mirror, identical on every rank)."""
+        need = [0] * self.cp_layout.cp_size
+        for owner in page_owners_of(metadata, self.page_size):
+            need[owner] += 1
+        lanes = self.token_to_kv_pool_allocator.lane_available_pages()
+        return all(n <= a for n, a in zip(need, lanes))
 
     def _evict_device_for_lanes(self, chain: list) -> int:
         """Evict device nodes (LRU, as upstream) until every owner lane the
@@ -454,21 +571,15 @@ class CpHiRadixCache(HiRadixCache):
             evicted += got
 
     def ready_to_load_host_cache(self) -> int:
-        """Start the queued loads. If the copy fails on any rank, every rank
-        takes its load-backs of this batch back (nodes evicted again, pages
-        freed, locks released) and raises."""
-        records, self._unstarted_load_backs = self._unstarted_load_backs, []
+        """Start the queued loads, with no collective. If the copy raises on
+        this rank, the step's all-reduce makes every rank take its
+        load-backs back (nodes evicted again, pages freed, locks released)
+        and raise."""
         started = self.cp_transfer.start_loading()
-        status = Vote.OK if started.error is None else Vote.FAILED
-        if self._agree(status) == Vote.OK:
-            return started.producer_id
-        started.undo()
-        for record in records:
-            self._undo_load_back(record)
-        raise CpHiCacheTransferError(
-            f"CP HiCache load of {len(records)} load-back(s) failed on a CP rank; "
-            f"rolled back on every rank (this rank: {started.error!r})"
-        ) from started.error
+        if started.error is not None:
+            first = self._inflight_loads[0].seq if self._inflight_loads else self._load_seq
+            self._step_status.fail_load(Vote.FAILED, first, started.error)
+        return started.producer_id
 
     def _undo_load_back(self, record: "_LoadBackRecord") -> None:
         self.ongoing_load_back.pop(record.last_node.id, None)

@@ -32,7 +32,14 @@ from sglang.srt.managers.cache_controller import CacheOperation
 from sglang_cp_hicache.allocator import AllocatorCheckpoint
 from sglang_cp_hicache.layout import CpSharedKVLayout
 from sglang_cp_hicache.metadata import CpHiCacheNodeMetadata
-from sglang_cp_hicache.plan import CpLoadPlan, CpWritePlan, HiCacheWriteFailure, plan_load, plan_write
+from sglang_cp_hicache.plan import (
+    CpLoadPlan,
+    CpWritePlan,
+    HiCacheWriteFailure,
+    placeholder_write_plan,
+    plan_load,
+    plan_write,
+)
 
 __all__ = ["CpTransferAdapter", "CpTransferStats", "PendingLoad", "PendingWrite", "StartedLoads"]
 
@@ -220,6 +227,16 @@ class CpTransferAdapter:
                 host_pool.free(plan.host_locs)
             return HiCacheWriteFailure(required_host_slots=plan.num_host_slots)
         op = CacheOperation(host, device_locs, node_id, priority, pool_transfers=pool_transfers or None)
+        return PendingWrite(self, plan, op)
+
+    def placeholder_write(
+        self, device_locs: torch.Tensor, pages: torch.Tensor, node_id: int = -1, extra_pools=None
+    ) -> PendingWrite:
+        """A write with no host slots for a node this rank could not back up:
+        its (empty) operation still gets an ack like every other rank's, so
+        the ack queues stay aligned until the group takes the write back."""
+        plan = placeholder_write_plan(self.layout, pages, device_locs)
+        op = CacheOperation(plan.host_locs, device_locs, node_id, None, pool_transfers=None)
         return PendingWrite(self, plan, op)
 
     # ---- loads -------------------------------------------------------------

@@ -104,23 +104,35 @@ def test_copy_raises_midway_every_rank_rolls_back_and_raises(cl):
     assert len({repr(CpCluster.tree_shape(c)) for c in cl.caches}) == 1
 
 
-def test_device_alloc_fails_at_load_back_on_one_rank_nobody_loads(cl):
+def test_device_alloc_fails_at_load_back_on_one_rank_every_rank_takes_it_back(cl):
+    """Every rank decides a load-back from the same allocator mirror, with no
+    vote of its own. An allocation that fails on one rank although its lanes
+    had room is an allocator fault: that rank reports it in the step's
+    all-reduce, where every rank takes the step's load-backs back and raises,
+    before any load ack is consumed."""
     tokens = seq(300, 3)
     cl.insert(tokens)
     cl.evict_device(3 * P)
     victim = cl.stacks[0]
-    # Fail the first owner-preserving allocation and the retry after eviction.
-    victim.allocator.alloc_with_owners_mirrored = FailOnce(FailOnce(victim.allocator.alloc_with_owners_mirrored))
+    victim.allocator.alloc_with_owners_mirrored = FailOnce(victim.allocator.alloc_with_owners_mirrored)
     before = [snapshot(s) for s in cl.stacks]
-    report = cl.load_back(tokens)
-    for (_, vals, _), s, b in zip(report.loaded_per_rank, cl.stacks, before):
-        assert vals.numel() == 0
+    before_free = [s.allocator.available_size() for s in cl.stacks]
+    outcomes = cl.load_back_outcomes(tokens)
+    assert all(isinstance(o, CpHiCacheTransferError) for o in outcomes), outcomes
+    assert "every lane had room" in str(outcomes[0].__cause__)
+    for s, b, free in zip(cl.stacks, before, before_free):
         after = snapshot(s)
-        assert after[0] == b[0] and after[2:] == b[2:]
-        assert after[1] == b[1]
-    # No fault now: the load-back succeeds and the bytes are right.
+        assert after[0] == b[0], "nodes must be evicted again"
+        assert after[1:3] == b[1:3]  # host pool and ledger as before
+        assert after[4:8] == b[4:8]  # no queued op, no stray ack
+        assert after[9:] == b[9:]  # no load-back in flight, sizes as before
+        assert s.allocator.available_size() == free, "device pages must be free again"
+    assert len({repr(CpCluster.tree_shape(c)) for c in cl.caches}) == 1
+    assert len({s.allocator.allocator_state_str() for s in cl.stacks}) == 1
+    # No fault now: the load-back succeeds, into the same pages on every rank.
     report = cl.load_back(tokens)
     assert all(v.numel() == 3 * P for _, v, _ in report.loaded_per_rank)
+    assert all(torch.equal(v, report.loaded_per_rank[0][1]) for _, v, _ in report.loaded_per_rank)
     assert cl.check(tokens) == {}
 
 
