@@ -9,7 +9,6 @@ is the same and the bytes can be compared buffer to buffer.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 # Requests (token ids) of the round trip: A new chain (5 pages + a partial
@@ -319,4 +318,66 @@ def two_rank_suite(rank: int, world: int, *, num_requests: int) -> dict[str, Any
         "differential": differential(rank, world, layouts=("layer_first", "page_first")),
         "sim": simulate_both_paths(rank, world, num_requests=num_requests),
         "refusals": refusals(rank, world),
+        "finding_host_eviction": finding_host_eviction(rank, world),
     }
+
+
+def finding_host_eviction(rank: int, world: int) -> dict[str, Any]:
+    """Upstream finding 1 (see docs/sglang-0.5.23.md): a write-through backup
+    evicts host pages sized in tokens against the min-class floor, once, and
+    then fails to allocate its owner-cyclic host slots although evictable host
+    pages of the short class remain. Four requests, CP 2."""
+    _setup()
+    import torch
+    import torch.distributed as dist
+    from sglang.srt.mem_cache.allocator.page_interleave import PageInterleavePoolAllocator
+    from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
+
+    from sglang_cp_hicache.sim.engine_0523 import ShardedSimRankEngine
+    from sglang_cp_hicache.testing.stack_0523 import ShardedStackConfig, build_sharded_rank_stack
+
+    a = list(range(1000, 1000 + 171))
+    b = a[:67] + list(range(2000, 2000 + 316))
+    c = list(range(3000, 3000 + 177))
+    d = c + list(range(4000, 4000 + 149))
+    stack = build_sharded_rank_stack(
+        ShardedStackConfig(cp_size=world, device_pages=6, host_pages=5), rank, cp_group=dist.group.WORLD
+    )
+    cache, slots = stack.cache, stack.kv_host._slots
+    layout = stack.layout
+    failures: list[dict[str, Any]] = []
+    backup = cache._execute_kv_backup
+
+    def host_only_pages_by_class() -> list[int]:
+        counts = [0] * world
+        todo = [cache.tree_core.root_node]
+        while todo:
+            node = todo.pop()
+            todo.extend(node.children.values())
+            data = node.component(ComponentType.FULL)
+            if node.parent is not None and data.value is None and data.host_value is not None and data.host_lock_ref == 0:
+                for owner in layout.owner_of(data.host_value[::P].to(torch.int64)).tolist():
+                    counts[owner] += 1
+        return counts
+
+    def watched_backup(node_id: Any, device_value: Any, *args: Any) -> Any:
+        free_before = slots.class_free_page_counts()
+        out = backup(node_id, device_value, *args)
+        if out is None:
+            pages = len(device_value) // P
+            start = cache.tree_core.rotation_phase_of(node_id) % world
+            failures.append({
+                "pages": pages,
+                "need_by_class": PageInterleavePoolAllocator._class_counts(start, pages, world),
+                "host_free_before": free_before,
+                "host_free_after": slots.class_free_page_counts(),
+                "evictable_host_pages_after": host_only_pages_by_class(),
+            })
+        return out
+
+    cache._execute_kv_backup = watched_backup
+    engine = ShardedSimRankEngine(stack)
+    for i, tokens in enumerate((a, b, c, d)):
+        engine.serve(i, tokens)
+    stack.close()
+    return {"failures": failures, "write_failures": engine._totals.write_failures}
