@@ -571,7 +571,9 @@ def plot(rows: list[dict], ceiling: dict, direction: str, path: str, title: str)
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="small sweep")
-    ap.add_argument("--cpu", action="store_true", help="CPU mode (reference backend) even if CUDA is available")
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--cpu", action="store_true", help="CPU mode (reference backend) even if CUDA is available")
+    mode.add_argument("--gpu", action="store_true", help="GPU mode; an error if CUDA is not available")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     ap.add_argument("--layers", type=int, default=4, help="layers in the device pool (backups copy all)")
     ap.add_argument("--cp-sizes", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 8],
@@ -594,6 +596,8 @@ def main(argv=None) -> int:
     if any(n < 1 for n in args.cp_sizes):
         ap.error(f"--cp-sizes: every size must be >= 1, got {args.cp_sizes}")
 
+    if args.gpu and not torch.cuda.is_available():
+        ap.error("--gpu: CUDA is not available")
     gpu = torch.cuda.is_available() and not args.cpu
     os.makedirs(args.out, exist_ok=True)
     rows, ceiling, meta = run_gpu(args) if gpu else run_cpu(args)

@@ -1,0 +1,130 @@
+"""bench/gpu_check.sh and bench/gpu_check.py, as far as a CPU can test them:
+the shell script's stages and failure handling (--dry-run, --cpu, no CUDA),
+and the round-trip check itself on CPU tensors -- including that it reports a
+copy that goes wrong. No GPU result is produced or claimed here."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import pathlib
+import stat
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from sglang_cp_hicache.kernels import cp_page_copy
+from sglang_cp_hicache.layout import CpSharedKVLayout
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "bench" / "gpu_check.sh"
+
+
+@pytest.fixture(scope="module")
+def gpu_check():
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "bench" / "gpu_check.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_check"] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    yield module
+    sys.modules.pop("gpu_check", None)
+
+
+def _run_script(*args, env_over=None, timeout=240):
+    env = {**os.environ, "PYTHON": sys.executable, **(env_over or {})}
+    env.pop("TRITON_INTERPRET", None)
+    return subprocess.run(["bash", str(SCRIPT), *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_script_parses_and_dry_run_lists_every_stage(tmp_path):
+    assert subprocess.run(["bash", "-n", str(SCRIPT)]).returncode == 0
+    out = tmp_path / "new" / "dir"
+    proc = _run_script("--dry-run", str(out))
+    assert proc.returncode == 0, proc.stderr
+    summary = (out / "summary.txt").read_text()
+    for stage in ("env", "checks", "bandwidth", "pytest"):
+        assert f"{stage}: would run" in summary
+    assert "checks --device cuda" in summary and "--gpu --quick" in summary
+    assert _run_script("--bogus").returncode == 2
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA path")
+def test_gpu_mode_without_cuda_fails_fast_after_recording_the_environment(tmp_path):
+    proc = _run_script(env_over={"OUT": str(tmp_path / "o")})
+    assert proc.returncode == 1
+    assert json.loads((tmp_path / "o" / "env.json").read_text())["cuda_available"] is False
+    assert "no CUDA device" in (tmp_path / "o" / "summary.txt").read_text()
+
+
+def test_cpu_mode_writes_each_stage_even_when_one_fails(tmp_path):
+    """A python that fails the checks stage only: the stage is reported
+    FAILED, the bandwidth stage still writes its CSV and plots, exit 1."""
+    wrapper = tmp_path / "python"
+    wrapper.write_text(
+        "#!/bin/sh\n"
+        'for a in "$@"; do [ "$a" = checks ] && { echo "injected failure" >&2; exit 3; }; done\n'
+        f'exec "{sys.executable}" "$@"\n'
+    )
+    wrapper.chmod(wrapper.stat().st_mode | stat.S_IEXEC)
+    out = tmp_path / "out"
+    proc = _run_script("--cpu", str(out), env_over={"PYTHON": str(wrapper)})
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    summary = (out / "summary.txt").read_text()
+    assert "checks: FAILED (exit 3)" in summary
+    assert "bandwidth: OK" in summary and "env: OK" in summary
+    assert "injected failure" in (out / "checks.log").read_text()
+    csv_text = (out / "bandwidth" / "transfer_cpu_quick.csv").read_text()
+    assert "pct_of_ceiling" in csv_text.splitlines()[0] and len(csv_text.splitlines()) > 1
+    for direction in ("d2h", "h2d"):
+        assert (out / "bandwidth" / f"transfer_cpu_quick_{direction}.png").read_bytes()[:4] == b"\x89PNG"
+    assert summary.rstrip().endswith("FAIL")
+
+
+@pytest.mark.parametrize("kind", ["kv_fp8", "indexer"])
+def test_round_trip_check_passes_on_the_interpreter_and_catches_a_bad_copy(monkeypatch, gpu_check, kind):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    g = gpu_check.CPU_GEOMETRY
+    cpu = torch.device("cpu")
+    host = gpu_check.HostBuffer(gpu_check.host_shape(kind, "page_first", g), gpu_check.KINDS[kind][1], "plain")
+    for n, r in ((1, 0), (8, 5)):
+        layout = CpSharedKVLayout(g.page_size, n, r)
+        assert gpu_check.roundtrip(kind, "page_first", layout, host, g, cpu, seed=n) is None
+    # a load that skips the last layer, or a backup that loses one host page, must be reported
+    load = "load_kv_one_layer" if kind.startswith("kv") else "load_indexer_one_layer"
+    backup = "backup_kv_all_layers" if kind.startswith("kv") else "backup_indexer_all_layers"
+    real_load, real_backup = getattr(cp_page_copy, load), getattr(cp_page_copy, backup)
+
+    def skip_last_layer(dev, host_t, hl, layer, *a, **kw):
+        if layer < g.num_layers - 1:
+            real_load(dev, host_t, hl, layer, *a, **kw)
+
+    def lose_a_page(devs, host_t, hl, dl, hlocs, layout, **kw):
+        real_backup(devs, host_t, hl, dl, hlocs, layout, **kw)
+        gpu_check.bits(host_t).view(-1)[: gpu_check.bits(host_t).numel() // g.host_pages].fill_(0)
+
+    layout = CpSharedKVLayout(g.page_size, 2, 1)
+    with monkeypatch.context() as m:
+        m.setattr(cp_page_copy, load, skip_last_layer)
+        err = gpu_check.roundtrip(kind, "page_first", layout, host, g, cpu, seed=3)
+    assert err == f"load: device layer {g.num_layers - 1} differs from the reference", err
+    with monkeypatch.context() as m:
+        m.setattr(cp_page_copy, backup, lose_a_page)
+        err = gpu_check.roundtrip(kind, "page_first", layout, host, g, cpu, seed=3)
+    assert err is not None and err.startswith("backup: host bytes differ"), err
+
+
+def test_checks_command_on_cpu_records_results(tmp_path, gpu_check, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    rc = gpu_check.main(["checks", "--device", "cpu", "--out", str(tmp_path), "--cp-sizes", "2",
+                         "--kinds", "kv_bf16", "--host-layouts", "page_first_direct"])
+    assert rc == 0
+    out = json.loads((tmp_path / "checks.json").read_text())
+    assert out["device"] == "cpu" and out["backend"] == "reference" and out["ok"] is True
+    assert set(out["roundtrip"]) == {"plain/kv_bf16/page_first_direct/cp2/rank0",
+                                     "plain/kv_bf16/page_first_direct/cp2/rank1"}
+    assert "sync_free" not in out  # a CPU run claims nothing about syncs
+    assert out["copy_stats"]["kv_backup_calls"] == 2
