@@ -6,15 +6,19 @@ KV + indexer content into the pages it owns and checking every owned page of
 every matched prefix bit-exactly.
 
 Modules (none imports SGLang; the rank engine that calls SGLang's cache API
-is :mod:`sglang_cp_hicache.sglang.sim_engine`, loaded in the rank processes):
+is :mod:`sglang_cp_hicache.sim.engine`, loaded in the rank processes):
 
 * ``content``  -- deterministic page content and bit-exact checks (pure torch)
 * ``workload`` -- synthetic multi-turn chat, JSONL traces
 * ``config``   -- settings, per-process spec, the failure-injection test hook
 * ``records``  -- dataclasses passed from the ranks to the launcher
 * ``worker``   -- body of one rank process (or of the non-CP comparison)
+* ``lifetime`` -- a rank ends as soon as its launcher is gone (SIGKILL included)
+* ``ranklog``  -- each process's output in an unnamed file, kept only on failure
 * ``launcher`` -- spawn, watch, stop on failure, collect
-* ``report``   -- summary JSON, table, comparison with non-CP
+* ``failures`` -- which rank failed first (the cause, not its peers' symptoms)
+* ``report``   -- summary JSON, table, comparison with non-CP, failure message
+* ``outputs``  -- --json / --plot paths checked before a run
 * ``plot``     -- PNG (matplotlib, optional)
 * ``cli``      -- the ``simulate`` subcommand
 """

@@ -1,8 +1,10 @@
 """``sglang-cp-hicache simulate``: flags, workload, launch, report, exit status.
 
 Exit status: 0 when nothing was corrupted, every rank agreed (tree digest and
-ack counts) and no cache leaked; 1 when the run failed or a check did not
-pass; 2 for bad flags or a malformed trace.
+ack counts), no cache leaked and at least one page was verified (or
+``--allow-unverified``); 1 when the run failed or a check did not pass; 2 for
+bad flags, an unusable output path or a malformed trace, found before any
+rank starts.
 """
 
 from __future__ import annotations
@@ -11,8 +13,15 @@ import argparse
 import sys
 from typing import Optional
 
-from sglang_cp_hicache.sim.config import DSA_PAGE_SIZE, FailureInjection, SimConfig, parse_failure_injection
-from sglang_cp_hicache.sim.worker import STARTUP_TIMEOUT_S
+from sglang_cp_hicache.sim.config import (
+    DSA_PAGE_SIZE,
+    FailureInjection,
+    SimConfig,
+    default_startup_timeout_s,
+    parse_failure_injection,
+    seconds_problem,
+)
+from sglang_cp_hicache.sim.outputs import OutputPathError, check_output_paths
 from sglang_cp_hicache.sim.workload import ChatShape, SimRequest, TraceError, load_trace, synthetic_chat
 
 __all__ = ["add_simulate_parser", "run_simulate"]
@@ -52,8 +61,9 @@ def _seconds(text: str) -> float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"must be a number of seconds, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    problem = seconds_problem(value)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(problem)
     return value
 
 
@@ -79,8 +89,9 @@ def add_simulate_parser(subparsers: argparse._SubParsersAction) -> argparse.Argu
             "page of every matched prefix is checked bit-exactly."
         ),
         epilog=(
-            "exit status: 0 = nothing corrupted, all ranks agree, no leaks; 1 = a check failed or a "
-            "rank failed; 2 = bad flags or a malformed trace."
+            "exit status: 0 = nothing corrupted, all ranks agree, no leaks, something verified; 1 = a "
+            "check failed or a rank failed; 2 = bad flags, an unusable --json/--plot path or a malformed "
+            "trace (found before any rank starts)."
         ),
     )
     p.add_argument("--cp-size", type=_positive("--cp-size", 64), default=_DEFAULTS.cp_size,
@@ -111,8 +122,15 @@ def add_simulate_parser(subparsers: argparse._SubParsersAction) -> argparse.Argu
     p.add_argument("--collective-timeout", type=_seconds, default=_DEFAULTS.collective_timeout_s,
                    metavar="SECONDS", help="gloo timeout once every rank is up: a rank that waits longer for "
                                            "its peers fails (startup: import, rendezvous and stack build, "
-                                           f"allows {STARTUP_TIMEOUT_S:g} s) (default "
-                                           f"{_DEFAULTS.collective_timeout_s:g})")
+                                           "see --startup-timeout) (default "
+                                           f"{_DEFAULTS.collective_timeout_s:g}; at most one day)")
+    p.add_argument("--startup-timeout", type=_seconds, default=None, metavar="SECONDS",
+                   help="how long the ranks get to import SGLang, meet and build their stacks (default "
+                        f"120 + 30 per rank: {default_startup_timeout_s(2):g} s at --cp-size 2, "
+                        f"{default_startup_timeout_s(8):g} s at 8; at most one day)")
+    p.add_argument("--allow-unverified", action="store_true",
+                   help="exit 0 even if no page was verified (e.g. a trace of requests shorter than a "
+                        "page); without it such a run fails, since it proved nothing")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.set_defaults(func=run_simulate)
     return p
@@ -153,6 +171,7 @@ def run_simulate(args: argparse.Namespace) -> int:
         seed=args.seed, device_pages=args.device_pages, host_pages=args.host_pages,
         collective_timeout_s=args.collective_timeout,
         grace_s=min(_DEFAULTS.grace_s, args.collective_timeout),
+        startup_timeout_s=args.startup_timeout,
     )
     try:
         failure: Optional[FailureInjection] = parse_failure_injection()
@@ -163,6 +182,10 @@ def run_simulate(args: argparse.Namespace) -> int:
             check_matplotlib()
         except PlotUnavailable as exc:
             return _error(str(exc), 2)
+    try:
+        check_output_paths({"--json": args.json, "--plot": args.plot})
+    except OutputPathError as exc:
+        return _error(str(exc), 2)
     try:
         requests, workload = _workload(args, config)
     except TraceError as exc:
@@ -182,11 +205,16 @@ def run_simulate(args: argparse.Namespace) -> int:
         if not non_cp.ok or not non_cp.reports:
             print(failure_message(non_cp), file=sys.stderr)
             return 1
-    summary, verdict = summarize(config, workload, len(requests), cp, non_cp)
+    summary, verdict = summarize(config, workload, len(requests), cp, non_cp,
+                                 allow_unverified=args.allow_unverified)
     print(format_table(summary))
-    if args.json is not None:
-        with open(args.json, "w", encoding="utf-8") as f:
-            f.write(dump_json(summary))
-    if args.plot is not None:
-        plot_summary(summary, args.plot)
+    # the paths were checked before the run; the disk may still fill up since
+    try:
+        if args.json is not None:
+            with open(args.json, "w", encoding="utf-8") as f:
+                f.write(dump_json(summary))
+        if args.plot is not None:
+            plot_summary(summary, args.plot)
+    except OSError as exc:
+        return _error(f"cannot write {exc.filename or 'the output'}: {exc.strerror or exc}", 1)
     return 0 if verdict.ok else 1

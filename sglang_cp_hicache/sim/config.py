@@ -2,27 +2,72 @@
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 __all__ = [
     "DSA_PAGE_SIZE",
     "FAILURE_MODES",
     "FAIL_ENV",
+    "MAX_TIMEOUT_S",
     "FailureInjection",
     "RankSpec",
+    "STARTUP_FAILURE_MODES",
     "SimConfig",
+    "check_seconds",
+    "default_startup_timeout_s",
     "parse_failure_injection",
+    "seconds_problem",
 ]
 
 #: SGLang 0.5.18's DSATokenToKVPool asserts page_size == 64 outside ROCm.
 DSA_PAGE_SIZE = 64
-#: Hidden test hook: "RANK:STEP" raises on rank RANK before request STEP;
-#: "RANK:STEP:hang" makes it stop responding instead (tests the timeouts);
-#: "RANK:STEP:corrupt" flips one restored byte on RANK at its first load-back
-#: from request STEP on (tests that the bit-exact check catches it).
+#: Hidden test hook: "RANK:STEP[:MODE]". STEP is a request index, or "startup"
+#: (before the rank imports SGLang or joins the group). MODE: "raise" (default)
+#: raises on RANK; "hang" makes it stop responding (tests the timeouts);
+#: "kill" / "stop" make it send itself SIGKILL / SIGSTOP (tests who gets the
+#: blame); "corrupt" flips one restored byte on RANK at its first load-back from
+#: request STEP on (tests that the bit-exact check catches it).
 FAIL_ENV = "SGLANG_CP_HICACHE_SIM_FAIL_RANK"
+
+#: Upper bound of every timeout: torch turns a timeout into a ``timedelta``
+#: (and gloo into milliseconds), which overflows long before ``inf``; no
+#: simulated start-up or collective legitimately takes a day.
+MAX_TIMEOUT_S = 86_400.0
+
+
+def seconds_problem(value: float) -> Optional[str]:
+    """Why ``value`` is not a usable timeout in seconds (None if it is)."""
+    if math.isnan(value):
+        return "must be a number of seconds, got nan"
+    if not value > 0:
+        return f"must be > 0, got {value:g}"
+    if not value <= MAX_TIMEOUT_S:  # inf included
+        return f"must be at most {MAX_TIMEOUT_S:g} s (one day), got {value:g}"
+    return None
+
+
+def check_seconds(name: str, value: Any) -> float:
+    """A finite number of seconds in (0, MAX_TIMEOUT_S]; ValueError/TypeError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number of seconds, got {type(value).__name__}")
+    problem = seconds_problem(float(value))
+    if problem is not None:
+        raise ValueError(f"{name} {problem}")
+    return float(value)
+
+
+def default_startup_timeout_s(cp_size: int) -> float:
+    """How long the ranks get to import SGLang, meet and build their stacks.
+
+    Every rank imports SGLang (seconds of CPU each) at the same time, so on a
+    small machine start-up grows with the number of ranks: CP 8 took about
+    100 s on a busy 2-core machine. 120 s plus 30 s per rank keeps the old
+    180 s at CP 2 and allows 360 s at CP 8.
+    """
+    return 120.0 + 30.0 * cp_size
 
 
 @dataclass(frozen=True)
@@ -36,6 +81,20 @@ class SimConfig:
     host_pages: int = 16  # per rank
     collective_timeout_s: float = 60.0
     grace_s: float = 5.0  # after one rank fails, how long the others get to exit
+    startup_timeout_s: Optional[float] = None  # None: default_startup_timeout_s(cp_size)
+
+    def __post_init__(self) -> None:
+        check_seconds("collective_timeout_s", self.collective_timeout_s)
+        check_seconds("grace_s", self.grace_s)
+        if self.startup_timeout_s is not None:
+            check_seconds("startup_timeout_s", self.startup_timeout_s)
+
+    @property
+    def startup_limit_s(self) -> float:
+        """The start-up timeout in force (explicit, or scaled with cp_size)."""
+        if self.startup_timeout_s is not None:
+            return self.startup_timeout_s
+        return default_startup_timeout_s(self.cp_size)
 
     @property
     def logical_device_pages(self) -> int:
@@ -48,13 +107,15 @@ class SimConfig:
         return (self.logical_device_pages - 1) * self.page_size
 
 
-FAILURE_MODES = ("raise", "hang", "corrupt")
+FAILURE_MODES = ("raise", "hang", "corrupt", "kill", "stop")
+#: Modes that make sense before the replay starts ("corrupt" needs a load-back).
+STARTUP_FAILURE_MODES = ("raise", "hang", "kill", "stop")
 
 
 @dataclass(frozen=True)
 class FailureInjection:
     rank: int
-    step: int
+    step: Optional[int]  # request index; None: at start-up, before SGLang is imported
     mode: str = "raise"  # one of FAILURE_MODES
 
 
@@ -65,27 +126,33 @@ def parse_failure_injection(value: Optional[str] = None) -> Optional[FailureInje
         return None
     parts = raw.split(":")
     try:
-        if len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] not in FAILURE_MODES):
+        if len(parts) not in (2, 3):
             raise ValueError
-        rank, step = int(parts[0]), int(parts[1])
-        if rank < 0 or step < 0:
+        mode = parts[2] if len(parts) == 3 else "raise"
+        rank = int(parts[0])
+        step = None if parts[1] == "startup" else int(parts[1])
+        if rank < 0 or (step is not None and step < 0):
+            raise ValueError
+        if mode not in (FAILURE_MODES if step is not None else STARTUP_FAILURE_MODES):
             raise ValueError
     except ValueError:
         raise ValueError(
-            f"{FAIL_ENV}={raw!r}: expected RANK:STEP[:MODE], MODE one of {', '.join(FAILURE_MODES)}"
+            f"{FAIL_ENV}={raw!r}: expected RANK:STEP[:MODE] with STEP a request index or 'startup', "
+            f"MODE one of {', '.join(FAILURE_MODES)} ('corrupt' not at startup)"
         ) from None
-    return FailureInjection(rank, step, parts[2] if len(parts) == 3 else "raise")
+    return FailureInjection(rank, step, mode)
 
 
 @dataclass(frozen=True)
 class RankSpec:
-    """What one spawned process needs (picklable)."""
+    """What one spawned process needs (picklable while the launcher spawns it)."""
 
     config: SimConfig
     rank: int  # -1: the non-CP comparison process
     cp_mode: bool
     master_port: int
     requests: tuple[tuple[int, ...], ...]
-    log_path: str
+    log: Any  # ranklog.InheritedFd: where the process writes its stdout and stderr
+    launcher_pid: int  # the process exits as soon as this one is gone
     progress: bool  # send Progress messages (rank 0 and the non-CP process)
     failure: Optional[FailureInjection] = None

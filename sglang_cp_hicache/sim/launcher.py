@@ -1,33 +1,41 @@
 """Start simulator processes (spawn), watch them, collect their reports.
 
 The CP ranks join one gloo group on a free localhost port, bounded by the
-collective timeout. The launcher never blocks on a child: it polls the queue
-and the exit codes. When one process fails (a :class:`RankFailure` arrives, or
-it exits non-zero), the others get ``grace_s`` seconds to exit by themselves
-(they normally do at once: gloo reports the lost peer), then they are
-terminated, then killed.
+start-up and collective timeouts. Each process has its own pipe to the
+launcher (it holds the only write end, so the pipe reports end-of-file when it
+exits) and an unnamed log file (:mod:`.ranklog`); it ends by itself if the
+launcher disappears (:mod:`.lifetime`). The launcher never blocks on a child:
+it waits on the pipes and the process sentinels together. When one process
+fails (a :class:`RankFailure` arrives, or it exits non-zero), the others get
+``grace_s`` seconds to exit by themselves (they normally do at once: gloo
+reports the lost peer), then they are terminated, then killed.
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import queue as queue_module
-import shutil
+import signal
 import socket
-import tempfile
 import time
 from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
 from typing import Optional
 
 from sglang_cp_hicache.sim.config import FailureInjection, RankSpec, SimConfig
 from sglang_cp_hicache.sim.progress import ProgressBar
+from sglang_cp_hicache.sim.ranklog import RankLog, save_logs
 from sglang_cp_hicache.sim.records import Progress, RankFailure, RankReport
 from sglang_cp_hicache.sim.worker import rank_main
 
 __all__ = ["LaunchResult", "free_port", "launch"]
 
 _POLL_S = 0.1
+#: After the last process exited: how long its pipe may take to report
+#: end-of-file (a descriptor leaked to a grandchild would keep it open).
+_DRAIN_S = 2.0
+#: After the launcher stopped the processes: how long it waits for them to go.
+_STOP_WAIT_S = 8.0
 
 
 def free_port() -> int:
@@ -41,11 +49,14 @@ def free_port() -> int:
 class LaunchResult:
     label: str
     reports: list[RankReport] = field(default_factory=list)
-    failures: list[RankFailure] = field(default_factory=list)  # in arrival order
+    failures: list[RankFailure] = field(default_factory=list)  # in the order they happened (``at``)
     exit_codes: dict[int, Optional[int]] = field(default_factory=dict)
     killed: list[int] = field(default_factory=list)  # ranks the launcher had to end
-    log_dir: str = ""
+    log_dir: str = ""  # the kept logs of a failed run ("" when the run passed)
     wall_seconds: float = 0.0
+    # time.monotonic() when the launcher saw each process exit (the ranks'
+    # RankFailure.at uses the same clock)
+    exit_seen_at: dict[int, float] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -60,29 +71,75 @@ def launch(
     failure: Optional[FailureInjection] = None,
     show_progress: bool = True,
 ) -> LaunchResult:
-    """Run the CP ranks (``cp_mode``) or the one non-CP process to completion."""
+    """Run the CP ranks (``cp_mode``) or the one non-CP process to completion.
+
+    Call it from a thread that outlives the run (the main thread in the CLI):
+    the ranks' parent-death signal fires when the thread that started them
+    exits.
+    """
     ctx = mp.get_context("spawn")
-    messages = ctx.Queue()
-    log_dir = tempfile.mkdtemp(prefix="sglang-cp-hicache-sim-")
     port = free_port() if cp_mode else 0
     ranks = list(range(config.cp_size)) if cp_mode else [-1]
     label = f"CP{config.cp_size}" if cp_mode else "non-CP"
-    result = LaunchResult(label=label, log_dir=log_dir)
+    result = LaunchResult(label=label)
     procs: dict[int, mp.process.BaseProcess] = {}
-    for rank in ranks:
-        name = f"rank{rank}" if rank >= 0 else "noncp"
-        spec = RankSpec(
-            config=config, rank=rank, cp_mode=cp_mode, master_port=port, requests=requests,
-            log_path=os.path.join(log_dir, f"{name}.log"),
-            progress=show_progress and rank in (0, -1), failure=failure,
-        )
-        proc = ctx.Process(target=rank_main, args=(spec, messages), name=f"sim-{name}", daemon=True)
-        proc.start()
-        procs[rank] = proc
-
+    channels: dict[int, Connection] = {}
+    logs: dict[int, RankLog] = {}
     bar = ProgressBar(label, len(requests)) if show_progress else None
     start = time.perf_counter()
+    try:
+        for rank in ranks:
+            logs[rank] = RankLog(f"rank{rank}" if rank >= 0 else "noncp")
+            reader, writer = ctx.Pipe(duplex=False)
+            spec = RankSpec(
+                config=config, rank=rank, cp_mode=cp_mode, master_port=port, requests=requests,
+                log=logs[rank].for_child(), launcher_pid=os.getpid(),
+                progress=show_progress and rank in (0, -1), failure=failure,
+            )
+            proc = ctx.Process(target=rank_main, args=(spec, writer), name=f"sim-{logs[rank].name}", daemon=True)
+            channels[rank] = reader
+            try:
+                proc.start()
+            finally:
+                writer.close()  # the child holds the only write end: EOF when it exits
+            procs[rank] = proc
+        _watch(config, procs, channels, result, bar)
+    except BaseException:  # Ctrl-C, SIGTERM (see cli), or a launcher bug: never leave ranks behind
+        _stop(procs, [r for r, p in procs.items() if p.is_alive()])
+        for log in logs.values():
+            log.close()
+        raise
+    finally:
+        if bar is not None:
+            bar.close()
+        for channel in channels.values():
+            channel.close()
+    for rank, proc in procs.items():
+        proc.join(timeout=5.0)
+        result.exit_codes[rank] = proc.exitcode
+    result.failures.sort(key=lambda f: f.at)
+    result.reports.sort(key=lambda r: r.rank)
+    result.wall_seconds = time.perf_counter() - start
+    if not result.ok or len(result.reports) != len(ranks):
+        result.log_dir = save_logs([logs[r] for r in ranks])
+    for log in logs.values():
+        log.close()
+    return result
+
+
+def _watch(
+    config: SimConfig,
+    procs: dict[int, mp.process.BaseProcess],
+    channels: dict[int, Connection],
+    result: LaunchResult,
+    bar: Optional[ProgressBar],
+) -> None:
+    """Read every pipe and watch every process until all are done."""
+    open_channels = dict(channels)
+    running = dict(procs)
     first_failure_at: Optional[float] = None
+    drain_deadline: Optional[float] = None
+    stop_deadline: Optional[float] = None
 
     def handle(msg: object) -> None:
         nonlocal first_failure_at
@@ -94,54 +151,48 @@ def launch(
         elif isinstance(msg, RankFailure):
             result.failures.append(msg)
             if first_failure_at is None:
-                first_failure_at = time.perf_counter()
+                first_failure_at = time.monotonic()
 
-    try:
-        while True:
+    while open_channels or running:
+        waitables = list(open_channels.values()) + [p.sentinel for p in running.values()]
+        ready = set(wait(waitables, timeout=_POLL_S))
+        for rank, channel in list(open_channels.items()):
+            if channel not in ready:
+                continue
             try:
-                handle(messages.get(timeout=_POLL_S))
-                continue  # drain everything queued before looking at the processes
-            except queue_module.Empty:
-                pass
-            for rank, proc in procs.items():
-                if proc.exitcode not in (None, 0) and first_failure_at is None:
-                    first_failure_at = time.perf_counter()
-            alive = [r for r, p in procs.items() if p.is_alive()]
-            if not alive:
+                msg = channel.recv()
+            except Exception:  # EOF (it exited), a cut-off or unreadable message: nothing more comes
+                del open_channels[rank]
+                continue
+            handle(msg)
+        now = time.monotonic()
+        for rank, proc in list(running.items()):
+            if proc.exitcode is not None:
+                del running[rank]
+                result.exit_seen_at[rank] = now
+                if proc.exitcode != 0 and first_failure_at is None:
+                    first_failure_at = now
+        if not running:
+            drain_deadline = drain_deadline if drain_deadline is not None else now + _DRAIN_S
+            if now > drain_deadline:
                 break
-            if first_failure_at is not None and time.perf_counter() - first_failure_at > config.grace_s:
-                _stop(procs, alive)
-                result.killed = alive
-                break
-    except BaseException:  # Ctrl-C, SIGTERM (see cli), or a launcher bug: never leave ranks behind
-        _stop(procs, [r for r, p in procs.items() if p.is_alive()])
-        raise
-    finally:
-        if bar is not None:
-            bar.close()
-    # whatever was still in flight when the last process exited
-    deadline = time.perf_counter() + 2.0
-    while time.perf_counter() < deadline:
-        try:
-            handle(messages.get(timeout=0.2))
-        except (queue_module.Empty, EOFError, OSError):
-            break
-    for rank, proc in procs.items():
-        proc.join(timeout=5.0)
-        result.exit_codes[rank] = proc.exitcode
-    result.reports.sort(key=lambda r: r.rank)
-    result.wall_seconds = time.perf_counter() - start
-    messages.close()
-    messages.cancel_join_thread()
-    if result.ok:
-        shutil.rmtree(log_dir, ignore_errors=True)
-        result.log_dir = ""
-    return result
+        if stop_deadline is not None:
+            if now > stop_deadline:
+                break  # unkillable (e.g. stuck in the kernel): report what we have
+        elif first_failure_at is not None and running and now - first_failure_at > config.grace_s:
+            alive = sorted(running)
+            _stop(procs, alive)
+            result.killed = alive
+            stop_deadline = time.monotonic() + _STOP_WAIT_S
 
 
 def _stop(procs: dict[int, mp.process.BaseProcess], ranks: list[int]) -> None:
     for rank in ranks:
         procs[rank].terminate()
+        try:  # a stopped process (SIGSTOP) acts on the SIGTERM only once continued
+            os.kill(procs[rank].pid, signal.SIGCONT)
+        except (OSError, TypeError):
+            pass
     deadline = time.perf_counter() + 3.0
     for rank in ranks:
         procs[rank].join(timeout=max(deadline - time.perf_counter(), 0.1))

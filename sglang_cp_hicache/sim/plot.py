@@ -70,5 +70,5 @@ def plot_summary(summary: dict[str, Any], path: str) -> None:
     bottom.legend(fontsize=8, loc="upper left")
     bottom.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, format="png")  # whatever the name ends with: --plot promises a PNG
     plt.close(fig)

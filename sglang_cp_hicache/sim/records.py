@@ -112,3 +112,4 @@ class RankFailure:
     step: Optional[int]  # request index being served, None before the replay
     error: str  # "ExceptionType: message"
     traceback: str
+    at: float = 0.0  # time.monotonic() when it failed (one clock for every process on a Linux host)

@@ -23,12 +23,27 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from sglang_cp_hicache.sim.config import SimConfig
+from sglang_cp_hicache.sim.failures import describe_exit, first_cause, later_failures
 from sglang_cp_hicache.sim.launcher import LaunchResult
 from sglang_cp_hicache.sim.records import RankReport
 
-__all__ = ["CPU_GOAL", "Verdict", "dump_json", "failure_message", "format_table", "summarize"]
+__all__ = [
+    "CPU_GOAL",
+    "NOTHING_VERIFIED",
+    "Verdict",
+    "dump_json",
+    "failure_message",
+    "format_table",
+    "summarize",
+]
 
 CPU_GOAL = 1.10
+#: Why a run can verify nothing: verification checks owned pages of matched
+#: prefixes, and only whole pages are cached.
+NOTHING_VERIFIED = (
+    "no page was verified: no request matched a cached prefix of at least one whole page "
+    "(requests shorter than a page, or no shared prefixes)"
+)
 
 
 @dataclass
@@ -77,9 +92,12 @@ def summarize(
     num_requests: int,
     cp: LaunchResult,
     non_cp: Optional[LaunchResult],
+    *,
+    allow_unverified: bool = False,
 ) -> tuple[dict[str, Any], Verdict]:
     """The JSON summary and whether the run passed. Only call with every
-    rank's report present (``cp.ok``)."""
+    rank's report present (``cp.ok``). A run that verified no page at all
+    proves nothing, so it fails unless ``allow_unverified``."""
     reports = cp.reports
     N, P = config.cp_size, config.page_size
     sides = [_side(r) for r in reports]
@@ -99,6 +117,9 @@ def summarize(
         problems.append(f"{corrupted} corrupted pages")
     violations = [f"rank {r.rank}: {v}" for r in reports for v in r.totals.invariant_violations]
     problems += violations
+    nothing_verified = sum(s["verified_pages"] for s in sides) == 0
+    if nothing_verified and not allow_unverified:
+        problems.append(f"{NOTHING_VERIFIED} (pass --allow-unverified to accept such a run)")
     summary: dict[str, Any] = {
         "cp_size": N,
         "page_size": P,
@@ -111,6 +132,7 @@ def summarize(
         "verified_pages": sum(s["verified_pages"] for s in sides),
         "restored_pages_verified": sum(s["restored_pages_verified"] for s in sides),
         "corrupted_pages": corrupted,
+        "nothing_verified": nothing_verified,
         "backup_tokens": rank0.totals.backup_tokens,
         "backup_slots_per_rank": [r.totals.backup_slots for r in reports],
         "load_backs": rank0.totals.load_backs,
@@ -211,34 +233,49 @@ def _compare(summary: dict[str, Any], non_cp: dict[str, Any], N: int, P: int) ->
 
 
 def failure_message(result: LaunchResult) -> str:
-    """Who failed first and why; what happened to the others."""
+    """Who failed first and why (the headline), then what happened to the others."""
     lines = []
 
     def who(rank: int) -> str:
         return "the non-CP process" if rank < 0 else f"rank {rank}"
 
-    if result.failures:
-        first = result.failures[0]
-        at = f" at request {first.step}" if first.step is not None else " during startup"
-        error = first.error.splitlines()[0] if first.error else "unknown error"
-        lines.append(f"{result.label}: {who(first.rank)} failed{at}: {error[:400]}")
-        log = os.path.join(result.log_dir, f"rank{first.rank}.log" if first.rank >= 0 else "noncp.log")
-        if "Timed out" in error or "timed out" in error:
+    def log_of(rank: int) -> str:
+        return os.path.join(result.log_dir, f"rank{rank}.log" if rank >= 0 else "noncp.log")
+
+    def at(step: Optional[int]) -> str:
+        return f" at request {step}" if step is not None else " during startup"
+
+    cause = first_cause(result)
+    if cause is None:
+        lines.append(f"{result.label}: a process ended without a report (output: {result.log_dir})")
+        return "\n".join(lines)
+    if cause.kind == "died":
+        lines.append(f"{result.label}: {who(cause.rank)} died first: {cause.detail}")
+        lines.append(f"  its output: {log_of(cause.rank)}")
+    elif cause.kind == "hung":
+        lines.append(
+            f"{result.label}: {who(cause.rank)} stopped answering collectives: its peers gave up waiting for "
+            f"it (--collective-timeout), it sent no report and did not exit, so the launcher terminated it"
+        )
+        lines.append(f"  its output: {log_of(cause.rank)}")
+    else:
+        lines.append(f"{result.label}: {who(cause.rank)} failed{at(cause.step)}: {cause.detail[:400]}")
+        if cause.kind == "symptom" and "timed out" in cause.detail.lower():
             lines.append("  (it waited longer than --collective-timeout for a peer: another rank stopped "
                          "answering collectives)")
-        lines.append(f"  traceback and output: {log}")
-        for other in result.failures[1:]:
-            error = other.error.splitlines()[0] if other.error else ""
-            lines.append(f"  then {who(other.rank)} stopped: {error[:200]}")
+        lines.append(f"  traceback and output: {log_of(cause.rank)}")
+    for other in later_failures(result, cause):
+        error = other.error.splitlines()[0] if other.error else ""
+        lines.append(f"  then {who(other.rank)} failed{at(other.step)}: {error[:200]}")
     reported = {f.rank for f in result.failures} | {r.rank for r in result.reports}
     for rank, code in sorted(result.exit_codes.items()):
+        if rank == cause.rank:
+            continue
         if rank in result.killed:
             lines.append(f"  {who(rank)} did not exit within the grace period and was terminated")
         elif rank not in reported and code != 0:
-            lines.append(f"{result.label}: {who(rank)} exited with status {code} without a report "
-                         f"(output: {result.log_dir})")
-    if not lines:
-        lines.append(f"{result.label}: a process ended without a report (output: {result.log_dir})")
+            lines.append(f"  {who(rank)} {describe_exit(code)} without a report")
+    lines.append(f"  logs of every process: {result.log_dir}")
     return "\n".join(lines)
 
 
@@ -305,7 +342,12 @@ def format_table(summary: dict[str, Any]) -> str:
             f"requests with the same device/host hits and restores as non-CP: "
             f"{comp['requests_with_identical_hits']}/{summary['requests']}"
         )
-    lines.append("result: " + ("OK" if summary["ok"] else "FAILED: " + "; ".join(summary["problems"])))
+    if not summary["ok"]:
+        lines.append("result: FAILED: " + "; ".join(summary["problems"]))
+    elif summary.get("nothing_verified"):
+        lines.append(f"result: OK, but NOTHING WAS VERIFIED: {NOTHING_VERIFIED}")
+    else:
+        lines.append("result: OK")
     return "\n".join(lines)
 
 

@@ -1,15 +1,18 @@
 """Body of one simulator process: a CP rank on a gloo group, or the non-CP run.
 
-The process writes its own stdout/stderr (SGLang import chatter, warnings,
-tracebacks) to ``spec.log_path`` and talks to the launcher only through the
-queue: :class:`Progress`, then one :class:`RankReport` or
-:class:`RankFailure`. SGLang is imported here, in the child, through
-:mod:`sglang_cp_hicache.sglang` (the only package allowed to import it).
+The process ties its life to the launcher's first (:mod:`.lifetime`), writes
+its own stdout/stderr (SGLang import chatter, warnings, tracebacks) to the
+log file the launcher handed it, and talks to the launcher only through its
+own pipe: :class:`Progress`, then one :class:`RankReport` or
+:class:`RankFailure`. SGLang is imported here, in the child, through the
+adapter and the CPU harness.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
+import signal
 import sys
 import time
 import traceback
@@ -17,26 +20,61 @@ import warnings
 from datetime import timedelta
 from typing import Any, Optional
 
-from sglang_cp_hicache.sim.config import FAIL_ENV, RankSpec
+from sglang_cp_hicache.sim.config import FAIL_ENV, FailureInjection, RankSpec
+from sglang_cp_hicache.sim.lifetime import EXIT_LAUNCHER_GONE, die_with_launcher
 from sglang_cp_hicache.sim.records import Progress, RankFailure, RankReport
 
-__all__ = ["STARTUP_TIMEOUT_S", "rank_main"]
-
-#: gloo timeout while the ranks import SGLang, rendezvous and build their stacks.
-STARTUP_TIMEOUT_S = 180.0
+__all__ = ["rank_main"]
 
 
 class InjectedFailure(RuntimeError):
     pass
 
 
-def _redirect_output(log_path: str) -> None:
-    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+def _redirect_output(fd: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
+
+
+def _drop_model_dir() -> None:
+    """The CPU harness writes a tiny model config into a temp dir it removes
+    at interpreter exit, which a killed or ``os._exit``-ed rank never reaches.
+    SGLang reads it only while the stack is built: remove it then."""
+    env = sys.modules.get("sglang_cp_hicache.testing.env")
+    if env is None:
+        return
+    try:
+        shutil.rmtree(env.tiny_model_dir(), ignore_errors=True)
+    except Exception:  # best effort: never mask the rank's own result
+        pass
+
+
+def _send(channel: Any, message: object) -> None:
+    """Send to the launcher; if it is gone (broken pipe) there is nobody to
+    report to: exit at once."""
+    try:
+        channel.send(message)
+    except OSError:
+        os._exit(EXIT_LAUNCHER_GONE)
+
+
+def _inject(failure: FailureInjection, engine: Any = None) -> None:
+    """Act out the test hook (see FAIL_ENV)."""
+    if failure.mode == "hang":
+        while True:  # stop answering collectives; the launcher must end this
+            time.sleep(1.0)
+    elif failure.mode == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif failure.mode == "stop":
+        os.kill(os.getpid(), signal.SIGSTOP)
+    elif failure.mode == "corrupt":
+        engine.corrupt_next_restore = True
+    else:
+        where = "startup" if failure.step is None else failure.step
+        raise InjectedFailure(f"injected failure ({FAIL_ENV}={failure.rank}:{where})")
 
 
 def _set_collective_timeout(seconds: float) -> None:
@@ -68,17 +106,20 @@ def _agreement(engine_digest: str, acks: tuple, cp_size: int) -> dict[str, Any]:
     }
 
 
-def _serve_all(spec: RankSpec, queue: Any, step_ref: list[Optional[int]]) -> RankReport:
+def _serve_all(spec: RankSpec, channel: Any, step_ref: list[Optional[int]]) -> RankReport:
+    injected = spec.failure if spec.failure is not None and spec.failure.rank == spec.rank else None
+    if injected is not None and injected.step is None:
+        _inject(injected)  # before anything heavy is imported
     import torch
 
-    from sglang_cp_hicache.sglang.cpu_support import ensure_sglang_importable
+    from sglang_cp_hicache.testing.cpu_support import ensure_sglang_importable
 
     started = time.perf_counter()
     torch.set_num_threads(1)  # ranks share the machine's cores; no oversubscription
     warnings.filterwarnings("ignore", category=UserWarning)
     ensure_sglang_importable()
-    from sglang_cp_hicache.sglang.sim_engine import SimRankEngine
-    from sglang_cp_hicache.sglang.stack import CpStackConfig, build_cp_rank_stack
+    from sglang_cp_hicache.sim.engine import SimRankEngine
+    from sglang_cp_hicache.testing.stack import CpStackConfig, build_cp_rank_stack
 
     cfg = spec.config
     group = None
@@ -86,14 +127,14 @@ def _serve_all(spec: RankSpec, queue: Any, step_ref: list[Optional[int]]) -> Ran
         import torch.distributed as dist
 
         # Rendezvous and stack build wait for the slowest `import sglang` (seconds
-        # per process, more on a loaded machine): a generous startup timeout,
-        # then the collective timeout for the replay (below).
+        # per process, more on a loaded machine): the startup timeout, then the
+        # collective timeout for the replay (below).
         dist.init_process_group(
             "gloo",
             init_method=f"tcp://127.0.0.1:{spec.master_port}",
             rank=spec.rank,
             world_size=cfg.cp_size,
-            timeout=timedelta(seconds=max(cfg.collective_timeout_s, STARTUP_TIMEOUT_S)),
+            timeout=timedelta(seconds=max(cfg.collective_timeout_s, cfg.startup_limit_s)),
         )
         group = dist.group.WORLD
         stack_config = CpStackConfig(
@@ -112,6 +153,7 @@ def _serve_all(spec: RankSpec, queue: Any, step_ref: list[Optional[int]]) -> Ran
         )
         rank = 0
     stack = build_cp_rank_stack(stack_config, rank, cp_group=group)
+    _drop_model_dir()
     engine = SimRankEngine(stack, content_seed=cfg.seed)
     if spec.cp_mode:
         torch.distributed.barrier()
@@ -124,18 +166,11 @@ def _serve_all(spec: RankSpec, queue: Any, step_ref: list[Optional[int]]) -> Ran
     records = []
     for index, tokens in enumerate(spec.requests):
         step_ref[0] = index
-        failure = spec.failure
-        if failure is not None and spec.cp_mode and failure.rank == spec.rank and failure.step == index:
-            if failure.mode == "hang":
-                while True:  # stop answering collectives; the launcher must end this
-                    time.sleep(1.0)
-            elif failure.mode == "corrupt":
-                engine.corrupt_next_restore = True
-            else:
-                raise InjectedFailure(f"injected failure ({FAIL_ENV}={failure.rank}:{failure.step})")
+        if injected is not None and injected.step == index:
+            _inject(injected, engine)
         records.append(engine.serve(index, tokens))
         if spec.progress and ((index + 1) % every == 0 or index + 1 == total):
-            queue.put(Progress(spec.rank, index + 1, total))
+            _send(channel, Progress(spec.rank, index + 1, total))
     cpu = time.process_time() - cpu0
     wall = time.perf_counter() - wall0
     step_ref[0] = None
@@ -164,20 +199,22 @@ def _serve_all(spec: RankSpec, queue: Any, step_ref: list[Optional[int]]) -> Ran
     )
 
 
-def rank_main(spec: RankSpec, queue: Any) -> None:
-    """multiprocessing target: exit status 0 after a report, 1 after a failure."""
-    _redirect_output(spec.log_path)
+def rank_main(spec: RankSpec, channel: Any) -> None:
+    """multiprocessing target: exit status 0 after a report, 1 after a failure,
+    EXIT_LAUNCHER_GONE as soon as the launcher is gone."""
+    die_with_launcher(spec.launcher_pid)
+    _redirect_output(spec.log.fd)
     step_ref: list[Optional[int]] = [None]
     try:
-        report = _serve_all(spec, queue, step_ref)
+        report = _serve_all(spec, channel, step_ref)
     except BaseException as exc:  # report anything, then exit non-zero
+        at = time.monotonic()
         text = traceback.format_exc()
         print(text, file=sys.stderr, flush=True)
-        queue.put(RankFailure(spec.rank, step_ref[0], f"{type(exc).__name__}: {exc}", text))
-        queue.close()
-        queue.join_thread()
+        _send(channel, RankFailure(spec.rank, step_ref[0], f"{type(exc).__name__}: {exc}", text, at=at))
+        channel.close()
+        _drop_model_dir()
         sys.stdout.flush()
         os._exit(1)
-    queue.put(report)
-    queue.close()
-    queue.join_thread()
+    _send(channel, report)
+    channel.close()

@@ -16,18 +16,30 @@ Trace (:func:`load_trace`): one JSON object per line, either
 ``shared_len`` tokens come from the group's deterministic token stream (so two
 requests of one group share ``min`` of their ``shared_len``), the rest are
 unique to the line. Other keys are ignored; blank lines are skipped.
+
+Limits (a trace is untrusted input; each is checked before anything is
+generated, and a violation names the file and the line): a line is at most
+:data:`MAX_TRACE_LINE_BYTES` (read in bounded chunks, so ``/dev/zero`` fails
+at once), UTF-8, JSON nested at most as deep as Python's parser allows, a
+request at most ``max_tokens`` (the simulated pool's logical capacity) and
+:data:`MAX_REQUEST_TOKENS` tokens, the whole trace at most
+:data:`MAX_TRACE_TOKENS`.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import reprlib
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, BinaryIO, Optional
 
 __all__ = [
+    "MAX_REQUEST_TOKENS",
+    "MAX_TRACE_LINE_BYTES",
+    "MAX_TRACE_TOKENS",
     "ChatShape",
     "SimRequest",
     "TraceError",
@@ -38,6 +50,16 @@ __all__ = [
 
 VOCAB_SIZE = 32_000
 _MAX_TOKEN_ID = 2**31 - 1
+#: Longest trace line, newline excluded: a "tokens" list of 16 MiB holds about
+#: two million ids, more than any simulated pool can hold.
+MAX_TRACE_LINE_BYTES = 16 * 1024 * 1024
+#: Longest request whatever the pool size (2**20 tokens = 16,384 pages of 64;
+#: the simulator's pools are a few hundred pages).
+MAX_REQUEST_TOKENS = 1 << 20
+#: Tokens in the whole trace: every rank holds its own copy of every request
+#: (tens of bytes per token in Python), so 2**24 tokens already cost about
+#: half a GiB per rank. Use --requests to replay the first lines of a longer one.
+MAX_TRACE_TOKENS = 1 << 24
 
 
 @dataclass(frozen=True)
@@ -158,6 +180,12 @@ def synthetic_chat(
 # ---------------------------------------------------------------------------
 
 
+def _short(value: Any, limit: int = 80) -> str:
+    """repr() for an error message, cut short (a value may be megabytes long)."""
+    text = reprlib.repr(value) if not isinstance(value, int) else repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -167,7 +195,23 @@ def _group_stream(group: str, n: int) -> tuple[int, ...]:
     return _tokens(random.Random(int.from_bytes(digest[:8], "little")), n)
 
 
-def _parse_line(obj: Any, path: str, line_no: int, seed: int) -> SimRequest:
+def _length_problem(n: int, max_tokens: Optional[int], budget: int) -> Optional[str]:
+    """Why a request of ``n`` tokens cannot be replayed (None if it can)."""
+    if max_tokens is not None and n > max_tokens:
+        return (f"request has {n} tokens but the simulated device holds at most {max_tokens} "
+                f"(raise --device-pages)")
+    if n > MAX_REQUEST_TOKENS:
+        return f"request has {n} tokens; the simulator replays at most {MAX_REQUEST_TOKENS} per request"
+    if n > budget:
+        return (f"the trace exceeds {MAX_TRACE_TOKENS} tokens in total at this line "
+                f"(replay fewer lines with --requests)")
+    return None
+
+
+def _parse_line(
+    obj: Any, path: str, line_no: int, seed: int, max_tokens: Optional[int], budget: int
+) -> SimRequest:
+    """One request; ``budget``: tokens the trace may still add."""
     def fail(message: str) -> TraceError:
         return TraceError(path, line_no, message)
 
@@ -177,26 +221,60 @@ def _parse_line(obj: Any, path: str, line_no: int, seed: int) -> SimRequest:
         tokens = obj["tokens"]
         if not isinstance(tokens, list) or not tokens:
             raise fail("'tokens' must be a non-empty list of integers")
+        problem = _length_problem(len(tokens), max_tokens, budget)
+        if problem is not None:
+            raise fail(problem)
         for i, t in enumerate(tokens):
             if not _is_int(t) or not 0 <= t <= _MAX_TOKEN_ID:
-                raise fail(f"'tokens'[{i}] must be an integer in [0, {_MAX_TOKEN_ID}], got {t!r}")
+                raise fail(f"'tokens'[{i}] must be an integer in [0, {_MAX_TOKEN_ID}], got {_short(t)}")
         return SimRequest(tuple(tokens), f"trace:{line_no}")
     if "prompt_len" not in obj:
         raise fail("expected a 'tokens' list or a 'prompt_len' (with 'prefix_group')")
     prompt_len = obj["prompt_len"]
     if not _is_int(prompt_len) or prompt_len < 1:
-        raise fail(f"'prompt_len' must be a positive integer, got {prompt_len!r}")
+        raise fail(f"'prompt_len' must be a positive integer, got {_short(prompt_len)}")
+    problem = _length_problem(prompt_len, max_tokens, budget)  # before a single token is generated
+    if problem is not None:
+        raise fail(problem)
     if "prefix_group" not in obj:
         raise fail("'prompt_len' needs a 'prefix_group' (string or integer)")
     group = obj["prefix_group"]
     if isinstance(group, bool) or not isinstance(group, (str, int)):
-        raise fail(f"'prefix_group' must be a string or an integer, got {group!r}")
+        raise fail(f"'prefix_group' must be a string or an integer, got {_short(group)}")
     shared = obj.get("shared_len", prompt_len // 2)
     if not _is_int(shared) or not 0 <= shared <= prompt_len:
-        raise fail(f"'shared_len' must be an integer in [0, prompt_len={prompt_len}], got {shared!r}")
+        raise fail(f"'shared_len' must be an integer in [0, prompt_len={prompt_len}], got {_short(shared)}")
     own = random.Random(seed * 1_000_003 + line_no)
     tokens = _group_stream(str(group), shared) + _tokens(own, prompt_len - shared)
     return SimRequest(tokens, f"trace:{line_no}")
+
+
+def _read_line(handle: BinaryIO, path: str, line_no: int) -> Optional[str]:
+    """The next line as text (None at the end), read in one bounded chunk."""
+    raw = handle.readline(MAX_TRACE_LINE_BYTES + 1)
+    if not raw:
+        return None
+    if len(raw) > MAX_TRACE_LINE_BYTES and not (len(raw) == MAX_TRACE_LINE_BYTES + 1 and raw.endswith(b"\n")):
+        raise TraceError(path, line_no, f"line {line_no} longer than {MAX_TRACE_LINE_BYTES} bytes (16 MiB): "
+                                        "one JSON object per line")
+    try:
+        # a byte-order mark may open the file (some editors write one)
+        return raw.decode("utf-8-sig" if line_no == 1 else "utf-8")
+    except UnicodeDecodeError as exc:
+        raise TraceError(path, line_no, f"not UTF-8: byte {raw[exc.start:exc.start + 1]!r} at column "
+                                        f"{exc.start + 1}") from None
+
+
+def _decode_json(text: str, path: str, line_no: int) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise TraceError(path, line_no, f"invalid JSON ({exc.msg} at column {exc.colno})") from None
+    except RecursionError:
+        raise TraceError(path, line_no, "invalid JSON (nested too deeply)") from None
+    except ValueError as exc:  # e.g. an integer literal over Python's 4300-digit limit
+        reason = str(exc).split(";")[0]
+        raise TraceError(path, line_no, f"invalid JSON ({reason})") from None
 
 
 def load_trace(
@@ -208,33 +286,33 @@ def load_trace(
 ) -> list[SimRequest]:
     """Parse a JSONL trace; raise :class:`TraceError` naming the first bad line.
 
-    ``max_tokens``: longest request the simulated device can hold.
-    ``limit``: keep only the first ``limit`` requests.
+    ``max_tokens``: longest request the simulated device can hold (requests
+    are capped at :data:`MAX_REQUEST_TOKENS` regardless).
+    ``limit``: keep only the first ``limit`` requests (later lines are not read).
     """
     path = str(path)
     out: list[SimRequest] = []
+    total = 0
     try:
-        handle = open(path, encoding="utf-8")
+        handle = open(path, "rb")
     except OSError as exc:
         raise TraceError(path, None, f"cannot read the trace: {exc.strerror or exc}") from None
     with handle:
-        for line_no, line in enumerate(handle, start=1):
-            if limit is not None and len(out) >= limit:
-                break
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise TraceError(path, line_no, f"invalid JSON ({exc.msg} at column {exc.colno})") from None
-            req = _parse_line(obj, path, line_no, seed)
-            if max_tokens is not None and len(req) > max_tokens:
-                raise TraceError(
-                    path, line_no,
-                    f"request has {len(req)} tokens but the simulated device holds at most "
-                    f"{max_tokens} (raise --device-pages)",
-                )
-            out.append(req)
+        line_no = 0
+        try:
+            while limit is None or len(out) < limit:
+                line_no += 1
+                line = _read_line(handle, path, line_no)
+                if line is None:
+                    break
+                if not line.strip():
+                    continue
+                obj = _decode_json(line, path, line_no)
+                req = _parse_line(obj, path, line_no, seed, max_tokens, MAX_TRACE_TOKENS - total)
+                total += len(req)
+                out.append(req)
+        except OSError as exc:
+            raise TraceError(path, None, f"cannot read the trace: {exc.strerror or exc}") from None
     if not out:
         raise TraceError(path, None, "the trace holds no requests")
     return out
