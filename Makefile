@@ -28,3 +28,8 @@ SOAK_MINUTES ?= 20
 .PHONY: soak
 soak:
 	$(PY) -m tests.sglang.soak --minutes $(SOAK_MINUTES)
+
+# The SGLang 0.5.23 suite (collected only under 0.5.23).
+.PHONY: test-0523
+test-0523:
+	.venv-0523/bin/python -m pytest tests/sglang_0523
