@@ -1,14 +1,30 @@
 PY ?= .venv/bin/python
+PY_0523 ?= .venv-0523/bin/python
 
-.PHONY: install test bench-bookkeeping simulate
+.PHONY: install install-0518 test test-0518 test-0518-interpreted bench-bookkeeping simulate gpu-check
 
-# One-time setup of .venv with the CPU build of torch and SGLang 0.5.18 (no GPU deps).
-install:
+# One-time setup of both environments (CPU builds, no GPU deps): .venv with
+# SGLang 0.5.18, .venv-0523 with SGLang 0.5.23 (one distribution name: two venvs).
+install: install-0518 install-0523
+
+install-0518:
 	bash scripts/install.sh
 
-# The test command (README and .ci/run run exactly this).
-test:
+# The test command (README and .ci/run run exactly this): both suites.
+test: test-0518 test-0518-interpreted test-0523
+
+test-0518:
 	$(PY) -m pytest tests
+
+# The copy paths again with the Triton kernels themselves (interpreter) as the
+# CPU backend: kernels, the adapter's copy path, faults, no-sync.
+test-0518-interpreted:
+	TRITON_INTERPRET=1 $(PY) -m pytest tests/kernels tests/sglang/test_sglang_cp.py \
+		tests/sglang/test_faults.py tests/sglang/test_no_sync.py
+
+# On a machine with one GPU (< 5 minutes); results under bench/results/gpu_check_<time>
+gpu-check:
+	bash bench/gpu_check.sh
 
 bench-bookkeeping:
 	$(PY) bench/bench_bookkeeping.py
@@ -32,4 +48,4 @@ soak:
 # The SGLang 0.5.23 suite (collected only under 0.5.23).
 .PHONY: test-0523
 test-0523:
-	.venv-0523/bin/python -m pytest tests/sglang_0523
+	$(PY_0523) -m pytest tests/sglang_0523

@@ -18,6 +18,8 @@
 #   bandwidth  bandwidth/transfer_gpu_quick.{csv,json} + _d2h.png/_h2d.png:
 #              quick sweep (CP 1/2/8), GB/s and % of the measured pinned-copy ceiling
 #   pytest     pytest.log: `pytest tests -k cuda` when SGLang imports, else skipped
+#   sglang0523 bench/gpu_check_0523.py: the library kernels vs SGLang 0.5.23's
+#              sharded copy path, bitwise + GB/s, CP 1/2/8 (when 0.5.23 is installed)
 #
 # --cpu runs the same stages on CPU tensors (Triton's interpreter when
 # TRITON_INTERPRET=1, else the torch reference) with small pools; its files
@@ -114,6 +116,19 @@ elif "$PY" -c "from sglang_cp_hicache.testing.cpu_support import ensure_sglang_i
   run_stage pytest 120 bash -c '"$0" -m pytest tests -k cuda -q -rs; rc=$?; [ "$rc" -eq 5 ] && exit 0; exit "$rc"' "$PY"
 else
   note "pytest: SKIPPED (SGLang does not import; see pytest.log)"
+fi
+
+# SGLang 0.5.23's sharded copy path vs this library's kernels (needs SGLang
+# 0.5.23 + sgl_kernel in this environment; the script exits 3 when not).
+if [ "$MODE" = gpu ]; then
+  rc=0
+  "$PY" -c "import importlib.metadata as m, sys; sys.exit(0 if m.version('sglang') == '0.5.23' else 3)" \
+    > /dev/null 2>&1 || rc=$?
+  if [ "$rc" -eq 0 ]; then
+    run_stage sglang0523 60 "$PY" bench/gpu_check_0523.py --out "$OUT_DIR/sglang0523"
+  else
+    note "sglang0523: SKIPPED (SGLang 0.5.23 not installed here)"
+  fi
 fi
 
 note "gpu_check finished in $(( $(date +%s) - START ))s: $([ "$FAILED" -eq 0 ] && echo PASS || echo FAIL)"

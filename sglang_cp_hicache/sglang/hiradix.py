@@ -12,8 +12,10 @@ Switched on by constructing :class:`CpHiRadixCache` with this library's
 * write-through backs up only this rank's pages, through this library's copy
   kernels (:mod:`.host_copies`); host room is decided with a
   :class:`HostSlotLedger` that mirrors every rank's host usage, so every rank
-  evicts the same host nodes; one MIN all-reduce per write makes every rank
-  take the same decision even when one rank's allocation fails;
+  evicts the same host nodes without asking the others;
+* no collective of its own: a rank's local failure (allocation short, copy
+  raised) rides SGLang's per-step all-reduce of ready acks, where every rank
+  takes the same writes / load-backs back (:mod:`.step_status`);
 * host eviction counts physical slots; load-back uses logical lengths and
   allocates pages with the owners they had at backup (owner preservation);
 * zero-owned ranks queue empty operations, so ack counts match on every rank
@@ -62,7 +64,7 @@ from sglang_cp_hicache.sglang.allocator import CpSharedPagedTokenToKVPoolAllocat
 from sglang_cp_hicache.sglang.checks import check_cp_hicache_server_args
 from sglang_cp_hicache.sglang.host_copies import cp_copies_installed, install_cp_copies
 from sglang_cp_hicache.sglang.step_status import GroupOutcome, StepStatus, Vote
-from sglang_cp_hicache.sglang.transfer_adapter import CpTransferAdapter, PendingLoad, PendingWrite
+from sglang_cp_hicache.sglang.transfer_adapter import CpTransferAdapter, PendingLoad, PendingWrite, WriteState
 from sglang_cp_hicache.sglang.tree_node import CpTreeNode
 
 logger = logging.getLogger(__name__)
@@ -115,7 +117,6 @@ class CpHiCacheCounters:
     host_evicted_slots: int = 0  # physical, this rank
     load_backs: int = 0
     load_back_tokens: int = 0  # logical
-    consensus_calls: int = 0
     device_page_reads: int = 0  # inserts without a CPU page mirror (each one a sync)
 
 
@@ -217,7 +218,6 @@ class CpHiRadixCache(HiRadixCache):
         if self._ledger is not None:
             self._ledger = HostSlotLedger(list(self._ledger.capacity))
 
-    # ---- consensus -------------------------------------------------------
     # ---- the CPU page mirror ----------------------------------------------
     def _pages_for(self, value: torch.Tensor, value_pages: Optional[torch.Tensor]) -> torch.Tensor:
         """The CPU mirror of ``value`` (logical pages of its whole pages)."""
@@ -289,7 +289,7 @@ class CpHiRadixCache(HiRadixCache):
             pending.start()
         except Exception as exc:  # the group hears of it at the step's all-reduce
             self._step_status.fail_write(Vote.FAILED, seq, exc)
-            if pending is not None and pending.state.value == "planned":
+            if pending is not None and pending.state is WriteState.PLANNED:
                 pending.abort()
             pending = self.cp_transfer.placeholder_write(node.value, pages, node_id=node.id)
         set_host_state(node, pending.metadata)
@@ -303,14 +303,14 @@ class CpHiRadixCache(HiRadixCache):
 
     def _finish_write_through_ack(self, ack_id: int, *, release_lock: bool) -> None:
         record = self._inflight_writes.pop(ack_id, None)
-        if record is not None and record.pending.state.value == "started":
+        if record is not None and record.pending.state is WriteState.STARTED:
             record.pending.keep()
         super()._finish_write_through_ack(ack_id, release_lock=release_lock)
 
     def _undo_write(self, ack_id: int, record: _InflightWrite) -> None:
         """Take one in-flight write back on this rank (before its ack is consumed)."""
         lock_node, _, publish_nodes = self.ongoing_write_through.pop(ack_id)
-        if record.pending.state.value == "started":
+        if record.pending.state is WriteState.STARTED:
             record.pending.undo()  # waits for the copy, drops the ack, frees the host slots
         for n in publish_nodes:  # the node, or its pieces if it was split since
             n.write_through_pending_id = None

@@ -54,7 +54,17 @@ def cp_hicache_factory(ctx):
 
 
 def register() -> None:
-    """Entry point: idempotent registration of the ``cp-hicache`` backend."""
+    """Entry point: idempotent registration of the ``cp-hicache`` backend,
+    under SGLang 0.5.18 only (other releases have their own adapter or none)."""
+    import sglang
+
+    from sglang_cp_hicache.sglang import check_sglang_version
+
+    try:
+        check_sglang_version(sglang.__version__)
+    except RuntimeError as exc:
+        logger.info("cp-hicache: the SGLang 0.5.18 adapter registers nothing: %s", exc)
+        return
     from sglang.srt.mem_cache.registry import get_radix_cache_factory, register_radix_cache_backend
 
     if get_radix_cache_factory(BACKEND_NAME) is None:

@@ -41,7 +41,7 @@ from sglang_cp_hicache.plan import (
     plan_write,
 )
 
-__all__ = ["CpTransferAdapter", "CpTransferStats", "PendingLoad", "PendingWrite", "StartedLoads"]
+__all__ = ["CpTransferAdapter", "CpTransferStats", "PendingLoad", "PendingWrite", "StartedLoads", "WriteState"]
 
 
 @dataclass

@@ -10,11 +10,15 @@ rank starts.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import sys
 from typing import Optional
 
 from sglang_cp_hicache.sim.config import (
+    COPY_PATHS,
     DSA_PAGE_SIZE,
+    NON_CP_GROUPS,
+    SGLANG_VERSIONS,
     FailureInjection,
     SimConfig,
     default_startup_timeout_s,
@@ -117,8 +121,13 @@ def add_simulate_parser(subparsers: argparse._SubParsersAction) -> argparse.Argu
     p.add_argument("--plot", metavar="PATH", default=None,
                    help="write a PNG: host slots per rank over time, hits and restores (needs matplotlib)")
     p.add_argument("--compare-non-cp", action="store_true",
-                   help="also replay through a plain HiRadixCache in one process with the same logical "
-                        "capacity (device pages D*N, host pages H*N) and compare host slots and CPU")
+                   help="also replay through a plain HiRadixCache with the same logical capacity (device "
+                        "pages D*N, host pages H*N) and compare host slots, CPU and all-reduces")
+    p.add_argument("--non-cp-group", choices=NON_CP_GROUPS, default=_DEFAULTS.non_cp_group,
+                   help="the non-CP baseline: 'tp' runs N processes on one gloo group, each with the whole "
+                        "pool (a TP deployment of an MLA model: replicated KV, the same per-step ack "
+                        "all-reduce over N ranks); 'single' runs one process with no group "
+                        f"(default {_DEFAULTS.non_cp_group})")
     p.add_argument("--collective-timeout", type=_seconds, default=_DEFAULTS.collective_timeout_s,
                    metavar="SECONDS", help="gloo timeout once every rank is up: a rank that waits longer for "
                                            "its peers fails (startup: import, rendezvous and stack build, "
@@ -131,9 +140,24 @@ def add_simulate_parser(subparsers: argparse._SubParsersAction) -> argparse.Argu
     p.add_argument("--allow-unverified", action="store_true",
                    help="exit 0 even if no page was verified (e.g. a trace of requests shorter than a "
                         "page); without it such a run fails, since it proved nothing")
+    p.add_argument("--sglang", choices=("auto", *SGLANG_VERSIONS), default="auto",
+                   help="which SGLang's stack the ranks build: 0.5.18 (HiRadixCache + this library's CP "
+                        "cache) or 0.5.23 (upstream's KV-sharded UnifiedRadixCache); auto: the installed "
+                        "one (default auto)")
+    p.add_argument("--copy", choices=COPY_PATHS, default="library",
+                   help="SGLang 0.5.23 only: whose copies the sharded pool runs, this library's kernels or "
+                        "upstream's own (default library)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.set_defaults(func=run_simulate)
     return p
+
+
+def installed_sglang() -> str:
+    """The SGLang release installed in this environment ("none" without one)."""
+    try:
+        return importlib.metadata.version("sglang")
+    except importlib.metadata.PackageNotFoundError:
+        return "none"
 
 
 def _error(message: str, code: int) -> int:
@@ -165,14 +189,28 @@ def run_simulate(args: argparse.Namespace) -> int:
     from sglang_cp_hicache.sim.plot import PlotUnavailable, check_matplotlib, plot_summary
     from sglang_cp_hicache.sim.report import dump_json, failure_message, format_table, summarize
 
-    config = SimConfig(
-        cp_size=args.cp_size, page_size=args.page_size, num_layers=args.layers,
-        num_requests=args.requests if args.requests is not None else _DEFAULTS.num_requests,
-        seed=args.seed, device_pages=args.device_pages, host_pages=args.host_pages,
-        collective_timeout_s=args.collective_timeout,
-        grace_s=min(_DEFAULTS.grace_s, args.collective_timeout),
-        startup_timeout_s=args.startup_timeout,
-    )
+    version = args.sglang if args.sglang != "auto" else installed_sglang()
+    if version not in SGLANG_VERSIONS:
+        return _error(f"the installed SGLang is {version}; the simulator drives {' and '.join(SGLANG_VERSIONS)}", 2)
+    if version != installed_sglang():
+        return _error(f"--sglang {version}, but this environment has SGLang {installed_sglang()} "
+                      "(0.5.18 and 0.5.23 live in separate venvs: .venv and .venv-0523)", 2)
+    if version == "0.5.23" and args.compare_non_cp:
+        return _error("--compare-non-cp needs --sglang 0.5.18: the CPU harness has no plain 0.5.23 stack "
+                      "(compare the copy paths with --copy upstream|library instead)", 2)
+    try:
+        config = SimConfig(
+            cp_size=args.cp_size, page_size=args.page_size, num_layers=args.layers,
+            num_requests=args.requests if args.requests is not None else _DEFAULTS.num_requests,
+            seed=args.seed, device_pages=args.device_pages, host_pages=args.host_pages,
+            collective_timeout_s=args.collective_timeout,
+            non_cp_group=args.non_cp_group,
+            grace_s=min(_DEFAULTS.grace_s, args.collective_timeout),
+            startup_timeout_s=args.startup_timeout,
+            sglang_version=version, copy_path=args.copy,
+        )
+    except ValueError as exc:
+        return _error(str(exc), 2)
     try:
         failure: Optional[FailureInjection] = parse_failure_injection()
     except ValueError as exc:

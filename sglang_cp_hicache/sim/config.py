@@ -12,6 +12,9 @@ __all__ = [
     "FAILURE_MODES",
     "FAIL_ENV",
     "MAX_TIMEOUT_S",
+    "COPY_PATHS",
+    "NON_CP_GROUPS",
+    "SGLANG_VERSIONS",
     "FailureInjection",
     "RankSpec",
     "STARTUP_FAILURE_MODES",
@@ -24,6 +27,12 @@ __all__ = [
 
 #: SGLang 0.5.18's DSATokenToKVPool asserts page_size == 64 outside ROCm.
 DSA_PAGE_SIZE = 64
+#: How the non-CP baseline runs (see SimConfig.non_cp_group).
+NON_CP_GROUPS = ("tp", "single")
+#: SGLang releases the simulator drives, and the copy paths of 0.5.23's
+#: sharded pool ("library": this library's kernels; "upstream": SGLang's own).
+SGLANG_VERSIONS = ("0.5.18", "0.5.23")
+COPY_PATHS = ("library", "upstream")
 #: Hidden test hook: "RANK:STEP[:MODE]". STEP is a request index, or "startup"
 #: (before the rank imports SGLang or joins the group). MODE: "raise" (default)
 #: raises on RANK; "hang" makes it stop responding (tests the timeouts);
@@ -82,8 +91,25 @@ class SimConfig:
     collective_timeout_s: float = 60.0
     grace_s: float = 5.0  # after one rank fails, how long the others get to exit
     startup_timeout_s: Optional[float] = None  # None: default_startup_timeout_s(cp_size)
+    # The non-CP baseline: "tp" = cp_size processes on one gloo group, each with
+    # the whole pool (a TP deployment of an MLA model replicates the KV cache
+    # and all-reduces HiCache acks over its group); "single" = one process.
+    non_cp_group: str = "tp"
+    sglang_version: str = "0.5.18"  # which SGLang's stack the ranks build
+    copy_path: str = "library"  # 0.5.23 only: whose copies the sharded pool runs
 
     def __post_init__(self) -> None:
+        if self.sglang_version not in SGLANG_VERSIONS:
+            raise ValueError(f"sglang_version must be one of {SGLANG_VERSIONS}, got {self.sglang_version!r}")
+        if self.copy_path not in COPY_PATHS:
+            raise ValueError(f"copy_path must be one of {COPY_PATHS}, got {self.copy_path!r}")
+        if self.sglang_version == "0.5.18" and self.copy_path != "library":
+            raise ValueError("copy_path 'upstream' needs SGLang 0.5.23: 0.5.18 has no CP-sharded pool "
+                             "(its CP copies are this library's)")
+        if self.sglang_version == "0.5.23" and self.cp_size < 2:
+            raise ValueError("SGLang 0.5.23's sharded pool needs cp_size >= 2")
+        if self.non_cp_group not in NON_CP_GROUPS:
+            raise ValueError(f"non_cp_group must be one of {NON_CP_GROUPS}, got {self.non_cp_group!r}")
         check_seconds("collective_timeout_s", self.collective_timeout_s)
         check_seconds("grace_s", self.grace_s)
         if self.startup_timeout_s is not None:
@@ -95,6 +121,11 @@ class SimConfig:
         if self.startup_timeout_s is not None:
             return self.startup_timeout_s
         return default_startup_timeout_s(self.cp_size)
+
+    @property
+    def non_cp_ranks(self) -> int:
+        """Processes of the non-CP baseline."""
+        return self.cp_size if self.non_cp_group == "tp" else 1
 
     @property
     def logical_device_pages(self) -> int:

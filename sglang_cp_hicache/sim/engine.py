@@ -362,7 +362,7 @@ class SimRankEngine:
             totals.write_backups, totals.write_failures = c.write_backups, c.write_failures
             totals.host_evicted_slots, totals.host_evicted_nodes = c.host_evicted_slots, c.host_evicted_nodes
             totals.load_backs, totals.load_back_tokens = c.load_backs, c.load_back_tokens
-            totals.consensus_calls = c.consensus_calls
+            totals.device_page_reads = c.device_page_reads
             totals.backup_slots, totals.load_slots = s.backup_slots, s.load_slots
             totals.zero_owned_writes, totals.zero_owned_loads = s.zero_owned_writes, s.zero_owned_loads
             self.acks.writes_queued, self.acks.loads_queued = s.writes, s.loads

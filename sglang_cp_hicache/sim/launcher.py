@@ -63,6 +63,13 @@ class LaunchResult:
         return not self.failures and all(code == 0 for code in self.exit_codes.values())
 
 
+def log_name(rank: int) -> str:
+    """``rank3`` for CP ranks, ``noncp`` / ``noncp1`` ... for the non-CP baseline."""
+    if rank >= 0:
+        return f"rank{rank}"
+    return "noncp" if rank == -1 else f"noncp{-1 - rank}"
+
+
 def launch(
     config: SimConfig,
     requests: tuple[tuple[int, ...], ...],
@@ -71,15 +78,18 @@ def launch(
     failure: Optional[FailureInjection] = None,
     show_progress: bool = True,
 ) -> LaunchResult:
-    """Run the CP ranks (``cp_mode``) or the one non-CP process to completion.
+    """Run the CP ranks (``cp_mode``) or the non-CP baseline to completion.
+
+    Non-CP processes have negative ranks: -1 (the only one with
+    ``non_cp_group="single"``), -2, ... (the other TP ranks with ``"tp"``).
 
     Call it from a thread that outlives the run (the main thread in the CLI):
     the ranks' parent-death signal fires when the thread that started them
     exits.
     """
     ctx = mp.get_context("spawn")
-    port = free_port() if cp_mode else 0
-    ranks = list(range(config.cp_size)) if cp_mode else [-1]
+    ranks = list(range(config.cp_size)) if cp_mode else [-1 - i for i in range(config.non_cp_ranks)]
+    port = free_port() if len(ranks) > 1 else 0
     label = f"CP{config.cp_size}" if cp_mode else "non-CP"
     result = LaunchResult(label=label)
     procs: dict[int, mp.process.BaseProcess] = {}
@@ -89,7 +99,7 @@ def launch(
     start = time.perf_counter()
     try:
         for rank in ranks:
-            logs[rank] = RankLog(f"rank{rank}" if rank >= 0 else "noncp")
+            logs[rank] = RankLog(log_name(rank))
             reader, writer = ctx.Pipe(duplex=False)
             spec = RankSpec(
                 config=config, rank=rank, cp_mode=cp_mode, master_port=port, requests=requests,

@@ -67,6 +67,7 @@ class EngineTotals:
     zero_owned_writes: int = 0
     zero_owned_loads: int = 0
     consensus_calls: int = 0
+    device_page_reads: int = 0  # CP inserts without the CPU page mirror (each a device read)
     host_slot_capacity: int = 0  # physical, this rank
     tree_digest: str = ""
     invariant_violations: list[str] = field(default_factory=list)
@@ -90,6 +91,9 @@ class RankReport:
     wall_seconds: float
     startup_seconds: float  # wall: import + process group + stack build
     agreement: Optional[dict[str, Any]] = None  # rank 0 only: the all_gather verdict
+    copies: dict[str, Any] = field(default_factory=dict)  # kernels.transfer.copy_stats() of the replay
+    indexer_pages_verified: int = 0  # owned pages whose indexer bytes were checked too
+    copy_path_cpu: dict[str, Any] = field(default_factory=dict)  # 0.5.23: CPU s in the sharded copy path
 
     @property
     def peak_host_slots(self) -> int:

@@ -24,7 +24,7 @@ from typing import Any, Optional
 
 from sglang_cp_hicache.sim.config import SimConfig
 from sglang_cp_hicache.sim.failures import describe_exit, first_cause, later_failures
-from sglang_cp_hicache.sim.launcher import LaunchResult
+from sglang_cp_hicache.sim.launcher import LaunchResult, log_name
 from sglang_cp_hicache.sim.records import RankReport
 
 __all__ = [
@@ -121,6 +121,8 @@ def summarize(
     if nothing_verified and not allow_unverified:
         problems.append(f"{NOTHING_VERIFIED} (pass --allow-unverified to accept such a run)")
     summary: dict[str, Any] = {
+        "sglang_version": config.sglang_version,
+        "copy_path": config.copy_path,
         "cp_size": N,
         "page_size": P,
         "layers": config.num_layers,
@@ -166,6 +168,10 @@ def summarize(
         "collective_calls_per_rank": [r.collective_calls for r in reports],
         "startup_seconds_per_rank": [r.startup_seconds for r in reports],
         "replay_wall_seconds": max(r.wall_seconds for r in reports),
+        "copies": _copies(reports),
+        "indexer_pages_verified": sum(r.indexer_pages_verified for r in reports),
+        "copy_path_cpu_seconds_per_rank": [r.copy_path_cpu for r in reports],
+        "device_page_reads_per_rank": [r.totals.device_page_reads for r in reports],
         "series": {
             "host_slots_per_rank": [[rec.host_slots for rec in r.records] for r in reports],
             "device_hit_tokens": [rec.device_hit_tokens for rec in rank0.records],
@@ -174,9 +180,17 @@ def summarize(
         },
     }
     if non_cp is not None and non_cp.reports:
-        ref = non_cp.reports[0]
+        ref = next((r for r in non_cp.reports if r.rank == -1), non_cp.reports[0])
         side = _side(ref)
+        nc_ranks = len(non_cp.reports)
+        # Per-rank means over the baseline's processes (identical work on each).
+        for key, attr in (("cpu_seconds", "cpu_seconds"), ("cache_cpu_seconds", "cache_cpu_seconds"),
+                          ("collective_cpu_seconds", "collective_cpu_seconds"),
+                          ("content_cpu_seconds", "content_cpu_seconds")):
+            side[key] = _mean([getattr(r, attr) for r in non_cp.reports])
         summary["non_cp"] = {
+            "group": _group_text(config),
+            "processes": nc_ranks,
             "device_pages": config.logical_device_pages - 1,
             "host_pages": config.host_pages * N,
             **{k: v for k, v in side.items()},
@@ -194,9 +208,36 @@ def summarize(
             for a, b in zip(rank0.records, ref.records)
         )
         summary["comparison"]["requests_with_identical_hits"] = same
+        summary["non_cp_group"] = _group_text(config)
+        summary["all_reduces_per_request"] = {
+            "cp": _mean([r.collective_calls for r in reports]) / max(num_requests, 1),
+            "non_cp": _mean([r.collective_calls for r in non_cp.reports]) / max(num_requests, 1),
+        }
+        summary["cache_cpu_ratio"] = summary["comparison"]["cache_cpu_ratio"]
     summary["ok"] = not problems
     summary["problems"] = problems
     return summary, Verdict(ok=not problems, problems=problems)
+
+
+def _group_text(config: SimConfig) -> str:
+    if config.non_cp_group == "tp":
+        return (f"tp: {config.cp_size} processes on one gloo group, each with the whole pool "
+                "(replicated MLA KV, the same per-step ack all-reduce as the CP ranks)")
+    return "single: one process, no process group (no all-reduce at all)"
+
+
+def _copies(reports: list[RankReport]) -> dict[str, Any]:
+    """What ``kernels.transfer`` counted in the rank processes: totals over
+    ranks, the backend and cp_size the ranks used, and each rank's own."""
+    per_rank = [r.copies for r in reports]
+    keys = ("kv_backup_calls", "kv_load_calls", "indexer_backup_calls", "indexer_load_calls", "pages_copied")
+    out: dict[str, Any] = {k: sum(c.get(k, 0) for c in per_rank) for k in keys}
+    backends = sorted({c.get("backend") for c in per_rank if c.get("backend")})
+    sizes = sorted({c.get("cp_size") for c in per_rank if c.get("cp_size") is not None})
+    out["backend"] = backends[0] if len(backends) == 1 else (backends or None)
+    out["cp_size"] = sizes[0] if len(sizes) == 1 else (sizes or None)
+    out["per_rank"] = per_rank
+    return out
 
 
 def _compare(summary: dict[str, Any], non_cp: dict[str, Any], N: int, P: int) -> dict[str, Any]:
@@ -237,10 +278,12 @@ def failure_message(result: LaunchResult) -> str:
     lines = []
 
     def who(rank: int) -> str:
-        return "the non-CP process" if rank < 0 else f"rank {rank}"
+        if rank >= 0:
+            return f"rank {rank}"
+        return "the non-CP process" if rank == -1 else f"non-CP process {-1 - rank}"
 
     def log_of(rank: int) -> str:
-        return os.path.join(result.log_dir, f"rank{rank}.log" if rank >= 0 else "noncp.log")
+        return os.path.join(result.log_dir, f"{log_name(rank)}.log")
 
     def at(step: Optional[int]) -> str:
         return f" at request {step}" if step is not None else " during startup"
@@ -279,6 +322,17 @@ def failure_message(result: LaunchResult) -> str:
     return "\n".join(lines)
 
 
+def _copies_line(copies: dict[str, Any]) -> str:
+    if copies["backend"] is None:
+        return "copies through sglang_cp_hicache.kernels.transfer: none (another copy path ran them)"
+    return (
+        f"copies through sglang_cp_hicache.kernels.transfer: backend {copies['backend']}, "
+        f"cp_size {copies['cp_size']}; KV backup/load calls {copies['kv_backup_calls']}/"
+        f"{copies['kv_load_calls']}, indexer {copies['indexer_backup_calls']}/"
+        f"{copies['indexer_load_calls']}, owned pages moved {copies['pages_copied']} (all ranks)"
+    )
+
+
 def format_table(summary: dict[str, Any]) -> str:
     N = summary["cp_size"]
     P = summary["page_size"]
@@ -292,7 +346,8 @@ def format_table(summary: dict[str, Any]) -> str:
 
     nc = non_cp or {}
     lines = [
-        f"CP HiCache simulation: cp_size={N} page_size={P} layers={summary['layers']} "
+        f"CP HiCache simulation (SGLang {summary['sglang_version']}, copies: {summary['copy_path']}): "
+        f"cp_size={N} page_size={P} layers={summary['layers']} "
         f"requests={summary['requests']} workload={summary['workload']} seed={summary['seed']}",
         f"per rank: device {summary['device_pages']} pages, host {summary['host_pages']} pages"
         + (f"; non-CP: device {nc['device_pages']} pages, host {nc['host_pages']} pages" if non_cp else ""),
@@ -319,10 +374,24 @@ def format_table(summary: dict[str, Any]) -> str:
         f"load-backs refused {summary['load_backs_refused']}, skipped requests {summary['skipped_requests']}",
         f"pages verified bit-exact: {summary['verified_pages']} "
         f"(of which just restored: {summary['restored_pages_verified']}), "
-        f"corrupted: {summary['corrupted_pages']}"
+        f"corrupted: {summary['corrupted_pages']}; indexer pages verified: {summary['indexer_pages_verified']}"
         + (f"; non-CP verified {nc['verified_pages']}, corrupted {nc['corrupted_pages']}" if non_cp else ""),
         f"ranks agree (tree digest + acks, all_gather): {'yes' if summary['ranks_agree'] else 'NO'}",
+        _copies_line(summary["copies"]),
     ]
+    path_cpu = [c for c in summary["copy_path_cpu_seconds_per_rank"] if c]
+    if path_cpu:
+        prep = _mean([c["prepare_seconds"] for c in path_cpu])
+        sub = _mean([c["submit_seconds"] for c in path_cpu])
+        lines.append(f"CPU s per rank in the sharded copy path ({summary['copy_path']}): "
+                     f"prepare {_fmt(prep)} + submit {_fmt(sub)}")
+    if "all_reduces_per_request" in summary:
+        a = summary["all_reduces_per_request"]
+        lines.append(
+            f"all-reduces per request per rank: CP {_fmt(a['cp'])}, non-CP {_fmt(a['non_cp'])} "
+            f"(non-CP baseline: {summary['non_cp_group'].split(':')[0]} with "
+            f"{non_cp['processes']} process{'es' if non_cp['processes'] > 1 else ''})"
+        )
     comp = summary.get("comparison")
     if comp:
         fr = ", ".join(_fmt(f) for f in comp["host_slots_fraction_per_rank"])

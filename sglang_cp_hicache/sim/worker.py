@@ -17,6 +17,7 @@ import sys
 import time
 import traceback
 import warnings
+from dataclasses import asdict
 from datetime import timedelta
 from typing import Any, Optional
 
@@ -106,46 +107,23 @@ def _agreement(engine_digest: str, acks: tuple, cp_size: int) -> dict[str, Any]:
     }
 
 
-def _serve_all(spec: RankSpec, channel: Any, step_ref: list[Optional[int]]) -> RankReport:
-    injected = spec.failure if spec.failure is not None and spec.failure.rank == spec.rank else None
-    if injected is not None and injected.step is None:
-        _inject(injected)  # before anything heavy is imported
-    import torch
-
-    from sglang_cp_hicache.testing.cpu_support import ensure_sglang_importable
-
-    started = time.perf_counter()
-    torch.set_num_threads(1)  # ranks share the machine's cores; no oversubscription
-    warnings.filterwarnings("ignore", category=UserWarning)
-    ensure_sglang_importable()
+def _build_0518(spec: RankSpec, group: Any) -> tuple[Any, Any]:
+    """One rank's SGLang 0.5.18 stack (CP, or a non-CP baseline process) and its engine."""
     from sglang_cp_hicache.sim.engine import SimRankEngine
     from sglang_cp_hicache.testing.stack import CpStackConfig, build_cp_rank_stack
 
     cfg = spec.config
-    group = None
     if spec.cp_mode:
-        import torch.distributed as dist
-
-        # Rendezvous and stack build wait for the slowest `import sglang` (seconds
-        # per process, more on a loaded machine): the startup timeout, then the
-        # collective timeout for the replay (below).
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{spec.master_port}",
-            rank=spec.rank,
-            world_size=cfg.cp_size,
-            timeout=timedelta(seconds=max(cfg.collective_timeout_s, cfg.startup_limit_s)),
-        )
-        group = dist.group.WORLD
         stack_config = CpStackConfig(
             cp_size=cfg.cp_size, page_size=cfg.page_size, num_layers=cfg.num_layers,
             device_pages=cfg.device_pages, host_pages=cfg.host_pages, cp_mode=True,
         )
         rank = spec.rank
     else:
-        # The same logical capacity in one process: the CP pool has
-        # device_pages * cp_size logical pages with page 0 as padding; the plain
-        # allocator adds its padding page on top, hence the -1.
+        # The same logical capacity in every non-CP process (a TP rank of an MLA
+        # model holds the whole KV pool): the CP pool has device_pages * cp_size
+        # logical pages with page 0 as padding; the plain allocator adds its
+        # padding page on top, hence the -1.
         stack_config = CpStackConfig(
             cp_size=1, page_size=cfg.page_size, num_layers=cfg.num_layers,
             device_pages=cfg.logical_device_pages - 1, host_pages=cfg.host_pages * cfg.cp_size,
@@ -155,9 +133,61 @@ def _serve_all(spec: RankSpec, channel: Any, step_ref: list[Optional[int]]) -> R
     stack = build_cp_rank_stack(stack_config, rank, cp_group=group)
     _drop_model_dir()
     engine = SimRankEngine(stack, content_seed=cfg.seed)
-    if spec.cp_mode:
+    return stack, engine
+
+
+def _serve_all(spec: RankSpec, channel: Any, step_ref: list[Optional[int]]) -> RankReport:
+    injected = spec.failure if spec.failure is not None and spec.failure.rank == spec.rank else None
+    if injected is not None and injected.step is None:
+        _inject(injected)  # before anything heavy is imported
+    import torch
+
+    from sglang_cp_hicache.testing.torchvision_standin import ensure_sglang_importable
+
+    started = time.perf_counter()
+    torch.set_num_threads(1)  # ranks share the machine's cores; no oversubscription
+    warnings.filterwarnings("ignore", category=UserWarning)
+    ensure_sglang_importable()
+    from sglang_cp_hicache.kernels import transfer
+
+    cfg = spec.config
+    group = None
+    world = cfg.cp_size if spec.cp_mode else cfg.non_cp_ranks
+    group_rank = spec.rank if spec.cp_mode else -1 - spec.rank
+    if world > 1:
+        import torch.distributed as dist
+
+        # Rendezvous and stack build wait for the slowest `import sglang` (seconds
+        # per process, more on a loaded machine): the startup timeout, then the
+        # collective timeout for the replay (below).
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{spec.master_port}",
+            rank=group_rank,
+            world_size=world,
+            timeout=timedelta(seconds=max(cfg.collective_timeout_s, cfg.startup_limit_s)),
+        )
+        group = dist.group.WORLD
+    if cfg.sglang_version == "0.5.23":
+        # Upstream's KV-sharded stack (CP ranks only; the CLI refuses a non-CP run).
+        from sglang_cp_hicache.sim.engine_0523 import ShardedSimRankEngine
+        from sglang_cp_hicache.testing.stack_0523 import ShardedStackConfig, build_sharded_rank_stack
+
+        stack = build_sharded_rank_stack(
+            ShardedStackConfig(
+                cp_size=cfg.cp_size, page_size=cfg.page_size, num_layers=cfg.num_layers,
+                device_pages=cfg.device_pages, host_pages=cfg.host_pages, copy_path=cfg.copy_path,
+            ),
+            spec.rank, cp_group=group,
+        )
+        _drop_model_dir()
+        engine = ShardedSimRankEngine(stack, content_seed=cfg.seed)
+    else:
+        stack, engine = _build_0518(spec, group)
+    if world > 1:
         torch.distributed.barrier()
         _set_collective_timeout(cfg.collective_timeout_s)
+    transfer.reset_copy_stats()  # count the replay's copies only (not the warm-up)
     startup = time.perf_counter() - started
 
     total = len(spec.requests)
@@ -176,9 +206,10 @@ def _serve_all(spec: RankSpec, channel: Any, step_ref: list[Optional[int]]) -> R
     step_ref[0] = None
 
     totals = engine.totals()
+    copies = transfer.copy_stats().as_dict()
     agreement = None
-    if spec.cp_mode:
-        agreement = _agreement(totals.tree_digest, engine.acks.as_tuple(), cfg.cp_size)
+    if world > 1:
+        agreement = _agreement(totals.tree_digest, engine.acks.as_tuple(), world)
         torch.distributed.destroy_process_group()
     stack.close()
     return RankReport(
@@ -195,7 +226,11 @@ def _serve_all(spec: RankSpec, channel: Any, step_ref: list[Optional[int]]) -> R
         collective_calls=engine.collective_calls,
         wall_seconds=wall,
         startup_seconds=startup,
-        agreement=agreement if spec.rank == 0 else None,
+        agreement=agreement if group_rank == 0 else None,
+        copies=copies,
+        # The 0.5.18 engine checks every verified page's indexer bytes with its KV.
+        indexer_pages_verified=getattr(engine, "indexer_pages_verified", sum(r.verified_pages for r in records)),
+        copy_path_cpu=asdict(engine.copy_times) if hasattr(engine, "copy_times") else {},
     )
 
 

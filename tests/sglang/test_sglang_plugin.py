@@ -120,3 +120,20 @@ def test_factory_warms_the_copy_kernels_up_for_this_server(monkeypatch, caplog):
         assert len(lines) == 1 and "cp_rank 1/2" in lines[0] and "TRITON_CACHE_DIR" in lines[0]
     finally:
         stack.close()
+
+
+def test_register_does_nothing_under_another_sglang(monkeypatch, caplog):
+    import sglang
+    from sglang.srt.mem_cache import registry
+
+    seen = []
+    monkeypatch.setattr(registry, "register_radix_cache_backend", lambda *a: seen.append(a))
+    monkeypatch.setattr(registry, "get_radix_cache_factory", lambda name: None)
+    monkeypatch.setattr(sglang, "__version__", "0.5.23")
+    monkeypatch.delenv("SGLANG_CP_HICACHE_ALLOW_ANY_SGLANG", raising=False)
+    with caplog.at_level("INFO", logger="sglang_cp_hicache.sglang.plugin"):
+        plugin.register()
+    assert seen == [] and "registers nothing" in caplog.text
+    monkeypatch.setattr(sglang, "__version__", "0.5.18")
+    plugin.register()
+    assert seen == [("cp-hicache", plugin.cp_hicache_factory)]

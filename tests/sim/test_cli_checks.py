@@ -176,3 +176,63 @@ def test_a_trace_of_sub_page_requests_exits_1_saying_nothing_was_verified(tmp_pa
     assert "pages verified bit-exact: 0 " in proc.stdout
     s = json.loads(out.read_text())
     assert s["verified_pages"] == 0 and s["nothing_verified"] and not s["ok"]
+
+
+# ---------------------------------------------------------------------------
+# --sglang / --copy / --non-cp-group
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--copy", "upstream"], "needs SGLang 0.5.23"),
+        (["--sglang", "0.5.23"], "separate venvs"),
+        (["--non-cp-group", "ring"], "invalid choice"),
+    ],
+)
+def test_release_and_copy_path_flags_are_checked_before_launch(capsys, no_launch, args, message):
+    try:
+        code = run_cli(*args)
+    except SystemExit as exc:  # argparse's own refusal
+        code = exc.code
+    assert code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_release_is_auto_detected_and_the_baseline_group_reaches_the_config(captured_launch):
+    assert run_cli("--compare-non-cp", "--non-cp-group", "single") == 1
+    (config,) = captured_launch
+    assert config.sglang_version == "0.5.18" and config.copy_path == "library"
+    assert config.non_cp_group == "single" and config.non_cp_ranks == 1
+    assert SimConfig(cp_size=4).non_cp_ranks == 4  # the TP baseline is the default
+
+
+def test_summary_reports_copies_and_all_reduces_per_request():
+    reports = []
+    for rank in range(2):
+        totals = EngineTotals(tree_digest="d")
+        rep = RankReport(rank=rank, cp_size=2, cp_mode=True, records=[RequestRecord(0, 64, verified_pages=1)],
+                         totals=totals, acks=AckCounts(), cpu_seconds=1.0, cache_cpu_seconds=0.5,
+                         content_cpu_seconds=0.2, collective_cpu_seconds=0.1, collective_calls=3,
+                         wall_seconds=1.0, startup_seconds=1.0,
+                         agreement={"digests_agree": True, "acks_agree": True} if rank == 0 else None,
+                         copies={"backend": "reference", "cp_size": 2, "kv_backup_calls": 2, "kv_load_calls": 1,
+                                 "indexer_backup_calls": 2, "indexer_load_calls": 1, "pages_copied": 4})
+        reports.append(rep)
+    baseline = []
+    for rank in (-1, -2):
+        baseline.append(RankReport(rank=rank, cp_size=1, cp_mode=False, records=[RequestRecord(0, 64, verified_pages=1)],
+                                   totals=EngineTotals(tree_digest="n"), acks=AckCounts(), cpu_seconds=2.0,
+                                   cache_cpu_seconds=0.4, content_cpu_seconds=1.0, collective_cpu_seconds=0.1,
+                                   collective_calls=2, wall_seconds=1.0, startup_seconds=1.0))
+    cp = launcher.LaunchResult(label="CP2", reports=reports, exit_codes={0: 0, 1: 0})
+    nc = launcher.LaunchResult(label="non-CP", reports=baseline, exit_codes={-1: 0, -2: 0})
+    summary, verdict = summarize(SimConfig(cp_size=2), "synthetic-chat", 2, cp, nc)
+    assert verdict.ok, verdict.problems
+    assert summary["copies"]["cp_size"] == 2 and summary["copies"]["kv_backup_calls"] == 4
+    assert summary["all_reduces_per_request"] == {"cp": 1.5, "non_cp": 1.0}
+    assert summary["cache_cpu_ratio"] == pytest.approx(0.5 / 0.4)
+    assert summary["non_cp_group"].startswith("tp") and summary["non_cp"]["processes"] == 2
+    assert summary["sglang_version"] == "0.5.18" and summary["indexer_pages_verified"] == 0
+    assert "all-reduces per request per rank: CP 1.500, non-CP 1.000" in format_table(summary)
