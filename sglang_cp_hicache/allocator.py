@@ -309,13 +309,7 @@ class OwnerLaneAllocator:
             owners = owners.tolist()
         elif isinstance(owners, (str, bytes)) or not hasattr(owners, "__iter__"):
             raise TypeError(f"owners must be a sequence of ints, got {type(owners).__name__}")
-        owner_list = []
-        for o in owners:
-            if isinstance(o, bool) or not isinstance(o, int):
-                raise TypeError(f"owners must hold ints, got {type(o).__name__}")
-            if not 0 <= o < self.cp_size:
-                raise ValueError(f"owners must be in [0, cp_size={self.cp_size}), got {o}")
-            owner_list.append(o)
+        owner_list = [_check_int("owners", o, 0, self.cp_size - 1) for o in owners]
         counts = [0] * self.cp_size
         for o in owner_list:
             counts[o] += 1

@@ -35,13 +35,13 @@ restores every original.
 from __future__ import annotations
 
 import importlib
-import threading
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
+from sglang_cp_hicache.testing.patching import PatchSet
 from sglang_cp_hicache.testing.torchvision_standin import ensure_sglang_importable
 
 __all__ = [
@@ -60,10 +60,7 @@ __all__ = [
 SGLANG_VERSION = "0.5.23"
 
 _PATCH_MARK = "__sglang_cp_hicache_cpu_0523_patch__"
-_MISSING = object()
-_lock = threading.Lock()
-# (owner, attribute) -> (original, whether the owner held it itself), in install order.
-_originals: dict[tuple[Any, str], tuple[Any, bool]] = {}
+_patches = PatchSet()
 
 
 # ----------------------------------------------------------------------------
@@ -303,7 +300,7 @@ def _patch_plan() -> Iterable[tuple[Any, str, Callable[[Any], Any]]]:
 
 def cpu_support_installed() -> bool:
     """True while the patches of :func:`install_cpu_support` are in place."""
-    return bool(_originals)
+    return _patches.installed
 
 
 def install_cpu_support() -> bool:
@@ -313,8 +310,8 @@ def install_cpu_support() -> bool:
     SGLang (through :func:`ensure_sglang_importable`) and checks that it is
     0.5.23. Idempotent. Returns True if the patches are in place.
     """
-    with _lock:
-        if _originals:
+    with _patches.lock:
+        if _patches.installed:
             return True
         if torch.cuda.is_available():
             return False
@@ -325,19 +322,10 @@ def install_cpu_support() -> bool:
             raise RuntimeError(
                 f"cpu_0523 shims follow sglang=={SGLANG_VERSION}, found {sglang.__version__}"
             )
-        for owner, name, make in _patch_plan():
-            own = vars(owner).get(name, _MISSING)
-            _originals[(owner, name)] = (own, own is not _MISSING)
-            setattr(owner, name, make(getattr(owner, name, None)))
+        _patches.apply(_patch_plan())
         return True
 
 
 def uninstall_cpu_support() -> None:
     """Restore every attribute :func:`install_cpu_support` replaced."""
-    with _lock:
-        for (owner, name), (original, owned) in reversed(list(_originals.items())):
-            if owned:
-                setattr(owner, name, original)
-            else:
-                delattr(owner, name)
-        _originals.clear()
+    _patches.undo()

@@ -33,7 +33,6 @@ process-group helpers.
 from __future__ import annotations
 
 import importlib
-import threading
 from typing import Any, Callable
 
 import torch
@@ -41,6 +40,7 @@ import torch
 from sglang_cp_hicache.kernels import transfer
 from sglang_cp_hicache.kernels.reference import HOST_LAYOUTS
 from sglang_cp_hicache.layout import CpSharedKVLayout
+from sglang_cp_hicache.testing.patching import PatchSet
 from sglang_cp_hicache.testing.torchvision_standin import (  # noqa: F401  (re-exported)
     TORCHVISION_STANDIN_VERSION,
     ensure_sglang_importable,
@@ -66,11 +66,7 @@ IO_BACKENDS = ("kernel", "direct")
 # debugger) can tell a patched method from SGLang's own.
 _PATCH_MARK = "__sglang_cp_hicache_cpu_patch__"
 
-_lock = threading.Lock()
-# (owner object, attribute name) -> (original attribute, whether the owner
-# held it itself rather than inheriting it), in install order.
-_originals: dict[tuple[Any, str], tuple[Any, bool]] = {}
-_MISSING = object()
+_patches = PatchSet()
 
 
 # ----------------------------------------------------------------------------
@@ -239,7 +235,7 @@ def _patch_plan() -> list[tuple[Any, str, Callable[[Any], Any]]]:
 
 def cpu_support_installed() -> bool:
     """True while the patches of :func:`install_cpu_support` are in place."""
-    return bool(_originals)
+    return _patches.installed
 
 
 def install_cpu_support(*, force: bool = False) -> bool:
@@ -267,24 +263,15 @@ def install_cpu_support(*, force: bool = False) -> bool:
     Import errors propagate: call :func:`ensure_sglang_importable` first if
     ``torchvision`` cannot be imported.
     """
-    with _lock:
-        if _originals:
+    with _patches.lock:
+        if _patches.installed:
             return True
         if _cuda_usable() and not force:
             return False
-        for owner, name, make in _patch_plan():
-            own = vars(owner).get(name, _MISSING)
-            _originals[(owner, name)] = (own, own is not _MISSING)
-            setattr(owner, name, make(getattr(owner, name)))
+        _patches.apply(_patch_plan())
         return True
 
 
 def uninstall_cpu_support() -> None:
     """Restore every attribute :func:`install_cpu_support` replaced."""
-    with _lock:
-        for (owner, name), (original, owned) in reversed(list(_originals.items())):
-            if owned:
-                setattr(owner, name, original)
-            else:
-                delattr(owner, name)  # it was inherited: unshadow it
-        _originals.clear()
+    _patches.undo()

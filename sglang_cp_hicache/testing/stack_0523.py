@@ -34,6 +34,7 @@ import torch
 
 from sglang_cp_hicache.layout import CpSharedKVLayout
 from sglang_cp_hicache.testing import cpu_0523, env
+from sglang_cp_hicache.validation import check_int
 
 __all__ = ["COPY_PATHS", "ShardedRankStack", "ShardedStackConfig", "build_sharded_rank_stack"]
 
@@ -57,9 +58,7 @@ class ShardedStackConfig:
 
     def __post_init__(self) -> None:
         for name in ("cp_size", "page_size", "num_layers", "device_pages", "host_pages"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+            check_int(name, getattr(self, name), 1)
         if self.cp_size < 2:
             raise ValueError(f"cp_size must be >= 2 (the sharded pool needs shard_size > 1), got {self.cp_size}")
         if self.host_layout not in ("layer_first", "page_first"):
