@@ -11,7 +11,6 @@ adapter and the CPU harness.
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import sys
 import time
@@ -38,19 +37,6 @@ def _redirect_output(fd: int) -> None:
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
-
-
-def _drop_model_dir() -> None:
-    """The CPU harness writes a tiny model config into a temp dir it removes
-    at interpreter exit, which a killed or ``os._exit``-ed rank never reaches.
-    SGLang reads it only while the stack is built: remove it then."""
-    env = sys.modules.get("sglang_cp_hicache.testing.env")
-    if env is None:
-        return
-    try:
-        shutil.rmtree(env.tiny_model_dir(), ignore_errors=True)
-    except Exception:  # best effort: never mask the rank's own result
-        pass
 
 
 def _send(channel: Any, message: object) -> None:
@@ -131,7 +117,6 @@ def _build_0518(spec: RankSpec, group: Any) -> tuple[Any, Any]:
         )
         rank = 0
     stack = build_cp_rank_stack(stack_config, rank, cp_group=group)
-    _drop_model_dir()
     engine = SimRankEngine(stack, content_seed=cfg.seed)
     return stack, engine
 
@@ -180,7 +165,6 @@ def _serve_all(spec: RankSpec, channel: Any, step_ref: list[Optional[int]]) -> R
             ),
             spec.rank, cp_group=group,
         )
-        _drop_model_dir()
         engine = ShardedSimRankEngine(stack, content_seed=cfg.seed)
     else:
         stack, engine = _build_0518(spec, group)
@@ -248,7 +232,6 @@ def rank_main(spec: RankSpec, channel: Any) -> None:
         print(text, file=sys.stderr, flush=True)
         _send(channel, RankFailure(spec.rank, step_ref[0], f"{type(exc).__name__}: {exc}", text, at=at))
         channel.close()
-        _drop_model_dir()
         sys.stdout.flush()
         os._exit(1)
     _send(channel, report)

@@ -12,7 +12,7 @@ arguments:
   ``torch.distributed.get_world_size(group=...)`` runs in ``__init__``.
 
 The helpers here provide each without side effects on the user's setup: a
-two-key llama ``config.json`` in a per-process temporary directory, an
+two-key llama ``config.json`` shipped with the package, an
 ``os.environ`` snapshot restored around ``ServerArgs(...)``, and a one-rank
 gloo group that never touches the default process group.
 
@@ -25,12 +25,8 @@ environment change here holds :data:`ENVIRON_LOCK`.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
-import json
 import os
-import shutil
-import tempfile
 import threading
 from typing import TYPE_CHECKING, Any, Iterator
 
@@ -60,24 +56,17 @@ TINY_MODEL_CONFIG: dict[str, Any] = {"architectures": ["LlamaForCausalLM"], "mod
 #: caller may hold it across several steps (build, then publish).
 ENVIRON_LOCK = threading.RLock()
 
-_model_dir_lock = threading.Lock()
-_model_dir: str | None = None
+_TINY_MODEL_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny_model")
 
 
 def tiny_model_dir() -> str:
-    """A directory holding :data:`TINY_MODEL_CONFIG` as ``config.json``.
-
-    Created once per process under the system temp dir and removed at exit.
-    """
-    global _model_dir
-    with _model_dir_lock:
-        if _model_dir is None or not os.path.isfile(os.path.join(_model_dir, "config.json")):
-            path = tempfile.mkdtemp(prefix="sglang-cp-hicache-model-")
-            with open(os.path.join(path, "config.json"), "w") as f:
-                json.dump(TINY_MODEL_CONFIG, f)
-            atexit.register(shutil.rmtree, path, ignore_errors=True)
-            _model_dir = path
-        return _model_dir
+    """The directory holding :data:`TINY_MODEL_CONFIG` as ``config.json``:
+    shipped with the package (read-only use), so no process -- however it
+    ends -- leaves a temporary directory behind."""
+    path = os.path.join(_TINY_MODEL_DIR, "config.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"the CPU harness's tiny model config is missing: {path} (reinstall the package)")
+    return _TINY_MODEL_DIR
 
 
 @contextlib.contextmanager

@@ -305,3 +305,13 @@ def test_ensure_sglang_importable_stands_in_when_torchvision_is_missing():
         "raises",
         "True",
     ]
+
+
+def test_tiny_model_config_ships_with_the_package_and_matches():
+    import json as _json
+
+    path = os.path.join(env.tiny_model_dir(), "config.json")
+    with open(path) as f:
+        assert _json.load(f) == env.TINY_MODEL_CONFIG
+    # no temporary directory: nothing for a killed process to leave behind
+    assert os.path.dirname(os.path.abspath(env.__file__)) in os.path.abspath(path)
