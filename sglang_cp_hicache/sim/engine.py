@@ -24,8 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from contextlib import contextmanager
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import torch
 from sglang.srt.mem_cache.base_prefix_cache import (
@@ -38,16 +37,17 @@ from sglang.srt.mem_cache.radix_cache import RadixKey
 
 from sglang_cp_hicache.layout import CpSharedKVLayout
 from sglang_cp_hicache.sglang.hiradix import CpInsertParams
-from sglang_cp_hicache.testing.stack import CpRankStack
-from sglang_cp_hicache.sim.content import corrupted_token_mask, prefix_keys, write_content
+from sglang_cp_hicache.sim.content import prefix_keys
+from sglang_cp_hicache.sim.engine_base import RankEngineBase
 from sglang_cp_hicache.sim.records import AckCounts, EngineTotals, RequestRecord
+from sglang_cp_hicache.testing.stack import CpRankStack
 
 __all__ = ["SimRankEngine"]
 
 _EMPTY = torch.empty((0,), dtype=torch.int64)
 
 
-class SimRankEngine:
+class SimRankEngine(RankEngineBase):
     """Drives one rank's :class:`CpRankStack` (CP or plain) request by request."""
 
     def __init__(self, stack: CpRankStack, *, content_seed: int = 0) -> None:
@@ -62,11 +62,8 @@ class SimRankEngine:
             self.allocator, "layout", CpSharedKVLayout(self.page_size, 1, 0)
         )
         self.content_seed = content_seed
-        # Test hook: flip one byte of the next restored page this rank owns.
-        self.corrupt_next_restore = False
+        self._init_accounting()
         self.acks = AckCounts()
-        self.cache_cpu_seconds = 0.0
-        self.content_cpu_seconds = 0.0
         self.collective_cpu_seconds = 0.0  # inside HiRadixCache._all_reduce (part of cache_cpu_seconds)
         self.collective_calls = 0
         self._backup_tokens = 0
@@ -122,22 +119,6 @@ class SimRankEngine:
 
         ctrl.evict_host, ctrl.write, ctrl.load = counted_evict_host, counted_write, counted_load
 
-    @contextmanager
-    def _cache_time(self) -> Iterator[None]:
-        start = time.process_time()
-        try:
-            yield
-        finally:
-            self.cache_cpu_seconds += time.process_time() - start
-
-    @contextmanager
-    def _content_time(self) -> Iterator[None]:
-        start = time.process_time()
-        try:
-            yield
-        finally:
-            self.content_cpu_seconds += time.process_time() - start
-
     # ---- SGLang calls -------------------------------------------------------
     def _make_room(self, num_tokens: int) -> int:
         """``evict_from_tree_cache``: evict only the shortfall."""
@@ -161,41 +142,6 @@ class SimRankEngine:
         return int(host.size - host.available_size())
 
     # ---- content ----------------------------------------------------------
-    def _owned(self, locs: torch.Tensor, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        mask = self.layout.owned_by_this_rank(locs)
-        return self.layout.logical_locs_to_physical(locs[mask]), keys[mask]
-
-    def _write(self, locs: torch.Tensor, keys: torch.Tensor) -> None:
-        physical, owned_keys = self._owned(locs, keys)
-        write_content(self.kv_pool, physical, owned_keys, seed=self.content_seed)
-
-    def _verify(self, locs: torch.Tensor, keys: torch.Tensor, restored_from: int) -> tuple[int, int, int]:
-        """(owned pages checked, of which restored, corrupted) over ``locs``
-        (page-aligned); tokens at ``>= restored_from`` were just loaded back."""
-        if locs.numel() == 0:
-            return 0, 0, 0
-        P = self.page_size
-        mask = self.layout.owned_by_this_rank(locs)
-        if not bool(mask.any()):
-            return 0, 0, 0
-        bad = corrupted_token_mask(
-            self.kv_pool, self.layout.logical_locs_to_physical(locs[mask]), keys[mask], seed=self.content_seed
-        )
-        page_of_token = torch.arange(locs.numel(), dtype=torch.int64)[mask] // P
-        pages = torch.unique(page_of_token)
-        bad_pages = torch.unique(page_of_token[bad])
-        restored = int((pages * P >= restored_from).sum())
-        return int(pages.numel()), restored, int(bad_pages.numel())
-
-    def _corrupt_one_byte(self, restored_locs: torch.Tensor) -> None:
-        mask = self.layout.owned_by_this_rank(restored_locs)
-        if not bool(mask.any()):
-            return  # wait for a restore that lands on this rank
-        slot = int(self.layout.logical_locs_to_physical(restored_locs[mask][:1]))
-        row = self.kv_pool.kv_buffer[0].view(torch.uint8)[slot, 0]
-        row[0] ^= 0x01
-        self.corrupt_next_restore = False
-
     # ---- one request --------------------------------------------------------
     def serve(self, index: int, tokens: Sequence[int]) -> RequestRecord:
         P = self.page_size
@@ -292,15 +238,6 @@ class SimRankEngine:
         return record
 
     # ---- end of run ---------------------------------------------------------
-    def _nodes(self) -> list[Any]:
-        out, stack = [], [self.cache.root_node]
-        while stack:
-            node = stack.pop()
-            for child in node.children.values():
-                out.append(child)
-                stack.append(child)
-        return out
-
     def _host_slots_of(self, node: Any) -> int:
         if self.cp_mode:
             meta = getattr(node, "cp_hicache", None)

@@ -31,9 +31,8 @@ from __future__ import annotations
 import hashlib
 import time
 from array import array
-from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams, InsertParams, MatchPrefixParams
@@ -42,7 +41,8 @@ from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 
 from sglang_cp_hicache.layout import CpSharedKVLayout
-from sglang_cp_hicache.sim.content import corrupted_token_mask, prefix_keys, write_content
+from sglang_cp_hicache.sim.content import prefix_keys
+from sglang_cp_hicache.sim.engine_base import RankEngineBase
 from sglang_cp_hicache.sim.records import AckCounts, EngineTotals, RequestRecord
 from sglang_cp_hicache.testing.stack_0523 import ShardedRankStack
 
@@ -88,7 +88,7 @@ class _NoMamba:
     mamba_pool_idx = None
 
 
-class ShardedSimRankEngine:
+class ShardedSimRankEngine(RankEngineBase):
     """Drives one rank's :class:`ShardedRankStack` request by request."""
 
     def __init__(self, stack: ShardedRankStack, *, content_seed: int = 0) -> None:
@@ -101,17 +101,11 @@ class ShardedSimRankEngine:
         self.layout: CpSharedKVLayout = stack.layout
         self.copy_path = stack.config.copy_path
         self.content_seed = content_seed
-        # Test hook: flip one byte ("kv" row or "indexer" row) of the next
-        # restored page this rank owns.
-        self.corrupt_next_restore = False
-        self.corrupt_part = "kv"
+        self._init_accounting()
         self.acks = AckCounts()
         self.copy_times = CopyPathTimes(self.copy_path)
-        self.cache_cpu_seconds = 0.0
-        self.content_cpu_seconds = 0.0
         self.collective_cpu_seconds = 0.0
         self.collective_calls = 0
-        self.indexer_pages_verified = 0
         self._totals = EngineTotals()
         self._instrument()
 
@@ -189,22 +183,6 @@ class ShardedSimRankEngine:
 
         ctrl.write, ctrl.load, anchor.free = counted_write, counted_load, counted_free
 
-    @contextmanager
-    def _cache_time(self) -> Iterator[None]:
-        start = time.process_time()
-        try:
-            yield
-        finally:
-            self.cache_cpu_seconds += time.process_time() - start
-
-    @contextmanager
-    def _content_time(self) -> Iterator[None]:
-        start = time.process_time()
-        try:
-            yield
-        finally:
-            self.content_cpu_seconds += time.process_time() - start
-
     # ---- SGLang calls -------------------------------------------------------
     def _reserve_tokens(self, new_tokens: int) -> int:
         # alloc_extend's conservative demand: one spare page per owner class.
@@ -238,39 +216,6 @@ class ShardedSimRankEngine:
         return out, bases[0]
 
     # ---- content ------------------------------------------------------------
-    def _write(self, locs: torch.Tensor, keys: torch.Tensor) -> None:
-        mask = self.layout.owned_by_this_rank(locs)
-        write_content(self.kv_pool, self.layout.logical_locs_to_physical(locs[mask]), keys[mask], seed=self.content_seed)
-
-    def _verify(self, locs: torch.Tensor, keys: torch.Tensor, restored_from: int) -> tuple[int, int, int]:
-        """(owned pages checked, of which restored, corrupted) over ``locs``."""
-        if locs.numel() == 0:
-            return 0, 0, 0
-        P = self.page_size
-        mask = self.layout.owned_by_this_rank(locs)
-        if not bool(mask.any()):
-            return 0, 0, 0
-        bad = corrupted_token_mask(
-            self.kv_pool, self.layout.logical_locs_to_physical(locs[mask]), keys[mask], seed=self.content_seed
-        )
-        page_of_token = torch.arange(locs.numel(), dtype=torch.int64)[mask] // P
-        pages = torch.unique(page_of_token)
-        bad_pages = torch.unique(page_of_token[bad])
-        restored = int((pages * P >= restored_from).sum())
-        self.indexer_pages_verified += int(pages.numel())  # every page check covers its indexer row
-        return int(pages.numel()), restored, int(bad_pages.numel())
-
-    def _corrupt_one_byte(self, restored_locs: torch.Tensor) -> None:
-        mask = self.layout.owned_by_this_rank(restored_locs)
-        if not bool(mask.any()):
-            return  # wait for a restore that lands on this rank
-        slot = int(self.layout.logical_locs_to_physical(restored_locs[mask][:1]))
-        if self.corrupt_part == "indexer":
-            self.kv_pool.index_k_with_scale_buffer[0][slot // self.page_size, 0] ^= 0x01
-        else:
-            self.kv_pool.kv_buffer[0].view(torch.uint8)[slot, 0, 0] ^= 0x01
-        self.corrupt_next_restore = False
-
     # ---- one request --------------------------------------------------------
     def serve(self, index: int, tokens: Sequence[int]) -> RequestRecord:
         P = self.page_size
@@ -367,14 +312,8 @@ class ShardedSimRankEngine:
         slots = self.cache.cache_controller.mem_pool_host.anchor_entry.host_pool._slots
         return (slots.size - slots.aggregate_free_size()) // self.cp_size
 
-    def _nodes(self) -> list[Any]:
-        out, stack = [], [self.cache.tree_core.root_node]
-        while stack:
-            node = stack.pop()
-            for child in node.children.values():
-                out.append(child)
-                stack.append(child)
-        return out
+    def _root(self) -> Any:
+        return self.cache.tree_core.root_node
 
     def _device_tokens_in_tree(self) -> int:
         return sum(len(n.component(_FULL).value) for n in self._nodes() if not n.evicted)
