@@ -34,6 +34,7 @@ __all__ = [
     "HiCacheWriteFailure",
     "check_pages",
     "owner_token_counts",
+    "page_owner_tokens",
     "page_owners_of",
     "plan_load",
     "placeholder_write_plan",
@@ -132,12 +133,25 @@ def owner_token_counts(layout: CpSharedKVLayout, page_owners: torch.Tensor) -> l
     return (counts * layout.page_size).tolist()
 
 
+def page_owner_tokens(layout: CpSharedKVLayout, pages: torch.Tensor) -> list[int]:
+    """Tokens each rank owns in a node whose (trusted, CPU) pages are ``pages``:
+    the ledger's charge for backing the node up. Plain Python: nodes are a
+    handful of pages and this runs once per write."""
+    P, N = layout.page_size, layout.cp_size
+    counts = [0] * N
+    for page in pages.tolist():
+        counts[page % N] += P
+    return counts
+
+
 def plan_write(
     layout: CpSharedKVLayout,
     pages: torch.Tensor,
     device_locs: torch.Tensor,
     host_alloc: Callable[[int], Optional[torch.Tensor]],
     host_free: Optional[Callable[[torch.Tensor], object]] = None,
+    *,
+    trusted: bool = False,
 ) -> Union[CpWritePlan, HiCacheWriteFailure]:
     """Plan this rank's backup of one node of whole pages.
 
@@ -147,19 +161,25 @@ def plan_write(
     ``host_alloc`` only when this rank owns a page; a short host pool returns
     :class:`HiCacheWriteFailure` with nothing taken, and slots of a
     wrong-sized allocation go back through ``host_free`` before the error.
+    ``trusted``: ``pages`` is a mirror the caller already validated (the
+    cache's own), so the page checks are skipped on this hot path.
     """
-    pages = check_pages(pages)
+    if not trusted:
+        pages = check_pages(pages)
     check_1d_int_tensor("device_locs", device_locs)
-    P, N = layout.page_size, layout.cp_size
-    if device_locs.numel() != pages.numel() * P:
+    P, N, rank = layout.page_size, layout.cp_size, layout.cp_rank
+    page_list = pages.tolist()
+    if device_locs.numel() != len(page_list) * P:
         raise ValueError(
             f"device_locs has {device_locs.numel()} entries but pages lists "
-            f"{pages.numel()} pages of page_size={P}"
+            f"{len(page_list)} pages of page_size={P}"
         )
-    owners = pages % N
-    owned_pages = torch.nonzero(owners == layout.cp_rank).reshape(-1)
-    owned_positions = (owned_pages[:, None] * P + torch.arange(P)).reshape(-1)
-    num_owned = int(owned_positions.numel())
+    owners = [page % N for page in page_list]
+    owned = [i for i, owner in enumerate(owners) if owner == rank]
+    counts = [0] * N
+    for owner in owners:
+        counts[owner] += P
+    num_owned = len(owned) * P
     host_locs = _EMPTY
     if num_owned:
         got = host_alloc(num_owned)
@@ -172,10 +192,11 @@ def plan_write(
             raise RuntimeError(
                 f"host allocator returned {host_locs.numel()} slots for {num_owned} owned tokens"
             )
-    metadata = CpHiCacheNodeMetadata._trusted(
-        int(device_locs.numel()), owned_positions, host_locs, owners.repeat_interleave(P)
-    )
-    counts = (torch.bincount(owners, minlength=N) * P).tolist()
+        owned_positions = (torch.tensor(owned, dtype=torch.int64)[:, None] * P + torch.arange(P)).reshape(-1)
+    else:
+        owned_positions = _EMPTY
+    token_owners = torch.tensor(owners, dtype=torch.int64).repeat_interleave(P)
+    metadata = CpHiCacheNodeMetadata._trusted(len(page_list) * P, owned_positions, host_locs, token_owners)
     return CpWritePlan(metadata=metadata, device_locs=device_locs, owner_tokens=counts)
 
 

@@ -50,7 +50,7 @@ from sglang.srt.mem_cache.utils import compute_node_hash_values, split_node_hash
 
 from sglang_cp_hicache.kernels import transfer
 from sglang_cp_hicache.kernels._checks import debug_enabled
-from sglang_cp_hicache.plan import HiCacheWriteFailure, check_pages, page_owners_of
+from sglang_cp_hicache.plan import HiCacheWriteFailure, check_pages, page_owner_tokens, page_owners_of
 from sglang_cp_hicache.host_eviction import (
     HostEvictionResult,
     HostLeafIndex,
@@ -146,6 +146,7 @@ class CpHiRadixCache(HiRadixCache):
         self._write_seq = 0
         self._load_seq = 0
         self._step_status = StepStatus()
+        self._warned_device_page_read = False
         super().__init__(params, server_args)
         self.evictable_host_leaves = _NoSet()  # the ordered index replaces SGLang's set
         self.cp_copy_targets = install_cp_copies(self.cache_controller, self.cp_layout)
@@ -156,7 +157,6 @@ class CpHiRadixCache(HiRadixCache):
         # New pages go preferably to the ranks holding the fewest host slots.
         allocator.set_lane_bias(lambda: self._ledger.used)
         self.cp_warmup = self._warm_up_copies()
-        self._warned_device_page_read = False
 
     # ---- setup -----------------------------------------------------------
     def _host_priority(self, node):
@@ -271,8 +271,7 @@ class CpHiRadixCache(HiRadixCache):
             return 0
         # Owners come from the node's CPU page mirror: no read of node.value.
         pages = node.cp_pages
-        need = (torch.bincount(pages % self.cp_layout.cp_size, minlength=self.cp_layout.cp_size)
-                * self.page_size).tolist()
+        need = page_owner_tokens(self.cp_layout, pages)
         if not self._ledger.fits(need):
             self._evict_host_for(self._ledger.shortfall(need))
         if not self._ledger.fits(need):  # identical on every rank: nothing to tell

@@ -211,11 +211,12 @@ class CpTransferAdapter:
         extra_pools=None,
     ) -> Union[PendingWrite, HiCacheWriteFailure]:
         """Take host slots for this rank's pages of one node (``pages``: the
-        node's logical pages on the CPU; ``device_locs``: its logical locs,
-        never read). Nothing is queued until :meth:`PendingWrite.start`."""
+        node's logical pages on the CPU -- the cache's own mirror, validated
+        when it was handed in; ``device_locs``: its logical locs, never read).
+        Nothing is queued until :meth:`PendingWrite.start`."""
         ctrl = self.controller
         host_pool = ctrl.mem_pool_host
-        plan = plan_write(self.layout, pages, device_locs, host_pool.alloc, host_pool.free)
+        plan = plan_write(self.layout, pages, device_locs, host_pool.alloc, host_pool.free, trusted=True)
         if isinstance(plan, HiCacheWriteFailure):
             return plan
         host = _to_copy_engine(plan.host_locs, self._device)
