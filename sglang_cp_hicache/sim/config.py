@@ -7,6 +7,8 @@ import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from sglang_cp_hicache.layout import DSA_PAGE_SIZE  # SGLang's DSA pools take only 64 (outside ROCm)
+
 __all__ = [
     "DSA_PAGE_SIZE",
     "FAILURE_MODES",
@@ -25,8 +27,6 @@ __all__ = [
     "seconds_problem",
 ]
 
-#: SGLang 0.5.18's DSATokenToKVPool asserts page_size == 64 outside ROCm.
-DSA_PAGE_SIZE = 64
 #: How the non-CP baseline runs (see SimConfig.non_cp_group).
 NON_CP_GROUPS = ("tp", "single")
 #: SGLang releases the simulator drives, and the copy paths of 0.5.23's

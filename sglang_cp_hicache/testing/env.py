@@ -32,6 +32,8 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 import torch.distributed as dist
 
+from sglang_cp_hicache.layout import DSA_PAGE_SIZE
+
 if TYPE_CHECKING:
     from sglang.srt.runtime_context import RuntimeContext
     from sglang.srt.server_args import ServerArgs
@@ -90,7 +92,7 @@ def preserved_environ() -> Iterator[None]:
 
 def make_cpu_server_args(
     *,
-    page_size: int = 64,
+    page_size: int = DSA_PAGE_SIZE,
     hicache_mem_layout: str = "layer_first",
     hicache_io_backend: str = "kernel",
     hicache_ratio: float = 2.0,

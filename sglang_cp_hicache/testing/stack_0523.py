@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from sglang_cp_hicache.layout import CpSharedKVLayout
+from sglang_cp_hicache.layout import DSA_PAGE_SIZE, CpSharedKVLayout
 from sglang_cp_hicache.testing import cpu_0523, env
 from sglang_cp_hicache.validation import check_int
 
@@ -45,7 +45,7 @@ _TREE_CORE_ENV = "SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND"
 @dataclass(frozen=True)
 class ShardedStackConfig:
     cp_size: int = 2
-    page_size: int = 64  # DSA pages; KV sharding requires 64
+    page_size: int = DSA_PAGE_SIZE  # KV sharding requires 64
     num_layers: int = 2
     device_pages: int = 8  # allocatable physical pages per rank
     host_pages: int = 16  # allocatable host pages per rank
