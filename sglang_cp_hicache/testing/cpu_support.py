@@ -13,7 +13,7 @@ fallback:
 
 :func:`install_cpu_support` patches (1) and (2) on the two host pool classes
 and on ``pool_host.common``; the transfers then go through this library's page
-copy backend (:mod:`sglang_cp_hicache.transfer`) with the identity layout
+copy backend (:mod:`sglang_cp_hicache.kernels.transfer`) with the identity layout
 ``CpSharedKVLayout(page_size, 1, 0)`` -- without CP every device location is
 its own physical slot. Nothing is faked in ``sgl_kernel`` and no environment
 variable is set. :func:`uninstall_cpu_support` restores every original.
@@ -252,7 +252,7 @@ def install_cpu_support(*, force: bool = False) -> bool:
       ``pool_host.base._cuda_host_unregister``: skipped without CUDA.
     * ``MLATokenToKVPoolHost`` and ``DSAIndexerPoolHost``:
       ``backup_from_device_all_layer`` and ``load_to_device_per_layer`` route
-      through :mod:`sglang_cp_hicache.transfer` for every host layout in
+      through :mod:`sglang_cp_hicache.kernels.transfer` for every host layout in
       ``HOST_LAYOUTS`` and both io backends in ``IO_BACKENDS`` (the copy does
       not depend on the io backend); ``get_dummy_flat_data_page`` returns an
       unpinned page without CUDA.

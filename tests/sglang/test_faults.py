@@ -2,7 +2,8 @@
 operation on every rank, nothing leaked, and the result is a clean refusal
 or a clear error raised by every rank (never a hang, never a divergence).
 
-Ranks run in threads with real gloo groups, so the consensus votes are real.
+Ranks run in threads with real gloo groups, so the step all-reduce that carries
+each rank's failure status is a real collective.
 """
 
 import pytest
