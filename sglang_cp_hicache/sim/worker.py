@@ -220,7 +220,7 @@ def _serve_all(spec: RankSpec, channel: Any, step_ref: list[Optional[int]]) -> R
 
 def rank_main(spec: RankSpec, channel: Any) -> None:
     """multiprocessing target: exit status 0 after a report, 1 after a failure,
-    EXIT_LAUNCHER_GONE as soon as the launcher is gone."""
+    EXIT_LAUNCHER_GONE as soon as the launcher is gone; never returns."""
     die_with_launcher(spec.launcher_pid)
     _redirect_output(spec.log.fd)
     step_ref: list[Optional[int]] = [None]
@@ -236,3 +236,10 @@ def rank_main(spec: RankSpec, channel: Any) -> None:
         os._exit(1)
     _send(channel, report)
     channel.close()
+    # The report is out: leave now. Interpreter teardown would destroy the
+    # gloo process group the cache still references in arbitrary order, and
+    # gloo can abort there ("terminate called without an active exception"),
+    # turning a finished rank into a crashed one.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
