@@ -1,13 +1,8 @@
 """The front door of the page copies: one call per operation, dispatched per
-call to a backend, counted, and warmed up at server start.
-
-========================= ============================== ======================
-device buffers on         ``TRITON_INTERPRET`` (now)     backend
-========================= ============================== ======================
-CUDA                      (ignored)                      ``"triton"``
-CPU                       ``1`` / ``true`` / ``on``      ``"triton-interpret"``
-CPU (or anything else)    unset / ``0``                  ``"reference"``
-========================= ============================== ======================
+call to a backend (compiled Triton for CUDA buffers, Triton's interpreter for
+CPU buffers under ``TRITON_INTERPRET=1``, the plain-torch reference
+otherwise: :func:`select_backend`, table in :mod:`._backend`), counted, and
+warmed up at server start.
 
 The four copies (``backup_kv_all_layers``, ``load_kv_one_layer``,
 ``backup_indexer_all_layers``, ``load_indexer_one_layer``) are generated from
