@@ -39,7 +39,7 @@ from sglang_cp_hicache.layout import CpSharedKVLayout
 from sglang_cp_hicache.sglang.hiradix import CpInsertParams
 from sglang_cp_hicache.sim.content import prefix_keys
 from sglang_cp_hicache.sim.engine_base import RankEngineBase
-from sglang_cp_hicache.sim.records import AckCounts, EngineTotals, RequestRecord
+from sglang_cp_hicache.sim.records import EngineTotals, RequestRecord
 from sglang_cp_hicache.testing.stack import CpRankStack
 
 __all__ = ["SimRankEngine"]
@@ -51,21 +51,10 @@ class SimRankEngine(RankEngineBase):
     """Drives one rank's :class:`CpRankStack` (CP or plain) request by request."""
 
     def __init__(self, stack: CpRankStack, *, content_seed: int = 0) -> None:
-        self.stack = stack
-        self.cache = stack.cache
-        self.allocator = stack.allocator
-        self.kv_pool = stack.kv_pool
-        self.page_size = stack.config.page_size
         self.cp_mode = stack.config.cp_mode
         # Plain mode: one process owns every page, physical == logical.
-        self.layout: CpSharedKVLayout = getattr(
-            self.allocator, "layout", CpSharedKVLayout(self.page_size, 1, 0)
-        )
-        self.content_seed = content_seed
-        self._init_accounting()
-        self.acks = AckCounts()
-        self.collective_cpu_seconds = 0.0  # inside HiRadixCache._all_reduce (part of cache_cpu_seconds)
-        self.collective_calls = 0
+        layout = getattr(stack.allocator, "layout", CpSharedKVLayout(stack.config.page_size, 1, 0))
+        self._bind_stack(stack, layout, content_seed)
         self._backup_tokens = 0
         self._plain_host_evicted_slots = 0
         self._plain_load_backs = 0

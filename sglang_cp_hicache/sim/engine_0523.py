@@ -40,10 +40,9 @@ from sglang.srt.mem_cache.common import evict_from_tree_cache
 from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 
-from sglang_cp_hicache.layout import CpSharedKVLayout
 from sglang_cp_hicache.sim.content import prefix_keys
 from sglang_cp_hicache.sim.engine_base import RankEngineBase
-from sglang_cp_hicache.sim.records import AckCounts, EngineTotals, RequestRecord
+from sglang_cp_hicache.sim.records import EngineTotals, RequestRecord
 from sglang_cp_hicache.testing.stack_0523 import ShardedRankStack
 
 __all__ = ["CopyPathTimes", "ShardedSimRankEngine"]
@@ -92,20 +91,10 @@ class ShardedSimRankEngine(RankEngineBase):
     """Drives one rank's :class:`ShardedRankStack` request by request."""
 
     def __init__(self, stack: ShardedRankStack, *, content_seed: int = 0) -> None:
-        self.stack = stack
-        self.cache = stack.cache
-        self.allocator = stack.allocator
-        self.kv_pool = stack.kv_pool
-        self.page_size = stack.config.page_size
+        self._bind_stack(stack, stack.layout, content_seed)
         self.cp_size = stack.config.cp_size
-        self.layout: CpSharedKVLayout = stack.layout
         self.copy_path = stack.config.copy_path
-        self.content_seed = content_seed
-        self._init_accounting()
-        self.acks = AckCounts()
         self.copy_times = CopyPathTimes(self.copy_path)
-        self.collective_cpu_seconds = 0.0
-        self.collective_calls = 0
         self._totals = EngineTotals()
         self._instrument()
 

@@ -12,20 +12,31 @@ import torch
 
 from sglang_cp_hicache.layout import CpSharedKVLayout
 from sglang_cp_hicache.sim.content import corrupted_token_mask, write_content
+from sglang_cp_hicache.sim.records import AckCounts
 
 __all__ = ["RankEngineBase"]
 
 
 class RankEngineBase:
-    """Subclasses set ``layout``, ``kv_pool``, ``page_size``, ``content_seed``
-    and call :meth:`_init_accounting`."""
+    """Subclasses call :meth:`_bind_stack` first."""
 
     layout: CpSharedKVLayout
     kv_pool: Any
     page_size: int
     content_seed: int
 
-    def _init_accounting(self) -> None:
+    def _bind_stack(self, stack: Any, layout: CpSharedKVLayout, content_seed: int) -> None:
+        """The stack's parts every engine uses, and zeroed accounting."""
+        self.stack = stack
+        self.cache = stack.cache
+        self.allocator = stack.allocator
+        self.kv_pool = stack.kv_pool
+        self.page_size = stack.config.page_size
+        self.layout = layout
+        self.content_seed = content_seed
+        self.acks = AckCounts()
+        self.collective_cpu_seconds = 0.0  # inside the cache's all-reduce (part of cache_cpu_seconds)
+        self.collective_calls = 0
         self.cache_cpu_seconds = 0.0
         self.content_cpu_seconds = 0.0
         self.indexer_pages_verified = 0  # every page check covers its indexer row too
