@@ -103,6 +103,16 @@ class OwnerLaneAllocator:
         # less load are preferred. Must be identical on every rank.
         if not hasattr(self, "lane_bias"):
             self.lane_bias: Optional[Callable[[], Sequence[int]]] = None
+        # Optional: lane_reclaim(lane, pages) evicts until ``lane`` has
+        # ``pages`` free pages (the CP cache evicts the least recently used
+        # device leaves holding one), returning the pages freed. Called only
+        # when the least loaded lane is empty and another lane would leave
+        # some load more than one page from the mean; never under an open
+        # checkpoint (a rollback cannot undo an eviction).
+        if not hasattr(self, "lane_reclaim"):
+            self.lane_reclaim: Optional[Callable[[int, int], int]] = None
+        self.lane_reclaims = 0  # lane_reclaim calls that freed pages
+        self.uneven_picks = 0  # pages placed off balance: nothing left to reclaim
 
     def lane_of_page(self, page: int) -> int:
         return page % self.cp_size
@@ -260,25 +270,54 @@ class OwnerLaneAllocator:
         avail = self.lane_available_pages()
         biased = self.lane_bias is not None
         bias = list(self.lane_bias()) if biased else [0] * self.cp_size
+        reclaim = self.lane_reclaim if biased and not self._open_checkpoints else None
         order: list[int] = []
+        planned = [0] * self.cp_size
         cursor = self._rr_cursor
         n = self.cp_size
         for _ in range(need_pages):
-            best = -1
-            for i in range(n):
-                lane = (cursor + i) % n
-                if avail[lane] > 0 and (
-                    best < 0
-                    or (bias[lane], -avail[lane]) < (bias[best], -avail[best])
-                ):
-                    best = lane
+            best = self._pick_lane(bias, avail, cursor)
+            if biased and bias[best] > min(bias) and self._off_balance(bias, best):
+                # A less loaded lane has no free page, and skipping it moves
+                # some lane more than a page from the mean load.
+                behind = self._pick_lane(bias, [1] * n, cursor)  # least loaded, free or not
+                if reclaim is not None and reclaim(behind, planned[behind] + 1) > 0:
+                    self.lane_reclaims += 1
+                    # Eviction freed pages (of any lane): recount what is left.
+                    avail = [a - p for a, p in zip(self.lane_available_pages(), planned)]
+                    best = self._pick_lane(bias, avail, cursor)
+                if bias[best] > min(bias) and self._off_balance(bias, best):
+                    self.uneven_picks += 1
             avail[best] -= 1
+            planned[best] += 1
             if biased:  # count this call's pages towards the lane's load
                 bias[best] += self.page_size
             order.append(best)
             cursor = (best + 1) % n
         self._rr_cursor = cursor
         return self._take_in_order(order)
+
+    def _pick_lane(self, bias: list[int], avail: list[int], cursor: int) -> int:
+        """The lane with free pages and the least load, then the most free
+        pages, then the first from ``cursor`` (round-robin)."""
+        best = -1
+        for i in range(self.cp_size):
+            lane = (cursor + i) % self.cp_size
+            if avail[lane] > 0 and (
+                best < 0 or (bias[lane], -avail[lane]) < (bias[best], -avail[best])
+            ):
+                best = lane
+        return best
+
+    def _off_balance(self, bias: list[int], lane: int) -> bool:
+        """Whether one more page on ``lane`` leaves some lane's load more than
+        one page from the mean load (the loads are in slots)."""
+        loads = list(bias)
+        loads[lane] += self.page_size
+        n = self.cp_size
+        total = sum(loads)
+        # |load * n - total| > page_size * n, in integers
+        return any(abs(x * n - total) > self.page_size * n for x in loads)
 
     def _take_in_order(self, lanes_in_order: list[int]) -> PageAllocation:
         counts = [0] * self.cp_size

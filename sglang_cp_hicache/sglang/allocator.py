@@ -195,6 +195,22 @@ class CpSharedPagedTokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
         """Per-rank load (identical on every rank) that ``alloc`` balances."""
         self._lanes.lane_bias = lane_bias
 
+    def set_lane_reclaim(self, lane_reclaim) -> None:
+        """``lane_reclaim(lane, pages) -> pages freed``: evicts until
+        ``lane`` has ``pages`` free pages, when the least loaded lane is
+        empty (identical on every rank)."""
+        self._lanes.lane_reclaim = lane_reclaim
+
+    @property
+    def lane_reclaims(self) -> int:
+        """Evictions made for a lane that was short (host balance)."""
+        return self._lanes.lane_reclaims
+
+    @property
+    def uneven_picks(self) -> int:
+        """Pages placed off balance because nothing of that lane was evictable."""
+        return self._lanes.uneven_picks
+
     # ---- accounting (what SGLang prints on KV OOM) ------------------------
     def lane_available_pages(self) -> list[int]:
         return self._lanes.lane_available_pages()

@@ -1,6 +1,6 @@
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sglang_cp_hicache import OwnerLaneAllocator
@@ -147,3 +147,120 @@ def test_lane_bias_steers_pages_to_the_least_loaded_lanes():
     # lane 1 takes pages until it is out of them (its load stays below 64);
     # then the next least loaded lane
     assert lanes == [1, 1, 1, 1, 2]
+    # no reclaim hook: the 5th page went off balance (lane 1, the least
+    # loaded, was out of pages); the first four did not
+    assert (a.uneven_picks, a.lane_reclaims) == (1, 0)
+
+
+class LaneCache:
+    """Stands in for the CP cache: holds pages, frees one of a lane on demand."""
+
+    def __init__(self, allocator):
+        self.a, self.held, self.calls = allocator, [], []
+
+    def reclaim(self, lane, pages):
+        self.calls.append(lane)
+        freed = 0
+        for page in [p for p in self.held if p % self.a.cp_size == lane]:
+            if self.a.lane_available_pages()[lane] >= pages:
+                break
+            self.held.remove(page)
+            self.a.free_mirrored(torch.tensor([page]))
+            freed += 1
+        return freed
+
+
+def test_an_empty_least_loaded_lane_is_reclaimed_before_the_loads_drift():
+    a = OwnerLaneAllocator(4 * 12, 4, 3)  # 4 pages per lane
+    cache = LaneCache(a)
+    cache.held = pages_of(a.alloc_pages_with_owners([1, 1, 1, 1]), 4)  # lane 1 all in use
+    a.lane_bias, a.lane_reclaim = (lambda: [8, 0, 8]), cache.reclaim  # lane 1 two pages behind
+    lanes = [p % 3 for p in pages_of(a.alloc(4), 4)]
+    assert cache.calls == [1] and lanes == [1]  # evicted for lane 1, then took its page
+    assert (a.lane_reclaims, a.uneven_picks) == (1, 0)
+
+
+def test_reclaim_counts_the_pages_this_call_already_planned_on_the_lane():
+    """Lane 1 has one free page but is owed two in this call: the second
+    pick asks for a lane with 2 free pages, not for "any free page"."""
+    a = OwnerLaneAllocator(4 * 12, 4, 3)
+    cache = LaneCache(a)
+    cache.held = pages_of(a.alloc_pages_with_owners([1, 1, 1]), 4)  # 1 page left in lane 1
+    a.lane_bias, a.lane_reclaim = (lambda: [16, 0, 16]), cache.reclaim  # lane 1 four pages behind
+    lanes = [p % 3 for p in pages_of(a.alloc(4 * 2), 4)]
+    assert lanes == [1, 1] and cache.calls == [1]
+    assert (a.lane_reclaims, a.uneven_picks) == (1, 0)
+
+
+def test_no_reclaim_while_one_page_off_is_still_within_a_page_of_the_mean():
+    a = OwnerLaneAllocator(4 * 12, 4, 3)
+    cache = LaneCache(a)
+    cache.held = pages_of(a.alloc_pages_with_owners([1, 1, 1, 1]), 4)
+    a.lane_bias, a.lane_reclaim = (lambda: [4, 0, 4]), cache.reclaim  # one page behind
+    lanes = [p % 3 for p in pages_of(a.alloc(4), 4)]
+    # loads become [8, 0, 4] or [4, 0, 8]: every lane within 4 slots of the mean 4
+    assert cache.calls == [] and lanes in ([0], [2])
+
+
+def test_nothing_to_reclaim_places_the_page_off_balance_and_counts_it():
+    a = OwnerLaneAllocator(4 * 12, 4, 3)
+    a.alloc_pages_with_owners([1, 1, 1, 1])  # held by someone the cache cannot evict
+    cache = LaneCache(a)
+    a.lane_bias, a.lane_reclaim = (lambda: [8, 0, 8]), cache.reclaim
+    lanes = [p % 3 for p in pages_of(a.alloc(4), 4)]
+    assert cache.calls == [1] and lanes in ([0], [2])
+    assert (a.lane_reclaims, a.uneven_picks) == (0, 1)
+
+
+def test_no_reclaim_under_an_open_checkpoint():
+    """A rollback could not undo an eviction: inside a checkpoint the
+    allocator never asks for one."""
+    a = OwnerLaneAllocator(4 * 12, 4, 3)
+    cache = LaneCache(a)
+    cache.held = pages_of(a.alloc_pages_with_owners([1, 1, 1, 1]), 4)
+    a.lane_bias, a.lane_reclaim = (lambda: [8, 0, 8]), cache.reclaim
+    cp = a.checkpoint()
+    a.alloc(4)
+    a.rollback(cp)
+    assert cache.calls == [] and a.uneven_picks == 1
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.integers(2, 8),
+    st.lists(
+        st.tuples(st.booleans(), st.lists(st.integers(0, 7), min_size=1, max_size=6)),
+        min_size=1, max_size=60,
+    ),
+)
+def test_with_reclaim_every_lane_stays_within_a_page_of_the_mean(cp_size, steps):
+    """New pages are "backed up" (the bias is every new page ever handed out
+    per lane); restored pages keep the owners they had (``alloc_pages_with_owners``,
+    not backed up again), which skews what the pool holds. The pool is tight:
+    only what an LRU cache evicts is free. With reclaim, after every
+    allocation each lane's load is within one page of the mean load."""
+    P = 4
+    a = OwnerLaneAllocator(P * 3 * cp_size, P, cp_size)  # 3 pages per lane
+    loads = [0] * cp_size
+    cache = LaneCache(a)  # LRU order: oldest first
+    a.lane_bias, a.lane_reclaim = (lambda: loads), cache.reclaim
+    for restore, owners in steps:
+        owners = [o % cp_size for o in owners]
+        while a.available_pages() < len(owners) and cache.held:  # evict the shortfall, any lane
+            a.free_mirrored(torch.tensor([cache.held.pop(0)]))
+        if restore:
+            while cache.held and any(
+                owners.count(o) > a.lane_available_pages()[o] for o in set(owners)
+            ):
+                a.free_mirrored(torch.tensor([cache.held.pop(0)]))
+            got = a.alloc_with_owners_mirrored(owners)
+            if got is not None:  # else refused, as the cache refuses such a load-back
+                cache.held += got.pages.tolist()
+            continue
+        got = a.alloc_mirrored(len(owners) * P)
+        assert got is not None  # everything held can be evicted
+        for page in got.pages.tolist():
+            loads[page % cp_size] += P
+            cache.held.append(page)
+        total = sum(loads)
+        assert all(abs(x * cp_size - total) <= P * cp_size for x in loads), loads
