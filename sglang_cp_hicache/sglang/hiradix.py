@@ -28,6 +28,7 @@ that release by ``sglang_cp_hicache.sglang.SUPPORTED_SGLANG``.
 
 from __future__ import annotations
 
+import heapq
 import logging
 import time
 from dataclasses import dataclass
@@ -118,6 +119,7 @@ class CpHiCacheCounters:
     load_backs: int = 0
     load_back_tokens: int = 0  # logical
     device_page_reads: int = 0  # inserts without a CPU page mirror (each one a sync)
+    lane_reclaim_tokens: int = 0  # device tokens evicted to keep host shares even
 
 
 class CpHiRadixCache(HiRadixCache):
@@ -156,6 +158,9 @@ class CpHiRadixCache(HiRadixCache):
         self._ledger = self._make_ledger()
         # New pages go preferably to the ranks holding the fewest host slots.
         allocator.set_lane_bias(lambda: self._ledger.used)
+        # ...and when the least loaded rank has no free device page, one is
+        # made free by evicting for that lane (keeps host shares within a page).
+        allocator.set_lane_reclaim(self._reclaim_lane)
         self.cp_warmup = self._warm_up_copies()
 
     # ---- setup -----------------------------------------------------------
@@ -323,27 +328,30 @@ class CpHiRadixCache(HiRadixCache):
 
     # ---- the step's all-reduce: SGLang's ready acks + this rank's status ---
     def _exchange(self, counts: list[int]) -> list[int]:
-        """SGLang's MIN all-reduce of ready-ack counts, widened by the CP step
-        status; every rank then takes back the same failed writes and
-        load-backs before any ack is consumed. Returns the counts (clamped
-        to what is left after a take-back)."""
+        """SGLang's MIN all-reduce of ready-ack counts, with this rank's step
+        status folded into the two count words (no extra word: see
+        ``step_status``); every rank then takes back the same failed writes
+        and load-backs before any ack is consumed. ``counts``: write acks,
+        then load acks, then SGLang's storage counts (passed through).
+        Returns the counts every rank may consume."""
         n = len(counts)
-        vec = torch.tensor([*counts, *self._step_status.words()], dtype=torch.int64)
+        write_acks, load_acks = counts[0], counts[1] if n > 1 else 0
+        first = min((r.seq for r in self._inflight_writes.values()), default=None)
+        vec = torch.tensor(
+            [*self._step_status.words(write_acks, load_acks, first), *counts[2:]], dtype=torch.int64
+        )
         self._all_reduce(vec, torch.distributed.ReduceOp.MIN)
         reduced = vec.tolist()
-        write, load = self._step_status.read(reduced[n:])
+        step = self._step_status.read(reduced)
         mine_write, mine_load = self._step_status.clear()
-        counts = reduced[:n]
+        out = [step.write_acks, step.load_acks, *reduced[2:]][: max(n, 1)]
+        write, load = step.write, step.load
         if write.ok and load.ok:
-            return counts
+            return out
         if not write.ok:
-            self._take_back_writes(write)
+            self._take_back_writes(write, first)
         if not load.ok:
             self._take_back_loads()
-        ctrl = self.cache_controller
-        counts[0] = min(counts[0], len(ctrl.ack_write_queue))
-        if n > 1:
-            counts[1] = min(counts[1], len(ctrl.ack_load_queue))
         if write.vote == Vote.FAILED or load.vote == Vote.FAILED:
             mine = mine_write if write.vote == Vote.FAILED else mine_load
             error = mine.error if mine is not None else None
@@ -352,12 +360,12 @@ class CpHiRadixCache(HiRadixCache):
                 f"CP HiCache {what} failed on a CP rank; rolled back on every rank "
                 f"(this rank: {error!r})"
             ) from error
-        return counts
+        return out
 
-    def _take_back_writes(self, outcome: GroupOutcome) -> None:
+    def _take_back_writes(self, outcome: GroupOutcome, first_seq: int) -> None:
         """Undo every in-flight write from the first failed one on (newest
         first): later writes may be children of it."""
-        doomed = [(a, r) for a, r in self._inflight_writes.items() if r.seq >= outcome.seq]
+        doomed = [(a, r) for a, r in self._inflight_writes.items() if r.seq - first_seq >= outcome.cut]
         for ack_id, record in reversed(doomed):
             del self._inflight_writes[ack_id]
             self._undo_write(ack_id, record)
@@ -416,6 +424,35 @@ class CpHiRadixCache(HiRadixCache):
         result = super().evict(params)
         self.last_evict_result = result
         return result
+
+    def _reclaim_lane(self, lane: int, pages: int) -> int:
+        """Evict the least recently used device leaves that hold a page
+        owned by ``lane`` until that lane has ``pages`` free pages; returns
+        the pages freed (any lane). Same tree, same LRU, same allocator on
+        every rank: every rank evicts the same leaves, with no collective."""
+        allocator = self.token_to_kv_pool_allocator
+        if allocator.lane_available_pages()[lane] >= pages:
+            return 0
+        start = time.perf_counter()
+        write_back = self.cache_controller.write_policy == "write_back"
+        heap = self._make_eviction_heap()
+        num_evicted = 0
+        while heap and allocator.lane_available_pages()[lane] < pages:
+            _, x = heapq.heappop(heap)
+            if x.lock_ref > 0 or x.cp_pages is None:
+                continue
+            if not bool((x.cp_pages % self.cp_layout.cp_size == lane).any()):
+                continue
+            if x.backuped:
+                num_evicted += self._evict_backuped(x)
+            elif write_back:
+                continue  # write-back stages to host first: leave it to evict()
+            else:
+                num_evicted += self._evict_regular(x)
+            self._promote_parent(x, heap)
+        self.cp_counters.lane_reclaim_tokens += num_evicted
+        self.update_eviction_metrics(num_evicted, start)  # SGLang's eviction metrics count these too
+        return num_evicted // self.page_size
 
     def available_and_evictable_str(self) -> str:
         """What SGLang prints on KV OOM: with the allocator's free/deferred

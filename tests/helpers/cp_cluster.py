@@ -156,7 +156,9 @@ class CpCluster:
     def insert_outcomes(self, tokens: list[int]) -> list:
         return self.each(self._insert_fn(tokens), return_exceptions=True)
 
-    def _insert_fn(self, tokens: list[int]):
+    def _insert_fn(self, tokens: list[int], *, check: bool = True):
+        """One rank's prefill + insert; ``check=False`` leaves the step's
+        all-reduce (writing_check / loading_check) to the caller."""
         keys = prefix_keys(tokens)
 
         def run(s):
@@ -180,8 +182,9 @@ class CpCluster:
             c.dec_lock_ref(m.last_device_node)
             if res.prefix_len > hit:  # tree already had part of the new pages
                 s.allocator.free_mirrored(got.pages[: (res.prefix_len - hit) // s.allocator.page_size])
-            c.writing_check()
-            c.loading_check()
+            if check:
+                c.writing_check()
+                c.loading_check()
             return locs
 
         return run

@@ -161,3 +161,62 @@ def test_load_copy_raises_every_rank_undoes_the_load_back(cl):
     report = cl.load_back(tokens)
     assert all(v.numel() == 2 * P for _, v, _ in report.loaded_per_rank)
     assert cl.check(tokens) == {}
+
+
+def test_a_refused_and_a_failed_write_in_one_step_cut_at_the_first_and_every_rank_raises(cl):
+    """Two ranks fail two different writes of one step: rank 0's host
+    allocation comes up short for the first (REFUSED), rank 2's copy raises
+    for the second (FAILED). Every rank takes both back (from the first on)
+    and raises, from the one status folded into the step's ack words."""
+    host0 = cl.stacks[0].cache.cache_controller.mem_pool_host
+    host0.alloc = FailOnce(host0.alloc)
+    kv_host2 = cl.stacks[2].cache.token_to_kv_pool_host.anchor_entry.host_pool
+    kv_host2.backup_from_device_all_layer = FailOnce(
+        kv_host2.backup_from_device_all_layer, exc=RuntimeError("DMA error (injected)"), skip=1
+    )
+    first, second = seq(500, 3), seq(900, 3)
+    before = [snapshot(s) for s in cl.stacks]
+    insert_first, insert_second = cl._insert_fn(first, check=False), cl._insert_fn(second, check=False)
+
+    def step(s):
+        insert_first(s)
+        insert_second(s)
+        s.cache.writing_check()
+
+    outcomes = cl.each(step, return_exceptions=True)
+    assert host0.alloc.fired and kv_host2.backup_from_device_all_layer.fired
+    assert all(isinstance(o, CpHiCacheTransferError) for o in outcomes), outcomes
+    assert "injected" in str(outcomes[2].__cause__)
+    for s, b in zip(cl.stacks, before):
+        after = snapshot(s)
+        assert after[1:3] == b[1:3]  # host pool and ledger as before: both writes taken back
+        assert after[4:8] == b[4:8]  # no queued op, no stray ack
+        assert not s.cache.ongoing_write_through
+        assert not any(n.backuped for n in s.cache.root_node.children.values())
+        assert s.cache.cp_counters.write_failures == 2
+    assert len({repr(CpCluster.tree_shape(c)) for c in cl.caches}) == 1
+    # Nothing is left behind: both sequences back up on the next try.
+    cl.insert(first)
+    cl.insert(second)
+    assert all(n.backuped for s in cl.stacks for n in s.cache.root_node.children.values())
+
+
+def test_the_step_all_reduce_is_as_wide_as_sglangs_own(cl):
+    """The status rides inside SGLang's two ack counts: every all-reduce the
+    cache runs carries 2 int64 (a wider vector costs gloo ~10x the CPU)."""
+    widths = []
+    for s in cl.stacks:
+        reduce = s.cache._all_reduce
+
+        def counted(data, op, reduce=reduce):
+            widths.append((data.dtype, data.numel()))
+            return reduce(data, op)
+
+        s.cache._all_reduce = counted
+    tokens = seq(600, 3)
+    cl.insert(tokens)
+    cl.evict_device(3 * P)
+    cl.load_back(tokens)
+    cl.each(lambda s: s.cache._sync_hicache_ready_counts())
+    cl.step()
+    assert widths and set(widths) == {(torch.int64, 2)}

@@ -195,3 +195,39 @@ def test_load_back_evicts_until_the_needed_owner_lane_has_room(cluster):
     assert all(v.numel() == P for _, v, _ in report.loaded_per_rank)
     assert cl.check(a) == {}
     assert len({repr(CpCluster.tree_shape(c)) for c in cl.caches}) == 1
+
+
+def test_a_short_lane_is_reclaimed_from_its_lru_leaf_on_every_rank(cluster):
+    """When the least loaded lane has no free page, the allocator asks the
+    cache to evict for that lane: the least recently used unlocked leaf
+    holding a page of it goes (a backed-up one keeps its host copy), skipping
+    older leaves of other lanes, identically on every rank; the page then
+    comes from that lane and the host loads stay within a page."""
+    cl = cluster(cp_size=2, device_pages=3, host_pages=8)  # lanes 0 = {2, 4}, 1 = {1, 3, 5}
+    first, second = seq(10_000, 1), seq(20_000, 1)
+    cl.insert(first)
+    cl.insert(second)
+    lanes_of = [int(n.cp_pages[0]) % 2 for n in cl.caches[0].root_node.children.values()]
+    assert lanes_of == [1, 0]  # one page each; the older leaf sits in lane 1
+    # A running request holds all free pages but one of lane 1 (not evictable).
+    held = [s.allocator.alloc_with_owners_mirrored([0, 1]) for s in cl.stacks]
+    assert cl.stacks[0].allocator.lane_available_pages() == [0, 1]
+    # Lane 0 is now the least loaded in host slots ([P, 3P]); its only device
+    # page is the newer leaf; lane 1's free page would make it [P, 4P].
+    for s in cl.stacks:
+        s.cache.host_slot_ledger.used[1] += 2 * P
+    got = [s.allocator.alloc_mirrored(P) for s in cl.stacks]
+    assert all(int(g.pages[0]) % 2 == 0 for g in got), [g.pages for g in got]
+    for s in cl.stacks:
+        older, newer = s.cache.root_node.children.values()
+        assert not older.evicted, "the older leaf holds no lane-0 page: skipped"
+        assert newer.evicted and newer.backuped, "the lane-0 leaf is evicted, its host copy kept"
+        assert s.cache.cp_counters.lane_reclaim_tokens == P
+        assert (s.allocator.lane_reclaims, s.allocator.uneven_picks) == (1, 0)
+        s.cache.host_slot_ledger.used[1] -= 2 * P
+    assert len({repr(CpCluster.tree_shape(c)) for c in cl.caches}) == 1
+    for s, g, h in zip(cl.stacks, got, held):
+        s.allocator.free_mirrored(torch.cat([g.pages, h.pages]))
+    report = cl.load_back(second)  # the reclaimed leaf comes back, bit-exact
+    assert all(v.numel() == P for _, v, _ in report.loaded_per_rank)
+    assert cl.check(second) == {} and cl.check(first) == {}
