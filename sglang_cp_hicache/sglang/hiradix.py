@@ -62,7 +62,12 @@ from sglang_cp_hicache.load_back import cp_load_back
 from sglang_cp_hicache.node_state import set_host_state, split_host_state
 from sglang_cp_hicache.sglang import check_sglang_version
 from sglang_cp_hicache.sglang.allocator import CpSharedPagedTokenToKVPoolAllocator
-from sglang_cp_hicache.sglang.checks import check_cp_hicache_server_args
+from sglang_cp_hicache.sglang.checks import (
+    HOST_BALANCE_ENV,
+    HOST_BALANCE_POLICIES,
+    check_cp_hicache_server_args,
+    host_balance_policy,
+)
 from sglang_cp_hicache.sglang.host_copies import cp_copies_installed, install_cp_copies
 from sglang_cp_hicache.sglang.step_status import GroupOutcome, StepStatus, Vote
 from sglang_cp_hicache.sglang.transfer_adapter import CpTransferAdapter, PendingLoad, PendingWrite, WriteState
@@ -134,6 +139,7 @@ class CpHiRadixCache(HiRadixCache):
                 f"CpSharedPagedTokenToKVPoolAllocator, got {type(allocator).__name__}"
             )
         check_cp_hicache_server_args(server_args, cp_shared_kv=True)
+        self.cp_host_balance = host_balance_policy()
         if not isinstance(allocator.get_kvcache(), DSATokenToKVPool):
             raise TypeError(
                 "CP shared KV HiCache needs a DSATokenToKVPool device pool, got "
@@ -160,7 +166,7 @@ class CpHiRadixCache(HiRadixCache):
         allocator.set_lane_bias(lambda: self._ledger.used)
         # ...and when the least loaded rank has no free device page, one is
         # made free by evicting for that lane (keeps host shares within a page).
-        allocator.set_lane_reclaim(self._reclaim_lane)
+        allocator.set_lane_reclaim(self._reclaim_lane if self.cp_host_balance == "exact" else None)
         self.cp_warmup = self._warm_up_copies()
 
     # ---- setup -----------------------------------------------------------
@@ -191,16 +197,26 @@ class CpHiRadixCache(HiRadixCache):
         return report
 
     def _make_ledger(self) -> HostSlotLedger:
+        """The host ledger, after checking (the two start-up all-reduces) that
+        every rank has the same host pool size and host-balance policy: either
+        differing would make ranks decide differently."""
         capacity = int(self.token_to_kv_pool_host.size)
-        lo = torch.tensor([capacity], dtype=torch.int64)
-        hi = torch.tensor([-capacity], dtype=torch.int64)
+        policy = HOST_BALANCE_POLICIES.index(self.cp_host_balance)
+        lo = torch.tensor([capacity, policy], dtype=torch.int64)
+        hi = torch.tensor([-capacity, -policy], dtype=torch.int64)
         self._all_reduce(lo, torch.distributed.ReduceOp.MIN)
         self._all_reduce(hi, torch.distributed.ReduceOp.MIN)
-        if int(lo) != capacity or -int(hi) != capacity:
+        if int(lo[0]) != capacity or -int(hi[0]) != capacity:
             raise ValueError(
-                f"CP ranks have different host pool sizes ({int(lo)}..{-int(hi)} slots); "
+                f"CP ranks have different host pool sizes ({int(lo[0])}..{-int(hi[0])} slots); "
                 "size every rank's device pool with "
                 "CpSharedPagedTokenToKVPoolAllocator.physical_size_for()"
+            )
+        if int(lo[1]) != -int(hi[1]):
+            raise ValueError(
+                f"CP ranks run different {HOST_BALANCE_ENV} policies "
+                f"({HOST_BALANCE_POLICIES[int(lo[1])]} and {HOST_BALANCE_POLICIES[-int(hi[1])]}); "
+                "set it the same on every rank"
             )
         return HostSlotLedger([capacity] * self.cp_layout.cp_size)
 

@@ -187,8 +187,12 @@ class SimRankEngine(RankEngineBase):
             if new_len <= 0:
                 new = _EMPTY
             elif self.cp_mode:  # the CP allocator also hands out the CPU page mirror
+                reclaimed = cache.cp_counters.lane_reclaim_tokens
                 got = allocator.alloc_mirrored(new_len)
                 new, new_pages = (None, None) if got is None else (got.locs, got.pages)
+                # the allocator may evict for a lane that is short (host balance)
+                record.device_tokens_reclaimed = cache.cp_counters.lane_reclaim_tokens - reclaimed
+                record.device_tokens_evicted += record.device_tokens_reclaimed
             else:
                 new = allocator.alloc(new_len)
         if new is None:  # everything left is locked: identical on every rank
@@ -289,6 +293,9 @@ class SimRankEngine(RankEngineBase):
             totals.host_evicted_slots, totals.host_evicted_nodes = c.host_evicted_slots, c.host_evicted_nodes
             totals.load_backs, totals.load_back_tokens = c.load_backs, c.load_back_tokens
             totals.device_page_reads = c.device_page_reads
+            totals.lane_reclaims = self.allocator.lane_reclaims
+            totals.uneven_picks = self.allocator.uneven_picks
+            totals.host_balance = self.cache.cp_host_balance
             totals.backup_slots, totals.load_slots = s.backup_slots, s.load_slots
             totals.zero_owned_writes, totals.zero_owned_loads = s.zero_owned_writes, s.zero_owned_loads
             self.acks.writes_queued, self.acks.loads_queued = s.writes, s.loads

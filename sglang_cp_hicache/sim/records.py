@@ -31,6 +31,7 @@ class RequestRecord:
     new_tokens: int = 0  # computed and written by this request
     duplicate_tokens_freed: int = 0  # insert found them already in the tree
     device_tokens_evicted: int = 0  # evicted to make room for this request
+    device_tokens_reclaimed: int = 0  # of those, evicted for one lane (CP: keeps host shares even)
     verified_pages: int = 0  # owned prefix pages checked byte by byte (this rank)
     restored_pages_verified: int = 0  # of those, pages that load-back just restored
     corrupted_pages: int = 0
@@ -68,6 +69,9 @@ class EngineTotals:
     zero_owned_loads: int = 0
     consensus_calls: int = 0
     device_page_reads: int = 0  # CP inserts without the CPU page mirror (each a device read)
+    lane_reclaims: int = 0  # CP allocator: evictions for a lane that was short
+    uneven_picks: int = 0  # CP allocator: pages placed off balance (nothing to reclaim)
+    host_balance: str = ""  # CP cache: SGLANG_CP_HICACHE_HOST_BALANCE policy (exact | greedy)
     host_slot_capacity: int = 0  # physical, this rank
     tree_digest: str = ""
     invariant_violations: list[str] = field(default_factory=list)

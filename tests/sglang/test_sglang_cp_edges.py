@@ -231,3 +231,42 @@ def test_a_short_lane_is_reclaimed_from_its_lru_leaf_on_every_rank(cluster):
     report = cl.load_back(second)  # the reclaimed leaf comes back, bit-exact
     assert all(v.numel() == P for _, v, _ in report.loaded_per_rank)
     assert cl.check(second) == {} and cl.check(first) == {}
+
+
+def test_host_balance_policy_comes_from_the_environment(monkeypatch):
+    from sglang_cp_hicache.sglang.checks import HOST_BALANCE_ENV, host_balance_policy
+
+    monkeypatch.delenv(HOST_BALANCE_ENV, raising=False)
+    assert host_balance_policy() == "exact"
+    monkeypatch.setenv(HOST_BALANCE_ENV, " Greedy ")
+    assert host_balance_policy() == "greedy"
+    monkeypatch.setenv(HOST_BALANCE_ENV, "balanced")
+    with pytest.raises(ValueError, match=f"{HOST_BALANCE_ENV} must be one of exact, greedy, got 'balanced'"):
+        host_balance_policy()
+
+
+def test_greedy_host_balance_never_evicts_for_a_lane(cluster, monkeypatch):
+    from sglang_cp_hicache.sglang.checks import HOST_BALANCE_ENV
+
+    monkeypatch.setenv(HOST_BALANCE_ENV, "greedy")
+    cl = cluster(cp_size=2, device_pages=3, host_pages=8)
+    for s in cl.stacks:
+        assert s.cache.cp_host_balance == "greedy" and s.allocator._lanes.lane_reclaim is None
+    monkeypatch.setenv(HOST_BALANCE_ENV, "exact")
+    cl = cluster(cp_size=2, device_pages=3, host_pages=8)
+    assert all(s.allocator._lanes.lane_reclaim == s.cache._reclaim_lane for s in cl.stacks)
+
+
+def test_ranks_with_different_host_balance_policies_refuse_to_start(monkeypatch):
+    """The policy decides which device pages get evicted: ranks that differ
+    would diverge, so the start-up check (the host-pool-size all-reduces,
+    no extra collective) refuses on every rank."""
+    import itertools
+
+    from sglang_cp_hicache.sglang import hiradix
+    from sglang_cp_hicache.sglang.checks import HOST_BALANCE_ENV
+
+    policies = itertools.cycle(["exact", "greedy"])
+    monkeypatch.setattr(hiradix, "host_balance_policy", lambda: next(policies))
+    with pytest.raises(ValueError, match=f"different {HOST_BALANCE_ENV} policies"):
+        CpCluster(CpStackConfig(cp_size=2, device_pages=3, host_pages=8), threaded=True, timeout_s=30)

@@ -74,6 +74,30 @@ def test_short_run_is_bit_exact_and_ranks_agree(tmp_path):
     assert "result: OK" in proc.stdout
 
 
+def test_roomy_host_shares_stay_within_a_page_of_one_nth(tmp_path):
+    """CP 4 with a host pool nothing is evicted from and a tight device pool:
+    every rank's host slots end within one page of 1/4 of what non-CP holds,
+    because the allocator evicts for a lane that runs dry (the same leaves on
+    every rank). With SGLANG_CP_HICACHE_HOST_BALANCE=greedy the same run ends
+    +2.5 / -2.5 pages off."""
+    out = tmp_path / "roomy.json"
+    proc, _ = simulate("--cp-size", "4", "--device-pages", "16", "--host-pages", "400",
+                       "--requests", "120", "--compare-non-cp", "--json", str(out))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    s = json.loads(out.read_text())
+    assert s["ok"] and s["ranks_agree"] and s["corrupted_pages"] == 0
+    assert s["host_evicted_slots"] == 0  # roomy: the shares are what was written
+    comp = s["comparison"]
+    assert all(abs(d) <= 1 for d in comp["host_slots_deviation_pages_per_rank"]), comp
+    assert comp["host_slots_goal_met"]
+    assert sum(s["host_slots_per_rank"]) == s["non_cp"]["host_slots"]
+    assert s["host_balance"] == "exact"
+    reclaims = s["lane_reclaims_per_rank"]
+    assert reclaims[0] > 0 and len(set(reclaims)) == 1  # it acted, identically on every rank
+    assert s["device_reclaimed_tokens"] > 0 and "for host balance" in proc.stdout
+    assert s["all_reduces_per_request"]["cp"] == s["all_reduces_per_request"]["non_cp"]
+
+
 def test_injected_rank_failure_stops_every_rank_with_a_clear_message():
     proc, seconds = simulate("--cp-size", "2", "--requests", "10", env={FAIL_ENV: "1:2"})
     assert proc.returncode == 1
