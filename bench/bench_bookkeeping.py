@@ -140,6 +140,55 @@ def bench_load_vs_free_pages(rows: list, free_pages: int, chain_pages: int = 16)
         rows.append((name, page_size, cp_size, chain_pages * page_size, f"free={free_pages}", p50, p80))
 
 
+def bench_alloc(rows: list, num_pages: int = 16, cp_size: int = 8) -> None:
+    """A new request's pages (the allocator's part of ``alloc_extend``): plain,
+    steered by the host ledger (``lane_bias``), and steered with the least
+    loaded lane empty so every page needs ``lane_reclaim`` (here a stand-in
+    that frees a held page of that lane; the cache's own LRU scan is
+    SGLang's eviction heap, O(evictable leaves), as ``evict()``)."""
+    page_size = 64
+    total = num_pages * cp_size * 4
+
+    def make(bias=None, reclaim=False):
+        alloc = OwnerLaneAllocator(page_size * total, page_size, cp_size)
+        held: list[int] = []
+        if bias is not None:
+            alloc.lane_bias = lambda: bias
+        if reclaim:
+            held = alloc.alloc_pages_with_owners([0] * (total // cp_size)).view(-1, page_size)[:, 0].div(
+                page_size, rounding_mode="floor").tolist()
+
+            def lane_reclaim(lane, pages):
+                freed = 0
+                while alloc.lane_available_pages()[lane] < pages and held:
+                    alloc.free_mirrored(torch.tensor([held.pop()]))
+                    freed += 1
+                return freed
+
+            alloc.lane_reclaim = lane_reclaim
+        return alloc, held
+
+    cases = (
+        ("alloc_plain", None, False),
+        ("alloc_host_biased", [0] * cp_size, False),
+        ("alloc_biased_reclaim_every_page", [0] + [10**6] * (cp_size - 1), True),
+    )
+    for name, bias, reclaim in cases:
+        alloc, held = make(bias, reclaim)
+
+        def once():
+            got = alloc.alloc_mirrored(num_pages * page_size)
+            if reclaim:  # hand the pages back to the "cache", lane 0 empty again
+                held.extend(got.pages.tolist())
+                alloc.merge_free()
+            else:
+                alloc.free_mirrored(got.pages)
+
+        p50, p80 = _time_us(once, 300)
+        assert (alloc.lane_reclaims > 0) == reclaim and alloc.uneven_picks == 0
+        rows.append((name, page_size, cp_size, num_pages * page_size, "", p50, p80))
+
+
 def bench_host_eviction(rows: list, num_leaves: int, evict_k: int = 100, rounds: int = 5) -> None:
     page_size, cp_size = 64, 4
     samples = []
@@ -191,6 +240,7 @@ def main() -> int:
             bench_load(rows, 64, cp_size, tokens)
     for free_pages in (10**4, 10**5):
         bench_load_vs_free_pages(rows, free_pages)
+    bench_alloc(rows)
     for leaves in (10**2, 10**3, 10**4, 10**5):
         bench_host_eviction(rows, leaves)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
