@@ -352,7 +352,8 @@ class CpHiRadixCache(HiRadixCache):
         Returns the counts every rank may consume."""
         n = len(counts)
         write_acks, load_acks = counts[0], counts[1] if n > 1 else 0
-        first = min((r.seq for r in self._inflight_writes.values()), default=None)
+        # Only a failed write needs the oldest in-flight one (its cut's origin).
+        first = self._first_inflight_write_seq() if self._step_status.write is not None else None
         vec = torch.tensor(
             [*self._step_status.words(write_acks, load_acks, first), *counts[2:]], dtype=torch.int64
         )
@@ -365,7 +366,7 @@ class CpHiRadixCache(HiRadixCache):
         if write.ok and load.ok:
             return out
         if not write.ok:
-            self._take_back_writes(write, first)
+            self._take_back_writes(write, self._first_inflight_write_seq())
         if not load.ok:
             self._take_back_loads()
         if write.vote == Vote.FAILED or load.vote == Vote.FAILED:
@@ -377,6 +378,11 @@ class CpHiRadixCache(HiRadixCache):
                 f"(this rank: {error!r})"
             ) from error
         return out
+
+    def _first_inflight_write_seq(self) -> Optional[int]:
+        """Sequence number of the oldest write whose ack is not consumed
+        (the same on every rank: the same writes, the same acks consumed)."""
+        return min((r.seq for r in self._inflight_writes.values()), default=None)
 
     def _take_back_writes(self, outcome: GroupOutcome, first_seq: int) -> None:
         """Undo every in-flight write from the first failed one on (newest
