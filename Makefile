@@ -19,8 +19,8 @@ test-0518:
 # The copy paths again with the Triton kernels themselves (interpreter) as the
 # CPU backend: kernels, the adapter's copy path, faults, no-sync.
 test-0518-interpreted:
-	TRITON_INTERPRET=1 $(PY) -m pytest tests/kernels tests/sglang/test_sglang_cp.py \
-		tests/sglang/test_faults.py tests/sglang/test_no_sync.py
+	TRITON_INTERPRET=1 $(PY) -m pytest tests/kernels tests/sglang_0518/test_sglang_cp.py \
+		tests/sglang_0518/test_faults.py tests/sglang_0518/test_no_sync.py
 
 # On a machine with one GPU (< 5 minutes); results under bench/results/gpu_check_<time>
 gpu-check:
@@ -43,7 +43,7 @@ install-0523:
 SOAK_MINUTES ?= 20
 .PHONY: soak
 soak:
-	$(PY) -m tests.sglang.soak --minutes $(SOAK_MINUTES)
+	$(PY) -m tests.sglang_0518.soak --minutes $(SOAK_MINUTES)
 
 # The SGLang 0.5.23 suite (collected only under 0.5.23).
 .PHONY: test-0523

@@ -25,9 +25,9 @@ from typing import Any, Optional
 
 import torch
 
-from sglang_cp_hicache import (
+from sglang_cp_hicache.placement import CpPlacement
+from sglang_cp_hicache.policy_0518 import (
     CpHiCacheNodeMetadata,
-    CpSharedKVLayout,
     HostLeafIndex,
     OwnerLaneAllocator,
     evict_host_slots,
@@ -85,7 +85,7 @@ def _node(page_size: int, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def bench_split(rows: list, page_size: int, cp_size: int, tokens: int) -> None:
-    lay = CpSharedKVLayout(page_size, cp_size, 0)
+    lay = CpPlacement(page_size, cp_size, 0)
     meta = plan_write(lay, *_node(page_size, tokens), _HostPool(10**7).alloc).metadata
     cut = (tokens // 2 // page_size) * page_size
     p50, p80 = _time_us(lambda: meta.split(cut), 2000)
@@ -93,7 +93,7 @@ def bench_split(rows: list, page_size: int, cp_size: int, tokens: int) -> None:
 
 
 def bench_write(rows: list, page_size: int, cp_size: int, tokens: int) -> None:
-    lay = CpSharedKVLayout(page_size, cp_size, 0)
+    lay = CpPlacement(page_size, cp_size, 0)
     pool = _HostPool(10**7)
     pages, locs = _node(page_size, tokens)
     # trusted: the cache hands in its own validated page mirror (as the adapter does)
@@ -102,7 +102,7 @@ def bench_write(rows: list, page_size: int, cp_size: int, tokens: int) -> None:
 
 
 def bench_load(rows: list, page_size: int, cp_size: int, tokens: int) -> None:
-    lay = CpSharedKVLayout(page_size, cp_size, 0)
+    lay = CpPlacement(page_size, cp_size, 0)
     meta = plan_write(lay, *_node(page_size, tokens), _HostPool(10**7).alloc).metadata
     alloc = OwnerLaneAllocator(page_size * (4 * tokens // page_size + 4 * cp_size), page_size, cp_size)
 
@@ -121,7 +121,7 @@ def bench_load_vs_free_pages(rows: list, free_pages: int, chain_pages: int = 16)
     (a snapshot of every free list, O(free pages)) and the current way (an
     undo log, O(pages touched)); both then roll the allocation back."""
     page_size, cp_size = 64, 8
-    lay = CpSharedKVLayout(page_size, cp_size, 0)
+    lay = CpPlacement(page_size, cp_size, 0)
     meta = plan_write(lay, *_node(page_size, chain_pages * page_size), _HostPool(10**7).alloc).metadata
     alloc = OwnerLaneAllocator(page_size * free_pages, page_size, cp_size)
 

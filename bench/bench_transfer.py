@@ -59,7 +59,7 @@ from sglang_cp_hicache.kernels import (
     reference,
     warmup,
 )
-from sglang_cp_hicache.layout import CpSharedKVLayout
+from sglang_cp_hicache.placement import CpPlacement
 
 PAGE_SIZE = 64  # DSA pages
 
@@ -226,7 +226,7 @@ def make_pools(kind: str, host_layout: str, num_layers: int, num_pages: int, dev
     return pools
 
 
-def make_batch(num_pages: int, pool_pages: int, layout: CpSharedKVLayout, device, seed: int):
+def make_batch(num_pages: int, pool_pages: int, layout: CpPlacement, device, seed: int):
     """``num_pages`` logical pages with the real owner mix, for ``layout``'s rank.
 
     A sequence's pages sit in a CP-shared pool as groups of ``cp_size``
@@ -319,7 +319,7 @@ def direct_call(p: Pools, direction, phys_pages, host_pages):
 def gpu_checks(device) -> dict:
     """Compiled kernels vs the reference, bitwise, on the GPU; no host syncs."""
     results = {"bitwise": {}, "sync_free": {}}
-    layout = CpSharedKVLayout(PAGE_SIZE, 2, 1)
+    layout = CpPlacement(PAGE_SIZE, 2, 1)
     for kind in KINDS:
         for hl in HOST_LAYOUTS:
             a = make_pools(kind, hl, 3, 16, device)
@@ -444,7 +444,7 @@ def run_gpu(args) -> tuple[list[dict], dict, dict]:
                 pinned = torch.empty(sweep.num_layers, pool_pages, pools.page_bytes, dtype=torch.uint8,
                                      pin_memory=True)
             for cp_size in sweep.cp_sizes if main else (1,):
-                layout = CpSharedKVLayout(PAGE_SIZE, cp_size, 0)
+                layout = CpPlacement(PAGE_SIZE, cp_size, 0)
                 for num_pages in sizes:
                     dl, hloc, phys, hpages = make_batch(num_pages, pool_pages, layout, device, num_pages)
                     common = dict(kind=kind, hl=hl, cp_size=cp_size, page_bytes=pools.page_bytes,
@@ -494,7 +494,7 @@ def run_cpu(args) -> tuple[list[dict], dict, dict]:
     for kind in args.kinds or KINDS:
         pools = make_pools(kind, args.host_layout, args.layers, max(pages), device)
         for cp_size in args.cp_sizes:
-            layout = CpSharedKVLayout(PAGE_SIZE, cp_size, 0)
+            layout = CpPlacement(PAGE_SIZE, cp_size, 0)
             for num_pages in pages:
                 dl, hloc, phys, _ = make_batch(num_pages, max(pages), layout, device, num_pages)
                 for direction in ("d2h", "h2d"):

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from sglang_cp_hicache.kernels import HOST_LAYOUTS, reference, transfer
-from sglang_cp_hicache.layout import DSA_PAGE_SIZE, CpSharedKVLayout
+from sglang_cp_hicache.placement import DSA_PAGE_SIZE, CpPlacement
 
 POISON = 0xA5
 # buffer -> (kv?, dtype, row elements given page_size)
@@ -113,7 +113,7 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------- batches
-def owner_mix_batch(g: Geometry, layout: CpSharedKVLayout, gen: torch.Generator, host_pages=None):
+def owner_mix_batch(g: Geometry, layout: CpPlacement, gen: torch.Generator, host_pages=None):
     """``g.num_pages`` logical pages as groups of cp_size consecutive pages (one
     per owner, round robin) scattered over the pool; the owned ones get
     ``host_pages`` (default: scattered ones). Returns (device_locs, host_locs,
@@ -161,7 +161,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def roundtrip(kind: str, hl: str, layout: CpSharedKVLayout, host: HostBuffer, g: Geometry,
+def roundtrip(kind: str, hl: str, layout: CpPlacement, host: HostBuffer, g: Geometry,
               device: torch.device, seed: int) -> str | None:
     """None if every byte is right, else what differed."""
     gen = torch.Generator().manual_seed(seed)
@@ -218,7 +218,7 @@ def run_roundtrips(device: torch.device, g: Geometry, allocs: list[str], cp_size
                         for r in range(n):
                             key = f"{alloc}/{kind}/{hl}/cp{n}/rank{r}"
                             try:
-                                err = roundtrip(kind, hl, CpSharedKVLayout(g.page_size, n, r), host, g, device,
+                                err = roundtrip(kind, hl, CpPlacement(g.page_size, n, r), host, g, device,
                                                 seed=zlib.crc32(key.encode()))
                                 results[key] = True if err is None else err
                             except Exception as exc:  # noqa: BLE001 -- recorded, the run goes on
@@ -238,7 +238,7 @@ def run_sync_free(device: torch.device, g: Geometry, allocs: list[str]) -> dict:
             for hl in HOST_LAYOUTS:
                 for n, r in ((1, 0), (8, 3)):
                     key = f"{alloc}/{kind}/{hl}/cp{n}"
-                    layout = CpSharedKVLayout(g.page_size, n, r)
+                    layout = CpPlacement(g.page_size, n, r)
                     gen = torch.Generator().manual_seed(n)
                     host = HostBuffer(host_shape(kind, hl, g), KINDS[kind][1], alloc)
                     try:

@@ -211,9 +211,9 @@ def library_prepare(batch: Batch, cp_size: int, rank: int, device: torch.device)
 
 def library_backup(pools: Pools, batch: Batch, cp_size: int, rank: int) -> None:
     from sglang_cp_hicache.kernels import transfer
-    from sglang_cp_hicache.layout import CpSharedKVLayout
+    from sglang_cp_hicache.placement import CpPlacement
 
-    layout = CpSharedKVLayout(P, cp_size, rank)
+    layout = CpPlacement(P, cp_size, rank)
     rows = library_prepare(batch, cp_size, rank, pools.device)
     transfer.backup_kv_all_layers(pools.kv_host.device_kv_buffers, pools.kv_host.kv_buffer, pools.host_layout,
                                   batch.device_locs, rows, layout)
@@ -224,9 +224,9 @@ def library_backup(pools: Pools, batch: Batch, cp_size: int, rank: int) -> None:
 
 def library_load(pools: Pools, batch: Batch, cp_size: int, rank: int) -> None:
     from sglang_cp_hicache.kernels import transfer
-    from sglang_cp_hicache.layout import CpSharedKVLayout
+    from sglang_cp_hicache.placement import CpPlacement
 
-    layout = CpSharedKVLayout(P, cp_size, rank)
+    layout = CpPlacement(P, cp_size, rank)
     rows = library_prepare(batch, cp_size, rank, pools.device)
     for layer in range(pools.kv_pool.layer_num):
         transfer.load_kv_one_layer(pools.kv_host.device_kv_buffers[layer], pools.kv_host.kv_buffer,

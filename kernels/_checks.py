@@ -18,7 +18,7 @@ from typing import Sequence
 
 import torch
 
-from sglang_cp_hicache.layout import CpSharedKVLayout
+from sglang_cp_hicache.placement import CpPlacement
 from sglang_cp_hicache.validation import check_int
 
 HOST_LAYOUTS = ("layer_first", "page_first", "page_first_direct")
@@ -50,9 +50,9 @@ class HostGeometry:
     row_elems: int
 
 
-def check_layout(layout: object) -> CpSharedKVLayout:
-    if not isinstance(layout, CpSharedKVLayout):
-        raise TypeError(f"layout must be a CpSharedKVLayout, got {type(layout).__name__}")
+def check_layout(layout: object) -> CpPlacement:
+    if not isinstance(layout, CpPlacement):
+        raise TypeError(f"layout must be a CpPlacement, got {type(layout).__name__}")
     return layout
 
 
@@ -174,7 +174,7 @@ def check_kv_call(
     dev: torch.Tensor,
     host_kv: torch.Tensor,
     host_layout: str,
-    layout: CpSharedKVLayout,
+    layout: CpPlacement,
 ) -> HostGeometry:
     """Checks shared by both KV directions; returns the host geometry."""
     check_tensor("host_kv", host_kv)
@@ -204,7 +204,7 @@ def check_lengths(device_locs: torch.Tensor, host_locs: torch.Tensor) -> None:
 
 
 def check_owned_count(
-    device_locs: torch.Tensor, host_locs: torch.Tensor, layout: CpSharedKVLayout
+    device_locs: torch.Tensor, host_locs: torch.Tensor, layout: CpPlacement
 ) -> torch.Tensor:
     """``len(host_locs)`` must equal the owned tokens of ``device_locs``.
 
@@ -223,7 +223,7 @@ def check_owned_count(
 def check_indices(
     device_locs: torch.Tensor,
     host_locs: torch.Tensor,
-    layout: CpSharedKVLayout,
+    layout: CpPlacement,
     dev_num_pages: int,
     host_num_pages: int,
 ) -> None:

@@ -30,7 +30,7 @@ How a program works (``num_ctas`` programs, persistent-style):
    current tile is stored, so two tiles are in flight per program.
 
 Owners are computed with floor division, like the CPU side
-(``CpSharedKVLayout``), so both agree on which pages a rank owns even for
+(``CpPlacement``), so both agree on which pages a rank owns even for
 negative locations. A page whose physical page or host page falls outside its
 buffer (negative included) keeps its host slot in the pairing but is not
 copied: a stray store into pinned host memory corrupts the process.

@@ -25,7 +25,7 @@ import triton
 from sglang_cp_hicache.kernels import _checks, _twin, cp_page_copy
 from sglang_cp_hicache.kernels._backend import select_backend
 from sglang_cp_hicache.kernels.cp_page_copy import DEFAULT_NUM_CTAS, _Launch, _specialise
-from sglang_cp_hicache.layout import CpSharedKVLayout
+from sglang_cp_hicache.placement import CpPlacement
 
 __all__ = ["OPS", "WarmupReport", "compile_offline", "warmup"]
 
@@ -55,7 +55,7 @@ class _StandIn:
     op: str
     plan: _Launch
     locs: torch.Tensor
-    layout: CpSharedKVLayout
+    layout: CpPlacement
 
 
 def _stand_ins(
@@ -77,7 +77,7 @@ def _stand_ins(
     one-page device layers specialise exactly like the real pools (every int
     argument is do_not_specialize, every pointer do_not_specialize_on_alignment).
     """
-    layout = CpSharedKVLayout(page_size, 1, 0)
+    layout = CpPlacement(page_size, 1, 0)
     locs = torch.arange(page_size, dtype=torch.int64, device=device)
     out = []
     if kv_dim is not None:

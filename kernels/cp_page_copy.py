@@ -37,7 +37,7 @@ from sglang_cp_hicache.kernels._kernel import (
     VECTOR_BYTES,
     WALK_PAGES,
 )
-from sglang_cp_hicache.layout import CpSharedKVLayout
+from sglang_cp_hicache.placement import CpPlacement
 
 __all__ = [
     "DEFAULT_BLOCK_BYTES",
@@ -215,7 +215,7 @@ def _specialise(
     plan: _Launch,
     device_locs: torch.Tensor,
     host_locs: torch.Tensor,
-    layout: CpSharedKVLayout,
+    layout: CpPlacement,
     num_ctas: int,
     block_bytes: int,
 ) -> _Spec:
@@ -286,7 +286,7 @@ def _launch(
     plan: _Launch,
     device_locs: torch.Tensor,
     host_locs: torch.Tensor,
-    layout: CpSharedKVLayout,
+    layout: CpPlacement,
     num_ctas: int,
     block_bytes: int,
 ) -> None:
@@ -309,7 +309,7 @@ def _prepare(
     host_name: str,
     host: torch.Tensor,
     host_layout: str,
-    layout: CpSharedKVLayout,
+    layout: CpPlacement,
     kv: bool,
     device_locs: torch.Tensor,
     host_locs: torch.Tensor,
@@ -360,7 +360,7 @@ def _check_layers_fit(dev_name: str, layers: Sequence[torch.Tensor], host_name: 
 # ----------------------------------------------------------------------------- public launchers
 def _backup_all_layers(
     dev_name: str, device_layers, host_name: str, host: torch.Tensor, host_layout: str,
-    device_locs: torch.Tensor, host_locs: torch.Tensor, layout: CpSharedKVLayout,
+    device_locs: torch.Tensor, host_locs: torch.Tensor, layout: CpPlacement,
     *, kv: bool, num_ctas: int | None, block_bytes: int | None,
 ) -> None:
     """Shared body of the two backups (KV rows or indexer pages)."""
@@ -383,7 +383,7 @@ def _backup_all_layers(
 
 def _load_one_layer(
     dev_name: str, device_layer, host_name: str, host: torch.Tensor, host_layout: str,
-    layer_id: int, device_locs: torch.Tensor, host_locs: torch.Tensor, layout: CpSharedKVLayout,
+    layer_id: int, device_locs: torch.Tensor, host_locs: torch.Tensor, layout: CpPlacement,
     *, kv: bool, num_ctas: int | None, block_bytes: int | None,
 ) -> None:
     """Shared body of the two loads (KV rows or indexer pages)."""
@@ -411,7 +411,7 @@ def backup_kv_all_layers(
     host_layout: str,
     device_locs: torch.Tensor,
     host_locs: torch.Tensor,
-    layout: CpSharedKVLayout,
+    layout: CpPlacement,
     *,
     num_ctas: int | None = None,
     block_bytes: int | None = None,
@@ -428,7 +428,7 @@ def load_kv_one_layer(
     layer_id: int,
     device_locs: torch.Tensor,
     host_locs: torch.Tensor,
-    layout: CpSharedKVLayout,
+    layout: CpPlacement,
     *,
     num_ctas: int | None = None,
     block_bytes: int | None = None,
@@ -444,7 +444,7 @@ def backup_indexer_all_layers(
     host_layout: str,
     device_locs: torch.Tensor,
     host_locs: torch.Tensor,
-    layout: CpSharedKVLayout,
+    layout: CpPlacement,
     *,
     num_ctas: int | None = None,
     block_bytes: int | None = None,
@@ -462,7 +462,7 @@ def load_indexer_one_layer(
     layer_id: int,
     device_locs: torch.Tensor,
     host_locs: torch.Tensor,
-    layout: CpSharedKVLayout,
+    layout: CpPlacement,
     *,
     num_ctas: int | None = None,
     block_bytes: int | None = None,

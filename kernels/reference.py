@@ -6,7 +6,7 @@ Terms (shared with the Triton kernels):
   of ``page_size``; each page's locations contiguous and page aligned), int64.
 * ``host_locs`` -- host slots for the tokens of ``device_locs`` that this rank
   owns, in order (length = owned tokens), int64, whole host pages.
-* ``layout`` -- a :class:`~sglang_cp_hicache.layout.CpSharedKVLayout`; pages
+* ``layout`` -- a :class:`~sglang_cp_hicache.placement.CpPlacement`; pages
   owned by other ranks are skipped, owned ones translated to physical slots.
 
 Host buffers follow SGLang 0.5.18's ``MLATokenToKVPoolHost`` and
@@ -37,7 +37,7 @@ import torch
 
 from sglang_cp_hicache.kernels import _checks
 from sglang_cp_hicache.kernels._checks import HOST_LAYOUTS
-from sglang_cp_hicache.layout import CpSharedKVLayout
+from sglang_cp_hicache.placement import CpPlacement
 
 __all__ = [
     "HOST_LAYOUTS",
@@ -48,7 +48,7 @@ __all__ = [
 ]
 
 
-def _owned_physical(device_locs: torch.Tensor, layout: CpSharedKVLayout) -> torch.Tensor:
+def _owned_physical(device_locs: torch.Tensor, layout: CpPlacement) -> torch.Tensor:
     """Physical device slots of the owned tokens, in order (aligned with
     ``host_locs`` once :func:`_checks.check_indices` passed)."""
     return layout.logical_locs_to_physical(device_locs[layout.owned_by_this_rank(device_locs)])
@@ -87,7 +87,7 @@ def _pages(locs: torch.Tensor, page_size: int) -> torch.Tensor:
     return torch.div(locs.view(-1, page_size)[:, 0], page_size, rounding_mode="floor")
 
 
-def _check_common(layout, host_layout, device_locs, host_locs) -> CpSharedKVLayout:
+def _check_common(layout, host_layout, device_locs, host_locs) -> CpPlacement:
     layout = _checks.check_layout(layout)
     _checks.check_host_layout(host_layout)
     _checks.check_locs("device_locs", device_locs, layout.page_size)
@@ -107,7 +107,7 @@ def backup_kv_all_layers_reference(
     host_layout: str,
     device_locs: torch.Tensor,
     host_locs: torch.Tensor,
-    layout: CpSharedKVLayout,
+    layout: CpPlacement,
 ) -> None:
     """D2H: every layer's owned KV rows -> host slots."""
     layout = _check_common(layout, host_layout, device_locs, host_locs)
@@ -130,7 +130,7 @@ def load_kv_one_layer_reference(
     layer_id: int,
     device_locs: torch.Tensor,
     host_locs: torch.Tensor,
-    layout: CpSharedKVLayout,
+    layout: CpPlacement,
 ) -> None:
     """H2D: one layer's host slots -> owned physical KV rows."""
     layout = _check_common(layout, host_layout, device_locs, host_locs)
@@ -153,7 +153,7 @@ def backup_indexer_all_layers_reference(
     host_layout: str,
     device_locs: torch.Tensor,
     host_locs: torch.Tensor,
-    layout: CpSharedKVLayout,
+    layout: CpPlacement,
 ) -> None:
     """D2H: every layer's owned indexer pages -> host pages (page granular)."""
     layout = _check_common(layout, host_layout, device_locs, host_locs)
@@ -178,7 +178,7 @@ def load_indexer_one_layer_reference(
     layer_id: int,
     device_locs: torch.Tensor,
     host_locs: torch.Tensor,
-    layout: CpSharedKVLayout,
+    layout: CpPlacement,
 ) -> None:
     """H2D: one layer's host indexer pages -> owned physical device pages."""
     layout = _check_common(layout, host_layout, device_locs, host_locs)

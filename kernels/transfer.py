@@ -26,7 +26,7 @@ from sglang_cp_hicache.kernels import cp_page_copy as _triton
 from sglang_cp_hicache.kernels import reference as _reference
 from sglang_cp_hicache.kernels._backend import BACKENDS, backend_of, select_backend
 from sglang_cp_hicache.kernels.compile import WarmupReport, warmup
-from sglang_cp_hicache.layout import CpSharedKVLayout
+from sglang_cp_hicache.placement import CpPlacement
 
 __all__ = [
     "BACKENDS",
@@ -83,7 +83,7 @@ def reset_copy_stats() -> None:
         _stats = CopyStats()
 
 
-def _record(counter: str, backend: str, layout: CpSharedKVLayout, host_locs: torch.Tensor) -> None:
+def _record(counter: str, backend: str, layout: CpPlacement, host_locs: torch.Tensor) -> None:
     global _stats
     with _STATS_LOCK:
         s = _stats

@@ -1,68 +1,23 @@
 """Context-parallel (CP shared KV) support for SGLang's hierarchical KV cache.
 
-Everything importable from here needs only torch (policy and vocabulary).
-The rooms above it: ``sglang_cp_hicache.kernels`` (Triton page copies and
-their dispatcher, ``kernels.transfer``), ``sglang_cp_hicache.sglang`` (the
-SGLang 0.5.18 adapter a server runs), ``sglang_cp_hicache.testing`` (CPU
-harness for tests and the simulator) and ``sglang_cp_hicache.sim``.
+Importing this package needs only torch. What lives here is shared by both
+SGLang releases: the page placement (``placement``: which CP rank owns a
+logical page, and where it sits there), argument checks (``validation``) and
+the library's settings (``settings``). The rooms above it:
+
+* ``sglang_cp_hicache.kernels`` -- Triton page copies, their torch reference
+  and the dispatcher ``kernels.transfer`` (both releases copy through it);
+* ``sglang_cp_hicache.policy_0518`` -- the 0.5.18 adapter's policy, torch only;
+* ``sglang_cp_hicache.sglang_0518`` -- the SGLang 0.5.18 adapter
+  (``CpHiRadixCache``, a plugin, its hook registry);
+* ``sglang_cp_hicache.sglang_0523`` -- the SGLang 0.5.23 adapter (a HiCache
+  stack strategy on upstream's KV-sharded pool, its hook registry);
+* ``sglang_cp_hicache.testing`` -- the CPU harness (tests and simulator only);
+* ``sglang_cp_hicache.sim`` -- the multi-process simulator behind
+  ``python -m sglang_cp_hicache simulate``.
 """
 
-from sglang_cp_hicache.allocator import AllocatorSnapshot, OwnerLaneAllocator, PageAllocation
-from sglang_cp_hicache.host_eviction import (
-    HostEvictionResult,
-    HostLeafIndex,
-    HostSlotLedger,
-    evict_host_slots,
-    is_host_leaf,
-)
-from sglang_cp_hicache.layout import DSA_PAGE_SIZE, CpSharedKVLayout
-from sglang_cp_hicache.load_back import LoadBackOutcome, collect_evicted_chain, cp_load_back
-from sglang_cp_hicache.metadata import CpHiCacheNodeMetadata
-from sglang_cp_hicache.node_state import (
-    HostClearResult,
-    clear_host_state,
-    is_backed_up,
-    logical_host_len,
-    set_host_state,
-    split_host_state,
-)
-from sglang_cp_hicache.plan import (
-    CpLoadPlan,
-    CpWritePlan,
-    HiCacheWriteFailure,
-    owner_token_counts,
-    page_owners_of,
-    plan_load,
-    plan_write,
-)
+from sglang_cp_hicache.placement import DSA_PAGE_SIZE, CpPlacement
 
-__all__ = [
-    "DSA_PAGE_SIZE",
-    "AllocatorSnapshot",
-    "CpHiCacheNodeMetadata",
-    "CpLoadPlan",
-    "CpSharedKVLayout",
-    "CpWritePlan",
-    "HiCacheWriteFailure",
-    "HostClearResult",
-    "HostEvictionResult",
-    "HostLeafIndex",
-    "HostSlotLedger",
-    "LoadBackOutcome",
-    "OwnerLaneAllocator",
-    "PageAllocation",
-    "clear_host_state",
-    "collect_evicted_chain",
-    "cp_load_back",
-    "evict_host_slots",
-    "is_backed_up",
-    "is_host_leaf",
-    "logical_host_len",
-    "owner_token_counts",
-    "page_owners_of",
-    "plan_load",
-    "plan_write",
-    "set_host_state",
-    "split_host_state",
-]
+__all__ = ["DSA_PAGE_SIZE", "CpPlacement"]
 __version__ = "0.1.0"

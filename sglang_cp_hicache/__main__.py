@@ -17,7 +17,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(
         prog="sglang-cp-hicache",
-        description="Context-parallel (CP shared KV) HiCache for SGLang 0.5.18 DSA models.",
+        description="Context-parallel (CP shared KV) HiCache for SGLang 0.5.18 and 0.5.23 DSA models.",
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)

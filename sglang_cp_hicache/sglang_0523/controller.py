@@ -22,7 +22,7 @@ import torch
 from sglang.srt.managers.cache_controller import CacheOperation
 from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController
 
-from sglang_cp_hicache.layout import CpSharedKVLayout
+from sglang_cp_hicache.placement import CpPlacement
 from sglang_cp_hicache.sglang_0523.copy_engine import LibraryL2TransferEngine
 
 __all__ = ["LibraryCopyController"]
@@ -39,7 +39,7 @@ class LibraryCopyController(HybridCacheController):
                 "(anchor PageInterleaveHostPool); build it only for PageInterleave pools"
             )
         anchor = self.mem_pool_host.anchor_entry.host_pool
-        self.cp_layout = CpSharedKVLayout(anchor.page_size, anchor.shard_size, anchor.shard_rank)
+        self.cp_layout = CpPlacement(anchor.page_size, anchor.shard_size, anchor.shard_rank)
         self.l2_transfer_engine = LibraryL2TransferEngine(self.io_backend, self.cp_layout)
         # Bumped on every preparation, so start-up can prove this override is
         # what upstream's write and load paths reach.

@@ -33,7 +33,7 @@ from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 from sglang.srt.mem_cache.pool_host.page_interleave import PageInterleaveHostPool
 
 from sglang_cp_hicache.kernels import transfer
-from sglang_cp_hicache.layout import CpSharedKVLayout
+from sglang_cp_hicache.placement import CpPlacement
 
 __all__ = ["CopyCounters", "LibraryL2TransferEngine", "kv_host_pool_of"]
 
@@ -70,9 +70,9 @@ def _locs(indices: torch.Tensor) -> torch.Tensor:
 class LibraryL2TransferEngine(L2TransferEngine):
     """``L2TransferEngine`` whose copies are this library's CP kernels."""
 
-    def __init__(self, io_backend: str, layout: CpSharedKVLayout) -> None:
-        if not isinstance(layout, CpSharedKVLayout):
-            raise TypeError(f"layout must be a CpSharedKVLayout, got {type(layout).__name__}")
+    def __init__(self, io_backend: str, layout: CpPlacement) -> None:
+        if not isinstance(layout, CpPlacement):
+            raise TypeError(f"layout must be a CpPlacement, got {type(layout).__name__}")
         if io_backend != "kernel":
             raise ValueError(
                 f"io_backend must be 'kernel' for the library's copy kernels, got {io_backend!r}"

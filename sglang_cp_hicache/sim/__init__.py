@@ -1,12 +1,15 @@
 """Multi-rank CP HiCache simulator (torch.distributed, gloo).
 
 ``sglang-cp-hicache simulate`` starts one process per CP rank; each builds a
-real SGLang 0.5.18 stack and replays the same requests, writing deterministic
-KV + indexer content into the pages it owns and checking every owned page of
-every matched prefix bit-exactly.
+real SGLang stack -- 0.5.18's ``HiRadixCache`` with this library's CP cache,
+or 0.5.23's KV-sharded ``UnifiedRadixCache`` with this library's or upstream's
+copies (``--sglang``, ``--copy``) -- and replays the same requests, writing
+deterministic KV + indexer content into the pages it owns and checking every
+owned page of every matched prefix bit-exactly.
 
-Modules (none imports SGLang; the rank engine that calls SGLang's cache API
-is :mod:`sglang_cp_hicache.sim.engine`, loaded in the rank processes):
+Modules (none imports SGLang; the rank engines that call SGLang's cache API
+are :mod:`.engine_0518` and :mod:`.engine_0523`, on the shared
+:mod:`.engine_base`, loaded in the rank processes):
 
 * ``content``  -- deterministic page content and bit-exact checks (pure torch)
 * ``workload`` -- synthetic multi-turn chat, JSONL traces

@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from sglang_cp_hicache.layout import DSA_PAGE_SIZE  # SGLang's DSA pools take only 64 (outside ROCm)
+from sglang_cp_hicache.placement import DSA_PAGE_SIZE  # SGLang's DSA pools take only 64 (outside ROCm)
 
 __all__ = [
     "DSA_PAGE_SIZE",

@@ -17,7 +17,7 @@ Upstream's sharded pool decides every owner: the allocator's rotation gives
 page ``i`` of a chain to rank ``(base + i) % N``, host slots follow their
 device pages' owners and a load-back allocates device pages of the host
 pages' owners. The engine reads ownership off the logical locs with this
-library's :class:`CpSharedKVLayout` (the same bijection; the differential
+library's :class:`CpPlacement` (the same bijection; the differential
 tests pin that) and checks owner preservation as an invariant.
 
 ``copy_path`` is the stack's: ``"upstream"`` (``owned_rows`` + the stock ops)

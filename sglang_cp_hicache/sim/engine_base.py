@@ -10,7 +10,7 @@ from typing import Any, Iterator
 
 import torch
 
-from sglang_cp_hicache.layout import CpSharedKVLayout
+from sglang_cp_hicache.placement import CpPlacement
 from sglang_cp_hicache.sim.content import corrupted_token_mask, write_content
 from sglang_cp_hicache.sim.records import AckCounts
 
@@ -20,12 +20,12 @@ __all__ = ["RankEngineBase"]
 class RankEngineBase:
     """Subclasses call :meth:`_bind_stack` first."""
 
-    layout: CpSharedKVLayout
+    layout: CpPlacement
     kv_pool: Any
     page_size: int
     content_seed: int
 
-    def _bind_stack(self, stack: Any, layout: CpSharedKVLayout, content_seed: int) -> None:
+    def _bind_stack(self, stack: Any, layout: CpPlacement, content_seed: int) -> None:
         """The stack's parts every engine uses, and zeroed accounting."""
         self.stack = stack
         self.cache = stack.cache

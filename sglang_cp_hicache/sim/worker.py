@@ -95,8 +95,8 @@ def _agreement(engine_digest: str, acks: tuple, cp_size: int) -> dict[str, Any]:
 
 def _build_0518(spec: RankSpec, group: Any) -> tuple[Any, Any]:
     """One rank's SGLang 0.5.18 stack (CP, or a non-CP baseline process) and its engine."""
-    from sglang_cp_hicache.sim.engine import SimRankEngine
-    from sglang_cp_hicache.testing.stack import CpStackConfig, build_cp_rank_stack
+    from sglang_cp_hicache.sim.engine_0518 import SimRankEngine
+    from sglang_cp_hicache.testing.stack_0518 import CpStackConfig, build_cp_rank_stack
 
     cfg = spec.config
     if spec.cp_mode:

@@ -1,8 +1,11 @@
 """CPU harness for tests and the simulator: never imported by production code.
 
-* :mod:`.cpu_support` -- SGLang 0.5.18's host pools on a machine without CUDA
+* :mod:`.cpu_support` -- SGLang's host pools on a machine without CUDA
   (host-register no-op, CPU copies for non-CP stacks) and the one torchvision
-  stand-in;
+  stand-in (both releases);
 * :mod:`.env` -- ServerArgs, runtime-context and process-group helpers;
-* :mod:`.stack` -- builds one CP rank's real SGLang stack on CPU.
+* :mod:`.patching` -- one reversible set of patches for both CPU harnesses;
+* :mod:`.stack_0518` -- one CP rank's real SGLang 0.5.18 stack on CPU;
+* :mod:`.cpu_0523`, :mod:`.stack_0523` -- the same for SGLang 0.5.23's
+  KV-sharded DSA pool.
 """

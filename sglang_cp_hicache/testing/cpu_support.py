@@ -14,7 +14,7 @@ fallback:
 :func:`install_cpu_support` patches (1) and (2) on the two host pool classes
 and on ``pool_host.common``; the transfers then go through this library's page
 copy backend (:mod:`sglang_cp_hicache.kernels.transfer`) with the identity layout
-``CpSharedKVLayout(page_size, 1, 0)`` -- without CP every device location is
+``CpPlacement(page_size, 1, 0)`` -- without CP every device location is
 its own physical slot. Nothing is faked in ``sgl_kernel`` and no environment
 variable is set. :func:`uninstall_cpu_support` restores every original.
 :func:`ensure_sglang_importable` handles (3) for one process, only when
@@ -39,7 +39,7 @@ import torch
 
 from sglang_cp_hicache.kernels import transfer
 from sglang_cp_hicache.kernels.reference import HOST_LAYOUTS
-from sglang_cp_hicache.layout import CpSharedKVLayout
+from sglang_cp_hicache.placement import CpPlacement
 from sglang_cp_hicache.testing.patching import PatchSet
 from sglang_cp_hicache.testing.torchvision_standin import (  # noqa: F401  (re-exported)
     TORCHVISION_STANDIN_VERSION,
@@ -58,7 +58,7 @@ __all__ = [
     "uninstall_cpu_support",
 ]
 
-from sglang_cp_hicache.sglang import SUPPORTED_SGLANG as SGLANG_VERSION  # noqa: E402
+from sglang_cp_hicache.sglang_0518 import SUPPORTED_SGLANG as SGLANG_VERSION  # noqa: E402
 #: io backends the patched host pools accept (SGLang's own names).
 IO_BACKENDS = ("kernel", "direct")
 
@@ -83,9 +83,9 @@ def _mark(fn: Callable[..., Any]) -> Callable[..., Any]:
     return fn
 
 
-def _identity_layout(page_size: int) -> CpSharedKVLayout:
+def _identity_layout(page_size: int) -> CpPlacement:
     # Non-CP: one rank owns every page and physical == logical.
-    return CpSharedKVLayout(page_size, 1, 0)
+    return CpPlacement(page_size, 1, 0)
 
 
 def _as_locs(indices: torch.Tensor) -> torch.Tensor:

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 import torch.distributed as dist
 
-from sglang_cp_hicache.layout import DSA_PAGE_SIZE
+from sglang_cp_hicache.placement import DSA_PAGE_SIZE
 
 if TYPE_CHECKING:
     from sglang.srt.runtime_context import RuntimeContext

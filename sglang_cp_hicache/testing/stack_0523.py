@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from sglang_cp_hicache.layout import DSA_PAGE_SIZE, CpSharedKVLayout
+from sglang_cp_hicache.placement import DSA_PAGE_SIZE, CpPlacement
 from sglang_cp_hicache.testing import cpu_0523, env
 from sglang_cp_hicache.validation import check_int
 
@@ -112,8 +112,8 @@ class ShardedRankStack:
         return self.host_group.entry_map[PoolName.INDEXER].host_pool
 
     @property
-    def layout(self) -> CpSharedKVLayout:
-        return CpSharedKVLayout(self.config.page_size, self.config.cp_size, self.cp_rank)
+    def layout(self) -> CpPlacement:
+        return CpPlacement(self.config.page_size, self.config.cp_size, self.cp_rank)
 
     def close(self) -> None:
         atexit.unregister(self.cache.shutdown)

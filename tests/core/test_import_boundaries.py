@@ -1,9 +1,10 @@
 """Rooms by audience, every import pointing down:
 
-    sim  ->  testing  ->  sglang (0.5.18 adapter), sglang_0523  ->  kernels  ->  core
+    sim  ->  testing  ->  sglang_0518, sglang_0523  ->  kernels, policy_0518  ->  core
 
 * core (``sglang_cp_hicache/*.py``) imports nothing of the package above it,
-  and never sglang or triton at import;
+  and never sglang or triton at import; ``policy_0518`` (torch only) imports
+  only core;
 * kernels import only core (never sglang);
 * each adapter imports only its own SGLang release, never the harness, the
   simulator or the tests (production code);
@@ -21,14 +22,16 @@ PKG = "sglang_cp_hicache"
 # room -> rooms of this package it may import (core is always allowed)
 ALLOWED = {
     "core": set(),
+    "policy_0518": set(),
     "kernels": set(),
-    "sglang": {"kernels"},
+    "sglang_0518": {"kernels", "policy_0518"},
     "sglang_0523": {"kernels"},
-    "testing": {"kernels", "sglang", "sglang_0523"},
-    "sim": {"kernels", "sglang", "sglang_0523", "testing"},
+    "testing": {"kernels", "policy_0518", "sglang_0518", "sglang_0523"},
+    "sim": {"kernels", "policy_0518", "sglang_0518", "sglang_0523", "testing"},
     "cli": {"sim"},
 }
-PRODUCTION = {"core", "kernels", "sglang", "sglang_0523"}
+PRODUCTION = {"core", "policy_0518", "kernels", "sglang_0518", "sglang_0523"}
+TORCH_ONLY = ("core", "policy_0518", "kernels")
 
 
 def room_of_file(path: pathlib.Path) -> str:
@@ -81,7 +84,7 @@ def violations() -> list[str]:
             top = module.split(".")[0]
             if top == "tests":
                 bad.append(f"{rel}:{line} imports tests ({module})")
-            elif top == "sglang" and room in ("core", "kernels"):
+            elif top == "sglang" and room in TORCH_ONLY:
                 bad.append(f"{rel}:{line} ({room}) imports sglang ({module})")
             target = room_of_module(module)
             if target is None or target == "core" or target == room:
@@ -96,28 +99,33 @@ def test_every_import_points_down():
 
 
 def test_the_checker_catches_each_kind_of_upward_import(tmp_path, monkeypatch):
-    fake = tmp_path / PKG / "sglang"
+    fake = tmp_path / PKG / "sglang_0518"
     fake.mkdir(parents=True)
     (fake / "bad.py").write_text(
-        "from sglang_cp_hicache.testing import stack\n"
-        "import importlib\nimportlib.import_module('sglang_cp_hicache.sim.engine')\n"
+        "from sglang_cp_hicache.testing import stack_0518\n"
+        "import importlib\nimportlib.import_module('sglang_cp_hicache.sim.engine_0518')\n"
         "from tests.helpers import cp_cluster\n"
     )
-    core = tmp_path / PKG / "plan.py"
+    core = tmp_path / PKG / "placement.py"
     core.write_text("from sglang_cp_hicache.kernels import transfer\nimport sglang.srt\n")
+    policy = tmp_path / PKG / "policy_0518"
+    policy.mkdir()
+    (policy / "plan.py").write_text("from sglang_cp_hicache.sglang_0518 import hiradix\nimport sglang\n")
     (tmp_path / "kernels").mkdir()
     monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
     found = violations()
-    assert any("sglang/bad.py:1 (sglang) imports testing" in v for v in found)
-    assert any("sglang/bad.py:3 (sglang) imports sim" in v for v in found)
-    assert any("sglang/bad.py:4 imports tests" in v for v in found)
-    assert any("plan.py:1 (core) imports kernels" in v for v in found)
-    assert any("plan.py:2 (core) imports sglang" in v for v in found)
+    assert any("sglang_0518/bad.py:1 (sglang_0518) imports testing" in v for v in found)
+    assert any("sglang_0518/bad.py:3 (sglang_0518) imports sim" in v for v in found)
+    assert any("sglang_0518/bad.py:4 imports tests" in v for v in found)
+    assert any("placement.py:1 (core) imports kernels" in v for v in found)
+    assert any("placement.py:2 (core) imports sglang" in v for v in found)
+    assert any("policy_0518/plan.py:1 (policy_0518) imports sglang_0518" in v for v in found)
+    assert any("policy_0518/plan.py:2 (policy_0518) imports sglang" in v for v in found)
 
 
 def test_core_import_does_not_load_sglang_or_triton():
     code = (
-        "import sys, sglang_cp_hicache, sglang_cp_hicache.plan;"
+        "import sys, sglang_cp_hicache, sglang_cp_hicache.policy_0518.plan;"
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('sglang', 'triton')))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

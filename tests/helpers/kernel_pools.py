@@ -17,7 +17,7 @@ import torch
 
 from sglang_cp_hicache.kernels import cp_page_copy as triton_copy
 from sglang_cp_hicache.kernels import reference
-from sglang_cp_hicache.layout import CpSharedKVLayout
+from sglang_cp_hicache.placement import CpPlacement
 
 POISON = 0xA5
 HOST_LAYOUTS = ("layer_first", "page_first", "page_first_direct")
@@ -49,7 +49,7 @@ class Pools:
     """
 
     kind: str
-    layout: CpSharedKVLayout
+    layout: CpPlacement
     host_layout: str
     num_layers: int
     dev_bigs: list[torch.Tensor]
@@ -102,7 +102,7 @@ def make_pools(
     kind: str,
     page_size: int,
     host_layout: str,
-    layout: CpSharedKVLayout,
+    layout: CpPlacement,
     *,
     num_layers: int = 3,
     dev_pages: int = 5,
@@ -160,7 +160,7 @@ def page_locs(pages, page_size: int) -> torch.Tensor:
     return torch.cat([torch.arange(p * page_size, (p + 1) * page_size) for p in pages]).to(torch.int64)
 
 
-def owned_count(logical_pages, layout: CpSharedKVLayout) -> int:
+def owned_count(logical_pages, layout: CpPlacement) -> int:
     return sum(1 for p in logical_pages if p % layout.cp_size == layout.cp_rank)
 
 

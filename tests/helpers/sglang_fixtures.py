@@ -7,7 +7,7 @@ A rank stack is what one scheduler rank owns for DSA HiCache: published
 ``DSAIndexerPoolHost``). Sizes default small: one build takes well under a
 second once SGLang is imported (``build_seconds`` records it).
 
-The stack is :func:`sglang_cp_hicache.testing.stack.build_cp_rank_stack` with
+The stack is :func:`sglang_cp_hicache.testing.stack_0518.build_cp_rank_stack` with
 ``cp_mode=False``; the content helpers are re-exported from
 :mod:`sglang_cp_hicache.sim.content`.
 """
@@ -18,7 +18,7 @@ import contextlib
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
-from sglang_cp_hicache.testing.stack import CpRankStack, CpStackConfig, build_cp_rank_stack
+from sglang_cp_hicache.testing.stack_0518 import CpRankStack, CpStackConfig, build_cp_rank_stack
 
 #: DSATokenToKVPool asserts page_size == 64 unless SGLang runs on ROCm.
 DSA_PAGE_SIZE = 64

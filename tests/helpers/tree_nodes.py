@@ -1,4 +1,4 @@
-"""A minimal radix node satisfying sglang_cp_hicache.node_state.CpNode."""
+"""A minimal radix node satisfying sglang_cp_hicache.policy_0518.node_state.CpNode."""
 
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from sglang_cp_hicache.kernels import cp_page_copy
-from sglang_cp_hicache.layout import CpSharedKVLayout
+from sglang_cp_hicache.placement import CpPlacement
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "gpu_check.sh"
@@ -91,7 +91,7 @@ def test_round_trip_check_passes_on_the_interpreter_and_catches_a_bad_copy(monke
     cpu = torch.device("cpu")
     host = gpu_check.HostBuffer(gpu_check.host_shape(kind, "page_first", g), gpu_check.KINDS[kind][1], "plain")
     for n, r in ((1, 0), (8, 5)):
-        layout = CpSharedKVLayout(g.page_size, n, r)
+        layout = CpPlacement(g.page_size, n, r)
         assert gpu_check.roundtrip(kind, "page_first", layout, host, g, cpu, seed=n) is None
     # a load that skips the last layer, or a backup that loses one host page, must be reported
     load = "load_kv_one_layer" if kind.startswith("kv") else "load_indexer_one_layer"
@@ -106,7 +106,7 @@ def test_round_trip_check_passes_on_the_interpreter_and_catches_a_bad_copy(monke
         real_backup(devs, host_t, hl, dl, hlocs, layout, **kw)
         gpu_check.bits(host_t).view(-1)[: gpu_check.bits(host_t).numel() // g.host_pages].fill_(0)
 
-    layout = CpSharedKVLayout(g.page_size, 2, 1)
+    layout = CpPlacement(g.page_size, 2, 1)
     with monkeypatch.context() as m:
         m.setattr(cp_page_copy, load, skip_last_layer)
         err = gpu_check.roundtrip(kind, "page_first", layout, host, g, cpu, seed=3)

@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from sglang_cp_hicache.layout import CpSharedKVLayout
+from sglang_cp_hicache.placement import CpPlacement
 
 BENCH = pathlib.Path(__file__).resolve().parents[2] / "bench" / "bench_transfer.py"
 
@@ -31,7 +31,7 @@ def bench():
 @pytest.mark.parametrize("direction", ["d2h", "h2d"])
 def test_baselines_move_the_same_pages_as_the_reference(bench, kind, direction):
     cpu = torch.device("cpu")
-    layout = CpSharedKVLayout(bench.PAGE_SIZE, 1, 0)
+    layout = CpPlacement(bench.PAGE_SIZE, 1, 0)
     dl, hl, phys, hpages = bench.make_batch(5, 8, layout, cpu, seed=3)
     assert phys.tolist() == (dl[:: bench.PAGE_SIZE] // bench.PAGE_SIZE).tolist()
 
@@ -65,7 +65,7 @@ def test_batches_have_the_real_owner_mix(bench, cp_size, num_pages):
     """Groups of cp_size consecutive logical pages, one per owner: rank 0 owns
     ceil(num_pages / cp_size) of them, every rank its round-robin share."""
     for rank in range(cp_size):
-        layout = CpSharedKVLayout(bench.PAGE_SIZE, cp_size, rank)
+        layout = CpPlacement(bench.PAGE_SIZE, cp_size, rank)
         dl, hl, phys, hpages = bench.make_batch(num_pages, 64, layout, torch.device("cpu"), seed=num_pages)
         logical = dl[:: bench.PAGE_SIZE] // bench.PAGE_SIZE
         assert logical.numel() == num_pages and logical.unique().numel() == num_pages

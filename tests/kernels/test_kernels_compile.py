@@ -104,7 +104,7 @@ def test_no_recompile_across_ranks_layers_batch_sizes_and_slices():
     from triton.backends.compiler import BaseBackend
 
     from sglang_cp_hicache.kernels import _twin, compile, cp_page_copy
-    from sglang_cp_hicache.layout import CpSharedKVLayout
+    from sglang_cp_hicache.placement import CpPlacement
 
     kernel = _twin.kernel_for(False)
     stand_ins = compile._stand_ins(
@@ -131,7 +131,7 @@ def test_no_recompile_across_ranks_layers_batch_sizes_and_slices():
             locs = big[offset : offset + 16 * num_pages]
             p = dataclasses.replace(plan, layer_base=layer if op.endswith("h2d") else 0)
             host_locs = big[1 - offset : 1 - offset + 16 * num_pages]
-            keys.add(repr(key(p, locs, host_locs, CpSharedKVLayout(16, cp_size, cp_rank))))
+            keys.add(repr(key(p, locs, host_locs, CpPlacement(16, cp_size, cp_rank))))
         assert len(keys) == 1, (op, keys)
     # ...while the pool configuration does pick its own specialisation
     other = compile._stand_ins(
@@ -139,6 +139,6 @@ def test_no_recompile_across_ranks_layers_batch_sizes_and_slices():
         indexer_page_bytes=None, device=torch.device("cpu"), pin_memory=False,
     )
     locs64 = torch.arange(64, dtype=torch.int64)
-    assert key(other[0].plan, locs64, locs64, CpSharedKVLayout(64, 1, 0)) != key(
-        stand_ins[0].plan, locs64[:16], locs64[:16], CpSharedKVLayout(16, 1, 0)
+    assert key(other[0].plan, locs64, locs64, CpPlacement(64, 1, 0)) != key(
+        stand_ins[0].plan, locs64[:16], locs64[:16], CpPlacement(16, 1, 0)
     )

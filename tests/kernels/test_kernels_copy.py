@@ -27,12 +27,12 @@ from tests.helpers.kernel_pools import (
     page_locs,
 )
 from sglang_cp_hicache.kernels import cp_page_copy
-from sglang_cp_hicache.layout import CpSharedKVLayout
+from sglang_cp_hicache.placement import CpPlacement
 
 DIRECTIONS = ("d2h", "h2d")
 
 
-def mixed_batch(layout: CpSharedKVLayout, dev_pages: int, host_pages: int, seed: int, max_owned: int = 3):
+def mixed_batch(layout: CpPlacement, dev_pages: int, host_pages: int, seed: int, max_owned: int = 3):
     """A shuffled mix of owned and foreign logical pages that includes this
     rank's last page of the pool, mapped to shuffled host pages that include
     the last host page."""
@@ -55,7 +55,7 @@ def mixed_batch(layout: CpSharedKVLayout, dev_pages: int, host_pages: int, seed:
 @pytest.mark.parametrize("page_size", PAGE_SIZES)
 @pytest.mark.parametrize("kind", MAIN_BUFFERS)
 def test_matches_reference(kind, page_size, host_layout, direction):
-    layout = CpSharedKVLayout(page_size, 3, 1)
+    layout = CpPlacement(page_size, 3, 1)
     pools = make_pools(kind, page_size, host_layout, layout, direction=direction, seed=page_size)
     pages, hosts = mixed_batch(layout, dev_pages=5, host_pages=6, seed=7)
     got = check_copy(
@@ -74,7 +74,7 @@ EDGE = [("indexer", 64), ("kv_fp8", 16), ("kv_bf16", 1)]
 @pytest.mark.parametrize("host_layout", HOST_LAYOUTS)
 @pytest.mark.parametrize("kind,page_size", EDGE)
 def test_zero_pages_touch_nothing(kind, page_size, host_layout, direction):
-    layout = CpSharedKVLayout(page_size, 2, 1)
+    layout = CpPlacement(page_size, 2, 1)
     pools = make_pools(kind, page_size, host_layout, layout, direction=direction)
     empty = torch.zeros(0, dtype=torch.int64)
     got = check_copy(pools, direction, empty, empty)
@@ -85,7 +85,7 @@ def test_zero_pages_touch_nothing(kind, page_size, host_layout, direction):
 @pytest.mark.parametrize("host_layout", HOST_LAYOUTS)
 @pytest.mark.parametrize("kind,page_size", EDGE)
 def test_all_pages_owned_by_another_rank(kind, page_size, host_layout, direction):
-    layout = CpSharedKVLayout(page_size, 4, 2)
+    layout = CpPlacement(page_size, 4, 2)
     pools = make_pools(kind, page_size, host_layout, layout, direction=direction)
     foreign = [0, 1, 3, 5, 7, 19]  # none is 2 mod 4
     got = check_copy(pools, direction, page_locs(foreign, page_size), torch.zeros(0, dtype=torch.int64))
@@ -98,7 +98,7 @@ def test_all_pages_owned_by_another_rank(kind, page_size, host_layout, direction
 def test_one_page_at_the_end_of_both_pools(kind, page_size, host_layout, direction):
     """The last physical device page and the last host page sit next to the
     guard bands: exactly one page per layer changes, nothing else."""
-    layout = CpSharedKVLayout(page_size, 2, 1)
+    layout = CpPlacement(page_size, 2, 1)
     dev_pages, host_pages = 5, 6
     pools = make_pools(
         kind, page_size, host_layout, layout, direction=direction,
@@ -125,7 +125,7 @@ def test_one_page_at_the_end_of_both_pools(kind, page_size, host_layout, directi
 @pytest.mark.parametrize("direction", DIRECTIONS)
 @pytest.mark.parametrize("cp_size,cp_rank", [(n, r) for n in (1, 2, 3, 4) for r in range(n)])
 def test_every_rank_of_cp_1_to_4(cp_size, cp_rank, direction):
-    layout = CpSharedKVLayout(16, cp_size, cp_rank)
+    layout = CpPlacement(16, cp_size, cp_rank)
     pools = make_pools("kv_fp8", 16, "page_first", layout, direction=direction, dev_pages=4, host_pages=5)
     pages, hosts = mixed_batch(layout, dev_pages=4, host_pages=5, seed=cp_size * 10 + cp_rank)
     check_copy(pools, direction, page_locs(pages, 16), page_locs(hosts, 16), layer_id=cp_rank % 3)
@@ -136,7 +136,7 @@ def test_every_rank_of_cp_1_to_4(cp_size, cp_rank, direction):
 def test_persistent_grid_counts_owned_pages_ahead(num_ctas, direction):
     """40 pages over up to 8 programs: later programs count >16 owned-or-not
     pages ahead of their chunk (several steps of the counting loop)."""
-    layout = CpSharedKVLayout(1, 3, 2)
+    layout = CpPlacement(1, 3, 2)
     pools = make_pools("indexer", 1, "layer_first", layout, direction=direction,
                        num_layers=2, dev_pages=20, host_pages=20)
     rng = random.Random(num_ctas)
@@ -148,7 +148,7 @@ def test_persistent_grid_counts_owned_pages_ahead(num_ctas, direction):
 @pytest.mark.parametrize("num_ctas", [1, 2, 5])
 def test_backup_splits_layers_across_programs(num_ctas):
     """One page, six layers: the grid splits the layers instead."""
-    layout = CpSharedKVLayout(16, 2, 0)
+    layout = CpPlacement(16, 2, 0)
     pools = make_pools("kv_bf16", 16, "layer_first", layout, direction="d2h", num_layers=6)
     check_copy(pools, "d2h", page_locs([4], 16), page_locs([2], 16), num_ctas=num_ctas)
 
@@ -159,14 +159,14 @@ def test_backup_splits_layers_across_programs(num_ctas):
     [("kv_odd", 4, 1), ("kv_fp8", 4, 1), ("indexer", 1, 1), ("kv_bf16", 2, 3)],
 )
 def test_unaligned_and_odd_rows_fall_back_to_narrow_words(kind, page_size, guard_rows, direction):
-    layout = CpSharedKVLayout(page_size, 2, 0)
+    layout = CpPlacement(page_size, 2, 0)
     pools = make_pools(kind, page_size, "page_first", layout, direction=direction, dev_guard_rows=guard_rows)
     pages, hosts = mixed_batch(layout, dev_pages=5, host_pages=6, seed=3)
     check_copy(pools, direction, page_locs(pages, page_size), page_locs(hosts, page_size), layer_id=0)
 
 
 def test_block_smaller_than_page_loops_within_the_page():
-    layout = CpSharedKVLayout(16, 2, 1)
+    layout = CpPlacement(16, 2, 1)
     for direction in DIRECTIONS:
         pools = make_pools("kv_bf16", 16, "page_first", layout, direction=direction)
         pages, hosts = mixed_batch(layout, dev_pages=5, host_pages=6, seed=5)
@@ -193,7 +193,7 @@ def test_tile_shape_packs_page_units_into_tiles():
 def test_several_indexer_pages_per_tile_and_several_tiles_per_walk_block():
     """20 owned 8,448-byte pages in one walk block: 16 x 256-word tiles, each
     holding units of several pages, a 2-deep pipeline over many tiles."""
-    layout = CpSharedKVLayout(64, 2, 0)
+    layout = CpPlacement(64, 2, 0)
     for direction in DIRECTIONS:
         pools = make_pools("indexer", 64, "page_first", layout, direction=direction, num_layers=2,
                            dev_pages=24, host_pages=24)
@@ -209,7 +209,7 @@ def test_cp8_real_owner_mix_across_walk_and_count_blocks(num_ctas):
     """CP 8 with pages assigned round-robin to owners (7 of 8 foreign), 2,100
     pages in shuffled order: a program walks several WALK_PAGES blocks and,
     with 2 CTAs, counts more than COUNT_PAGES pages ahead of its chunk."""
-    layout = CpSharedKVLayout(1, 8, 5)
+    layout = CpPlacement(1, 8, 5)
     num_pages = 2100
     assert num_pages // 2 > cp_page_copy.COUNT_PAGES and num_pages // 7 > cp_page_copy.WALK_PAGES
     pool = num_pages // 8 + 1
@@ -247,7 +247,7 @@ def copy_cases(draw):
     host_pages = draw(st.integers(1, 6))
     pool_pages = dev_pages * cp_size
     pages = draw(st.lists(st.integers(0, pool_pages - 1), unique=True, max_size=min(pool_pages, 8)))
-    layout = CpSharedKVLayout(page_size, cp_size, cp_rank)
+    layout = CpPlacement(page_size, cp_size, cp_rank)
     n_owned = owned_count(pages, layout)
     if n_owned > host_pages:  # keep only as many owned pages as host pages exist
         keep, seen = [], 0

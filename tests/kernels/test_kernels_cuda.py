@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from sglang_cp_hicache.layout import CpSharedKVLayout
+from sglang_cp_hicache.placement import CpPlacement
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -38,7 +38,7 @@ def test_cuda_round_trip_is_bitwise(gpu_check, alloc, kind, host_layout):
     try:
         assert host.tensor.is_pinned()
         for n, r in ((1, 0), (2, 1), (8, 0), (8, 7)):
-            err = gpu_check.roundtrip(kind, host_layout, CpSharedKVLayout(g.page_size, n, r), host, g,
+            err = gpu_check.roundtrip(kind, host_layout, CpPlacement(g.page_size, n, r), host, g,
                                       torch.device("cuda"), seed=n * 8 + r)
             assert err is None, (n, r, err)
     finally:

@@ -14,10 +14,10 @@ from tests.helpers.kernel_pools import (
     POISON, assert_same_bytes, bits, changed_bytes, make_pools, page_locs, run_triton,
 )
 from sglang_cp_hicache.kernels import DEBUG_ENV, cp_page_copy, reference, transfer
-from sglang_cp_hicache.layout import CpSharedKVLayout
+from sglang_cp_hicache.placement import CpPlacement
 
 P = 4
-LAYOUT = CpSharedKVLayout(P, 2, 0)
+LAYOUT = CpPlacement(P, 2, 0)
 I64 = torch.int64
 
 
@@ -264,7 +264,7 @@ def test_out_of_range_pages_are_skipped_on_the_device(monkeypatch, kind, directi
     """Unchecked, pages beyond either pool are not copied: no byte outside the
     buffers (or anywhere) changes, and in-range pages still copy."""
     _unchecked(monkeypatch)
-    layout = CpSharedKVLayout(P, 2, 1)
+    layout = CpPlacement(P, 2, 1)
     pools = make_pools(kind, P, "layer_first", layout, direction=direction, dev_pages=3, host_pages=3)
     bad_dev = page_locs([7], P)  # physical page 3 of 3
     got = pools.clone()
@@ -289,7 +289,7 @@ def test_negative_locations_are_skipped_on_the_device_and_keep_the_pairing(monke
     and is skipped (physical page -1); a negative host location is skipped
     too. The other owned pages keep their host slots."""
     _unchecked(monkeypatch)
-    layout = CpSharedKVLayout(P, 2, 1)
+    layout = CpPlacement(P, 2, 1)
     pools = make_pools(kind, P, "page_first", layout, direction=direction, dev_pages=3, host_pages=4)
     got = pools.clone()
     device_locs = torch.cat([page_locs([-1], P), page_locs([1, 2, 3, 5], P)])  # owned: -1, 1, 3, 5

@@ -17,7 +17,7 @@ import torch
 
 from tests.helpers.kernel_pools import POISON, bits, make_pools, page_locs
 from sglang_cp_hicache.kernels import _twin, compile, cp_page_copy, reference, transfer
-from sglang_cp_hicache.layout import CpSharedKVLayout
+from sglang_cp_hicache.placement import CpPlacement
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 FUNCS = ["backup_kv_all_layers", "load_kv_one_layer", "backup_indexer_all_layers", "load_indexer_one_layer"]
@@ -84,7 +84,7 @@ def _run(pools, direction, dl, hl, layer_id=1):
 def test_both_cpu_backends_give_identical_bytes(monkeypatch, kind, direction):
     calls: list[str] = []
     _spy(monkeypatch, calls)
-    layout = CpSharedKVLayout(16, 2, 1)
+    layout = CpPlacement(16, 2, 1)
     pools = make_pools(kind, 16, "page_first_direct", layout, direction=direction)
     dl, hl = page_locs([3, 4, 9, 0], 16), page_locs([5, 1], 16)
     results = {}
@@ -112,7 +112,7 @@ def test_backup_then_load_restores_every_owned_byte(monkeypatch, host_layout, in
     else:
         monkeypatch.setenv("TRITON_INTERPRET", interpret)
     P, L = 64, 2
-    layout = CpSharedKVLayout(P, 3, 2)
+    layout = CpPlacement(P, 3, 2)
     for kind in ("kv_fp8", "indexer"):
         src = make_pools(kind, P, host_layout, layout, num_layers=L, dev_pages=4, host_pages=4,
                          direction="d2h", seed=11)
@@ -203,7 +203,7 @@ def test_warmup_validates_the_configuration(over, name):
 
 
 def test_malformed_buffers_get_the_reference_error():
-    layout = CpSharedKVLayout(4, 1, 0)
+    layout = CpPlacement(4, 1, 0)
     with pytest.raises(ValueError, match="^device_kv must hold at least one layer"):
         transfer.backup_kv_all_layers([], torch.zeros(1, 4, 1, 8), "layer_first",
                                       page_locs([0], 4), page_locs([0], 4), layout)
@@ -214,10 +214,10 @@ def test_triton_interpret_set_before_import_uses_the_module_kernel():
     code = """
 import os, torch
 from sglang_cp_hicache.kernels import _kernel, _twin, transfer, reference
-from sglang_cp_hicache.layout import CpSharedKVLayout
+from sglang_cp_hicache.placement import CpPlacement
 assert _kernel.INTERPRETED and _twin.kernel_for(True) is _kernel._copy_pages_kernel
 assert transfer.select_backend("cpu") == "triton-interpret"
-lay = CpSharedKVLayout(16, 2, 0)
+lay = CpPlacement(16, 2, 0)
 dev = [torch.randint(0, 256, (64, 1, 656), dtype=torch.uint8) for _ in range(3)]
 locs = torch.cat([torch.arange(p * 16, p * 16 + 16) for p in (0, 1, 2, 6)])
 hl = torch.arange(32, 80)
@@ -265,7 +265,7 @@ def test_copy_stats_count_calls_pages_backend_and_cp_size(monkeypatch):
     transfer.reset_copy_stats()
     assert transfer.copy_stats() == transfer.CopyStats()
     assert transfer.copy_stats().backend is None and transfer.copy_stats().cp_size is None
-    layout = CpSharedKVLayout(16, 2, 1)
+    layout = CpPlacement(16, 2, 1)
     kv = make_pools("kv_bf16", 16, "layer_first", layout, direction="d2h")
     idx = make_pools("indexer", 16, "page_first", layout, direction="d2h")
     dl, hl = page_locs([3, 4, 9, 0], 16), page_locs([5, 1], 16)  # owned: 3, 9
@@ -291,7 +291,7 @@ def test_copy_stats_count_calls_pages_backend_and_cp_size(monkeypatch):
 def test_refused_calls_are_not_counted(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     transfer.reset_copy_stats()
-    layout = CpSharedKVLayout(16, 2, 1)
+    layout = CpPlacement(16, 2, 1)
     kv = make_pools("kv_bf16", 16, "layer_first", layout, direction="d2h")
     with pytest.raises(ValueError, match="^host_locs has 16 entries"):
         _run(kv, "d2h", page_locs([3, 4, 9, 0], 16), page_locs([5], 16))
@@ -301,7 +301,7 @@ def test_refused_calls_are_not_counted(monkeypatch):
 def test_copy_stats_are_thread_safe(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     transfer.reset_copy_stats()
-    layout = CpSharedKVLayout(1, 1, 0)
+    layout = CpPlacement(1, 1, 0)
     dev = [torch.zeros(4, 8, dtype=torch.uint8)]
     host = torch.zeros(1, 4, 8, dtype=torch.uint8)
     locs = torch.arange(2, dtype=torch.int64)
@@ -334,7 +334,7 @@ def test_threaded_ranks_share_the_interpreter(monkeypatch):
 
     def rank(r: int) -> None:
         try:
-            layout = CpSharedKVLayout(P, n, r)
+            layout = CpPlacement(P, n, r)
             pools = make_pools("kv_fp8", P, "page_first", layout, direction="d2h", dev_pages=8, host_pages=8, seed=r)
             pages = list(range(4 * n))
             dl = page_locs(pages, P)

@@ -8,7 +8,7 @@ import pytest
 import sglang
 from sglang.srt.mem_cache.hybrid_cache import hybrid_pool_assembler as assembler
 
-from sglang_cp_hicache.layout import CpSharedKVLayout
+from sglang_cp_hicache.placement import CpPlacement
 from sglang_cp_hicache.sglang_0523 import ALLOW_ANY_ENV, SUPPORTED_SGLANG, check_sglang_version, plugin, strategy
 from sglang_cp_hicache.sglang_0523.copy_engine import LibraryL2TransferEngine
 from sglang_cp_hicache.sglang_0523.strategy import LibraryDsaStrategy, LibraryStackError
@@ -118,7 +118,7 @@ def test_a_strategy_registered_ahead_of_ours_is_refused(strategies):
 
 
 def test_engine_arguments():
-    with pytest.raises(TypeError, match="layout must be a CpSharedKVLayout"):
+    with pytest.raises(TypeError, match="layout must be a CpPlacement"):
         LibraryL2TransferEngine("kernel", (64, 2, 0))
     with pytest.raises(ValueError, match="io_backend must be 'kernel'"):
-        LibraryL2TransferEngine("direct", CpSharedKVLayout(64, 2, 0))
+        LibraryL2TransferEngine("direct", CpPlacement(64, 2, 0))

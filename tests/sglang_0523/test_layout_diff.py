@@ -2,7 +2,7 @@
 
 Upstream: ``PageInterleavePlacement`` (owner, local row), the host pool's
 ``owned_rows`` (CPU mask + device gather), the owner-classed allocator's
-rotation (``alloc_cyclic``, ``_class_counts``). Library: ``CpSharedKVLayout``
+rotation (``alloc_cyclic``, ``_class_counts``). Library: ``CpPlacement``
 and the host-row narrowing of ``LibraryCopyController``. Every loc of several
 logical groups (and a partial one), for N in {1, 2, 3, 4, 8}.
 """
@@ -17,7 +17,7 @@ from sglang.srt.mem_cache.allocator.page_interleave import PageInterleavePoolAll
 from sglang.srt.mem_cache.page_interleave import PageInterleavePlacement, PageShardSpec
 from sglang.srt.mem_cache.pool_host.page_interleave import PageInterleaveHostPool
 
-from sglang_cp_hicache.layout import CpSharedKVLayout
+from sglang_cp_hicache.placement import CpPlacement
 from sglang_cp_hicache.sglang_0523.controller import LibraryCopyController
 
 P = 64
@@ -39,7 +39,7 @@ def _locs(size: int) -> torch.Tensor:
 def test_owner_and_physical_row_of_every_loc(size):
     locs = _locs(size)
     for rank in range(size):
-        placement, layout = _placement(rank, size), CpSharedKVLayout(P, size, rank)
+        placement, layout = _placement(rank, size), CpPlacement(P, size, rank)
         assert torch.equal(placement.owner_of(locs), layout.owner_of(locs))
         assert torch.equal(placement.local_mask(locs, rank), layout.owned_by_this_rank(locs))
         assert torch.equal(placement.local_index(locs), layout.logical_locs_to_physical(locs))
@@ -74,7 +74,7 @@ def test_owned_rows_equals_the_library_narrowing(size):
     for seed in range(3):
         host, dev = _owner_matched_pairs(size, pages=11, seed=seed)
         for rank in range(size):
-            placement, layout = _placement(rank, size), CpSharedKVLayout(P, size, rank)
+            placement, layout = _placement(rank, size), CpPlacement(P, size, rank)
             up_host, up_dev = PageInterleaveHostPool.owned_rows(
                 SimpleNamespace(placement=placement, shard_rank=rank), host, dev
             )
@@ -99,7 +99,7 @@ def test_allocator_rotation_matches_layout_owners(size):
         pages = 2 * size + 1
         locs = slots.alloc_cyclic(start_class=start, need_size=pages * P)
         assert locs is not None
-        owners = CpSharedKVLayout(P, size, 0).owner_of(locs[::P])
+        owners = CpPlacement(P, size, 0).owner_of(locs[::P])
         assert owners.tolist() == [(start + i) % size for i in range(pages)]
         counts = PageInterleavePoolAllocator._class_counts(start, pages, size)
         assert counts == [int((owners == r).sum()) for r in range(size)]
@@ -109,4 +109,4 @@ def test_allocator_rotation_matches_layout_owners(size):
 def test_class_counts_equal_library_owned_pages(size):
     for num_pages in range(0, 3 * size + 2):
         counts = PageInterleavePoolAllocator._class_counts(0, num_pages, size)
-        assert counts == [CpSharedKVLayout(P, size, r).owned_pages(num_pages) for r in range(size)]
+        assert counts == [CpPlacement(P, size, r).owned_pages(num_pages) for r in range(size)]

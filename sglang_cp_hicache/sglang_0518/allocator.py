@@ -1,0 +1,232 @@
+"""SGLang-compatible CP shared KV token allocator (owner lanes, logical pages).
+
+Wraps :class:`sglang_cp_hicache.policy_0518.allocator.OwnerLaneAllocator` behind SGLang's
+``BaseTokenToKVPoolAllocator`` interface (constructor: logical and physical
+sizes, page size, dtype, device, kvcache, need_sort, cp_size, cp_rank).
+Allocations are decided on the CPU, so page owners are known there without
+reading anything back from the GPU.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+from sglang.srt.mem_cache.allocator.base import BaseTokenToKVPoolAllocator
+
+from sglang_cp_hicache.policy_0518.allocator import (
+    AllocatorCheckpoint,
+    AllocatorSnapshot,
+    OwnerLaneAllocator,
+    PageAllocation,
+)
+from sglang_cp_hicache.placement import CpPlacement
+
+__all__ = ["CPSharedPagedTokenToKVPoolAllocator", "CpSharedPagedTokenToKVPoolAllocator"]
+
+
+class CpSharedPagedTokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
+    """Logical-page allocator shared (identically) by every CP rank.
+
+    ``logical_size`` tokens of logical pool (pages 1..logical_size/page_size;
+    page 0 is padding); this rank's device pool (``kvcache``) holds
+    ``physical_size`` slots: its share of those pages.
+    """
+
+    def __init__(
+        self,
+        logical_size: int,
+        physical_size: int,
+        page_size: int,
+        dtype: torch.dtype,
+        device: str,
+        kvcache,
+        need_sort: bool,
+        cp_size: int,
+        cp_rank: int,
+    ) -> None:
+        super().__init__(logical_size, page_size, dtype, device, kvcache, need_sort)
+        self.layout = CpPlacement(page_size, cp_size, cp_rank)
+        self.cp_size = cp_size
+        self.cp_rank = cp_rank
+        self.physical_size = physical_size
+        self._lanes = OwnerLaneAllocator(logical_size, page_size, cp_size, device=device)
+        self.num_pages = self._lanes.num_pages
+        # Logical pages 0..num_pages live on this rank at physical pages < needed.
+        needed = self.layout.physical_size((self.num_pages + 1) * page_size)
+        if physical_size < needed:
+            raise ValueError(
+                f"physical_size={physical_size} is too small: cp_rank {cp_rank} owns "
+                f"{needed // page_size} of the {self.num_pages + 1} logical pages "
+                f"({needed} slots)"
+            )
+        if kvcache is not None and getattr(kvcache, "size", physical_size) < physical_size:
+            raise ValueError(
+                f"kvcache holds {kvcache.size} slots, fewer than physical_size={physical_size}"
+            )
+
+    @staticmethod
+    def physical_size_for(logical_size: int, page_size: int, cp_size: int) -> int:
+        """Per-rank device pool size that fits every rank's share (equal on
+        all ranks, so host pools sized from it are equal too)."""
+        pages = logical_size // page_size + 1  # + the padding page
+        return -(-pages // cp_size) * page_size
+
+    # ---- BaseTokenToKVPoolAllocator -------------------------------------
+    def clear(self) -> None:
+        self._lanes.clear()
+        self.is_not_in_free_group = True
+        self.free_group = []
+
+    def available_size(self) -> int:
+        return self._lanes.available_size()
+
+    def alloc(self, need_size: int) -> Optional[torch.Tensor]:
+        return self._lanes.alloc(need_size)
+
+    def alloc_mirrored(self, need_size: int) -> Optional[PageAllocation]:
+        """:meth:`alloc` plus the CPU mirror of the pages (for
+        ``CpInsertParams.value_pages``)."""
+        return self._lanes.alloc_mirrored(need_size)
+
+    def alloc_pages_with_owners(self, owners: Sequence[int]) -> Optional[torch.Tensor]:
+        return self._lanes.alloc_pages_with_owners(owners)
+
+    def alloc_with_owners_mirrored(self, owners: Sequence[int]) -> Optional[PageAllocation]:
+        return self._lanes.alloc_with_owners_mirrored(owners)
+
+    def free(self, free_index: torch.Tensor) -> None:
+        if free_index.numel() == 0:
+            return
+        if self.is_not_in_free_group:
+            self._lanes.free(free_index)
+        else:
+            self.free_group.append(self._copy_for_free_group(free_index))
+
+    def free_mirrored(self, pages: torch.Tensor) -> None:
+        """Free logical pages named by their CPU mirror (no device read)."""
+        if self.is_not_in_free_group:
+            self._lanes.free_mirrored(pages)
+        else:
+            P = self.page_size
+            locs = (pages.to(torch.int64)[:, None] * P + torch.arange(P)).reshape(-1)
+            self.free_group.append(locs)
+
+    def merge_and_sort_free(self) -> None:
+        self._lanes.merge_free()
+
+    def snapshot(self) -> AllocatorSnapshot:
+        return self._lanes.snapshot()
+
+    def checkpoint(self) -> AllocatorCheckpoint:
+        return self._lanes.checkpoint()
+
+    def rollback(self, checkpoint: AllocatorCheckpoint) -> None:
+        self._lanes.rollback(checkpoint)
+
+    def commit(self, checkpoint: AllocatorCheckpoint) -> None:
+        self._lanes.commit(checkpoint)
+
+    def restore(self, snapshot: AllocatorSnapshot) -> None:
+        self._lanes.restore(snapshot)
+
+    # SGLang's names for the same thing.
+    def backup_state(self) -> AllocatorSnapshot:
+        return self.snapshot()
+
+    def restore_state(self, state: AllocatorSnapshot) -> None:
+        self.restore(state)
+
+    # ---- paged extend/decode for the scheduler ----------------------------
+    def alloc_extend(
+        self,
+        prefix_lens: torch.Tensor,
+        prefix_lens_cpu: torch.Tensor,
+        seq_lens: torch.Tensor,
+        seq_lens_cpu: torch.Tensor,
+        last_loc: torch.Tensor,
+        extend_num_tokens: int,
+        num_new_pages: Optional[int] = None,
+    ) -> Optional[torch.Tensor]:
+        """Per request: fill the partial last page, then whole new pages."""
+        P = self.page_size
+        prefix = prefix_lens_cpu.tolist()
+        seq = seq_lens_cpu.tolist()
+        last = last_loc.to("cpu").tolist()
+        new_pages = [(-(-s // P)) - (-(-p // P)) for p, s in zip(prefix, seq)]
+        asked = sum(s - p for p, s in zip(prefix, seq))
+        if asked != extend_num_tokens:  # checked before taking anything: no leak
+            raise ValueError(
+                f"extend_num_tokens={extend_num_tokens} but the lengths ask for {asked}"
+            )
+        if sum(new_pages) > self._lanes.available_pages():
+            return None
+        fresh = self._lanes.alloc(sum(new_pages) * P)
+        fresh_pages = (fresh.view(-1, P)[:, 0] // P).tolist() if fresh.numel() else []
+        out: list[int] = []
+        cursor = 0
+        for p, s, l, k in zip(prefix, seq, last, new_pages):
+            tail = min(s, -(-p // P) * P) - p  # tokens that fit in the open page
+            out.extend(range(l + 1, l + 1 + tail))
+            remaining = s - p - tail
+            for page in fresh_pages[cursor : cursor + k]:
+                take = min(P, remaining)
+                out.extend(range(page * P, page * P + take))
+                remaining -= take
+            cursor += k
+        return torch.tensor(out, dtype=torch.int64, device=self.device)
+
+    def alloc_decode(
+        self, seq_lens: torch.Tensor, seq_lens_cpu: torch.Tensor, last_loc: torch.Tensor
+    ) -> Optional[torch.Tensor]:
+        P = self.page_size
+        seq = seq_lens_cpu.tolist()
+        last = last_loc.to("cpu").tolist()
+        need_new = [(s - 1) % P == 0 for s in seq]  # token s-1 starts a page
+        count = sum(need_new)
+        if count > self._lanes.available_pages():
+            return None
+        fresh = self._lanes.alloc(count * P) if count else torch.empty(0, dtype=torch.int64)
+        fresh_pages = iter((fresh.view(-1, P)[:, 0] // P).tolist() if count else [])
+        out = [next(fresh_pages) * P if new else l + 1 for new, l in zip(need_new, last)]
+        return torch.tensor(out, dtype=torch.int64, device=self.device)
+
+    def set_lane_bias(self, lane_bias) -> None:
+        """Per-rank load (identical on every rank) that ``alloc`` balances."""
+        self._lanes.lane_bias = lane_bias
+
+    def set_lane_reclaim(self, lane_reclaim) -> None:
+        """``lane_reclaim(lane, pages) -> pages freed``: evicts until
+        ``lane`` has ``pages`` free pages, when the least loaded lane is
+        empty (identical on every rank)."""
+        self._lanes.lane_reclaim = lane_reclaim
+
+    @property
+    def lane_reclaims(self) -> int:
+        """Evictions made for a lane that was short (host balance)."""
+        return self._lanes.lane_reclaims
+
+    @property
+    def uneven_picks(self) -> int:
+        """Pages placed off balance because nothing of that lane was evictable."""
+        return self._lanes.uneven_picks
+
+    # ---- accounting (what SGLang prints on KV OOM) ------------------------
+    def lane_available_pages(self) -> list[int]:
+        return self._lanes.lane_available_pages()
+
+    def immediate_available_size(self) -> int:
+        return self._lanes.immediate_available_size()
+
+    def deferred_available_size(self) -> int:
+        return self._lanes.deferred_available_size()
+
+    def allocator_state_str(self) -> str:
+        return self._lanes.allocator_state_str()
+
+    def pages_in_use(self) -> int:
+        return self._lanes.pages_in_use()
+
+
+# The capitalised spelling some integrations use.
+CPSharedPagedTokenToKVPoolAllocator = CpSharedPagedTokenToKVPoolAllocator

@@ -1,0 +1,286 @@
+"""CP writes and loads on top of SGLang 0.5.18's ``HybridCacheController``.
+
+The one place that edits SGLang's queues. A plan from
+:mod:`sglang_cp_hicache.policy_0518.plan` becomes an ordinary ``CacheOperation`` whose
+``device_indices`` are the node's LOGICAL locs (they stay on the device, never
+read on the host) and whose ``host_indices`` are this rank's host slots of the
+owned tokens. SGLang's controller then submits the copies on its own streams
+(per-layer loads keep its ``layer_done_counter``), and the CP host pools (see
+:mod:`.host_copies`) run them through this library's kernels, which mask
+other ranks' pages and translate owned ones to physical slots on the device.
+The indexer rides the KV indices (``indices_from_pool=KV``), so it is backed
+up and restored with the KV.
+
+A rank owning nothing in a node still queues an (empty) operation: it gets
+the same ack as every other rank, and SGLang's MIN all-reduce over ready acks
+stays in step on every rank.
+
+Every step can be taken back through its handle: :class:`PendingWrite`
+(``start`` / ``abort`` / ``undo``), :class:`PendingLoad` (``drop``) and
+:class:`StartedLoads` (``undo``).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Optional, Sequence, Union
+
+import torch
+from sglang.srt.managers.cache_controller import CacheOperation
+
+from sglang_cp_hicache.policy_0518.allocator import AllocatorCheckpoint
+from sglang_cp_hicache.placement import CpPlacement
+from sglang_cp_hicache.policy_0518.metadata import CpHiCacheNodeMetadata
+from sglang_cp_hicache.policy_0518.plan import (
+    CpLoadPlan,
+    CpWritePlan,
+    HiCacheWriteFailure,
+    placeholder_write_plan,
+    plan_load,
+    plan_write,
+)
+
+__all__ = ["CpTransferAdapter", "CpTransferStats", "PendingLoad", "PendingWrite", "StartedLoads", "WriteState"]
+
+
+@dataclass
+class CpTransferStats:
+    writes: int = 0
+    zero_owned_writes: int = 0
+    loads: int = 0
+    zero_owned_loads: int = 0
+    backup_slots: int = 0  # physical host slots written by this rank
+    load_slots: int = 0  # physical slots restored by this rank
+
+
+class WriteState(enum.Enum):
+    PLANNED = "planned"  # host slots held, nothing queued
+    STARTED = "started"  # copy submitted, its ack in SGLang's ack queue
+    CLOSED = "closed"  # kept, aborted or undone: nothing left to do
+
+
+def _to_copy_engine(host_locs: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host slots as SGLang hands them to the copy: pinned on CUDA machines,
+    so the controller's ``non_blocking`` H2D copy of the indices never blocks."""
+    if device.type == "cuda" and host_locs.numel() and not host_locs.is_pinned():
+        return host_locs.pin_memory()
+    return host_locs
+
+
+@dataclass(eq=False)
+class PendingWrite:
+    """One node's backup on this rank, from planned to kept or taken back."""
+
+    adapter: "CpTransferAdapter"
+    plan: CpWritePlan
+    op: CacheOperation
+    state: WriteState = WriteState.PLANNED
+
+    @property
+    def metadata(self) -> CpHiCacheNodeMetadata:
+        return self.plan.metadata
+
+    def start(self) -> None:
+        """Queue and submit the copy. On an exception nothing stays queued
+        and no ack is left behind; the host slots are still held (abort)."""
+        if self.state is not WriteState.PLANNED:
+            raise RuntimeError(f"cannot start a CP write in state {self.state.value}")
+        ctrl = self.adapter.controller
+        acks_before = len(ctrl.ack_write_queue)
+        ctrl.write_queue.append(self.op)
+        try:
+            ctrl.start_writing()
+        except BaseException:
+            if self.op in ctrl.write_queue:
+                ctrl.write_queue.remove(self.op)
+            del ctrl.ack_write_queue[acks_before:]
+            raise
+        self.state = WriteState.STARTED
+        self.adapter._count_write(self.plan, +1)
+
+    def abort(self) -> None:
+        """Release a planned write that never started (or failed to)."""
+        if self.state is not WriteState.PLANNED:
+            raise RuntimeError(f"cannot abort a CP write in state {self.state.value}: use undo")
+        self.state = WriteState.CLOSED
+        if self.op.host_indices.numel():
+            self.adapter.controller.mem_pool_host.free(self.op.host_indices)
+
+    def undo(self) -> None:
+        """Take back a started write the group refused: wait for its copy,
+        drop its ack, free its host slots."""
+        if self.state is not WriteState.STARTED:
+            raise RuntimeError(f"cannot undo a CP write in state {self.state.value}")
+        self.state = WriteState.CLOSED
+        ctrl = self.adapter.controller
+        node_id = self.op.node_ids[0]
+        for i in range(len(ctrl.ack_write_queue) - 1, -1, -1):
+            ack = ctrl.ack_write_queue[i]
+            if node_id in ack.node_ids:
+                ack.finish_event.synchronize()  # the slots are busy until the copy ends
+                del ctrl.ack_write_queue[i]
+                break
+        if self.op.host_indices.numel():
+            ctrl.mem_pool_host.free(self.op.host_indices)
+        self.adapter._count_write(self.plan, -1)
+
+    def keep(self) -> None:
+        """The group agreed: the node now owns the host slots."""
+        if self.state is not WriteState.STARTED:
+            raise RuntimeError(f"cannot keep a CP write in state {self.state.value}")
+        self.state = WriteState.CLOSED
+
+
+@dataclass(eq=False)
+class PendingLoad:
+    """One queued (not yet submitted) restore of a node chain."""
+
+    adapter: "CpTransferAdapter"
+    plan: CpLoadPlan
+    op: CacheOperation
+    checkpoint: AllocatorCheckpoint
+    closed: bool = False
+
+    def drop(self) -> None:
+        """Unqueue it and put the allocator back exactly as it was (free-list
+        order included, in O(pages allocated)), so it stays identical to the
+        allocators of ranks that never allocated."""
+        if self.closed:
+            raise RuntimeError("CP load already dropped or kept")
+        self.closed = True
+        self.adapter.controller.load_queue.remove(self.op)
+        self.adapter.allocator.rollback(self.checkpoint)
+        self.adapter._count_load(self.plan, -1)
+
+    def keep(self) -> None:
+        """The group agreed: the allocation stays (closes the undo log)."""
+        if self.closed:
+            raise RuntimeError("CP load already dropped or kept")
+        self.closed = True
+        self.adapter.allocator.commit(self.checkpoint)
+
+
+@dataclass(eq=False)
+class StartedLoads:
+    """The outcome of submitting every queued load of a batch."""
+
+    adapter: "CpTransferAdapter"
+    producer_id: int
+    error: Optional[BaseException]
+    acks_before: int
+    undone: bool = field(default=False)
+
+    def undo(self) -> None:
+        """Wait for the copies that did start and drop their acks."""
+        if self.undone:
+            raise RuntimeError("started CP loads already undone")
+        self.undone = True
+        queue = self.adapter.controller.ack_load_queue
+        for ack in queue[self.acks_before :]:
+            ack.finish_event.synchronize()
+        del queue[self.acks_before :]
+
+
+class CpTransferAdapter:
+    def __init__(self, controller, layout: CpPlacement, allocator) -> None:
+        self.controller = controller
+        self.layout = layout
+        self.allocator = allocator
+        self.stats = CpTransferStats()
+        self._device = torch.device(getattr(allocator, "device", "cpu"))
+
+    def _count_write(self, plan: CpWritePlan, sign: int) -> None:
+        self.stats.writes += sign
+        self.stats.zero_owned_writes += sign * int(plan.num_host_slots == 0)
+        self.stats.backup_slots += sign * plan.num_host_slots
+
+    def _count_load(self, plan: CpLoadPlan, sign: int) -> None:
+        n = int(plan.host_locs.numel())
+        self.stats.loads += sign
+        self.stats.zero_owned_loads += sign * int(n == 0)
+        self.stats.load_slots += sign * n
+
+    # ---- writes ------------------------------------------------------------
+    def plan_write(
+        self,
+        device_locs: torch.Tensor,
+        pages: torch.Tensor,
+        node_id: int = -1,
+        priority: Optional[int] = None,
+        extra_pools=None,
+    ) -> Union[PendingWrite, HiCacheWriteFailure]:
+        """Take host slots for this rank's pages of one node (``pages``: the
+        node's logical pages on the CPU -- the cache's own mirror, validated
+        when it was handed in; ``device_locs``: its logical locs, never read).
+        Nothing is queued until :meth:`PendingWrite.start`."""
+        ctrl = self.controller
+        host_pool = ctrl.mem_pool_host
+        plan = plan_write(self.layout, pages, device_locs, host_pool.alloc, host_pool.free, trusted=True)
+        if isinstance(plan, HiCacheWriteFailure):
+            return plan
+        host = _to_copy_engine(plan.host_locs, self._device)
+        pool_transfers = ctrl._resolve_pool_transfers_allocation(
+            extra_pools, alloc_host=True, kv_device_indices=device_locs, kv_host_indices=host
+        )
+        if pool_transfers is None and extra_pools:
+            if host.numel():
+                host_pool.free(plan.host_locs)
+            return HiCacheWriteFailure(required_host_slots=plan.num_host_slots)
+        op = CacheOperation(host, device_locs, node_id, priority, pool_transfers=pool_transfers or None)
+        return PendingWrite(self, plan, op)
+
+    def placeholder_write(
+        self, device_locs: torch.Tensor, pages: torch.Tensor, node_id: int = -1, extra_pools=None
+    ) -> PendingWrite:
+        """A write with no host slots for a node this rank could not back up:
+        its (empty) operation still gets an ack like every other rank's, so
+        the ack queues stay aligned until the group takes the write back."""
+        plan = placeholder_write_plan(self.layout, pages, device_locs)
+        op = CacheOperation(plan.host_locs, device_locs, node_id, None, pool_transfers=None)
+        return PendingWrite(self, plan, op)
+
+    # ---- loads -------------------------------------------------------------
+    def queue_load(
+        self,
+        metadata: Sequence[CpHiCacheNodeMetadata],
+        node_id: int = -1,
+        priority: Optional[int] = None,
+        extra_pools=None,
+    ) -> Optional[PendingLoad]:
+        """Owner-preserving allocation for a node chain; queues this rank's
+        pages (an empty op if none). None, with nothing changed, when the
+        device allocator cannot give every owner lane its pages."""
+        ctrl = self.controller
+        checkpoint = self.allocator.checkpoint()
+        try:
+            plan = plan_load(self.layout, metadata, self.allocator)
+            pool_transfers = None
+            if plan is not None:
+                host = _to_copy_engine(plan.host_locs, self._device)
+                pool_transfers = ctrl._resolve_pool_transfers_allocation(
+                    extra_pools, alloc_host=False, kv_device_indices=plan.device_locs, kv_host_indices=host
+                )
+        except BaseException:
+            self.allocator.rollback(checkpoint)
+            raise
+        if plan is None or (pool_transfers is None and extra_pools):
+            self.allocator.rollback(checkpoint)
+            return None
+        op = CacheOperation(host, plan.device_locs, node_id, priority, pool_transfers=pool_transfers or None)
+        ctrl.load_queue.append(op)
+        self._count_load(plan, +1)
+        return PendingLoad(self, plan, op, checkpoint)
+
+    def start_loading(self) -> StartedLoads:
+        """Submit every queued load. Never raises: a failure is returned in
+        ``error`` (with the queue cleared) so the caller can tell the group
+        before it raises."""
+        ctrl = self.controller
+        acks_before = len(ctrl.ack_load_queue)
+        try:
+            producer = ctrl.start_loading()
+        except Exception as exc:  # reported to every rank by the caller
+            ctrl.load_queue.clear()
+            return StartedLoads(self, -1, exc, acks_before)
+        return StartedLoads(self, producer, None, acks_before)

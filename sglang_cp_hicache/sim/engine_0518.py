@@ -1,0 +1,310 @@
+"""One simulated scheduler rank: serves requests against a real SGLang 0.5.18
+HiCache stack (:mod:`sglang_cp_hicache.testing.stack_0518`), writing and verifying
+deterministic KV + indexer content.
+
+Per request, in the same order on every rank (the SGLang contract)::
+
+    match_prefix -> lock the device prefix -> make room (evict) ->
+    [host hit] init_load_back + ready_to_load_host_cache -> lock the request's
+    last node -> verify every owned page of the matched
+    prefix -> alloc the rest (evict the shortfall first) -> write content into
+    the owned new pages -> insert -> free duplicates + the unaligned tail ->
+    unlock -> check_hicache_events (writing_check + loading_check)
+
+This is the scheduler's flow in 0.5.18 (``PrefillAdder`` admission lock +
+``init_load_back``, ``alloc_for_extend`` + ``evict_from_tree_cache``,
+``cache_finished_req``), collapsed to one request per batch. Content lives in
+:mod:`sglang_cp_hicache.sim.content`; a token's content key is a rolling hash
+of its prefix, so a restored page is right only if it holds exactly the bytes
+written for that prefix. Works on a plain (non-CP) HiRadixCache too, where this
+one process owns every page.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from typing import Any, Sequence
+
+import torch
+from sglang.srt.mem_cache.base_prefix_cache import (
+    EvictParams,
+    InitLoadBackParams,
+    InsertParams,
+    MatchPrefixParams,
+)
+from sglang.srt.mem_cache.radix_cache import RadixKey
+
+from sglang_cp_hicache.placement import CpPlacement
+from sglang_cp_hicache.sglang_0518.hiradix import CpInsertParams
+from sglang_cp_hicache.sim.content import prefix_keys
+from sglang_cp_hicache.sim.engine_base import RankEngineBase
+from sglang_cp_hicache.sim.records import EngineTotals, RequestRecord
+from sglang_cp_hicache.testing.stack_0518 import CpRankStack
+
+__all__ = ["SimRankEngine"]
+
+_EMPTY = torch.empty((0,), dtype=torch.int64)
+
+
+class SimRankEngine(RankEngineBase):
+    """Drives one rank's :class:`CpRankStack` (CP or plain) request by request."""
+
+    def __init__(self, stack: CpRankStack, *, content_seed: int = 0) -> None:
+        self.cp_mode = stack.config.cp_mode
+        # Plain mode: one process owns every page, physical == logical.
+        layout = getattr(stack.allocator, "layout", CpPlacement(stack.config.page_size, 1, 0))
+        self._bind_stack(stack, layout, content_seed)
+        self._backup_tokens = 0
+        self._plain_host_evicted_slots = 0
+        self._plain_load_backs = 0
+        self._plain_load_back_tokens = 0
+        self._plain_writes = 0
+        self._plain_loads = 0
+        self._count_backups()
+
+    # ---- instrumentation --------------------------------------------------
+    def _count_backups(self) -> None:
+        """Count what SGLang's own write path reports, without changing it:
+        instance attributes shadow the bound methods HiRadixCache calls."""
+        cache, ctrl = self.cache, self.cache.cache_controller
+        write_backup = cache.write_backup
+
+        def counted_write_backup(node: Any, write_back: bool = False) -> int:
+            n = write_backup(node, write_back)
+            self._backup_tokens += int(n)
+            return n
+
+        cache.write_backup = counted_write_backup
+        all_reduce = cache._all_reduce
+
+        def timed_all_reduce(data: torch.Tensor, op: Any) -> Any:
+            start = time.process_time()
+            try:
+                return all_reduce(data, op)
+            finally:
+                self.collective_cpu_seconds += time.process_time() - start
+                self.collective_calls += 1
+
+        cache._all_reduce = timed_all_reduce
+        if self.cp_mode:
+            return  # CpHiRadixCache counts host eviction and transfers itself
+        evict_host, write, load = ctrl.evict_host, ctrl.write, ctrl.load
+
+        def counted_evict_host(host_indices: torch.Tensor, *args: Any, **kwargs: Any) -> int:
+            n = evict_host(host_indices, *args, **kwargs)
+            self._plain_host_evicted_slots += int(n)
+            return n
+
+        def counted_write(*args: Any, **kwargs: Any) -> Any:
+            out = write(*args, **kwargs)
+            self._plain_writes += int(out is not None)
+            return out
+
+        def counted_load(*args: Any, **kwargs: Any) -> Any:
+            out = load(*args, **kwargs)
+            self._plain_loads += int(out is not None)
+            return out
+
+        ctrl.evict_host, ctrl.write, ctrl.load = counted_evict_host, counted_write, counted_load
+
+    # ---- SGLang calls -------------------------------------------------------
+    def _make_room(self, num_tokens: int) -> int:
+        """``evict_from_tree_cache``: evict only the shortfall."""
+        available = self.allocator.available_size()
+        if num_tokens <= available:
+            return 0
+        return int(self.cache.evict(EvictParams(num_tokens=num_tokens - available)).num_tokens_evicted)
+
+    def _check_events(self) -> None:
+        """The scheduler's per-iteration ``check_hicache_events``: one MIN
+        all-reduce of ready write/load acks, then writing_check and
+        loading_check consume that many."""
+        ctrl = self.cache.cache_controller
+        writes, loads = len(ctrl.ack_write_queue), len(ctrl.ack_load_queue)
+        self.cache.check_hicache_events()
+        self.acks.write_acks += writes - len(ctrl.ack_write_queue)
+        self.acks.load_acks += loads - len(ctrl.ack_load_queue)
+
+    def host_slots_in_use(self) -> int:
+        host = self.cache.token_to_kv_pool_host
+        return int(host.size - host.available_size())
+
+    # ---- content ----------------------------------------------------------
+    # ---- one request --------------------------------------------------------
+    def serve(self, index: int, tokens: Sequence[int]) -> RequestRecord:
+        P = self.page_size
+        cache, allocator = self.cache, self.allocator
+        tokens = list(tokens)
+        record = RequestRecord(index=index, tokens=len(tokens))
+        with self._content_time():
+            keys = prefix_keys(tokens)
+        padded_len = -(-len(tokens) // P) * P  # the allocation covers the partial last page
+        key_len = len(tokens) // P * P  # the tree holds whole pages only
+
+        with self._cache_time():
+            match = cache.match_prefix(MatchPrefixParams(key=RadixKey(tokens)))
+            device_locs = match.device_indices.to(torch.int64)
+            record.device_hit_tokens = int(device_locs.numel())
+            record.host_hit_tokens = int(match.host_hit_length)
+            admission = match.last_device_node
+            cache.inc_lock_ref(admission)
+            record.device_tokens_evicted += self._make_room(padded_len - record.device_hit_tokens)
+            loaded, last_node = _EMPTY, admission
+            if record.host_hit_tokens > 0:
+                new_tokens = padded_len - record.device_hit_tokens - record.host_hit_tokens
+                quota = max(allocator.available_size() - new_tokens, 0)
+                loaded, last_node = cache.init_load_back(
+                    InitLoadBackParams(
+                        best_match_node=match.best_match_node,
+                        host_hit_length=record.host_hit_tokens,
+                        mem_quota=quota,
+                    )
+                )
+                cache.ready_to_load_host_cache()
+                loaded = loaded.to(torch.int64)
+                if loaded.numel():
+                    self._plain_load_backs += 1
+                    self._plain_load_back_tokens += int(loaded.numel())
+            record.loaded_tokens = int(loaded.numel())
+            cache.inc_lock_ref(last_node)  # the request's lock (req.last_node)
+            cache.dec_lock_ref(admission)
+        # On CPU the load ran inside ready_to_load_host_cache (no-op streams), so
+        # the restored bytes are in place; its ack is consumed with the others
+        # at the end of the request, as the scheduler does once per iteration.
+        prefix = torch.cat([device_locs, loaded])
+        if self.corrupt_next_restore and loaded.numel():
+            self._corrupt_one_byte(loaded)
+
+        with self._content_time():
+            checked, restored, corrupted = self._verify(prefix, keys[: prefix.numel()], record.device_hit_tokens)
+        record.verified_pages, record.restored_pages_verified, record.corrupted_pages = checked, restored, corrupted
+
+        new_len = padded_len - prefix.numel()
+        new_pages = _EMPTY
+        with self._cache_time():
+            record.device_tokens_evicted += self._make_room(new_len)
+            if new_len <= 0:
+                new = _EMPTY
+            elif self.cp_mode:  # the CP allocator also hands out the CPU page mirror
+                reclaimed = cache.cp_counters.lane_reclaim_tokens
+                got = allocator.alloc_mirrored(new_len)
+                new, new_pages = (None, None) if got is None else (got.locs, got.pages)
+                # the allocator may evict for a lane that is short (host balance)
+                record.device_tokens_reclaimed = cache.cp_counters.lane_reclaim_tokens - reclaimed
+                record.device_tokens_evicted += record.device_tokens_reclaimed
+            else:
+                new = allocator.alloc(new_len)
+        if new is None:  # everything left is locked: identical on every rank
+            record.skipped = True
+            with self._cache_time():
+                cache.dec_lock_ref(last_node)
+                self._check_events()
+            record.host_slots = self.host_slots_in_use()
+            return record
+        new = new.to(torch.int64)
+        record.new_tokens = len(tokens) - prefix.numel()
+        with self._content_time():
+            start = prefix.numel()
+            self._write(new[: len(tokens) - start], keys[start:])
+
+        locs = torch.cat([prefix, new])
+        with self._cache_time():
+            key = RadixKey(tokens[:key_len])
+            if self.cp_mode:
+                # The CPU page mirror of the value: the cache never reads it back.
+                pages = torch.cat([cache.cp_prefix_pages(last_node), new_pages])
+                params = CpInsertParams(key=key, value=locs[:key_len].clone(), value_pages=pages)
+            else:
+                params = InsertParams(key=key, value=locs[:key_len].clone())
+            result = cache.insert(params)
+            # cache_finished_req: free what the tree already had, then the tail
+            duplicates = locs[prefix.numel() : max(int(result.prefix_len), prefix.numel())]
+            record.duplicate_tokens_freed = int(duplicates.numel())
+            if duplicates.numel():
+                allocator.free(duplicates)
+            if locs.numel() > key_len:
+                allocator.free(locs[max(key_len, prefix.numel()) :])
+            cache.dec_lock_ref(last_node)
+            self._check_events()
+        record.host_slots = self.host_slots_in_use()
+        return record
+
+    # ---- end of run ---------------------------------------------------------
+    def _host_slots_of(self, node: Any) -> int:
+        if self.cp_mode:
+            meta = getattr(node, "cp_hicache", None)
+            return 0 if meta is None else int(meta.num_host_slots)
+        return 0 if node.host_value is None else int(len(node.host_value))
+
+    def tree_digest(self) -> str:
+        """Hash of the tree's shape and logical state (keys, logical device
+        locs, evicted / backed-up, logical host length, locks). Identical on
+        every CP rank when they took identical decisions; per-rank physical
+        host slots are left out."""
+        rows = []
+
+        def walk(node: Any, path: tuple) -> None:
+            children = sorted(node.children.values(), key=lambda c: tuple(c.key.token_ids))
+            for i, child in enumerate(children):
+                host_len = child.host_len if self.cp_mode else (
+                    0 if child.host_value is None else len(child.host_value)
+                )
+                value = () if child.evicted else tuple(child.value.tolist())
+                here = path + (i,)
+                rows.append((here, tuple(child.key.token_ids), value, child.evicted, child.backuped,
+                             host_len, child.lock_ref))
+                walk(child, here)
+
+        walk(self.cache.root_node, ())
+        return hashlib.sha256(repr(rows).encode()).hexdigest()[:16]
+
+    def invariant_violations(self) -> list[str]:
+        """No leaks, with no request in flight: host slots in use equal those the
+        tree holds, device tokens in use equal the tree's device tokens."""
+        out = []
+        nodes = self._nodes()
+        host_in_tree = sum(self._host_slots_of(n) for n in nodes)
+        if host_in_tree != self.host_slots_in_use():
+            out.append(f"host slots in use {self.host_slots_in_use()} != held by tree nodes {host_in_tree}")
+        device_in_tree = sum(len(n.value) for n in nodes if not n.evicted)
+        device_in_use = int(self.allocator.size - self.allocator.available_size())
+        if device_in_tree != device_in_use:
+            out.append(f"device tokens in use {device_in_use} != held by tree nodes {device_in_tree}")
+        locked = [n.id for n in nodes if n.lock_ref != 0]
+        if locked:
+            out.append(f"nodes still locked: {locked[:8]}")
+        ctrl = self.cache.cache_controller
+        if ctrl.ack_write_queue or ctrl.ack_load_queue:
+            out.append(f"unconsumed acks: {len(ctrl.ack_write_queue)} write, {len(ctrl.ack_load_queue)} load")
+        return out
+
+    def totals(self) -> EngineTotals:
+        host = self.cache.token_to_kv_pool_host
+        totals = EngineTotals(
+            backup_tokens=self._backup_tokens,
+            host_slot_capacity=int(host.size),
+            tree_digest=self.tree_digest(),
+            invariant_violations=self.invariant_violations(),
+        )
+        if self.cp_mode:
+            c, s = self.cache.cp_counters, self.cache.cp_transfer.stats
+            totals.write_backups, totals.write_failures = c.write_backups, c.write_failures
+            totals.host_evicted_slots, totals.host_evicted_nodes = c.host_evicted_slots, c.host_evicted_nodes
+            totals.load_backs, totals.load_back_tokens = c.load_backs, c.load_back_tokens
+            totals.device_page_reads = c.device_page_reads
+            totals.lane_reclaims = self.allocator.lane_reclaims
+            totals.uneven_picks = self.allocator.uneven_picks
+            totals.host_balance = self.cache.cp_host_balance
+            totals.backup_slots, totals.load_slots = s.backup_slots, s.load_slots
+            totals.zero_owned_writes, totals.zero_owned_loads = s.zero_owned_writes, s.zero_owned_loads
+            self.acks.writes_queued, self.acks.loads_queued = s.writes, s.loads
+        else:
+            totals.write_backups = self._plain_writes
+            totals.backup_slots = self._backup_tokens
+            totals.host_evicted_slots = self._plain_host_evicted_slots
+            totals.load_backs = self._plain_load_backs
+            totals.load_back_tokens = self._plain_load_back_tokens
+            totals.load_slots = self._plain_load_back_tokens
+            self.acks.writes_queued, self.acks.loads_queued = self._plain_writes, self._plain_loads
+        return totals

@@ -1,0 +1,94 @@
+"""Soak the CP cache state machine: random seeds for a given time.
+
+    python -m tests.sglang_0518.soak --minutes 20      (``make soak``, SOAK_MINUTES=20)
+
+Runs ``tests/sglang_0518/test_state_machine.py`` under the hypothesis ``dev``
+profile again and again, each run in a fresh process with a new random seed
+and ``--examples`` examples, until the time is up (a run that started goes to
+its end). Prints every run's seed and step count and the totals; the first
+failing run stops the soak and prints the command that repeats it. Exit
+status 0 only when every run passed and, with ``--min-steps`` /
+``--min-seeds``, enough ran.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+TEST = "tests/sglang_0518/test_state_machine.py"
+
+
+@dataclass
+class SoakRun:
+    seed: int
+    steps: int
+    seconds: float
+    passed: bool
+
+
+def run_once(seed: int, examples: int, python: str) -> tuple[SoakRun, str]:
+    """One pytest process; its step count comes from the test's report file."""
+    with tempfile.TemporaryDirectory(prefix="cp-hicache-soak-") as tmp:
+        report = os.path.join(tmp, "steps.jsonl")
+        env = dict(os.environ, HYPOTHESIS_PROFILE="dev", STATE_MACHINE_EXAMPLES=str(examples),
+                   STATE_MACHINE_REPORT=report)
+        cmd = [python, "-m", "pytest", TEST, "-q", "-s", "-p", "no:cacheprovider",
+               f"--hypothesis-seed={seed}"]
+        start = time.monotonic()
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+        seconds = time.monotonic() - start
+        lines = Path(report).read_text().splitlines() if os.path.exists(report) else []
+    steps = sum(json.loads(line)["steps"] for line in lines)
+    passed = proc.returncode == 0 and bool(lines) and all(json.loads(line)["passed"] for line in lines)
+    return SoakRun(seed, steps, seconds, passed), proc.stdout + proc.stderr
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--minutes", type=float, default=float(os.environ.get("SOAK_MINUTES", 20)))
+    parser.add_argument("--examples", type=int, default=int(os.environ.get("SOAK_EXAMPLES", 40)),
+                        help="hypothesis examples per run (each up to 300 steps)")
+    parser.add_argument("--min-steps", type=int, default=int(os.environ.get("SOAK_MIN_STEPS", 0)))
+    parser.add_argument("--min-seeds", type=int, default=int(os.environ.get("SOAK_MIN_SEEDS", 0)))
+    parser.add_argument("--python", default=sys.executable)
+    args = parser.parse_args(argv)
+    if not args.minutes > 0 or args.examples < 1:
+        parser.error("--minutes must be > 0 and --examples >= 1")
+
+    deadline = time.monotonic() + args.minutes * 60
+    rng = random.SystemRandom()
+    runs: list[SoakRun] = []
+    print(f"soak: {TEST}, dev profile, {args.examples} examples per run, {args.minutes:g} min", flush=True)
+    while time.monotonic() < deadline:
+        seed = rng.randrange(2**32)
+        run, output = run_once(seed, args.examples, args.python)
+        runs.append(run)
+        state = "passed" if run.passed else "FAILED"
+        print(f"soak: seed {seed}: {run.steps} steps in {run.seconds:.0f} s, {state}", flush=True)
+        if not run.passed:
+            print(output[-8000:])
+            print(f"soak: repeat with: HYPOTHESIS_PROFILE=dev STATE_MACHINE_EXAMPLES={args.examples} "
+                  f"{args.python} -m pytest {TEST} -s --hypothesis-seed={seed}")
+            break
+    total = sum(r.steps for r in runs)
+    failed = [r.seed for r in runs if not r.passed]
+    print(f"soak: {total} steps in {len(runs)} runs, seeds {[r.seed for r in runs]}; "
+          f"{'failed: seed ' + str(failed) if failed else 'none failed'}")
+    short = total < args.min_steps or len(runs) < args.min_seeds
+    if short and not failed:
+        print(f"soak: fewer than --min-steps {args.min_steps} steps or --min-seeds {args.min_seeds} seeds")
+    return 1 if failed or short else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

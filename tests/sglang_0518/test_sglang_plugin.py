@@ -1,0 +1,139 @@
+"""Activation: the sglang.srt.plugins entry point and the cp-hicache backend."""
+
+from importlib.metadata import entry_points
+from types import SimpleNamespace
+
+import pytest
+
+from sglang_cp_hicache.sglang_0518 import plugin
+from sglang_cp_hicache.sglang_0518.hiradix import CpHiRadixCache
+from sglang_cp_hicache.testing.stack_0518 import CpStackConfig, build_cp_rank_stack
+
+
+def test_entry_point_is_declared_for_sglang_plugin_loader():
+    eps = entry_points(group="sglang.srt.plugins")
+    ours = [ep for ep in eps if ep.value == "sglang_cp_hicache.sglang_0518.plugin:register"]
+    assert len(ours) == 1 and ours[0].load() is plugin.register
+
+
+def test_register_is_idempotent_and_selectable():
+    from sglang.srt.mem_cache.registry import get_radix_cache_factory, registered_radix_cache_backends
+
+    plugin.register()
+    plugin.register()
+    assert registered_radix_cache_backends().count("cp-hicache") == 1
+    assert get_radix_cache_factory("cp-hicache") is plugin.cp_hicache_factory
+
+
+class Worker:
+    def __init__(self):
+        self.counters = []
+
+    def register_hicache_layer_transfer_counter(self, counter):
+        self.counters.append(counter)
+
+
+def ctx_for(stack, hierarchical=True):
+    return SimpleNamespace(params=stack_params(stack), server_args=stack.server_args,
+                           enable_hierarchical_cache=hierarchical, tp_worker=Worker())
+
+
+def stack_params(stack):
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+
+    return CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=stack.allocator,
+                           page_size=stack.config.page_size, tp_cache_group=stack.cache.tp_group,
+                           attn_cp_cache_group=stack.cache.tp_group)
+
+
+def test_factory_builds_cp_cache_for_cp_allocator():
+    stack = build_cp_rank_stack(CpStackConfig(cp_size=2), 1)
+    try:
+        ctx = ctx_for(stack)
+        cache = plugin.cp_hicache_factory(ctx)
+        assert isinstance(cache, CpHiRadixCache) and cache.cp_layout.cp_rank == 1
+        assert ctx.tp_worker.counters == [cache.cache_controller.layer_done_counter]
+        with pytest.raises(ValueError, match="enable-hierarchical-cache"):
+            plugin.cp_hicache_factory(ctx_for(stack, hierarchical=False))
+    finally:
+        stack.close()
+
+
+def test_factory_defers_to_sglang_without_cp_allocator():
+    stack = build_cp_rank_stack(CpStackConfig(cp_size=1, cp_mode=False), 0)
+    try:
+        seen = []
+        import sglang.srt.mem_cache.registry as registry
+
+        orig = registry.default_radix_cache_factory
+        registry.default_radix_cache_factory = lambda ctx: seen.append(ctx) or "default"
+        try:
+            ctx = ctx_for(stack)
+            assert plugin.cp_hicache_factory(ctx) == "default" and seen == [ctx]
+        finally:
+            registry.default_radix_cache_factory = orig
+    finally:
+        stack.close()
+
+
+def test_other_sglang_releases_are_refused(monkeypatch):
+    from sglang_cp_hicache.sglang_0518 import check_sglang_version
+
+    check_sglang_version("0.5.18")
+    with pytest.raises(RuntimeError, match="0.5.18.*0.5.21"):
+        check_sglang_version("0.5.21")
+    monkeypatch.setenv("SGLANG_CP_HICACHE_ALLOW_ANY_SGLANG", "1")
+    check_sglang_version("0.5.21")
+
+
+def test_factory_warms_the_copy_kernels_up_for_this_server(monkeypatch, caplog):
+    """Server start compiles (CUDA) or loads (interpreter) exactly the kernels
+    this cache's pools need, once per cache, and says so in one log line."""
+    from sglang_cp_hicache.kernels import transfer
+
+    calls = []
+    real = transfer.warmup
+
+    def recording_warmup(**kwargs):
+        calls.append(kwargs)
+        return real(**kwargs)
+
+    monkeypatch.setattr(transfer, "warmup", recording_warmup)
+    config = CpStackConfig(cp_size=2, num_layers=3, host_layout="page_first")
+    stack = build_cp_rank_stack(config, 1)
+    try:
+        assert len(calls) == 1  # build_cp_rank_stack's cache
+        calls.clear()
+        with caplog.at_level("INFO", logger="sglang_cp_hicache.sglang_0518.hiradix"):
+            cache = plugin.cp_hicache_factory(ctx_for(stack))
+        expected = dict(
+            page_size=64, host_layout="page_first", num_layers=3,
+            kv_dim=config.kv_lora_rank + config.qk_rope_head_dim, kv_dtype=config.dtype,
+            indexer_page_bytes=64 * (config.index_head_dim + 4), device=stack.kv_pool.kv_buffer[0].device,
+        )
+        assert calls == [expected]
+        reported = cache.cp_warmup.config  # JSON-ready: names for device and dtype
+        assert {k: reported[k] for k in expected} == {
+            **expected, "device": "cpu", "kv_dtype": str(config.dtype).removeprefix("torch.")
+        }
+        lines = [r.getMessage() for r in caplog.records if "copy kernels ready" in r.getMessage()]
+        assert len(lines) == 1 and "cp_rank 1/2" in lines[0] and "TRITON_CACHE_DIR" in lines[0]
+    finally:
+        stack.close()
+
+
+def test_register_does_nothing_under_another_sglang(monkeypatch, caplog):
+    import sglang
+    from sglang.srt.mem_cache import registry
+
+    seen = []
+    monkeypatch.setattr(registry, "register_radix_cache_backend", lambda *a: seen.append(a))
+    monkeypatch.setattr(registry, "get_radix_cache_factory", lambda name: None)
+    monkeypatch.setattr(sglang, "__version__", "0.5.23")
+    monkeypatch.delenv("SGLANG_CP_HICACHE_ALLOW_ANY_SGLANG", raising=False)
+    with caplog.at_level("INFO", logger="sglang_cp_hicache.sglang_0518.plugin"):
+        plugin.register()
+    assert seen == [] and "registers nothing" in caplog.text
+    monkeypatch.setattr(sglang, "__version__", "0.5.18")
+    plugin.register()
+    assert seen == [("cp-hicache", plugin.cp_hicache_factory)]
