@@ -12,24 +12,23 @@ the CPU -- or when ``SGLANG_CP_HICACHE_DEBUG=1`` asks for it.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
+from sglang_cp_hicache import settings
 from sglang_cp_hicache.placement import CpPlacement
 from sglang_cp_hicache.validation import check_int
 
 HOST_LAYOUTS = ("layer_first", "page_first", "page_first_direct")
 
-DEBUG_ENV = "SGLANG_CP_HICACHE_DEBUG"
-_TRUE = ("1", "true", "yes", "on")
+DEBUG_ENV = settings.DEBUG.name
 
 
 def debug_enabled() -> bool:
     """``SGLANG_CP_HICACHE_DEBUG`` is read at every call, not at import."""
-    return os.environ.get(DEBUG_ENV, "").strip().lower() in _TRUE
+    return settings.enabled(settings.DEBUG)
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ not import sglang; its modules do.
 
 from __future__ import annotations
 
-import os
+from sglang_cp_hicache import settings
 
 #: The release whose HiRadixCache / HybridCacheController these subclasses follow.
 SUPPORTED_SGLANG = "0.5.18"
@@ -28,7 +28,7 @@ def check_sglang_version(version: str | None = None) -> None:
         import sglang
 
         version = sglang.__version__
-    if version != SUPPORTED_SGLANG and os.environ.get("SGLANG_CP_HICACHE_ALLOW_ANY_SGLANG") != "1":
+    if version != SUPPORTED_SGLANG and not settings.enabled(settings.ALLOW_ANY_SGLANG):
         raise RuntimeError(
             f"sglang-cp-hicache supports sglang=={SUPPORTED_SGLANG}, found {version}; "
             "set SGLANG_CP_HICACHE_ALLOW_ANY_SGLANG=1 to try anyway"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import os
+from sglang_cp_hicache import settings
 
 __all__ = ["HOST_BALANCE_ENV", "check_cp_hicache_server_args", "host_balance_policy"]
 
@@ -10,20 +10,14 @@ __all__ = ["HOST_BALANCE_ENV", "check_cp_hicache_server_args", "host_balance_pol
 #: device page, evict for it so every rank's host share stays within one page
 #: of 1/N. ``greedy``: never evict for that; the share may drift a few pages,
 #: device hits are those of plain LRU.
-HOST_BALANCE_ENV = "SGLANG_CP_HICACHE_HOST_BALANCE"
-HOST_BALANCE_POLICIES = ("exact", "greedy")
+HOST_BALANCE_ENV = settings.HOST_BALANCE.name
+HOST_BALANCE_POLICIES = settings.HOST_BALANCE.choices
 
 
 def host_balance_policy() -> str:
     """The host-balance policy from ``SGLANG_CP_HICACHE_HOST_BALANCE``; every
     rank must run the same one (it decides which device pages get evicted)."""
-    policy = os.environ.get(HOST_BALANCE_ENV, "exact").strip().lower() or "exact"
-    if policy not in HOST_BALANCE_POLICIES:
-        raise ValueError(
-            f"{HOST_BALANCE_ENV} must be one of {', '.join(HOST_BALANCE_POLICIES)}, "
-            f"got {os.environ[HOST_BALANCE_ENV]!r}"
-        )
-    return policy
+    return settings.read(settings.HOST_BALANCE)
 
 
 def check_cp_hicache_server_args(server_args, *, cp_shared_kv: bool) -> None:

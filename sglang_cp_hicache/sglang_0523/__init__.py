@@ -16,14 +16,14 @@ not import sglang. Modules:
 
 from __future__ import annotations
 
-import os
+from sglang_cp_hicache import settings
 
 #: The release whose private names (``_move_kv_shard_indices``,
 #: ``L2TransferEngine._submission``, ``_DsaStrategy.build``) this adapter follows.
 SUPPORTED_SGLANG = "0.5.23"
 
 #: ``1``: run on another SGLang release anyway (at your own risk).
-ALLOW_ANY_ENV = "SGLANG_CP_HICACHE_ALLOW_ANY_SGLANG"
+ALLOW_ANY_ENV = settings.ALLOW_ANY_SGLANG.name
 
 __all__ = ["ALLOW_ANY_ENV", "SUPPORTED_SGLANG", "check_sglang_version"]
 
@@ -34,7 +34,7 @@ def check_sglang_version(version: str | None = None) -> None:
         import sglang
 
         version = sglang.__version__
-    if version != SUPPORTED_SGLANG and os.environ.get(ALLOW_ANY_ENV) != "1":
+    if version != SUPPORTED_SGLANG and not settings.enabled(settings.ALLOW_ANY_SGLANG):
         raise RuntimeError(
             f"sglang_cp_hicache.sglang_0523 supports sglang=={SUPPORTED_SGLANG}, found {version}; "
             f"set {ALLOW_ANY_ENV}=1 to try anyway"

@@ -15,8 +15,9 @@ SGLang only logs a plugin that raises, so nothing here refuses by raising:
 a supported release registers the strategy, whose ``build`` runs the start-up
 check and raises inside cache construction (which does stop the server). A
 release without KV sharding (0.5.18) is left alone; any other release that
-has the strategy seam gets a strategy that refuses to build the sharded DSA
-stack, naming the version.
+has the strategy seam, or an unknown ``SGLANG_CP_HICACHE_COPY`` value, gets
+a strategy that refuses to build the sharded DSA stack with the reason --
+never a silent fallback to upstream's copies.
 """
 
 from __future__ import annotations
@@ -24,9 +25,9 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import logging
-import os
-from typing import Any
+from typing import Any, Callable
 
+from sglang_cp_hicache import settings
 from sglang_cp_hicache.sglang_0523 import SUPPORTED_SGLANG, check_sglang_version
 
 __all__ = ["COPY_ENV", "COPY_PATHS", "copy_path_from_env", "register"]
@@ -34,20 +35,20 @@ __all__ = ["COPY_ENV", "COPY_PATHS", "copy_path_from_env", "register"]
 logger = logging.getLogger(__name__)
 
 #: Environment variable that selects the copy path.
-COPY_ENV = "SGLANG_CP_HICACHE_COPY"
-COPY_PATHS = ("library", "upstream")
+COPY_ENV = settings.COPY.name
+COPY_PATHS = settings.COPY.choices
 
 _ASSEMBLER = "sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler"
 
 
 def copy_path_from_env() -> str:
-    value = os.environ.get(COPY_ENV, "library").strip().lower() or "library"
-    if value not in COPY_PATHS:
-        raise ValueError(f"{COPY_ENV} must be one of {COPY_PATHS}, got {value!r}")
-    return value
+    """``library`` or ``upstream``; ValueError naming the valid values."""
+    return settings.read(settings.COPY)
 
 
-def _refusing_strategy(version: str) -> Any:
+def _refusing_strategy(refuse: Callable[[], None]) -> Any:
+    """A strategy that matches the sharded DSA stack and raises ``refuse()``'s
+    error when SGLang builds it (cache construction stops the server)."""
     assembler = importlib.import_module(_ASSEMBLER)
 
     class UnsupportedReleaseStrategy(assembler._DsaStrategy):
@@ -58,8 +59,8 @@ def _refusing_strategy(version: str) -> Any:
             )
 
         def build(self, **kwargs: Any) -> Any:
-            check_sglang_version(version)  # raises: the release is not supported
-            raise AssertionError("unreachable")
+            refuse()
+            raise AssertionError("unreachable: refuse() raises")
 
     return UnsupportedReleaseStrategy()
 
@@ -69,9 +70,14 @@ def register() -> None:
     import sglang
 
     version = sglang.__version__
-    path = copy_path_from_env()
     if importlib.util.find_spec(_ASSEMBLER) is None:
         logger.info("sglang-cp-hicache (0.5.23 adapter): sglang %s has no KV sharding; nothing to do", version)
+        return
+    try:
+        path = copy_path_from_env()
+    except ValueError as exc:
+        logger.error("sglang-cp-hicache: %s; KV-sharded DSA HiCache will refuse to start", exc)
+        importlib.import_module(_ASSEMBLER).register_stack_strategy(_refusing_strategy(copy_path_from_env))
         return
     if path == "upstream":
         logger.info("sglang-cp-hicache: %s=upstream, SGLang keeps its own sharded copy path", COPY_ENV)
@@ -83,7 +89,9 @@ def register() -> None:
             "sglang-cp-hicache supports sglang==%s, found %s: KV-sharded DSA HiCache will refuse to start",
             SUPPORTED_SGLANG, version,
         )
-        importlib.import_module(_ASSEMBLER).register_stack_strategy(_refusing_strategy(version))
+        importlib.import_module(_ASSEMBLER).register_stack_strategy(
+            _refusing_strategy(lambda: check_sglang_version(version))
+        )
         return
     from sglang_cp_hicache.sglang_0523.strategy import install_strategy
 

@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from sglang_cp_hicache import settings
 from sglang_cp_hicache.placement import DSA_PAGE_SIZE  # SGLang's DSA pools take only 64 (outside ROCm)
 
 __all__ = [
@@ -32,7 +33,7 @@ NON_CP_GROUPS = ("tp", "single")
 #: SGLang releases the simulator drives, and the copy paths of 0.5.23's
 #: sharded pool ("library": this library's kernels; "upstream": SGLang's own).
 SGLANG_VERSIONS = ("0.5.18", "0.5.23")
-COPY_PATHS = ("library", "upstream")
+COPY_PATHS = settings.COPY.choices
 #: Hidden test hook: "RANK:STEP[:MODE]". STEP is a request index, or "startup"
 #: (before the rank imports SGLang or joins the group). MODE: "raise" (default)
 #: raises on RANK; "hang" makes it stop responding (tests the timeouts);

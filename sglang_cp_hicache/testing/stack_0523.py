@@ -32,13 +32,14 @@ from typing import Any
 
 import torch
 
+from sglang_cp_hicache import settings
 from sglang_cp_hicache.placement import DSA_PAGE_SIZE, CpPlacement
 from sglang_cp_hicache.testing import cpu_0523, env
 from sglang_cp_hicache.validation import check_int
 
 __all__ = ["COPY_PATHS", "ShardedRankStack", "ShardedStackConfig", "build_sharded_rank_stack"]
 
-COPY_PATHS = ("upstream", "library")
+COPY_PATHS = settings.COPY.choices
 _TREE_CORE_ENV = "SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND"
 
 

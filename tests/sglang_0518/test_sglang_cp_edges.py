@@ -241,7 +241,7 @@ def test_host_balance_policy_comes_from_the_environment(monkeypatch):
     monkeypatch.setenv(HOST_BALANCE_ENV, " Greedy ")
     assert host_balance_policy() == "greedy"
     monkeypatch.setenv(HOST_BALANCE_ENV, "balanced")
-    with pytest.raises(ValueError, match=f"{HOST_BALANCE_ENV} must be one of exact, greedy, got 'balanced'"):
+    with pytest.raises(ValueError, match=f"{HOST_BALANCE_ENV}='balanced' is not valid; use one of: exact, greedy"):
         host_balance_policy()
 
 

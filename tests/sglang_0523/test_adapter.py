@@ -80,10 +80,16 @@ def test_copy_env_upstream_registers_nothing(strategies, monkeypatch):
     assert not any(isinstance(s, LibraryDsaStrategy) for s in strategies)
 
 
-def test_copy_env_must_name_a_copy_path(monkeypatch):
-    monkeypatch.setenv(plugin.COPY_ENV, "fast")
-    with pytest.raises(ValueError, match="SGLANG_CP_HICACHE_COPY must be one of"):
-        plugin.register()
+def test_a_misspelt_copy_env_refuses_to_start_instead_of_falling_back(strategies, monkeypatch):
+    """SGLang only logs a plugin that raises; a bad value must still stop the
+    sharded stack at cache construction, naming the valid values."""
+    strategy.uninstall_strategy()
+    monkeypatch.setenv(plugin.COPY_ENV, "libary")
+    plugin.register()  # does not raise: SGLang would only log it
+    refusing = strategies[0]
+    assert not isinstance(refusing, LibraryDsaStrategy)
+    with pytest.raises(ValueError, match=r"SGLANG_CP_HICACHE_COPY='libary' is not valid; use one of: library, upstream"):
+        refusing.build(cache=None, kvcache=None, params=None, server_args=None, load_cache_event=None)
 
 
 def test_another_release_gets_a_strategy_that_refuses_to_build(strategies, monkeypatch):

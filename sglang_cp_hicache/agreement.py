@@ -1,0 +1,91 @@
+"""Start-up agreement of the CP ranks: one all-gather when a cache is built.
+
+Every rank decides from identical state without asking the others (which
+host nodes to evict, which owner lane a page takes, which copies run), so
+ranks that were started with different settings would diverge silently --
+different trees, wrong pages, or a hang in a later collective. One
+all-gather of each rank's view, checked the same way on every rank, turns
+that into an error at start-up that names the disagreeing rank and value,
+raised on every rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Optional, Sequence
+
+import torch.distributed as dist
+
+__all__ = ["CpAgreementError", "RankView", "check_agreement", "gather_and_check"]
+
+
+class CpAgreementError(ValueError):
+    """The CP ranks were started with settings that differ."""
+
+
+@dataclass(frozen=True)
+class RankView:
+    """What one CP rank was started with. ``values`` must be equal on every
+    rank (cp_size, page size, host layout, policies, pool sizes ...)."""
+
+    cp_rank: int
+    cp_size: int
+    values: dict[str, Any] = field(default_factory=dict)
+
+
+def check_agreement(views: Sequence[RankView], *, whole_group: bool = True) -> None:
+    """Raise :class:`CpAgreementError` unless every view has the same
+    ``cp_size`` and ``values`` and the ``cp_rank``s are distinct, in
+    0..N-1 and (``whole_group``) all N present. The first view is the
+    reference the others are named against."""
+    if not views:
+        raise CpAgreementError("no CP rank took part in the start-up agreement")
+    ref = views[0]
+    for i, v in enumerate(views):
+        if v.cp_size != ref.cp_size:
+            raise CpAgreementError(
+                f"CP ranks disagree on cp_size: group rank {i} (cp_rank {v.cp_rank}) has "
+                f"{v.cp_size}, group rank 0 (cp_rank {ref.cp_rank}) has {ref.cp_size}"
+            )
+        for key in sorted(set(ref.values) | set(v.values)):
+            mine, theirs = v.values.get(key), ref.values.get(key)
+            if mine != theirs:
+                raise CpAgreementError(
+                    f"CP ranks disagree on {key}: cp_rank {v.cp_rank} has {mine!r}, "
+                    f"cp_rank {ref.cp_rank} has {theirs!r}; start every rank with the same {key}"
+                )
+    if whole_group and len(views) != ref.cp_size:
+        raise CpAgreementError(
+            f"the CP group has {len(views)} ranks but cp_size is {ref.cp_size}"
+        )
+    seen: dict[int, int] = {}
+    for i, v in enumerate(views):
+        if not 0 <= v.cp_rank < ref.cp_size:
+            raise CpAgreementError(f"group rank {i} has cp_rank {v.cp_rank}, outside 0..{ref.cp_size - 1}")
+        if v.cp_rank in seen:
+            raise CpAgreementError(
+                f"cp_rank {v.cp_rank} is claimed by group ranks {seen[v.cp_rank]} and {i}; "
+                f"each rank of the CP group needs its own cp_rank in 0..{ref.cp_size - 1}"
+            )
+        seen[v.cp_rank] = i
+
+
+def gather_and_check(
+    view: RankView,
+    group: Optional[Any],
+    *,
+    all_gather: Optional[Callable[[list, Any, Any], None]] = None,
+) -> list[RankView]:
+    """All-gather ``view`` over ``group`` (every rank calls this, once, when
+    its cache is built) and check the result. ``all_gather`` stands in for
+    ``torch.distributed.all_gather_object`` (tests with a bare process group). Without a group (no process
+    group: a lone rank, e.g. in a unit test) only ``view`` itself is checked."""
+    if group is None:
+        check_agreement([view], whole_group=False)
+        return [view]
+    gather = all_gather or dist.all_gather_object
+    out: list = [None] * (group.size() if all_gather else dist.get_world_size(group))
+    gather(out, asdict(view), group=group)
+    views = [RankView(**v) for v in out]
+    check_agreement(views)
+    return views

@@ -1,0 +1,121 @@
+"""Every environment variable this library reads: name, default, valid
+values, meaning -- in one place.
+
+A value is read when it is used (not at import), trimmed and lower-cased; an
+empty value means the default. A value outside the valid ones raises
+``ValueError`` naming the variable and listing the valid values: a misspelt
+setting never falls back silently. Both adapters call :func:`check_all` when
+a cache is built, so a bad value stops start-up rather than a later copy.
+
+``python -m sglang_cp_hicache settings`` prints the table with the values in
+force.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Mapping, Optional
+
+__all__ = [
+    "ALLOW_ANY_SGLANG",
+    "COPY",
+    "DEBUG",
+    "HOST_BALANCE",
+    "SETTINGS",
+    "Setting",
+    "check_all",
+    "describe",
+    "enabled",
+    "read",
+]
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One environment variable: ``choices`` are its valid (lower-case) values."""
+
+    name: str
+    default: str
+    choices: tuple[str, ...]
+    meaning: str
+
+    @property
+    def is_flag(self) -> bool:
+        return self.choices == _TRUE + _FALSE
+
+
+COPY = Setting(
+    "SGLANG_CP_HICACHE_COPY",
+    "library",
+    ("library", "upstream"),
+    "SGLang 0.5.23: copy path of the KV-sharded DSA HiCache. library: this "
+    "library's kernels and bookkeeping; upstream: SGLang's own, untouched.",
+)
+HOST_BALANCE = Setting(
+    "SGLANG_CP_HICACHE_HOST_BALANCE",
+    "exact",
+    ("exact", "greedy"),
+    "SGLang 0.5.18: exact evicts a device leaf for the rank holding the fewest "
+    "host slots when it has no free device page (host shares within one page "
+    "of 1/N); greedy never does (shares drift a few pages). Same on every rank.",
+)
+DEBUG = Setting(
+    "SGLANG_CP_HICACHE_DEBUG",
+    "0",
+    _TRUE + _FALSE,
+    "Extra checks that read device memory on the host (syncs, on purpose): "
+    "copy indices in range and distinct, CPU page mirrors equal to the device locs.",
+)
+ALLOW_ANY_SGLANG = Setting(
+    "SGLANG_CP_HICACHE_ALLOW_ANY_SGLANG",
+    "0",
+    _TRUE + _FALSE,
+    "Run an adapter on an SGLang release other than the one it was written "
+    "against (0.5.18 / 0.5.23); the start-up hook check still runs.",
+)
+
+#: Every setting, in the order the table shows them.
+SETTINGS: tuple[Setting, ...] = (COPY, HOST_BALANCE, DEBUG, ALLOW_ANY_SGLANG)
+
+
+def read(setting: Setting, environ: Optional[Mapping[str, str]] = None) -> str:
+    """The value of ``setting`` in force (lower-case), or ValueError naming
+    the variable and its valid values."""
+    env = os.environ if environ is None else environ
+    raw = env.get(setting.name, "")
+    value = raw.strip().lower() or setting.default
+    if value not in setting.choices:
+        raise ValueError(
+            f"{setting.name}={raw!r} is not valid; use one of: {', '.join(setting.choices)} "
+            f"(default {setting.default})"
+        )
+    return value
+
+
+def enabled(setting: Setting, environ: Optional[Mapping[str, str]] = None) -> bool:
+    """A flag setting's value as a bool."""
+    if not setting.is_flag:
+        raise TypeError(f"{setting.name} is not a flag; use read()")
+    return read(setting, environ) in _TRUE
+
+
+def check_all(environ: Optional[Mapping[str, str]] = None) -> dict[str, str]:
+    """Read every setting (raises on the first invalid one); returns name -> value."""
+    return {s.name: read(s, environ) for s in SETTINGS}
+
+
+def describe(environ: Optional[Mapping[str, str]] = None) -> str:
+    """A plain-text table: variable, value in force (or the error), default, meaning."""
+    lines = []
+    for s in SETTINGS:
+        try:
+            now = read(s, environ)
+        except ValueError:
+            now = "INVALID: " + (os.environ if environ is None else environ).get(s.name, "")
+        valid = "0/1" if s.is_flag else "|".join(s.choices)
+        lines.append(f"{s.name}={now}  (valid: {valid}; default {s.default})\n    {s.meaning}")
+    return "\n".join(lines)

@@ -1,0 +1,171 @@
+"""The settings module (every variable, unknown values refused with the
+valid ones) and the start-up agreement check (each kind of mismatch named)."""
+
+import pickle
+import threading
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from sglang_cp_hicache import settings
+from sglang_cp_hicache.agreement import CpAgreementError, RankView, check_agreement, gather_and_check
+
+
+@pytest.mark.parametrize("setting", settings.SETTINGS, ids=lambda s: s.name)
+def test_every_setting_has_its_default_when_unset_or_empty(setting):
+    assert settings.read(setting, {}) == setting.default
+    assert settings.read(setting, {setting.name: "  "}) == setting.default
+
+
+@pytest.mark.parametrize("setting", settings.SETTINGS, ids=lambda s: s.name)
+def test_an_unknown_value_is_refused_with_the_valid_ones(setting):
+    with pytest.raises(ValueError) as err:
+        settings.read(setting, {setting.name: "libary"})
+    msg = str(err.value)
+    assert setting.name in msg and "'libary'" in msg
+    assert all(c in msg for c in setting.choices)
+
+
+def test_values_are_trimmed_and_case_insensitive():
+    assert settings.read(settings.COPY, {settings.COPY.name: " Upstream "}) == "upstream"
+    assert settings.enabled(settings.DEBUG, {settings.DEBUG.name: "ON"})
+    assert not settings.enabled(settings.DEBUG, {settings.DEBUG.name: "0"})
+
+
+def test_check_all_reads_every_setting_and_stops_at_a_bad_one():
+    assert set(settings.check_all({})) == {s.name for s in settings.SETTINGS}
+    with pytest.raises(ValueError, match="SGLANG_CP_HICACHE_HOST_BALANCE"):
+        settings.check_all({settings.HOST_BALANCE.name: "fair"})
+
+
+def test_enabled_refuses_a_non_flag():
+    with pytest.raises(TypeError, match="SGLANG_CP_HICACHE_COPY"):
+        settings.enabled(settings.COPY, {})
+
+
+def test_describe_lists_every_variable_and_marks_an_invalid_value():
+    text = settings.describe({settings.COPY.name: "nope"})
+    assert all(s.name in text for s in settings.SETTINGS)
+    assert "INVALID: nope" in text
+
+
+def test_every_environment_read_of_the_package_goes_through_settings():
+    import pathlib
+    import re
+
+    root = pathlib.Path(__file__).resolve().parents[2]
+    reads = re.compile(r"os\.environ\.get\(|os\.getenv\(|os\.environ\[")
+    allowed = {"sglang_cp_hicache/settings.py", "sglang_cp_hicache/sim/config.py"}  # sim: its test hook
+    found = [
+        p.relative_to(root).as_posix()
+        for base in ("sglang_cp_hicache", "kernels")
+        for p in (root / base).rglob("*.py")
+        if p.relative_to(root).as_posix() not in allowed
+        and not p.relative_to(root).as_posix().startswith("sglang_cp_hicache/testing/")
+        and reads.search(p.read_text())
+    ]
+    assert found == []
+
+
+# ---- agreement ----------------------------------------------------------------
+def views(n):
+    return [RankView(r, n, {"page_size": 64, "host_layout": "page_first"}) for r in range(n)]
+
+
+def test_agreeing_ranks_pass():
+    check_agreement(views(4))
+    check_agreement(list(reversed(views(4))))  # gather order need not be cp_rank order
+
+
+def test_a_different_value_names_the_rank_and_both_values():
+    with pytest.raises(CpAgreementError, match=r"host_layout: cp_rank 2 has 'layer_first', cp_rank 0 has 'page_first'"):
+        check_agreement(_with(views(4), 2, "host_layout", "layer_first"))
+
+
+def _with(vs, rank, key, value):
+    vs = list(vs)
+    vs[rank] = RankView(vs[rank].cp_rank, vs[rank].cp_size, {**vs[rank].values, key: value})
+    return vs
+
+
+def test_a_missing_value_is_a_difference():
+    vs = views(2)
+    vs[1] = RankView(1, 2, {"page_size": 64})
+    with pytest.raises(CpAgreementError, match="host_layout: cp_rank 1 has None"):
+        check_agreement(vs)
+
+
+def test_a_different_cp_size_is_named():
+    vs = views(2)
+    vs[1] = RankView(1, 4, vs[1].values)
+    with pytest.raises(CpAgreementError, match="cp_size: group rank 1 \\(cp_rank 1\\) has 4"):
+        check_agreement(vs)
+
+
+def test_duplicate_missing_and_out_of_range_ranks():
+    vs = views(3)
+    vs[2] = RankView(1, 3, vs[2].values)
+    with pytest.raises(CpAgreementError, match="cp_rank 1 is claimed by group ranks 1 and 2"):
+        check_agreement(vs)
+    vs[2] = RankView(5, 3, vs[2].values)
+    with pytest.raises(CpAgreementError, match="cp_rank 5, outside 0..2"):
+        check_agreement(vs)
+    with pytest.raises(CpAgreementError, match="has 2 ranks but cp_size is 3"):
+        check_agreement(views(3)[:2])
+
+
+def test_a_lone_rank_without_a_group_checks_only_itself():
+    assert gather_and_check(RankView(1, 4, {"x": 1}), None) == [RankView(1, 4, {"x": 1})]
+    with pytest.raises(CpAgreementError, match="outside 0..3"):
+        gather_and_check(RankView(4, 4, {}), None)
+
+
+def _object_all_gather(pg):
+    """all_gather_object over a bare gloo ProcessGroup (one per thread)."""
+
+    def gather(output, obj, group):
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        n = group.size()
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(n)]
+        group.allgather([sizes], [torch.tensor([data.numel()])]).wait()
+        width = max(int(s) for s in sizes)
+        padded = torch.zeros(width, dtype=torch.uint8)
+        padded[: data.numel()] = data
+        chunks = [torch.zeros(width, dtype=torch.uint8) for _ in range(n)]
+        group.allgather([chunks], [padded]).wait()
+        for i in range(n):
+            output[i] = pickle.loads(bytes(chunks[i][: int(sizes[i])].tolist()))
+
+    return gather
+
+
+@pytest.mark.parametrize("case", ["agree", "policy", "duplicate_rank"])
+def test_every_rank_of_a_real_group_gets_the_same_verdict(case):
+    """Three ranks as threads on a real gloo group, one all-gather each."""
+    store = dist.HashStore()
+    results = {}
+
+    def run(r):
+        pg = dist.ProcessGroupGloo(dist.PrefixStore(case, store), r, 3)
+        cp_rank = 0 if (case == "duplicate_rank" and r == 2) else r
+        view = RankView(cp_rank, 3, {"policy": "greedy" if (case == "policy" and r == 2) else "exact"})
+        try:
+            gather_and_check(view, pg, all_gather=_object_all_gather(pg))
+            results[r] = "ok"
+        except CpAgreementError as exc:
+            results[r] = str(exc)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    expected = {
+        "agree": "ok",
+        "policy": "CP ranks disagree on policy: cp_rank 2 has 'greedy', cp_rank 0 has 'exact'; "
+        "start every rank with the same policy",
+        "duplicate_rank": "cp_rank 0 is claimed by group ranks 0 and 2; each rank of the CP group "
+        "needs its own cp_rank in 0..2",
+    }[case]
+    assert results == {0: expected, 1: expected, 2: expected}
