@@ -1,4 +1,4 @@
-"""CP shared KV layout: logical token locations <-> (owner rank, physical slot).
+"""CP placement: logical token locations <-> (owner rank, physical slot).
 
 Page interleave, the same bijection as SGLang's merged kv-shard placement::
 
@@ -19,11 +19,18 @@ import torch
 
 from sglang_cp_hicache.validation import check_int, check_int_tensor as _check_locs
 
-__all__ = ["DSA_PAGE_SIZE", "CpPlacement"]
+__all__ = ["DSA_PAGE_SIZE", "CpPlacement", "page_owner"]
 
 #: Tokens per KV page of SGLang's DSA pools: ``DSATokenToKVPool`` accepts no
 #: other page size outside ROCm, and the DSA indexer stores whole pages.
 DSA_PAGE_SIZE = 64
+
+
+def page_owner(page, cp_size: int):
+    """The CP rank that owns logical page(s) ``page`` (an int or a tensor of
+    page ids): ``page % cp_size``. The one place the page-interleave owner
+    rule is written; everything else asks here."""
+    return page % cp_size
 
 
 @dataclass(frozen=True)
@@ -50,7 +57,7 @@ class CpPlacement:
     def owner_of(self, locs: torch.Tensor) -> torch.Tensor:
         """Rank that owns each logical token location."""
         _check_locs("locs", locs)
-        return torch.div(locs, self.page_size, rounding_mode="floor") % self.cp_size
+        return page_owner(torch.div(locs, self.page_size, rounding_mode="floor"), self.cp_size)
 
     def owned_by_this_rank(self, locs: torch.Tensor) -> torch.Tensor:
         """Bool mask: which logical locations this rank owns."""
@@ -92,6 +99,3 @@ class CpPlacement:
         check_int("logical_size", logical_size, 0)
         num_pages = (logical_size + self.page_size - 1) // self.page_size
         return self.owned_pages(num_pages) * self.page_size
-
-    def with_rank(self, cp_rank: int) -> "CpPlacement":
-        return CpPlacement(self.page_size, self.cp_size, cp_rank)
