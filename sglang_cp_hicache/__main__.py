@@ -22,7 +22,23 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     add_simulate_parser(sub)
+    shown = sub.add_parser(
+        "settings", help="the environment variables this library reads, with the values in force"
+    )
+    shown.set_defaults(func=_show_settings)
     return parser
+
+
+def _show_settings(args: argparse.Namespace) -> int:
+    from sglang_cp_hicache import settings
+
+    print(settings.describe())
+    try:
+        settings.check_all()
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def _exit_on_sigterm(signum: int, frame: object) -> None:

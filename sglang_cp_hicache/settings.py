@@ -68,7 +68,8 @@ DEBUG = Setting(
     "0",
     _TRUE + _FALSE,
     "Extra checks that read device memory on the host (syncs, on purpose): "
-    "copy indices in range and distinct, CPU page mirrors equal to the device locs.",
+    "copy indices checked against the pools on CUDA too, CPU page mirrors "
+    "compared with the device locs.",
 )
 ALLOW_ANY_SGLANG = Setting(
     "SGLANG_CP_HICACHE_ALLOW_ANY_SGLANG",
@@ -116,6 +117,6 @@ def describe(environ: Optional[Mapping[str, str]] = None) -> str:
             now = read(s, environ)
         except ValueError:
             now = "INVALID: " + (os.environ if environ is None else environ).get(s.name, "")
-        valid = "0/1" if s.is_flag else "|".join(s.choices)
+        valid = "0/1, true/false, yes/no, on/off" if s.is_flag else "|".join(s.choices)
         lines.append(f"{s.name}={now}  (valid: {valid}; default {s.default})\n    {s.meaning}")
     return "\n".join(lines)

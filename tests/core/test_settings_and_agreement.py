@@ -50,6 +50,23 @@ def test_describe_lists_every_variable_and_marks_an_invalid_value():
     assert "INVALID: nope" in text
 
 
+def test_the_cli_shows_the_settings_and_fails_on_a_bad_one():
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SGLANG_CP_HICACHE_")}
+    ok = subprocess.run([sys.executable, "-m", "sglang_cp_hicache", "settings"], env=env,
+                        capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0, ok.stderr
+    assert all(f"{s.name}={s.default}" in ok.stdout for s in settings.SETTINGS)
+    bad = subprocess.run([sys.executable, "-m", "sglang_cp_hicache", "settings"],
+                         env={**env, settings.HOST_BALANCE.name: "fair"},
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2
+    assert "SGLANG_CP_HICACHE_HOST_BALANCE='fair' is not valid" in bad.stderr
+
+
 def test_every_environment_read_of_the_package_goes_through_settings():
     import pathlib
     import re
