@@ -1,0 +1,47 @@
+"""L3 (HiCache storage tier) for CP-sharded KV, torch and stdlib only.
+
+* ``keys`` -- topology-free page keys: SGLang's page hash + a digest of
+  what makes the page's bytes (:class:`L3Namespace`); no CP rank or size;
+* ``envelope`` -- the stored object: header (format, namespace, key,
+  length, CRC-32) + payload; ``unpack`` verifies or says why not;
+* ``plan`` -- which pages of a chain each rank writes and reads (its own);
+* ``consensus`` -- each rank's usable prefix, and the agreed one (the MIN);
+* ``store`` -- the :class:`PageStore` interface and a file store;
+* ``pages`` -- one rank's store/fetch of its own pages of a chain.
+"""
+
+from sglang_cp_hicache.l3.consensus import agreed_usable_pages, local_usable_pages
+from sglang_cp_hicache.l3.envelope import Rejection, pack, unpack
+from sglang_cp_hicache.l3.keys import L3Namespace, page_key, page_keys
+from sglang_cp_hicache.l3.pages import L3FetchResult, fetch_owned, store_owned
+from sglang_cp_hicache.l3.plan import (
+    L3ReadPlan,
+    L3WritePlan,
+    interleaved_owners,
+    read_plan,
+    write_plan,
+    write_plans,
+)
+from sglang_cp_hicache.l3.store import FilePageStore, PageStore
+
+__all__ = [
+    "FilePageStore",
+    "L3FetchResult",
+    "L3Namespace",
+    "L3ReadPlan",
+    "L3WritePlan",
+    "PageStore",
+    "Rejection",
+    "agreed_usable_pages",
+    "fetch_owned",
+    "interleaved_owners",
+    "local_usable_pages",
+    "pack",
+    "page_key",
+    "page_keys",
+    "read_plan",
+    "store_owned",
+    "unpack",
+    "write_plan",
+    "write_plans",
+]

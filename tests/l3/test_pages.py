@@ -1,0 +1,190 @@
+"""A chain through L3 end to end: CP 4 writes, any CP size reads bit-exact;
+a damaged or missing page on any rank is a miss for every rank from that page
+on; nothing wrong is ever returned."""
+
+import logging
+import os
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from sglang_cp_hicache.l3.consensus import agreed_usable_pages
+from sglang_cp_hicache.l3.envelope import HEADER_BYTES, pack
+from sglang_cp_hicache.l3.keys import page_keys
+from sglang_cp_hicache.l3.pages import fetch_owned, store_owned
+from sglang_cp_hicache.l3.plan import interleaved_owners, read_plan, write_plan
+from sglang_cp_hicache.l3.store import FilePageStore
+from tests.l3.common import hash_chain, namespace, payload
+
+NS = namespace()
+NUM_PAGES = 13
+HASHES = hash_chain(NUM_PAGES, seed=5)
+KEYS = page_keys(HASHES, NS)
+PAGES = [payload(NS, 1000 + i) for i in range(NUM_PAGES)]  # the non-CP pool's pages
+
+
+def _write(store, cp_size: int, owners: list[int]) -> list[list[bool]]:
+    out = []
+    for rank in range(cp_size):
+        plan = write_plan(KEYS, owners, cp_size, rank)
+        out.append(store_owned(store, NS, plan, [PAGES[i] for i in plan.page_indices]))
+    return out
+
+
+def _read(store, cp_size: int, owners: list[int], ns=NS):
+    keys = page_keys(HASHES, ns)
+    results = [fetch_owned(store, ns, read_plan(keys, owners, cp_size, r)) for r in range(cp_size)]
+    return results, agreed_usable_pages([r.usable_pages for r in results])
+
+
+def _check_restored(results, agreed: int) -> None:
+    for res in results:
+        assert res.usable_pages >= agreed
+        for index, page in zip(res.plan.page_indices, res.payloads):
+            if index < res.usable_pages:
+                assert torch.equal(page, PAGES[index]), index
+            else:
+                assert page is None, index  # nothing at or past the rank's own first miss
+        restored = res.restorable(agreed)
+        assert [i for i, _ in restored] == [i for i in res.plan.page_indices if i < agreed]
+        assert all(torch.equal(page, PAGES[i]) for i, page in restored)
+
+
+@pytest.fixture
+def written(tmp_path):
+    store = FilePageStore(tmp_path)
+    results = _write(store, 4, interleaved_owners(2, NUM_PAGES, 4))
+    assert all(all(r) for r in results)
+    return store
+
+
+def test_cp4_writes_each_rank_one_quarter(tmp_path):
+    store = FilePageStore(tmp_path)
+    owners = interleaved_owners(2, NUM_PAGES, 4)
+    for rank in range(4):
+        before = sum(1 for _ in tmp_path.rglob("*.bin"))
+        plan = write_plan(KEYS, owners, 4, rank)
+        store_owned(store, NS, plan, [PAGES[i] for i in plan.page_indices])
+        written = sum(1 for _ in tmp_path.rglob("*.bin")) - before
+        assert written == len(plan.page_indices) == owners.count(rank)
+    assert sorted(p.name for p in tmp_path.rglob("*.bin")) == sorted(f"{k}.bin" for k in KEYS)
+    assert all(p.stat().st_size == HEADER_BYTES + NS.page_bytes for p in tmp_path.rglob("*.bin"))
+
+
+@pytest.mark.parametrize("cp_size, base", [(1, 0), (2, 1), (3, 0), (4, 3), (8, 5)])
+def test_any_cp_size_reads_what_cp4_wrote_bit_exact(written, cp_size, base):
+    results, agreed = _read(written, cp_size, interleaved_owners(base, NUM_PAGES, cp_size))
+    assert agreed == NUM_PAGES
+    assert sum(len(r.plan.page_indices) for r in results) == NUM_PAGES
+    _check_restored(results, agreed)
+
+
+@given(data=st.data())
+def test_any_owner_choice_reads_bit_exact(tmp_path_factory, data):
+    store = FilePageStore(tmp_path_factory.mktemp("l3"))
+    _write(store, 4, interleaved_owners(0, NUM_PAGES, 4))
+    cp_size = data.draw(st.integers(1, 8))
+    owners = data.draw(st.lists(st.integers(0, cp_size - 1), min_size=NUM_PAGES, max_size=NUM_PAGES))
+    results, agreed = _read(store, cp_size, owners)
+    assert agreed == NUM_PAGES
+    _check_restored(results, agreed)
+
+
+def _damage(store, key: str, kind: str) -> str:
+    path = store.path_of(key)
+    blob = path.read_bytes()
+    if kind == "deleted":
+        os.unlink(path)
+        return "missing"
+    if kind == "truncated":
+        path.write_bytes(blob[: HEADER_BYTES + 10])
+        return "short"
+    if kind == "bit_flip":
+        path.write_bytes(blob[:-5] + bytes([blob[-5] ^ 0x10]) + blob[-4:])
+        return "checksum"
+    if kind == "other_model":
+        other = namespace(model_id="other/model")
+        path.write_bytes(pack(page_keys([key[:64]], other)[0], other, PAGES[0]))
+        return "namespace"
+    if kind == "other_page":
+        path.write_bytes(store.path_of(KEYS[0] if key != KEYS[0] else KEYS[1]).read_bytes())
+        return "key"
+    raise AssertionError(kind)
+
+
+@pytest.mark.parametrize("kind", ["deleted", "truncated", "bit_flip", "other_model", "other_page"])
+@pytest.mark.parametrize("damaged", [0, 6, NUM_PAGES - 1])
+def test_a_bad_page_on_one_rank_is_a_miss_for_all_from_that_page(written, caplog, kind, damaged):
+    reason = _damage(written, KEYS[damaged], kind)
+    with caplog.at_level(logging.WARNING, logger="sglang_cp_hicache.l3"):
+        results, agreed = _read(written, 2, interleaved_owners(1, NUM_PAGES, 2))
+    assert agreed == damaged
+    _check_restored(results, agreed)
+    owner = next(r for r in results if damaged in r.plan.page_indices)
+    rejection = owner.rejections[owner.plan.page_indices.index(damaged)]
+    assert rejection is not None and rejection.reason == reason
+    if reason != "missing":
+        assert f"L3 object {KEYS[damaged]} rejected ({reason})" in caplog.text
+
+
+def test_another_namespace_reads_nothing(written):
+    results, agreed = _read(written, 2, interleaved_owners(0, NUM_PAGES, 2), ns=namespace(page_size=8))
+    assert agreed == 0
+    assert all(p is None for r in results for p in r.payloads)
+    assert {b.reason for r in results for b in r.rejections} == {"missing"}
+
+
+class _FailingStore(FilePageStore):
+    """A backend that reports one key's write as failed."""
+
+    def __init__(self, directory, fail_key: str):
+        super().__init__(directory)
+        self.fail_key = fail_key
+
+    def put(self, keys, blobs):
+        keep = [(k, b) for k, b in zip(keys, blobs) if k != self.fail_key]
+        done = iter(super().put([k for k, _ in keep], [b for _, b in keep]))
+        return [False if k == self.fail_key else next(done) for k in keys]
+
+
+def test_a_failed_write_on_one_rank_is_reported_and_later_read_as_a_miss(tmp_path, caplog):
+    store = _FailingStore(tmp_path, KEYS[5])
+    owners = interleaved_owners(0, NUM_PAGES, 4)
+    with caplog.at_level(logging.WARNING, logger="sglang_cp_hicache.l3"):
+        results = _write(store, 4, owners)
+    assert results[owners[5]][write_plan(KEYS, owners, 4, owners[5]).page_indices.index(5)] is False
+    assert sum(not ok for r in results for ok in r) == 1
+    assert f"L3 write failed: {KEYS[5]}" in caplog.text
+    read, agreed = _read(store, 8, interleaved_owners(3, NUM_PAGES, 8))
+    assert agreed == 5
+    _check_restored(read, agreed)
+
+
+def test_bad_input_writes_nothing(tmp_path):
+    store = FilePageStore(tmp_path)
+    plan = write_plan(KEYS, [0] * NUM_PAGES, 1, 0)
+    good = [PAGES[i] for i in plan.page_indices]
+    with pytest.raises(ValueError, match="payloads"):
+        store_owned(store, NS, plan, good[:-1])
+    with pytest.raises(ValueError, match="payload"):
+        store_owned(store, NS, plan, good[:-1] + [PAGES[0][:-1]])
+    with pytest.raises(TypeError, match="plan"):
+        store_owned(store, NS, read_plan(KEYS, [0] * NUM_PAGES, 1, 0), good)
+    with pytest.raises(TypeError, match="store"):
+        store_owned(object(), NS, plan, good)
+    with pytest.raises(TypeError, match="namespace"):
+        fetch_owned(store, "ns", read_plan(KEYS, [0] * NUM_PAGES, 1, 0))
+    with pytest.raises(ValueError, match=r"plan.keys\[0\] .* is not a key of namespace"):
+        fetch_owned(store, namespace(page_size=8), read_plan(KEYS, [0] * NUM_PAGES, 1, 0))
+    assert list(tmp_path.rglob("*.bin")) == []
+
+
+def test_restorable_refuses_a_prefix_past_the_local_one(written):
+    _damage(written, KEYS[4], "deleted")
+    res = fetch_owned(written, NS, read_plan(KEYS, [0] * NUM_PAGES, 1, 0))
+    assert res.usable_pages == 4
+    with pytest.raises(ValueError, match="agreed_pages"):
+        res.restorable(5)
+    assert [i for i, _ in res.restorable(4)] == [0, 1, 2, 3]
