@@ -40,7 +40,7 @@ def room_of_file(path: pathlib.Path) -> str:
         return "kernels"
     if len(rel) == 2:
         return "cli" if rel[1] == "__main__.py" else "core"
-    return rel[1]
+    return rel[1] if rel[1] in ALLOWED else "core"
 
 
 def room_of_module(module: str) -> str | None:
