@@ -226,8 +226,8 @@ def make_pools(kind: str, host_layout: str, num_layers: int, num_pages: int, dev
     return pools
 
 
-def make_batch(num_pages: int, pool_pages: int, layout: CpPlacement, device, seed: int):
-    """``num_pages`` logical pages with the real owner mix, for ``layout``'s rank.
+def make_batch(num_pages: int, pool_pages: int, placement: CpPlacement, device, seed: int):
+    """``num_pages`` logical pages with the real owner mix, for ``placement``'s rank.
 
     A sequence's pages sit in a CP-shared pool as groups of ``cp_size``
     consecutive logical pages, one per owner (round robin); the groups are
@@ -236,7 +236,7 @@ def make_batch(num_pages: int, pool_pages: int, layout: CpPlacement, device, see
     physical pages of the owned ones, their host pages).
     """
     g = torch.Generator().manual_seed(seed)
-    n, r = layout.cp_size, layout.cp_rank
+    n, r = placement.cp_size, placement.cp_rank
     groups = torch.randperm(pool_pages, generator=g)[: -(-num_pages // n)]
     logical = (groups[:, None] * n + torch.arange(n)).flatten()[:num_pages]
     owned = logical[logical % n == r]
@@ -246,25 +246,25 @@ def make_batch(num_pages: int, pool_pages: int, layout: CpPlacement, device, see
 
 
 # ----------------------------------------------------------------------------- providers
-def triton_call(p: Pools, direction, dl, hl, layout, ctas, block_bytes):
+def triton_call(p: Pools, direction, dl, hl, placement, ctas, block_bytes):
     kw = dict(num_ctas=ctas, block_bytes=block_bytes)
     if p.kv:
         if direction == "d2h":
-            return lambda: cp_page_copy.backup_kv_all_layers(p.devs, p.host, p.host_layout, dl, hl, layout, **kw)
-        return lambda: cp_page_copy.load_kv_one_layer(p.devs[0], p.host, p.host_layout, 0, dl, hl, layout, **kw)
+            return lambda: cp_page_copy.backup_kv_all_layers(p.devs, p.host, p.host_layout, dl, hl, placement, **kw)
+        return lambda: cp_page_copy.load_kv_one_layer(p.devs[0], p.host, p.host_layout, 0, dl, hl, placement, **kw)
     if direction == "d2h":
-        return lambda: cp_page_copy.backup_indexer_all_layers(p.devs, p.host, p.host_layout, dl, hl, layout, **kw)
-    return lambda: cp_page_copy.load_indexer_one_layer(p.devs[0], p.host, p.host_layout, 0, dl, hl, layout, **kw)
+        return lambda: cp_page_copy.backup_indexer_all_layers(p.devs, p.host, p.host_layout, dl, hl, placement, **kw)
+    return lambda: cp_page_copy.load_indexer_one_layer(p.devs[0], p.host, p.host_layout, 0, dl, hl, placement, **kw)
 
 
-def reference_call(p: Pools, direction, dl, hl, layout):
+def reference_call(p: Pools, direction, dl, hl, placement):
     if p.kv:
         if direction == "d2h":
-            return lambda: reference.backup_kv_all_layers_reference(p.devs, p.host, p.host_layout, dl, hl, layout)
-        return lambda: reference.load_kv_one_layer_reference(p.devs[0], p.host, p.host_layout, 0, dl, hl, layout)
+            return lambda: reference.backup_kv_all_layers_reference(p.devs, p.host, p.host_layout, dl, hl, placement)
+        return lambda: reference.load_kv_one_layer_reference(p.devs[0], p.host, p.host_layout, 0, dl, hl, placement)
     if direction == "d2h":
-        return lambda: reference.backup_indexer_all_layers_reference(p.devs, p.host, p.host_layout, dl, hl, layout)
-    return lambda: reference.load_indexer_one_layer_reference(p.devs[0], p.host, p.host_layout, 0, dl, hl, layout)
+        return lambda: reference.backup_indexer_all_layers_reference(p.devs, p.host, p.host_layout, dl, hl, placement)
+    return lambda: reference.load_indexer_one_layer_reference(p.devs[0], p.host, p.host_layout, 0, dl, hl, placement)
 
 
 def torch_staged_call(p: Pools, direction, phys_pages, host_pages, staging, pinned):
@@ -319,11 +319,11 @@ def direct_call(p: Pools, direction, phys_pages, host_pages):
 def gpu_checks(device) -> dict:
     """Compiled kernels vs the reference, bitwise, on the GPU; no host syncs."""
     results = {"bitwise": {}, "sync_free": {}}
-    layout = CpPlacement(PAGE_SIZE, 2, 1)
+    placement = CpPlacement(PAGE_SIZE, 2, 1)
     for kind in KINDS:
         for hl in HOST_LAYOUTS:
             a = make_pools(kind, hl, 3, 16, device)
-            dl, hloc, _, _ = make_batch(12, 16, layout, device, seed=1)
+            dl, hloc, _, _ = make_batch(12, 16, placement, device, seed=1)
             b = Pools(kind, hl, 3, 16, [d.clone() for d in a.devs], a.host.clone(), a.page_bytes)
             ok = True
             # backup into the poisoned host buffer, then load back into a poisoned
@@ -332,16 +332,16 @@ def gpu_checks(device) -> dict:
                 if direction == "h2d":
                     a.devs[0].view(torch.uint8).fill_(0x5A)
                     b.devs[0].view(torch.uint8).fill_(0x5A)
-                triton_call(a, direction, dl, hloc, layout, ctas, block)()
-                reference_call(b, direction, dl, hloc, layout)()
+                triton_call(a, direction, dl, hloc, placement, ctas, block)()
+                reference_call(b, direction, dl, hloc, placement)()
                 torch.cuda.synchronize()
                 ok &= torch.equal(a.host.view(torch.uint8), b.host.view(torch.uint8))
                 ok &= all(torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(a.devs, b.devs))
             results["bitwise"][f"{kind}/{hl}"] = bool(ok)
             torch.cuda.set_sync_debug_mode("error")
             try:
-                triton_call(a, "d2h", dl, hloc, layout, DEFAULT_NUM_CTAS, DEFAULT_BLOCK_BYTES)()
-                triton_call(a, "h2d", dl, hloc, layout, DEFAULT_NUM_CTAS, DEFAULT_BLOCK_BYTES)()
+                triton_call(a, "d2h", dl, hloc, placement, DEFAULT_NUM_CTAS, DEFAULT_BLOCK_BYTES)()
+                triton_call(a, "h2d", dl, hloc, placement, DEFAULT_NUM_CTAS, DEFAULT_BLOCK_BYTES)()
                 results["sync_free"][f"{kind}/{hl}"] = True
             except RuntimeError as exc:
                 results["sync_free"][f"{kind}/{hl}"] = f"synced: {exc}"
@@ -444,9 +444,9 @@ def run_gpu(args) -> tuple[list[dict], dict, dict]:
                 pinned = torch.empty(sweep.num_layers, pool_pages, pools.page_bytes, dtype=torch.uint8,
                                      pin_memory=True)
             for cp_size in sweep.cp_sizes if main else (1,):
-                layout = CpPlacement(PAGE_SIZE, cp_size, 0)
+                placement = CpPlacement(PAGE_SIZE, cp_size, 0)
                 for num_pages in sizes:
-                    dl, hloc, phys, hpages = make_batch(num_pages, pool_pages, layout, device, num_pages)
+                    dl, hloc, phys, hpages = make_batch(num_pages, pool_pages, placement, device, num_pages)
                     common = dict(kind=kind, hl=hl, cp_size=cp_size, page_bytes=pools.page_bytes,
                                   num_pages=num_pages, owned_pages=phys.numel())
                     for direction in ("d2h", "h2d"):
@@ -457,7 +457,7 @@ def run_gpu(args) -> tuple[list[dict], dict, dict]:
                         if main and cp_size == 1 and num_pages in sweep.block_pages:
                             points += [(c, b) for b in sweep.blocks for c in sweep.block_ctas]
                         for ctas, block in points:
-                            fn = triton_call(pools, direction, dl, hloc, layout, ctas, block)
+                            fn = triton_call(pools, direction, dl, hloc, placement, ctas, block)
                             record(provider="triton", direction=direction, num_layers=L, ctas=ctas, block=block,
                                    times=time_gpu(fn, sweep.target_s), **common)
                         if not main or pools.host_pages is None:  # baselines index layer_first pages
@@ -494,12 +494,12 @@ def run_cpu(args) -> tuple[list[dict], dict, dict]:
     for kind in args.kinds or KINDS:
         pools = make_pools(kind, args.host_layout, args.layers, max(pages), device)
         for cp_size in args.cp_sizes:
-            layout = CpPlacement(PAGE_SIZE, cp_size, 0)
+            placement = CpPlacement(PAGE_SIZE, cp_size, 0)
             for num_pages in pages:
-                dl, hloc, phys, _ = make_batch(num_pages, max(pages), layout, device, num_pages)
+                dl, hloc, phys, _ = make_batch(num_pages, max(pages), placement, device, num_pages)
                 for direction in ("d2h", "h2d"):
                     L = args.layers if direction == "d2h" else 1
-                    times = time_cpu(reference_call(pools, direction, dl, hloc, layout), target)
+                    times = time_cpu(reference_call(pools, direction, dl, hloc, placement), target)
                     row = make_row(kind=kind, provider="reference", direction=direction, hl=args.host_layout,
                                    cp_size=cp_size, page_bytes=pools.page_bytes, num_pages=num_pages,
                                    owned_pages=phys.numel(), num_layers=L, ctas="", block="", times=times,

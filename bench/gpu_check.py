@@ -113,12 +113,12 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------- batches
-def owner_mix_batch(g: Geometry, layout: CpPlacement, gen: torch.Generator, host_pages=None):
+def owner_mix_batch(g: Geometry, placement: CpPlacement, gen: torch.Generator, host_pages=None):
     """``g.num_pages`` logical pages as groups of cp_size consecutive pages (one
     per owner, round robin) scattered over the pool; the owned ones get
     ``host_pages`` (default: scattered ones). Returns (device_locs, host_locs,
     owned logical pages, host pages), CPU int64."""
-    n, r, P = layout.cp_size, layout.cp_rank, g.page_size
+    n, r, P = placement.cp_size, placement.cp_rank, g.page_size
     groups = torch.randperm(g.dev_pages, generator=gen)[: -(-g.num_pages // n)]
     logical = (groups[:, None] * n + torch.arange(n)).flatten()[: g.num_pages]
     owned = logical[logical % n == r]
@@ -133,18 +133,18 @@ def page_of(t: torch.Tensor, kind: str, phys: int, P: int) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------- round trip
-def _backup(kind, devs, host, hl, dl, hlocs, layout, fns):
+def _backup(kind, devs, host, hl, dl, hlocs, placement, fns):
     if KINDS[kind][0]:
-        fns.backup_kv_all_layers(devs, host, hl, dl, hlocs, layout)
+        fns.backup_kv_all_layers(devs, host, hl, dl, hlocs, placement)
     else:
-        fns.backup_indexer_all_layers(devs, host, hl, dl, hlocs, layout)
+        fns.backup_indexer_all_layers(devs, host, hl, dl, hlocs, placement)
 
 
-def _load(kind, dev, host, hl, layer, dl, hlocs, layout, fns):
+def _load(kind, dev, host, hl, layer, dl, hlocs, placement, fns):
     if KINDS[kind][0]:
-        fns.load_kv_one_layer(dev, host, hl, layer, dl, hlocs, layout)
+        fns.load_kv_one_layer(dev, host, hl, layer, dl, hlocs, placement)
     else:
-        fns.load_indexer_one_layer(dev, host, hl, layer, dl, hlocs, layout)
+        fns.load_indexer_one_layer(dev, host, hl, layer, dl, hlocs, placement)
 
 
 class _Reference:
@@ -161,7 +161,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def roundtrip(kind: str, hl: str, layout: CpPlacement, host: HostBuffer, g: Geometry,
+def roundtrip(kind: str, hl: str, placement: CpPlacement, host: HostBuffer, g: Geometry,
               device: torch.device, seed: int) -> str | None:
     """None if every byte is right, else what differed."""
     gen = torch.Generator().manual_seed(seed)
@@ -169,12 +169,12 @@ def roundtrip(kind: str, hl: str, layout: CpPlacement, host: HostBuffer, g: Geom
     devs = device_layers(kind, g, device, gen)
     h = host.tensor
     bits(h).fill_(POISON)
-    dl, hlocs, owned, host_pages = owner_mix_batch(g, layout, gen)
+    dl, hlocs, owned, host_pages = owner_mix_batch(g, placement, gen)
 
     # D2H, all layers: the kernel vs the reference on CPU copies
     want_host = h.clone()
-    _backup(kind, [d.cpu() for d in devs], want_host, hl, dl, hlocs, layout, _Reference)
-    _backup(kind, devs, h, hl, dl.to(device), hlocs.to(device), layout, transfer)
+    _backup(kind, [d.cpu() for d in devs], want_host, hl, dl, hlocs, placement, _Reference)
+    _backup(kind, devs, h, hl, dl.to(device), hlocs.to(device), placement, transfer)
     _sync(device)
     if not torch.equal(bits(h), bits(want_host)):
         return f"backup: host bytes differ from the reference ({int((bits(h) != bits(want_host)).sum())} bytes)"
@@ -182,20 +182,20 @@ def roundtrip(kind: str, hl: str, layout: CpPlacement, host: HostBuffer, g: Geom
         return "backup: nothing was written"
 
     # H2D, layer by layer, into other logical pages of the same owner
-    dl2, hlocs2, owned2, _ = owner_mix_batch(g, layout, gen, host_pages=host_pages)
+    dl2, hlocs2, owned2, _ = owner_mix_batch(g, placement, gen, host_pages=host_pages)
     assert owned2.numel() == owned.numel()
     originals = [d.clone() for d in devs]
     for d in devs:
         bits(d).fill_(POISON)
     want_devs = [d.to("cpu", copy=True) for d in devs]  # a copy even when devs are on the CPU
     for layer in range(g.num_layers):
-        _load(kind, want_devs[layer], h, hl, layer, dl2, hlocs2, layout, _Reference)
-        _load(kind, devs[layer], h, hl, layer, dl2.to(device), hlocs2.to(device), layout, transfer)
+        _load(kind, want_devs[layer], h, hl, layer, dl2, hlocs2, placement, _Reference)
+        _load(kind, devs[layer], h, hl, layer, dl2.to(device), hlocs2.to(device), placement, transfer)
     _sync(device)
     for layer, (got, want) in enumerate(zip(devs, want_devs)):
         if not torch.equal(bits(got).cpu(), bits(want)):
             return f"load: device layer {layer} differs from the reference"
-    n = layout.cp_size
+    n = placement.cp_size
     for layer in range(g.num_layers):
         for old, new in zip(owned.tolist(), owned2.tolist()):
             a = page_of(originals[layer], kind, old // n, P)
@@ -238,19 +238,19 @@ def run_sync_free(device: torch.device, g: Geometry, allocs: list[str]) -> dict:
             for hl in HOST_LAYOUTS:
                 for n, r in ((1, 0), (8, 3)):
                     key = f"{alloc}/{kind}/{hl}/cp{n}"
-                    layout = CpPlacement(g.page_size, n, r)
+                    placement = CpPlacement(g.page_size, n, r)
                     gen = torch.Generator().manual_seed(n)
                     host = HostBuffer(host_shape(kind, hl, g), KINDS[kind][1], alloc)
                     try:
                         devs = device_layers(kind, g, device, gen)
-                        dl, hlocs, _, _ = owner_mix_batch(g, layout, gen)
+                        dl, hlocs, _, _ = owner_mix_batch(g, placement, gen)
                         dl, hlocs = dl.to(device), hlocs.to(device)
                         _sync(device)
                         torch.cuda.set_sync_debug_mode("error")
                         try:
-                            _backup(kind, devs, host.tensor, hl, dl, hlocs, layout, transfer)
+                            _backup(kind, devs, host.tensor, hl, dl, hlocs, placement, transfer)
                             for layer in range(g.num_layers):
-                                _load(kind, devs[layer], host.tensor, hl, layer, dl, hlocs, layout, transfer)
+                                _load(kind, devs[layer], host.tensor, hl, layer, dl, hlocs, placement, transfer)
                         finally:
                             torch.cuda.set_sync_debug_mode("default")
                         _sync(device)

@@ -1,4 +1,5 @@
-"""Which backend a copy runs on, decided per call.
+"""Which backend a copy runs on: one rule, :func:`select_backend`, applied
+per call to the device its device buffers live on.
 
 ========================= ============================== ======================
 device buffers on         ``TRITON_INTERPRET`` (now)     backend
@@ -11,12 +12,10 @@ CPU (or anything else)    unset / ``0``                  ``"reference"``
 
 from __future__ import annotations
 
-from typing import Sequence
-
 import torch
 import triton
 
-__all__ = ["BACKENDS", "backend_of", "select_backend"]
+__all__ = ["BACKENDS", "select_backend"]
 
 BACKENDS = ("triton", "triton-interpret", "reference")
 
@@ -33,15 +32,4 @@ def select_backend(device: torch.device | str) -> str:
         return "triton"
     if device.type == "cpu" and _interpret_requested():
         return "triton-interpret"
-    return "reference"
-
-
-def backend_of(buffers: object) -> str:
-    """Backend for a copy given its device buffer(s): one tensor or a list of
-    per-layer tensors. Malformed buffers go to the reference, whose checks
-    then raise their usual error."""
-    if isinstance(buffers, torch.Tensor):
-        return select_backend(buffers.device)
-    if isinstance(buffers, Sequence) and buffers and isinstance(buffers[0], torch.Tensor):
-        return select_backend(buffers[0].device)
     return "reference"

@@ -49,10 +49,10 @@ class HostGeometry:
     row_elems: int
 
 
-def check_layout(layout: object) -> CpPlacement:
-    if not isinstance(layout, CpPlacement):
-        raise TypeError(f"layout must be a CpPlacement, got {type(layout).__name__}")
-    return layout
+def check_placement(placement: object) -> CpPlacement:
+    if not isinstance(placement, CpPlacement):
+        raise TypeError(f"placement must be a CpPlacement, got {type(placement).__name__}")
+    return placement
 
 
 def check_host_layout(host_layout: object) -> str:
@@ -173,12 +173,12 @@ def check_kv_call(
     dev: torch.Tensor,
     host_kv: torch.Tensor,
     host_layout: str,
-    layout: CpPlacement,
+    placement: CpPlacement,
 ) -> HostGeometry:
     """Checks shared by both KV directions; returns the host geometry."""
     check_tensor("host_kv", host_kv)
     check_same_dtype("host_kv", host_kv, device_kv_layer_name, dev)
-    return host_kv_geometry("host_kv", host_kv, host_layout, layout.page_size, dev.shape[-1])
+    return host_kv_geometry("host_kv", host_kv, host_layout, placement.page_size, dev.shape[-1])
 
 
 def check_index_call(
@@ -194,6 +194,73 @@ def check_index_call(
     return host_index_geometry("host_index", host_index, host_layout, dev.shape[-1])
 
 
+@dataclass(frozen=True)
+class PoolGeometry:
+    """Device layers and the SGLang host buffer they copy to, validated together.
+
+    ``device_layers`` are every layer of a backup (or the one layer of a
+    direct load); ``dev_num_pages`` is pages per device layer, ``host`` the
+    host buffer's geometry (its ``num_layers`` may exceed the device's).
+    """
+
+    kv: bool  # KV rows (token major) or indexer pages (page major)
+    device_layers: tuple[torch.Tensor, ...]
+    host_buffer: torch.Tensor
+    host_layout: str
+    host: HostGeometry
+    dev_num_pages: int
+
+    @property
+    def device(self) -> torch.device:
+        return self.device_layers[0].device
+
+
+def _pool_geometry(
+    kv: bool, dev_name: str, layers: list[torch.Tensor], host_buffer: object,
+    host_layout: str, placement: CpPlacement,
+) -> PoolGeometry:
+    first = layers[0]
+    if kv:
+        geom = check_kv_call(dev_name, first, host_buffer, host_layout, placement)
+        dev_num_pages = first.shape[0] // placement.page_size
+    else:
+        geom = check_index_call(dev_name, first, host_buffer, host_layout)
+        dev_num_pages = first.shape[0]
+    return PoolGeometry(kv, tuple(layers), host_buffer, host_layout, geom, dev_num_pages)
+
+
+def check_backup_pool(
+    kv: bool, dev_name: str, device_layers: object, host_name: str, host_buffer: object,
+    host_layout: object, placement: CpPlacement,
+) -> PoolGeometry:
+    """Every device layer of a backup against the host buffer: host layout,
+    one shape/dtype/device for all layers, dtype and row (or page) bytes equal
+    to the host's, no more layers than the host holds."""
+    host_layout = check_host_layout(host_layout)
+    layers = check_device_layers(dev_name, device_layers, ndim=3 if kv else 2)
+    pool = _pool_geometry(kv, f"{dev_name}[0]", layers, host_buffer, host_layout, placement)
+    if len(layers) > pool.host.num_layers:
+        raise ValueError(f"{dev_name} has {len(layers)} layers but {host_name} holds only {pool.host.num_layers}")
+    return pool
+
+
+def check_load_pool(
+    kv: bool, dev_name: str, device_layer: object, host_buffer: object,
+    host_layout: object, placement: CpPlacement,
+) -> PoolGeometry:
+    """The one device layer of a direct load against the host buffer."""
+    host_layout = check_host_layout(host_layout)
+    dev = check_device_layer(dev_name, device_layer, ndim=3 if kv else 2)
+    return _pool_geometry(kv, dev_name, [dev], host_buffer, host_layout, placement)
+
+
+def check_locs_pair(device_locs: object, host_locs: object, placement: CpPlacement) -> None:
+    """The per-call checks of the index tensors that read no values."""
+    check_locs("device_locs", device_locs, placement.page_size)
+    check_locs("host_locs", host_locs, placement.page_size)
+    check_lengths(device_locs, host_locs)
+
+
 def check_lengths(device_locs: torch.Tensor, host_locs: torch.Tensor) -> None:
     if host_locs.numel() > device_locs.numel():
         raise ValueError(
@@ -203,18 +270,18 @@ def check_lengths(device_locs: torch.Tensor, host_locs: torch.Tensor) -> None:
 
 
 def check_owned_count(
-    device_locs: torch.Tensor, host_locs: torch.Tensor, layout: CpPlacement
+    device_locs: torch.Tensor, host_locs: torch.Tensor, placement: CpPlacement
 ) -> torch.Tensor:
     """``len(host_locs)`` must equal the owned tokens of ``device_locs``.
 
     Reads ``device_locs`` (a sync when it lives on a GPU). Returns the mask.
     """
-    owned = layout.owned_by_this_rank(device_locs)
+    owned = placement.owned_by_this_rank(device_locs)
     num_owned = int(owned.sum())
     if num_owned != host_locs.numel():
         raise ValueError(
             f"host_locs has {host_locs.numel()} entries but device_locs holds {num_owned} "
-            f"tokens owned by cp_rank {layout.cp_rank}"
+            f"tokens owned by cp_rank {placement.cp_rank}"
         )
     return owned
 
@@ -222,7 +289,7 @@ def check_owned_count(
 def check_indices(
     device_locs: torch.Tensor,
     host_locs: torch.Tensor,
-    layout: CpPlacement,
+    placement: CpPlacement,
     dev_num_pages: int,
     host_num_pages: int,
 ) -> None:
@@ -235,7 +302,7 @@ def check_indices(
     page the host buffer. Both backends run it whenever the indices are on the
     CPU, so the same bad call fails the same way on either.
     """
-    p = layout.page_size
+    p = placement.page_size
     for name, locs in (("device_locs", device_locs), ("host_locs", host_locs)):
         if locs.numel() == 0:
             continue
@@ -249,14 +316,14 @@ def check_indices(
             raise ValueError(
                 f"{name} must list whole pages: each page's {p} locations contiguous and page aligned"
             )
-    owned = check_owned_count(device_locs, host_locs, layout)
+    owned = check_owned_count(device_locs, host_locs, placement)
     if host_locs.numel() == 0:
         return
-    phys_pages = layout.logical_locs_to_physical(device_locs[owned]) // p
+    phys_pages = placement.logical_locs_to_physical(device_locs[owned]) // p
     if int(phys_pages.max()) >= dev_num_pages:
         raise ValueError(
             f"device_locs maps to physical page {int(phys_pages.max())} on cp_rank "
-            f"{layout.cp_rank}, beyond the device buffer's {dev_num_pages} pages"
+            f"{placement.cp_rank}, beyond the device buffer's {dev_num_pages} pages"
         )
     host_pages = host_locs // p
     if int(host_pages.max()) >= host_num_pages:

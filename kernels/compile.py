@@ -23,8 +23,10 @@ import torch
 import triton
 
 from sglang_cp_hicache.kernels import _checks, _twin, cp_page_copy
+from sglang_cp_hicache.kernels import _launch_spec as _spec
 from sglang_cp_hicache.kernels._backend import select_backend
-from sglang_cp_hicache.kernels.cp_page_copy import DEFAULT_NUM_CTAS, _Launch, _specialise
+from sglang_cp_hicache.kernels._launch_spec import LaunchPlan
+from sglang_cp_hicache.kernels.cp_page_copy import DEFAULT_NUM_CTAS
 from sglang_cp_hicache.placement import CpPlacement
 
 __all__ = ["OPS", "WarmupReport", "compile_offline", "warmup"]
@@ -53,9 +55,13 @@ class _StandIn:
     """One operation on one-page stand-in buffers."""
 
     op: str
-    plan: _Launch
+    plan: LaunchPlan
     locs: torch.Tensor
-    layout: CpPlacement
+    placement: CpPlacement
+
+    def spec(self, block_bytes: int) -> _spec.Spec:
+        part = _spec.pool_part(self.plan, self.placement.page_size, block_bytes)
+        return _spec.specialise(part, self.locs, self.locs, self.placement, DEFAULT_NUM_CTAS)
 
 
 def _stand_ins(
@@ -77,7 +83,7 @@ def _stand_ins(
     one-page device layers specialise exactly like the real pools (every int
     argument is do_not_specialize, every pointer do_not_specialize_on_alignment).
     """
-    layout = CpPlacement(page_size, 1, 0)
+    placement = CpPlacement(page_size, 1, 0)
     locs = torch.arange(page_size, dtype=torch.int64, device=device)
     out = []
     if kv_dim is not None:
@@ -89,8 +95,8 @@ def _stand_ins(
         }[host_layout]
         host = torch.zeros(shape, dtype=kv_dtype, pin_memory=pin_memory)
         geom = _checks.host_kv_geometry("host_kv", host, host_layout, page_size, kv_dim)
-        out.append(_StandIn("kv_d2h", _Launch(tuple(dev), True, host, geom, 0, 1, to_host=True), locs, layout))
-        out.append(_StandIn("kv_h2d", _Launch((dev[0],), False, host, geom, 0, 1, to_host=False), locs, layout))
+        out.append(_StandIn("kv_d2h", LaunchPlan(tuple(dev), True, host, geom, 0, 1, to_host=True), locs, placement))
+        out.append(_StandIn("kv_h2d", LaunchPlan((dev[0],), False, host, geom, 0, 1, to_host=False), locs, placement))
     if indexer_page_bytes is not None:
         dev = [torch.zeros((1, indexer_page_bytes), dtype=torch.uint8, device=device) for _ in range(num_layers)]
         if host_layout == "layer_first":
@@ -99,8 +105,10 @@ def _stand_ins(
             shape = (1, num_layers, 1, indexer_page_bytes)
         host = torch.zeros(shape, dtype=torch.uint8, pin_memory=pin_memory)
         geom = _checks.host_index_geometry("host_index", host, host_layout, indexer_page_bytes)
-        out.append(_StandIn("indexer_d2h", _Launch(tuple(dev), True, host, geom, 0, 1, to_host=True), locs, layout))
-        out.append(_StandIn("indexer_h2d", _Launch((dev[0],), False, host, geom, 0, 1, to_host=False), locs, layout))
+        out.append(_StandIn("indexer_d2h", LaunchPlan(tuple(dev), True, host, geom, 0, 1, to_host=True), locs,
+                            placement))
+        out.append(_StandIn("indexer_h2d", LaunchPlan((dev[0],), False, host, geom, 0, 1, to_host=False), locs,
+                            placement))
     return out
 
 
@@ -165,13 +173,13 @@ def warmup(
     )
     if interpret:
         for s in stand_ins:
-            cp_page_copy._launch(s.plan, s.locs, s.locs, s.layout, DEFAULT_NUM_CTAS, block_bytes)
+            cp_page_copy._launch(s.plan, s.locs, s.locs, s.placement, DEFAULT_NUM_CTAS, block_bytes)
         cache_dir = None
     else:
         kernel = _twin.kernel_for(False)
         with torch.cuda.device(device):
             for s in stand_ins:
-                spec = _specialise(s.plan, s.locs, s.locs, s.layout, DEFAULT_NUM_CTAS, block_bytes)
+                spec = s.spec(block_bytes)
                 kernel.warmup(*spec.args, grid=spec.grid, **spec.meta)
         cache_dir = _cache_dir()
     ops = [s.op for s in stand_ins]
@@ -212,7 +220,7 @@ def compile_offline(
     names = kernel.arg_names
     out = {}
     for s in stand_ins:
-        spec = _specialise(s.plan, s.locs, s.locs, s.layout, DEFAULT_NUM_CTAS, block_bytes)
+        spec = s.spec(block_bytes)
         meta = dict(spec.meta)
         num_warps = meta.pop("num_warps")
         signature = {}

@@ -1,39 +1,44 @@
-"""The front door of the page copies: one call per operation, dispatched per
-call to a backend (compiled Triton for CUDA buffers, Triton's interpreter for
-CPU buffers under ``TRITON_INTERPRET=1``, the plain-torch reference
-otherwise: :func:`select_backend`, table in :mod:`._backend`), counted, and
-warmed up at server start.
+"""The front door of the page copies: the four copies, each run on the
+backend :func:`select_backend` picks for the device its device buffers live
+on (compiled Triton for CUDA, Triton's interpreter for CPU under
+``TRITON_INTERPRET=1``, the plain-torch reference otherwise; table in
+:mod:`._backend`), counted (:func:`copy_stats`), and warmed up at server
+start (:func:`warmup`).
 
-The four copies (``backup_kv_all_layers``, ``load_kv_one_layer``,
-``backup_indexer_all_layers``, ``load_indexer_one_layer``) are generated from
-the :mod:`.reference` functions: same signatures, same semantics, same
-argument errors on every backend. Each successful call is counted
-(:func:`copy_stats`); interpreted launches are serialised process-wide by the
-launcher, so threaded CP ranks can share the interpreter.
+Each copy checks every argument on every call, with the same argument errors
+on every backend. A server copying between the same pools again and again
+binds them once instead (:func:`~.bound.bind_kv_copies`,
+:func:`~.bound.bind_indexer_copies`): buffers checked at bind time, only the
+index tensors per call, same backend rule and counters.
+
+Interpreted launches are serialised process-wide by the launcher, so
+threaded CP ranks can share the interpreter.
 """
 
 from __future__ import annotations
 
-import functools
-import inspect
-import threading
-from dataclasses import asdict, dataclass
-from typing import Callable
+from typing import Sequence
 
 import torch
 
+from sglang_cp_hicache.kernels import _checks
 from sglang_cp_hicache.kernels import cp_page_copy as _triton
 from sglang_cp_hicache.kernels import reference as _reference
-from sglang_cp_hicache.kernels._backend import BACKENDS, backend_of, select_backend
+from sglang_cp_hicache.kernels._backend import BACKENDS, select_backend
+from sglang_cp_hicache.kernels._stats import CopyStats, copy_stats, record, reset_copy_stats
+from sglang_cp_hicache.kernels.bound import PoolCopies, bind_indexer_copies, bind_kv_copies
 from sglang_cp_hicache.kernels.compile import WarmupReport, warmup
 from sglang_cp_hicache.placement import CpPlacement
 
 __all__ = [
     "BACKENDS",
     "CopyStats",
+    "PoolCopies",
     "WarmupReport",
     "backup_indexer_all_layers",
     "backup_kv_all_layers",
+    "bind_indexer_copies",
+    "bind_kv_copies",
     "copy_stats",
     "load_indexer_one_layer",
     "load_kv_one_layer",
@@ -43,90 +48,103 @@ __all__ = [
 ]
 
 
-# ----------------------------------------------------------------------------- counters
-@dataclass(frozen=True)
-class CopyStats:
-    """Copies made through this module since the last :func:`reset_copy_stats`
-    (process-wide: threaded ranks add up).
+def _layers_device(name: str, layers: object, ndim: int) -> torch.device:
+    # Malformed buffers fail here with the error either backend would raise.
+    return _checks.check_device_layers(name, layers, ndim)[0].device
 
-    ``pages_copied`` counts the owned pages of each call (``len(host_locs) //
-    page_size``, known on the host without reading device memory); a backup
-    of L layers counts each page once. ``backend`` and ``cp_size`` are the
-    last call's (None before the first).
+
+def _layer_device(name: str, layer: object, ndim: int) -> torch.device:
+    return _checks.check_device_layer(name, layer, ndim).device
+
+
+def backup_kv_all_layers(
+    device_kv: Sequence[torch.Tensor],
+    host_kv: torch.Tensor,
+    host_layout: str,
+    device_locs: torch.Tensor,
+    host_locs: torch.Tensor,
+    placement: CpPlacement,
+) -> None:
+    """D2H: every layer's owned KV rows -> host slots.
+
+    ``device_kv``: the per-layer ``(slots, 1, dim)`` device buffers;
+    ``host_kv``: SGLang's host KV buffer in ``host_layout``; ``device_locs``:
+    LOGICAL token locations of whole pages; ``host_locs``: host slots of the
+    tokens of ``device_locs`` this rank owns, in order. Pages other ranks own
+    are skipped.
     """
-
-    backend: str | None = None
-    kv_backup_calls: int = 0
-    kv_load_calls: int = 0
-    indexer_backup_calls: int = 0
-    indexer_load_calls: int = 0
-    cp_size: int | None = None
-    pages_copied: int = 0
-
-    def as_dict(self) -> dict:
-        return asdict(self)
+    backend = select_backend(_layers_device("device_kv", device_kv, 3))
+    if backend == "reference":
+        _reference.backup_kv_all_layers_reference(device_kv, host_kv, host_layout, device_locs, host_locs, placement)
+    else:
+        _triton.backup_kv_all_layers(device_kv, host_kv, host_layout, device_locs, host_locs, placement)
+    record("kv_backup_calls", backend, placement, host_locs)
 
 
-_STATS_LOCK = threading.Lock()
-_stats = CopyStats()
-
-
-def copy_stats() -> CopyStats:
-    """A snapshot of the copy counters."""
-    with _STATS_LOCK:
-        return _stats
-
-
-def reset_copy_stats() -> None:
-    global _stats
-    with _STATS_LOCK:
-        _stats = CopyStats()
-
-
-def _record(counter: str, backend: str, layout: CpPlacement, host_locs: torch.Tensor) -> None:
-    global _stats
-    with _STATS_LOCK:
-        s = _stats
-        _stats = CopyStats(
-            **{
-                **asdict(s),
-                counter: getattr(s, counter) + 1,
-                "backend": backend,
-                "cp_size": layout.cp_size,
-                "pages_copied": s.pages_copied + host_locs.numel() // layout.page_size,
-            }
+def load_kv_one_layer(
+    device_kv_layer: torch.Tensor,
+    host_kv: torch.Tensor,
+    host_layout: str,
+    layer_id: int,
+    device_locs: torch.Tensor,
+    host_locs: torch.Tensor,
+    placement: CpPlacement,
+) -> None:
+    """H2D: host layer ``layer_id``'s slots -> the owned physical KV rows of
+    ``device_kv_layer`` (arguments as in :func:`backup_kv_all_layers`)."""
+    backend = select_backend(_layer_device("device_kv_layer", device_kv_layer, 3))
+    if backend == "reference":
+        _reference.load_kv_one_layer_reference(
+            device_kv_layer, host_kv, host_layout, layer_id, device_locs, host_locs, placement
         )
+    else:
+        _triton.load_kv_one_layer(device_kv_layer, host_kv, host_layout, layer_id, device_locs, host_locs, placement)
+    record("kv_load_calls", backend, placement, host_locs)
 
 
-# ----------------------------------------------------------------------------- the four copies
-def _dispatcher(name: str, counter: str) -> Callable[..., None]:
-    """``name`` with the reference's signature, run on the backend
-    :func:`select_backend` picks for its device buffers (first argument)."""
-    ref = getattr(_reference, f"{name}_reference")
-    params = list(inspect.signature(ref).parameters)
-    buffers_at, host_locs_at, layout_at = 0, params.index("host_locs"), params.index("layout")
+def backup_indexer_all_layers(
+    device_index: Sequence[torch.Tensor],
+    host_index: torch.Tensor,
+    host_layout: str,
+    device_locs: torch.Tensor,
+    host_locs: torch.Tensor,
+    placement: CpPlacement,
+) -> None:
+    """D2H: every layer's owned indexer pages -> host pages.
 
-    def arg(args: tuple, kwargs: dict, at: int):
-        return args[at] if len(args) > at else kwargs.get(params[at])
-
-    @functools.wraps(ref)
-    def dispatch(*args, **kwargs) -> None:
-        backend = backend_of(arg(args, kwargs, buffers_at))
-        # Looked up per call, so a test can wrap either implementation.
-        impl = getattr(_reference, f"{name}_reference") if backend == "reference" else getattr(_triton, name)
-        impl(*args, **kwargs)
-        _record(counter, backend, arg(args, kwargs, layout_at), arg(args, kwargs, host_locs_at))
-
-    dispatch.__name__ = dispatch.__qualname__ = name
-    dispatch.__module__ = __name__
-    dispatch.__doc__ = (
-        f"{ref.__doc__}\n\nRuns on the Triton kernels (compiled on CUDA, interpreted on CPU with "
-        f"TRITON_INTERPRET=1) or the torch reference; see :func:`select_backend`."
-    )
-    return dispatch
+    ``device_index``: the per-layer ``(pages, page_bytes)`` uint8 device
+    buffers; ``host_index``: SGLang's host indexer buffer in ``host_layout``;
+    the locations as in :func:`backup_kv_all_layers` (page granular copy).
+    """
+    backend = select_backend(_layers_device("device_index", device_index, 2))
+    if backend == "reference":
+        _reference.backup_indexer_all_layers_reference(
+            device_index, host_index, host_layout, device_locs, host_locs, placement
+        )
+    else:
+        _triton.backup_indexer_all_layers(device_index, host_index, host_layout, device_locs, host_locs, placement)
+    record("indexer_backup_calls", backend, placement, host_locs)
 
 
-backup_kv_all_layers = _dispatcher("backup_kv_all_layers", "kv_backup_calls")
-load_kv_one_layer = _dispatcher("load_kv_one_layer", "kv_load_calls")
-backup_indexer_all_layers = _dispatcher("backup_indexer_all_layers", "indexer_backup_calls")
-load_indexer_one_layer = _dispatcher("load_indexer_one_layer", "indexer_load_calls")
+def load_indexer_one_layer(
+    device_index_layer: torch.Tensor,
+    host_index: torch.Tensor,
+    host_layout: str,
+    layer_id: int,
+    device_locs: torch.Tensor,
+    host_locs: torch.Tensor,
+    placement: CpPlacement,
+) -> None:
+    """H2D: host layer ``layer_id``'s indexer pages -> the owned physical
+    pages of ``device_index_layer`` (arguments as in
+    :func:`backup_indexer_all_layers`)."""
+    backend = select_backend(_layer_device("device_index_layer", device_index_layer, 2))
+    if backend == "reference":
+        _reference.load_indexer_one_layer_reference(
+            device_index_layer, host_index, host_layout, layer_id, device_locs, host_locs, placement
+        )
+    else:
+        _triton.load_indexer_one_layer(
+            device_index_layer, host_index, host_layout, layer_id, device_locs, host_locs, placement
+        )
+    record("indexer_load_calls", backend, placement, host_locs)

@@ -18,11 +18,16 @@ hands over).
 
 Two pools take part, the anchor (``PageInterleaveHostPool`` around an
 ``MLATokenToKVPoolHost``: latent KV rows) and the ``DSAIndexerPoolHost``
-(page-major indexer rows); any other host pool is refused.
+(page-major indexer rows); any other host pool is refused. Each is bound
+once, on its first transfer, to the device buffers it holds
+(``device_kv_buffers`` / ``packed_device_index_buffers``): the buffers are
+checked then (:mod:`sglang_cp_hicache.kernels.bound`), and every later
+transfer checks only its index tensors.
 """
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -32,7 +37,7 @@ from sglang.srt.mem_cache.pool_host.dsa import DSAIndexerPoolHost
 from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 from sglang.srt.mem_cache.pool_host.page_interleave import PageInterleaveHostPool
 
-from sglang_cp_hicache.kernels import transfer
+from sglang_cp_hicache.kernels.bound import PoolCopies, bind_indexer_copies, bind_kv_copies
 from sglang_cp_hicache.placement import CpPlacement
 
 __all__ = ["CopyCounters", "LibraryL2TransferEngine", "kv_host_pool_of"]
@@ -67,19 +72,59 @@ def _locs(indices: torch.Tensor) -> torch.Tensor:
     return indices
 
 
+@dataclass(frozen=True)
+class _BoundPool:
+    """One transfer host pool's copies, and which counters they feed."""
+
+    host_pool: Any  # held so the id() key below is never reused
+    copies: PoolCopies
+    kv: bool
+    # Loads must come for the device pool the bound layers belong to (the
+    # indexer's; the KV anchor's layers are the host pool's own).
+    device_pool: Any = None
+
+
 class LibraryL2TransferEngine(L2TransferEngine):
     """``L2TransferEngine`` whose copies are this library's CP kernels."""
 
-    def __init__(self, io_backend: str, layout: CpPlacement) -> None:
-        if not isinstance(layout, CpPlacement):
-            raise TypeError(f"layout must be a CpPlacement, got {type(layout).__name__}")
+    def __init__(self, io_backend: str, placement: CpPlacement) -> None:
+        if not isinstance(placement, CpPlacement):
+            raise TypeError(f"placement must be a CpPlacement, got {type(placement).__name__}")
         if io_backend != "kernel":
             raise ValueError(
                 f"io_backend must be 'kernel' for the library's copy kernels, got {io_backend!r}"
             )
         super().__init__(io_backend)
-        self.layout = layout
+        self.placement = placement
         self.counters = CopyCounters()
+        self._bound: dict[int, _BoundPool] = {}
+        self._bind_lock = threading.Lock()  # D2H and H2D may bind from two threads
+
+    def _copies_for(self, host_pool: Any) -> _BoundPool:
+        """The copies bound to ``host_pool``'s buffers, bound on first use."""
+        bound = self._bound.get(id(host_pool))
+        if bound is not None:
+            return bound
+        with self._bind_lock:
+            bound = self._bound.get(id(host_pool))
+            if bound is None:
+                bound = self._bind(host_pool)
+                self._bound[id(host_pool)] = bound
+        return bound
+
+    def _bind(self, host_pool: Any) -> _BoundPool:
+        # A host pool's ``layout`` is SGLang's host memory layout string.
+        kv_pool = kv_host_pool_of(host_pool)
+        if kv_pool is not None:
+            copies = bind_kv_copies(kv_pool.device_kv_buffers, kv_pool.kv_buffer, kv_pool.layout, self.placement)
+            return _BoundPool(host_pool, copies, kv=True)
+        if isinstance(host_pool, DSAIndexerPoolHost):
+            copies = bind_indexer_copies(
+                host_pool.packed_device_index_buffers, host_pool.index_k_with_scale_buffer,
+                host_pool.layout, self.placement,
+            )
+            return _BoundPool(host_pool, copies, kv=False, device_pool=host_pool.device_pool)
+        raise TypeError(f"no library copy for host pool {type(host_pool).__name__}")
 
     # ---- D2H ----------------------------------------------------------------
     def submit_device_to_host(self, transfers: list[L2Transfer]) -> TransferCompletion:
@@ -93,25 +138,14 @@ class LibraryL2TransferEngine(L2TransferEngine):
         return completion
 
     def _backup(self, item: L2Transfer) -> None:
-        device_locs = _locs(item.device_indices)
+        bound = self._copies_for(item.host_pool)
         host_locs = _locs(item.host_indices)
-        kv_pool = kv_host_pool_of(item.host_pool)
-        if kv_pool is not None:
-            transfer.backup_kv_all_layers(
-                kv_pool.device_kv_buffers, kv_pool.kv_buffer, kv_pool.layout,
-                device_locs, host_locs, self.layout,
-            )
+        bound.copies.backup(_locs(item.device_indices), host_locs)
+        if bound.kv:
             self.counters.kv_backups += 1
             self.counters.backup_owned_tokens += host_locs.numel()
-        elif isinstance(item.host_pool, DSAIndexerPoolHost):
-            index_pool = item.host_pool
-            transfer.backup_indexer_all_layers(
-                index_pool.packed_device_index_buffers, index_pool.index_k_with_scale_buffer,
-                index_pool.layout, device_locs, host_locs, self.layout,
-            )
-            self.counters.indexer_backups += 1
         else:
-            raise TypeError(f"no library copy for host pool {type(item.host_pool).__name__}")
+            self.counters.indexer_backups += 1
 
     # ---- H2D ----------------------------------------------------------------
     def submit_host_to_device(
@@ -148,22 +182,14 @@ class LibraryL2TransferEngine(L2TransferEngine):
     def _load_layer(self, item: L2Transfer, layer_id: int) -> None:
         if item.is_draft:
             raise NotImplementedError("packed MTP draft layers are not copied by the library kernels")
-        device_locs = _locs(item.device_indices)
-        host_locs = _locs(item.host_indices)
-        kv_pool = kv_host_pool_of(item.host_pool)
-        if kv_pool is not None:
-            transfer.load_kv_one_layer(
-                kv_pool.device_kv_buffers[layer_id], kv_pool.kv_buffer, kv_pool.layout, layer_id,
-                device_locs, host_locs, self.layout,
+        bound = self._copies_for(item.host_pool)
+        if bound.device_pool is not None and item.device_pool is not bound.device_pool:
+            raise ValueError(
+                f"the transfer's device_pool is not the one whose layers the {type(item.host_pool).__name__} "
+                f"copies were bound to"
             )
+        bound.copies.load(layer_id, _locs(item.device_indices), _locs(item.host_indices))
+        if bound.kv:
             self.counters.kv_layer_loads += 1
-        elif isinstance(item.host_pool, DSAIndexerPoolHost):
-            index_pool = item.host_pool
-            transfer.load_indexer_one_layer(
-                item.device_pool.index_k_with_scale_buffer[layer_id],
-                index_pool.index_k_with_scale_buffer, index_pool.layout, layer_id,
-                device_locs, host_locs, self.layout,
-            )
-            self.counters.indexer_layer_loads += 1
         else:
-            raise TypeError(f"no library copy for host pool {type(item.host_pool).__name__}")
+            self.counters.indexer_layer_loads += 1

@@ -91,8 +91,8 @@ def test_round_trip_check_passes_on_the_interpreter_and_catches_a_bad_copy(monke
     cpu = torch.device("cpu")
     host = gpu_check.HostBuffer(gpu_check.host_shape(kind, "page_first", g), gpu_check.KINDS[kind][1], "plain")
     for n, r in ((1, 0), (8, 5)):
-        layout = CpPlacement(g.page_size, n, r)
-        assert gpu_check.roundtrip(kind, "page_first", layout, host, g, cpu, seed=n) is None
+        placement = CpPlacement(g.page_size, n, r)
+        assert gpu_check.roundtrip(kind, "page_first", placement, host, g, cpu, seed=n) is None
     # a load that skips the last layer, or a backup that loses one host page, must be reported
     load = "load_kv_one_layer" if kind.startswith("kv") else "load_indexer_one_layer"
     backup = "backup_kv_all_layers" if kind.startswith("kv") else "backup_indexer_all_layers"
@@ -102,18 +102,18 @@ def test_round_trip_check_passes_on_the_interpreter_and_catches_a_bad_copy(monke
         if layer < g.num_layers - 1:
             real_load(dev, host_t, hl, layer, *a, **kw)
 
-    def lose_a_page(devs, host_t, hl, dl, hlocs, layout, **kw):
-        real_backup(devs, host_t, hl, dl, hlocs, layout, **kw)
+    def lose_a_page(devs, host_t, hl, dl, hlocs, placement, **kw):
+        real_backup(devs, host_t, hl, dl, hlocs, placement, **kw)
         gpu_check.bits(host_t).view(-1)[: gpu_check.bits(host_t).numel() // g.host_pages].fill_(0)
 
-    layout = CpPlacement(g.page_size, 2, 1)
+    placement = CpPlacement(g.page_size, 2, 1)
     with monkeypatch.context() as m:
         m.setattr(cp_page_copy, load, skip_last_layer)
-        err = gpu_check.roundtrip(kind, "page_first", layout, host, g, cpu, seed=3)
+        err = gpu_check.roundtrip(kind, "page_first", placement, host, g, cpu, seed=3)
     assert err == f"load: device layer {g.num_layers - 1} differs from the reference", err
     with monkeypatch.context() as m:
         m.setattr(cp_page_copy, backup, lose_a_page)
-        err = gpu_check.roundtrip(kind, "page_first", layout, host, g, cpu, seed=3)
+        err = gpu_check.roundtrip(kind, "page_first", placement, host, g, cpu, seed=3)
     assert err is not None and err.startswith("backup: host bytes differ"), err
 
 

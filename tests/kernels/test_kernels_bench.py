@@ -31,8 +31,8 @@ def bench():
 @pytest.mark.parametrize("direction", ["d2h", "h2d"])
 def test_baselines_move_the_same_pages_as_the_reference(bench, kind, direction):
     cpu = torch.device("cpu")
-    layout = CpPlacement(bench.PAGE_SIZE, 1, 0)
-    dl, hl, phys, hpages = bench.make_batch(5, 8, layout, cpu, seed=3)
+    placement = CpPlacement(bench.PAGE_SIZE, 1, 0)
+    dl, hl, phys, hpages = bench.make_batch(5, 8, placement, cpu, seed=3)
     assert phys.tolist() == (dl[:: bench.PAGE_SIZE] // bench.PAGE_SIZE).tolist()
 
     ref = bench.make_pools(kind, "layer_first", 2, 8, cpu)
@@ -42,7 +42,7 @@ def test_baselines_move_the_same_pages_as_the_reference(bench, kind, direction):
     direct.devs = [d.clone() for d in ref.devs]
     direct.dev_pages = [d.view(torch.uint8).view(-1, ref.page_bytes) for d in direct.devs]
     direct.host.copy_(ref.host)
-    bench.reference_call(ref, direction, dl, hl, layout)()
+    bench.reference_call(ref, direction, dl, hl, placement)()
     bench.direct_call(direct, direction, phys, hpages)()
     assert torch.equal(ref.host.view(torch.uint8), direct.host.view(torch.uint8))
     for a, b in zip(ref.devs, direct.devs):
@@ -65,8 +65,8 @@ def test_batches_have_the_real_owner_mix(bench, cp_size, num_pages):
     """Groups of cp_size consecutive logical pages, one per owner: rank 0 owns
     ceil(num_pages / cp_size) of them, every rank its round-robin share."""
     for rank in range(cp_size):
-        layout = CpPlacement(bench.PAGE_SIZE, cp_size, rank)
-        dl, hl, phys, hpages = bench.make_batch(num_pages, 64, layout, torch.device("cpu"), seed=num_pages)
+        placement = CpPlacement(bench.PAGE_SIZE, cp_size, rank)
+        dl, hl, phys, hpages = bench.make_batch(num_pages, 64, placement, torch.device("cpu"), seed=num_pages)
         logical = dl[:: bench.PAGE_SIZE] // bench.PAGE_SIZE
         assert logical.numel() == num_pages and logical.unique().numel() == num_pages
         assert (logical % cp_size).tolist() == [i % cp_size for i in range(num_pages)]

@@ -103,7 +103,7 @@ def test_no_recompile_across_ranks_layers_batch_sizes_and_slices():
     from triton._C.libtriton import native_specialize_impl
     from triton.backends.compiler import BaseBackend
 
-    from sglang_cp_hicache.kernels import _twin, compile, cp_page_copy
+    from sglang_cp_hicache.kernels import _launch_spec, _twin, compile, cp_page_copy
     from sglang_cp_hicache.placement import CpPlacement
 
     kernel = _twin.kernel_for(False)
@@ -112,8 +112,9 @@ def test_no_recompile_across_ranks_layers_batch_sizes_and_slices():
         indexer_page_bytes=16 * 132, device=torch.device("cpu"), pin_memory=False,
     )
 
-    def key(plan, locs, host_locs, layout):
-        spec = cp_page_copy._specialise(plan, locs, host_locs, layout, 4, cp_page_copy.DEFAULT_BLOCK_BYTES)
+    def key(plan, locs, host_locs, placement):
+        part = _launch_spec.pool_part(plan, placement.page_size, cp_page_copy.DEFAULT_BLOCK_BYTES)
+        spec = _launch_spec.specialise(part, locs, host_locs, placement, 4)
         per_arg = [
             native_specialize_impl(BaseBackend, arg, p.is_constexpr, not p.do_not_specialize,
                                    not p.do_not_specialize_on_alignment)

@@ -17,7 +17,7 @@ from sglang_cp_hicache.kernels import DEBUG_ENV, cp_page_copy, reference, transf
 from sglang_cp_hicache.placement import CpPlacement
 
 P = 4
-LAYOUT = CpPlacement(P, 2, 0)
+PLACEMENT = CpPlacement(P, 2, 0)
 I64 = torch.int64
 
 
@@ -29,7 +29,7 @@ def kv_args(**over):
         host_layout="layer_first",
         device_locs=page_locs([0, 1, 2], P),
         host_locs=page_locs([0, 2], P),
-        layout=LAYOUT,
+        placement=PLACEMENT,
     )
     args.update(over)
     return args
@@ -39,7 +39,7 @@ def load_kv_args(**over):
     a = kv_args()
     args = dict(
         device_kv_layer=a["device_kv"][0], host_kv=a["host_kv"], host_layout="layer_first", layer_id=1,
-        device_locs=a["device_locs"], host_locs=a["host_locs"], layout=LAYOUT,
+        device_locs=a["device_locs"], host_locs=a["host_locs"], placement=PLACEMENT,
     )
     args.update(over)
     return args
@@ -52,7 +52,7 @@ def index_args(**over):
         host_layout="page_first",
         device_locs=page_locs([0, 1, 2], P),
         host_locs=page_locs([0, 2], P),
-        layout=LAYOUT,
+        placement=PLACEMENT,
     )
     args.update(over)
     return args
@@ -62,7 +62,7 @@ def load_index_args(**over):
     a = index_args()
     args = dict(
         device_index_layer=a["device_index"][1], host_index=a["host_index"], host_layout="page_first",
-        layer_id=0, device_locs=a["device_locs"], host_locs=a["host_locs"], layout=LAYOUT,
+        layer_id=0, device_locs=a["device_locs"], host_locs=a["host_locs"], placement=PLACEMENT,
     )
     args.update(over)
     return args
@@ -91,7 +91,7 @@ BAD = [
     (BACKUP_KV, kv_args, dict(device_kv=[torch.zeros(4 * P, 8, dtype=torch.bfloat16)]), ValueError, "device_kv[0]", True),
     (BACKUP_KV, kv_args, dict(host_kv=torch.zeros(2, 3 * P, 1, 16, dtype=torch.bfloat16)[..., ::2]), ValueError, "host_kv", False),
     (BACKUP_KV, kv_args, dict(host_layout="page_last"), ValueError, "host_layout", True),
-    (BACKUP_KV, kv_args, dict(layout=(4, 2, 0)), TypeError, "layout", True),
+    (BACKUP_KV, kv_args, dict(placement=(4, 2, 0)), TypeError, "placement", True),
     (BACKUP_KV, kv_args, dict(device_locs=page_locs([0, 1, 2], P).to(torch.int32)), TypeError, "device_locs", True),
     (BACKUP_KV, kv_args, dict(host_locs=page_locs([0, 2], P).float()), TypeError, "host_locs", True),
     (BACKUP_KV, kv_args, dict(device_locs=page_locs([0, 1, 2], P).view(3, P)), ValueError, "device_locs", True),
@@ -264,8 +264,8 @@ def test_out_of_range_pages_are_skipped_on_the_device(monkeypatch, kind, directi
     """Unchecked, pages beyond either pool are not copied: no byte outside the
     buffers (or anywhere) changes, and in-range pages still copy."""
     _unchecked(monkeypatch)
-    layout = CpPlacement(P, 2, 1)
-    pools = make_pools(kind, P, "layer_first", layout, direction=direction, dev_pages=3, host_pages=3)
+    placement = CpPlacement(P, 2, 1)
+    pools = make_pools(kind, P, "layer_first", placement, direction=direction, dev_pages=3, host_pages=3)
     bad_dev = page_locs([7], P)  # physical page 3 of 3
     got = pools.clone()
     run_triton(got, direction, bad_dev, page_locs([0], P))
@@ -289,8 +289,8 @@ def test_negative_locations_are_skipped_on_the_device_and_keep_the_pairing(monke
     and is skipped (physical page -1); a negative host location is skipped
     too. The other owned pages keep their host slots."""
     _unchecked(monkeypatch)
-    layout = CpPlacement(P, 2, 1)
-    pools = make_pools(kind, P, "page_first", layout, direction=direction, dev_pages=3, host_pages=4)
+    placement = CpPlacement(P, 2, 1)
+    pools = make_pools(kind, P, "page_first", placement, direction=direction, dev_pages=3, host_pages=4)
     got = pools.clone()
     device_locs = torch.cat([page_locs([-1], P), page_locs([1, 2, 3, 5], P)])  # owned: -1, 1, 3, 5
     host_locs = torch.cat([page_locs([0, 1], P), page_locs([-1], P), page_locs([3], P)])

@@ -84,8 +84,8 @@ def _run(pools, direction, dl, hl, layer_id=1):
 def test_both_cpu_backends_give_identical_bytes(monkeypatch, kind, direction):
     calls: list[str] = []
     _spy(monkeypatch, calls)
-    layout = CpPlacement(16, 2, 1)
-    pools = make_pools(kind, 16, "page_first_direct", layout, direction=direction)
+    placement = CpPlacement(16, 2, 1)
+    pools = make_pools(kind, 16, "page_first_direct", placement, direction=direction)
     dl, hl = page_locs([3, 4, 9, 0], 16), page_locs([5, 1], 16)
     results = {}
     for value, tag in ((None, "reference"), ("1", "triton")):
@@ -112,9 +112,9 @@ def test_backup_then_load_restores_every_owned_byte(monkeypatch, host_layout, in
     else:
         monkeypatch.setenv("TRITON_INTERPRET", interpret)
     P, L = 64, 2
-    layout = CpPlacement(P, 3, 2)
+    placement = CpPlacement(P, 3, 2)
     for kind in ("kv_fp8", "indexer"):
-        src = make_pools(kind, P, host_layout, layout, num_layers=L, dev_pages=4, host_pages=4,
+        src = make_pools(kind, P, host_layout, placement, num_layers=L, dev_pages=4, host_pages=4,
                          direction="d2h", seed=11)
         backed_up = [2, 5, 8, 11, 1]  # rank 2 owns 2, 5, 8, 11 (physical 0..3)
         host_pages = [3, 0, 2, 1]
@@ -203,10 +203,10 @@ def test_warmup_validates_the_configuration(over, name):
 
 
 def test_malformed_buffers_get_the_reference_error():
-    layout = CpPlacement(4, 1, 0)
+    placement = CpPlacement(4, 1, 0)
     with pytest.raises(ValueError, match="^device_kv must hold at least one layer"):
         transfer.backup_kv_all_layers([], torch.zeros(1, 4, 1, 8), "layer_first",
-                                      page_locs([0], 4), page_locs([0], 4), layout)
+                                      page_locs([0], 4), page_locs([0], 4), placement)
 
 
 def test_triton_interpret_set_before_import_uses_the_module_kernel():
@@ -265,9 +265,9 @@ def test_copy_stats_count_calls_pages_backend_and_cp_size(monkeypatch):
     transfer.reset_copy_stats()
     assert transfer.copy_stats() == transfer.CopyStats()
     assert transfer.copy_stats().backend is None and transfer.copy_stats().cp_size is None
-    layout = CpPlacement(16, 2, 1)
-    kv = make_pools("kv_bf16", 16, "layer_first", layout, direction="d2h")
-    idx = make_pools("indexer", 16, "page_first", layout, direction="d2h")
+    placement = CpPlacement(16, 2, 1)
+    kv = make_pools("kv_bf16", 16, "layer_first", placement, direction="d2h")
+    idx = make_pools("indexer", 16, "page_first", placement, direction="d2h")
     dl, hl = page_locs([3, 4, 9, 0], 16), page_locs([5, 1], 16)  # owned: 3, 9
     _run(kv, "d2h", dl, hl)
     _run(kv, "h2d", dl, hl)
@@ -291,8 +291,8 @@ def test_copy_stats_count_calls_pages_backend_and_cp_size(monkeypatch):
 def test_refused_calls_are_not_counted(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     transfer.reset_copy_stats()
-    layout = CpPlacement(16, 2, 1)
-    kv = make_pools("kv_bf16", 16, "layer_first", layout, direction="d2h")
+    placement = CpPlacement(16, 2, 1)
+    kv = make_pools("kv_bf16", 16, "layer_first", placement, direction="d2h")
     with pytest.raises(ValueError, match="^host_locs has 16 entries"):
         _run(kv, "d2h", page_locs([3, 4, 9, 0], 16), page_locs([5], 16))
     assert transfer.copy_stats() == transfer.CopyStats()
@@ -301,7 +301,7 @@ def test_refused_calls_are_not_counted(monkeypatch):
 def test_copy_stats_are_thread_safe(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     transfer.reset_copy_stats()
-    layout = CpPlacement(1, 1, 0)
+    placement = CpPlacement(1, 1, 0)
     dev = [torch.zeros(4, 8, dtype=torch.uint8)]
     host = torch.zeros(1, 4, 8, dtype=torch.uint8)
     locs = torch.arange(2, dtype=torch.int64)
@@ -310,7 +310,7 @@ def test_copy_stats_are_thread_safe(monkeypatch):
     def worker():
         barrier.wait()
         for _ in range(200):
-            transfer.backup_indexer_all_layers(dev, host, "layer_first", locs, locs, layout)
+            transfer.backup_indexer_all_layers(dev, host, "layer_first", locs, locs, placement)
 
     threads = [threading.Thread(target=worker) for _ in range(4)]
     for t in threads:
@@ -334,8 +334,8 @@ def test_threaded_ranks_share_the_interpreter(monkeypatch):
 
     def rank(r: int) -> None:
         try:
-            layout = CpPlacement(P, n, r)
-            pools = make_pools("kv_fp8", P, "page_first", layout, direction="d2h", dev_pages=8, host_pages=8, seed=r)
+            placement = CpPlacement(P, n, r)
+            pools = make_pools("kv_fp8", P, "page_first", placement, direction="d2h", dev_pages=8, host_pages=8, seed=r)
             pages = list(range(4 * n))
             dl = page_locs(pages, P)
             hl = page_locs(range(sum(1 for p in pages if p % n == r)), P)
@@ -343,13 +343,13 @@ def test_threaded_ranks_share_the_interpreter(monkeypatch):
             for _ in range(4):
                 got, want = pools.clone(), pools.clone()
                 _run(got, "d2h", dl, hl)
-                reference.backup_kv_all_layers_reference(want.devs, want.host, want.host_layout, dl, hl, layout)
+                reference.backup_kv_all_layers_reference(want.devs, want.host, want.host_layout, dl, hl, placement)
                 if not torch.equal(bits(got.host_big), bits(want.host_big)):
                     errors.append(f"rank {r}: bytes differ")
                 got, want = pools.clone(), pools.clone()
                 _run(got, "h2d", dl, hl, layer_id=r % 3)
                 reference.load_kv_one_layer_reference(want.devs[r % 3], want.host, want.host_layout, r % 3, dl, hl,
-                                                      layout)
+                                                      placement)
                 if not all(torch.equal(bits(x), bits(y)) for x, y in zip(got.dev_bigs, want.dev_bigs)):
                     errors.append(f"rank {r}: load bytes differ")
         except Exception as exc:  # noqa: BLE001 -- reported below with the rank

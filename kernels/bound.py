@@ -1,0 +1,106 @@
+"""Copies bound to one pool: buffers checked once, index tensors per call.
+
+A server copies between the same device layers and SGLang host buffer for
+its whole life. :func:`bind_kv_copies` / :func:`bind_indexer_copies` check
+those buffers once -- placement, host layout, dtypes, shapes, row or page
+bytes, layer counts, contiguity, dense host rows, pinned host memory for CUDA
+layers -- and resolve the buffer-fixed part of every kernel launch. The
+returned :class:`PoolCopies` then checks per call only what the call brings:
+``layer_id`` and the index tensors (dtype, shape, device, contiguity, and
+their values whenever that is free, exactly as the unbound copies do).
+
+Per call it picks the backend with the same rule as :mod:`.transfer`
+(:func:`~._backend.select_backend` on the pool's device, read at call time)
+and counts into the same :func:`~._stats.copy_stats`. The bytes copied are
+those of the unbound functions with the same arguments.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from sglang_cp_hicache.kernels import _checks
+from sglang_cp_hicache.kernels import cp_page_copy as _triton
+from sglang_cp_hicache.kernels import reference as _reference
+from sglang_cp_hicache.kernels._backend import select_backend
+from sglang_cp_hicache.kernels._checks import PoolGeometry
+from sglang_cp_hicache.kernels._stats import record
+from sglang_cp_hicache.placement import CpPlacement
+
+__all__ = ["PoolCopies", "bind_indexer_copies", "bind_kv_copies"]
+
+
+@dataclass(frozen=True)
+class PoolCopies:
+    """Backup (every layer) and load (one layer) between one device pool's
+    layers and the SGLang host buffer that mirrors them."""
+
+    kind: str  # "kv" or "indexer": the copy counters it adds to
+    placement: CpPlacement
+    pool: PoolGeometry
+    launches: _triton.PoolLaunches
+
+    @property
+    def device(self) -> torch.device:
+        return self.pool.device
+
+    @property
+    def num_layers(self) -> int:
+        """Device layers bound (loads take ``layer_id`` in ``[0, num_layers)``)."""
+        return len(self.pool.device_layers)
+
+    def backup(self, device_locs: torch.Tensor, host_locs: torch.Tensor) -> None:
+        """D2H: every layer's owned pages of LOGICAL ``device_locs`` -> this
+        rank's host slots ``host_locs`` (in owned order)."""
+        backend = select_backend(self.device)
+        if backend == "reference":
+            _reference.backup_all_layers(self.pool, device_locs, host_locs, self.placement)
+        else:
+            _triton.backup_bound(self.launches, device_locs, host_locs, self.placement)
+        record(f"{self.kind}_backup_calls", backend, self.placement, host_locs)
+
+    def load(self, layer_id: int, device_locs: torch.Tensor, host_locs: torch.Tensor) -> None:
+        """H2D: host layer ``layer_id``'s slots ``host_locs`` -> the owned
+        physical pages of LOGICAL ``device_locs`` on device layer ``layer_id``."""
+        _checks.check_layer_id("layer_id", layer_id, self.num_layers)
+        backend = select_backend(self.device)
+        if backend == "reference":
+            layer = self.pool.device_layers[layer_id]
+            _reference.load_one_layer(self.pool, layer, layer_id, device_locs, host_locs, self.placement)
+        else:
+            _triton.load_bound(self.launches, layer_id, device_locs, host_locs, self.placement)
+        record(f"{self.kind}_load_calls", backend, self.placement, host_locs)
+
+
+def _bind(
+    kind: str, dev_name: str, device_layers: object, host_name: str, host_buffer: object,
+    host_layout: object, placement: object,
+) -> PoolCopies:
+    placement = _checks.check_placement(placement)
+    pool = _checks.check_backup_pool(
+        kind == "kv", dev_name, device_layers, host_name, host_buffer, host_layout, placement
+    )
+    # The kernel's needs are checked whatever the backend now: on the CPU it
+    # follows TRITON_INTERPRET at call time, so either may run these buffers.
+    launches = _triton.bind_launches(pool, dev_name, host_name, placement)
+    return PoolCopies(kind, placement, pool, launches)
+
+
+def bind_kv_copies(
+    device_kv: Sequence[torch.Tensor], host_kv: torch.Tensor, host_layout: str, placement: CpPlacement
+) -> PoolCopies:
+    """Bind the KV copies: ``device_kv`` the per-layer ``(slots, 1, dim)``
+    device buffers, ``host_kv`` SGLang's host KV buffer in ``host_layout``."""
+    return _bind("kv", "device_kv", device_kv, "host_kv", host_kv, host_layout, placement)
+
+
+def bind_indexer_copies(
+    device_index: Sequence[torch.Tensor], host_index: torch.Tensor, host_layout: str, placement: CpPlacement
+) -> PoolCopies:
+    """Bind the indexer copies: ``device_index`` the per-layer ``(pages,
+    page_bytes)`` uint8 device buffers, ``host_index`` SGLang's host indexer
+    buffer in ``host_layout``."""
+    return _bind("indexer", "device_index", device_index, "host_index", host_index, host_layout, placement)
