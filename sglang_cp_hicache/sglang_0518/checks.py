@@ -11,7 +11,6 @@ __all__ = ["HOST_BALANCE_ENV", "check_cp_hicache_server_args", "host_balance_pol
 #: of 1/N. ``greedy``: never evict for that; the share may drift a few pages,
 #: device hits are those of plain LRU.
 HOST_BALANCE_ENV = settings.HOST_BALANCE.name
-HOST_BALANCE_POLICIES = settings.HOST_BALANCE.choices
 
 
 def host_balance_policy() -> str:

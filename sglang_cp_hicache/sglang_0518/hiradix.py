@@ -41,16 +41,14 @@ from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams
 from sglang.srt.mem_cache.hiradix_cache import HiRadixCache
 from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
 
+from sglang_cp_hicache import settings
+from sglang_cp_hicache.agreement import CpAgreementError, RankView, gather_and_check
 from sglang_cp_hicache.kernels import transfer
 from sglang_cp_hicache.policy_0518.host_eviction import HostLeafIndex, HostSlotLedger
 from sglang_cp_hicache.sglang_0518 import check_sglang_version
 from sglang_cp_hicache.sglang_0518.allocator import CpSharedPagedTokenToKVPoolAllocator
-from sglang_cp_hicache.sglang_0518.checks import (
-    HOST_BALANCE_ENV,
-    HOST_BALANCE_POLICIES,
-    check_cp_hicache_server_args,
-    host_balance_policy,
-)
+from sglang_cp_hicache.sglang_0518.checks import HOST_BALANCE_ENV, check_cp_hicache_server_args, host_balance_policy
+from sglang_cp_hicache.sglang_0518.hooks import check_hooks
 from sglang_cp_hicache.sglang_0518.host_copies import cp_copies_installed, install_cp_copies
 from sglang_cp_hicache.sglang_0518.host_tier import HostTierMixin, NoHostLeafSet
 from sglang_cp_hicache.sglang_0518.load_back import LoadBackMixin
@@ -64,6 +62,13 @@ from sglang_cp_hicache.sglang_0518.write_through import EMPTY_PAGES, WriteThroug
 logger = logging.getLogger(__name__)
 
 __all__ = ["CpHiRadixCache", "CpHiCacheCounters", "CpHiCacheTransferError", "CpInsertParams", "Vote"]
+
+
+#: What to do about a start-up disagreement the agreement message cannot say.
+_AGREEMENT_HINTS = {
+    "host_pool_slots": "host pools are sized from the device pool: size every rank's device pool "
+    "with CpSharedPagedTokenToKVPoolAllocator.physical_size_for()",
+}
 
 
 @dataclass
@@ -96,6 +101,8 @@ class CpHiRadixCache(
 
     def __init__(self, params, server_args) -> None:
         check_sglang_version()
+        check_hooks()  # SGLang's classes, before anything of theirs runs
+        settings.check_all()  # a misspelt setting stops start-up, not a later copy
         allocator = params.token_to_kv_pool_allocator
         if not isinstance(allocator, CpSharedPagedTokenToKVPoolAllocator):
             raise TypeError(
@@ -125,7 +132,7 @@ class CpHiRadixCache(
         if not cp_copies_installed(self.cp_copy_targets):
             raise RuntimeError("CP copies did not take on this cache's host pools; refusing to start")
         self.cp_transfer = CpTransferAdapter(self.cache_controller, self.cp_layout, allocator)
-        self._ledger = self._make_ledger()
+        self._ledger = self._agree_with_peers()
         # New pages go preferably to the ranks holding the fewest host slots.
         allocator.set_lane_bias(lambda: self._ledger.used)
         # ...and when the least loaded rank has no free device page, one is
@@ -157,29 +164,41 @@ class CpHiRadixCache(
         )
         return report
 
-    def _make_ledger(self) -> HostSlotLedger:
-        """The host ledger, after checking (the two start-up all-reduces) that
-        every rank has the same host pool size and host-balance policy: either
-        differing would make ranks decide differently."""
+    def _agree_with_peers(self) -> HostSlotLedger:
+        """The host ledger, once every CP rank has the same view (one
+        all-gather at start-up, :mod:`sglang_cp_hicache.agreement`): every
+        value below decides what a rank does without asking the others, so
+        ranks that differ would diverge. Refused on every rank, naming the
+        rank and value."""
         capacity = int(self.token_to_kv_pool_host.size)
-        policy = HOST_BALANCE_POLICIES.index(self.cp_host_balance)
-        lo = torch.tensor([capacity, policy], dtype=torch.int64)
-        hi = torch.tensor([-capacity, -policy], dtype=torch.int64)
-        self._all_reduce(lo, torch.distributed.ReduceOp.MIN)
-        self._all_reduce(hi, torch.distributed.ReduceOp.MIN)
-        if int(lo[0]) != capacity or -int(hi[0]) != capacity:
-            raise ValueError(
-                f"CP ranks have different host pool sizes ({int(lo[0])}..{-int(hi[0])} slots); "
-                "size every rank's device pool with "
-                "CpSharedPagedTokenToKVPoolAllocator.physical_size_for()"
-            )
-        if int(lo[1]) != -int(hi[1]):
-            raise ValueError(
-                f"CP ranks run different {HOST_BALANCE_ENV} policies "
-                f"({HOST_BALANCE_POLICIES[int(lo[1])]} and {HOST_BALANCE_POLICIES[-int(hi[1])]}); "
-                "set it the same on every rank"
-            )
+        device = self.token_to_kv_pool_allocator.get_kvcache().kv_buffer[0].device
+        view = RankView(self.cp_layout.cp_rank, self.cp_layout.cp_size, {
+            "page_size": self.page_size,
+            "host_layout": self.cache_controller.mem_pool_host.layout,
+            "host_pool_slots": capacity,
+            HOST_BALANCE_ENV: self.cp_host_balance,
+            "copy_backend": transfer.select_backend(device),
+            "copy_path": "library",
+        })
+        try:
+            gather_and_check(view, self._cp_group())
+        except CpAgreementError as exc:
+            hint = next((h for key, h in _AGREEMENT_HINTS.items() if f"disagree on {key}:" in str(exc)), None)
+            if hint is None:
+                raise
+            raise CpAgreementError(f"{exc}; {hint}") from exc
         return HostSlotLedger([capacity] * self.cp_layout.cp_size)
+
+    def _cp_group(self):
+        """The group whose members are exactly the CP ranks: SGLang's
+        ``attn_cp_cache_group``. (``_all_reduce`` also reduces over the
+        attention-TP group, whose ranks share a cp_rank.) None for a group
+        of one: ranks simulated in one process, or a lone rank -- only this
+        rank's own view is checked then."""
+        group = self.attn_cp_group
+        if group is None or torch.distributed.get_world_size(group=group) <= 1:
+            return None
+        return group
 
     def reset(self) -> None:
         super().reset()

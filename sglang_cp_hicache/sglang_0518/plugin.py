@@ -67,5 +67,11 @@ def register() -> None:
         return
     from sglang.srt.mem_cache.registry import get_radix_cache_factory, register_radix_cache_backend
 
+    from sglang_cp_hicache.sglang_0518.hooks import HookMismatchError, check_hooks
+
+    try:
+        check_hooks()
+    except HookMismatchError as exc:  # said now, in every scheduler; the cache refuses to build
+        logger.warning("cp-hicache: %s; building the CP cache will fail", exc)
     if get_radix_cache_factory(BACKEND_NAME) is None:
         register_radix_cache_backend(BACKEND_NAME, cp_hicache_factory)

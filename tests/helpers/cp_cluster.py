@@ -15,9 +15,10 @@ checked against what they must be.
 from __future__ import annotations
 
 import datetime
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -34,6 +35,60 @@ from sglang_cp_hicache.testing.stack_0518 import CpStackConfig, build_cp_rank_st
 from tests.helpers.rank_failure import FailFastGroup, PeerRankFailed, RankFailure, release_groups
 
 SEED = 11
+
+_building = threading.local()
+
+
+def building_rank() -> Optional[int]:
+    """The group rank whose stack the current thread is building (None
+    outside :func:`build_each_rank` and the threaded :class:`CpCluster`)."""
+    return getattr(_building, "rank", None)
+
+
+@dataclass(frozen=True)
+class RankSetup:
+    """How one group rank is started: the cp_rank it claims and the config
+    fields it overrides (a misconfigured rank, for start-up checks)."""
+
+    cp_rank: int
+    overrides: dict = field(default_factory=dict)
+
+
+def build_each_rank(
+    config: CpStackConfig, per_rank: Callable[[int], RankSetup], *, timeout_s: float = 30.0
+) -> list:
+    """Build ``config.cp_size`` rank stacks at once, one thread each on gloo
+    groups that never give up early (every rank runs its collectives to the
+    end, so each rank's own outcome is seen), and return each rank's stack or exception; built
+    stacks are closed. For start-up checks that must refuse on every rank."""
+    store = dist.HashStore()
+    timeout = datetime.timedelta(seconds=timeout_s)
+    n = config.cp_size
+    never = RankFailure()  # nothing records into it: no rank stops waiting early
+    with ThreadPoolExecutor(n) as pool:
+        groups = list(pool.map(
+            lambda r: FailFastGroup(dist.ProcessGroupGloo(store, r, n, timeout), never), range(n)
+        ))
+
+        def build(r: int):
+            _building.rank = r
+            setup = per_rank(r)
+            try:
+                return build_cp_rank_stack(config, setup.cp_rank, cp_group=groups[r], **setup.overrides)
+            finally:
+                _building.rank = None
+
+        futures = [pool.submit(build, r) for r in range(n)]
+        outcomes = []
+        for f in futures:
+            try:
+                outcomes.append(f.result())
+            except Exception as exc:  # noqa: BLE001 - each rank's own outcome
+                outcomes.append(exc)
+    for o in outcomes:
+        if not isinstance(o, BaseException):
+            o.close()
+    return outcomes
 
 
 @dataclass

@@ -7,12 +7,12 @@ import torch
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InitLoadBackParams, MatchPrefixParams
 from sglang.srt.mem_cache.radix_cache import RadixKey
 
-from sglang_cp_hicache.sglang_0518.allocator import CPSharedPagedTokenToKVPoolAllocator
+from sglang_cp_hicache.sglang_0518.allocator import CpSharedPagedTokenToKVPoolAllocator
 from sglang_cp_hicache.sglang_0518.checks import check_cp_hicache_server_args
 from sglang_cp_hicache.testing.stack_0518 import CpStackConfig, build_cp_rank_stack
 from sglang_cp_hicache.sglang_0518.tree_node import CpTreeNode
 
-from tests.helpers.cp_cluster import CpCluster
+from tests.helpers.cp_cluster import CpCluster, RankSetup, build_each_rank, building_rank
 
 P = 64
 
@@ -43,7 +43,7 @@ def test_missing_child_access_does_not_create_orphan_node():
 
 
 def test_allocator_state_str_reports_free_and_release_pages():
-    alloc = CPSharedPagedTokenToKVPoolAllocator(
+    alloc = CpSharedPagedTokenToKVPoolAllocator(
         logical_size=64 * 8, physical_size=64 * 3, page_size=64, dtype=torch.bfloat16,
         device="cpu", kvcache=None, need_sort=True, cp_size=4, cp_rank=0,
     )
@@ -58,14 +58,14 @@ def test_allocator_state_str_reports_free_and_release_pages():
 def test_allocator_rejects_too_small_physical_pool():
     # 9 logical pages (with padding) over 4 ranks: rank 0 owns pages 0, 4, 8.
     with pytest.raises(ValueError, match="physical_size"):
-        CPSharedPagedTokenToKVPoolAllocator(
+        CpSharedPagedTokenToKVPoolAllocator(
             logical_size=64 * 8, physical_size=64 * 2, page_size=64, dtype=torch.bfloat16,
             device="cpu", kvcache=None, need_sort=True, cp_size=4, cp_rank=0,
         )
 
 
 def test_alloc_extend_and_decode_fill_open_pages_first():
-    alloc = CPSharedPagedTokenToKVPoolAllocator(
+    alloc = CpSharedPagedTokenToKVPoolAllocator(
         logical_size=4 * 16, physical_size=4 * 9, page_size=4, dtype=torch.bfloat16,
         device="cpu", kvcache=None, need_sort=True, cp_size=2, cp_rank=0,
     )
@@ -259,14 +259,34 @@ def test_greedy_host_balance_never_evicts_for_a_lane(cluster, monkeypatch):
 
 def test_ranks_with_different_host_balance_policies_refuse_to_start(monkeypatch):
     """The policy decides which device pages get evicted: ranks that differ
-    would diverge, so the start-up check (the host-pool-size all-reduces,
-    no extra collective) refuses on every rank."""
-    import itertools
-
+    would diverge, so the start-up agreement (one all-gather) refuses on
+    every rank, naming the rank and both policies."""
+    from sglang_cp_hicache.agreement import CpAgreementError
     from sglang_cp_hicache.sglang_0518 import hiradix
     from sglang_cp_hicache.sglang_0518.checks import HOST_BALANCE_ENV
 
-    policies = itertools.cycle(["exact", "greedy"])
-    monkeypatch.setattr(hiradix, "host_balance_policy", lambda: next(policies))
-    with pytest.raises(ValueError, match=f"different {HOST_BALANCE_ENV} policies"):
-        CpCluster(CpStackConfig(cp_size=2, device_pages=3, host_pages=8), threaded=True, timeout_s=30)
+    monkeypatch.setattr(hiradix, "host_balance_policy", lambda: "greedy" if building_rank() == 1 else "exact")
+    outcomes = build_each_rank(CpStackConfig(cp_size=2, device_pages=3, host_pages=8), lambda r: RankSetup(r))
+    expected = (
+        f"CP ranks disagree on {HOST_BALANCE_ENV}: cp_rank 1 has 'greedy', cp_rank 0 has 'exact'; "
+        f"start every rank with the same {HOST_BALANCE_ENV}"
+    )
+    assert [type(o) for o in outcomes] == [CpAgreementError] * 2
+    assert [str(o) for o in outcomes] == [expected] * 2
+
+
+def test_ranks_with_different_host_pool_sizes_refuse_to_start():
+    """Host pools are sized from the device pool; a rank whose pool differs
+    would run out of host slots where the ledger says there is room: every
+    rank refuses, naming the rank, both sizes and how to size the pools."""
+    from sglang_cp_hicache.agreement import CpAgreementError
+
+    config = CpStackConfig(cp_size=2, device_pages=3, host_pages=8)
+    outcomes = build_each_rank(config, lambda r: RankSetup(r, {"host_pages": 6} if r == 1 else {}))
+    expected = (
+        f"CP ranks disagree on host_pool_slots: cp_rank 1 has {6 * P}, cp_rank 0 has {8 * P}; "
+        "start every rank with the same host_pool_slots; host pools are sized from the device pool: "
+        "size every rank's device pool with CpSharedPagedTokenToKVPoolAllocator.physical_size_for()"
+    )
+    assert [type(o) for o in outcomes] == [CpAgreementError] * 2
+    assert [str(o) for o in outcomes] == [expected] * 2
