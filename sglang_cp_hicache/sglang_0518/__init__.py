@@ -1,11 +1,25 @@
 """The SGLang 0.5.18 adapter: only what a server runs.
 
-``hiradix`` (CpHiRadixCache), ``allocator`` (the CP shared token allocator),
-``transfer_adapter`` (SGLang's queues, with undo handles), ``host_copies``
-(CP copies through this library's kernels), ``plugin`` (the
-``sglang.srt.plugins`` entry point), ``checks`` (start-up refusals). The CPU
-harness lives in ``sglang_cp_hicache.testing``. Importing this package does
-not import sglang; its modules do.
+* ``hiradix`` -- :class:`CpHiRadixCache`, built and checked at start-up
+  (hooks, settings, the one all-gather agreement of the CP ranks), assembled
+  from one mixin per concern: ``write_through`` (backups, the CPU page
+  mirror), ``step_protocol`` (the step's all-reduce, taking writes and
+  load-backs back), ``host_tier`` (host ledger, host leaves, host eviction,
+  lane reclaim), ``load_back`` (owner-preserving restores, the quota) and
+  ``upstream_0518`` (the tree edits carried over from 0.5.18, each saying
+  what differs);
+* ``step_status`` -- the step status packed into SGLang's two ack counts;
+* ``tree_node`` -- :class:`CpTreeNode`;
+* ``allocator`` -- the CP shared token allocator (owner lanes);
+* ``transfer_adapter`` -- CP writes and loads on SGLang's queues, with undo
+  handles; ``host_copies`` -- CP copies through this library's kernels,
+  bound on one cache's host pool instances;
+* ``hooks`` -- every SGLang name the adapter depends on, checked at start-up;
+* ``plugin`` -- the ``sglang.srt.plugins`` entry point; ``checks`` --
+  start-up refusals of server settings.
+
+The CPU harness lives in ``sglang_cp_hicache.testing``. Importing this
+package (or ``hooks``) does not import sglang; the other modules do.
 """
 
 from __future__ import annotations
@@ -22,7 +36,8 @@ def check_sglang_version(version: str | None = None) -> None:
     """Refuse an SGLang release the CP subclasses were not written against.
 
     ``SGLANG_CP_HICACHE_ALLOW_ANY_SGLANG=1`` turns the error into a no-op
-    (at your own risk: the copied tree-edit methods follow 0.5.18).
+    (at your own risk: the copied tree-edit methods follow 0.5.18; the hook
+    check of :mod:`.hooks` still runs when a cache is built).
     """
     if version is None:
         import sglang

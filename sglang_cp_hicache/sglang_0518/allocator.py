@@ -14,15 +14,10 @@ from typing import Optional, Sequence
 import torch
 from sglang.srt.mem_cache.allocator.base import BaseTokenToKVPoolAllocator
 
-from sglang_cp_hicache.policy_0518.allocator import (
-    AllocatorCheckpoint,
-    AllocatorSnapshot,
-    OwnerLaneAllocator,
-    PageAllocation,
-)
+from sglang_cp_hicache.policy_0518.allocator import AllocatorCheckpoint, OwnerLaneAllocator, PageAllocation
 from sglang_cp_hicache.placement import CpPlacement
 
-__all__ = ["CPSharedPagedTokenToKVPoolAllocator", "CpSharedPagedTokenToKVPoolAllocator"]
+__all__ = ["CpSharedPagedTokenToKVPoolAllocator"]
 
 
 class CpSharedPagedTokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
@@ -89,9 +84,6 @@ class CpSharedPagedTokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
         ``CpInsertParams.value_pages``)."""
         return self._lanes.alloc_mirrored(need_size)
 
-    def alloc_pages_with_owners(self, owners: Sequence[int]) -> Optional[torch.Tensor]:
-        return self._lanes.alloc_pages_with_owners(owners)
-
     def alloc_with_owners_mirrored(self, owners: Sequence[int]) -> Optional[PageAllocation]:
         return self._lanes.alloc_with_owners_mirrored(owners)
 
@@ -115,9 +107,6 @@ class CpSharedPagedTokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
     def merge_and_sort_free(self) -> None:
         self._lanes.merge_free()
 
-    def snapshot(self) -> AllocatorSnapshot:
-        return self._lanes.snapshot()
-
     def checkpoint(self) -> AllocatorCheckpoint:
         return self._lanes.checkpoint()
 
@@ -126,16 +115,6 @@ class CpSharedPagedTokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
 
     def commit(self, checkpoint: AllocatorCheckpoint) -> None:
         self._lanes.commit(checkpoint)
-
-    def restore(self, snapshot: AllocatorSnapshot) -> None:
-        self._lanes.restore(snapshot)
-
-    # SGLang's names for the same thing.
-    def backup_state(self) -> AllocatorSnapshot:
-        return self.snapshot()
-
-    def restore_state(self, state: AllocatorSnapshot) -> None:
-        self.restore(state)
 
     # ---- paged extend/decode for the scheduler ----------------------------
     def alloc_extend(
@@ -215,18 +194,8 @@ class CpSharedPagedTokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
     def lane_available_pages(self) -> list[int]:
         return self._lanes.lane_available_pages()
 
-    def immediate_available_size(self) -> int:
-        return self._lanes.immediate_available_size()
-
-    def deferred_available_size(self) -> int:
-        return self._lanes.deferred_available_size()
-
     def allocator_state_str(self) -> str:
         return self._lanes.allocator_state_str()
 
     def pages_in_use(self) -> int:
         return self._lanes.pages_in_use()
-
-
-# The capitalised spelling some integrations use.
-CPSharedPagedTokenToKVPoolAllocator = CpSharedPagedTokenToKVPoolAllocator

@@ -15,15 +15,18 @@ A rank owning nothing in a node still queues an (empty) operation: it gets
 the same ack as every other rank, and SGLang's MIN all-reduce over ready acks
 stays in step on every rank.
 
-Every step can be taken back through its handle: :class:`PendingWrite`
-(``start`` / ``abort`` / ``undo``), :class:`PendingLoad` (``drop``) and
-:class:`StartedLoads` (``undo``).
+A write can be taken back at every step through its handle,
+:class:`PendingWrite` (``start`` / ``abort`` / ``undo``). A load is queued
+only once its owner-preserving allocation succeeded (a failed one is rolled
+back inside :meth:`CpTransferAdapter.queue_load`); after that the cache
+takes load-backs back as a whole at the step's all-reduce (it drains the
+load acks and evicts the restored nodes again).
 """
 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
 import torch
@@ -142,44 +145,22 @@ class PendingLoad:
     checkpoint: AllocatorCheckpoint
     closed: bool = False
 
-    def drop(self) -> None:
-        """Unqueue it and put the allocator back exactly as it was (free-list
-        order included, in O(pages allocated)), so it stays identical to the
-        allocators of ranks that never allocated."""
-        if self.closed:
-            raise RuntimeError("CP load already dropped or kept")
-        self.closed = True
-        self.adapter.controller.load_queue.remove(self.op)
-        self.adapter.allocator.rollback(self.checkpoint)
-        self.adapter._count_load(self.plan, -1)
-
     def keep(self) -> None:
-        """The group agreed: the allocation stays (closes the undo log)."""
+        """The allocation stays (closes the allocator's undo log)."""
         if self.closed:
-            raise RuntimeError("CP load already dropped or kept")
+            raise RuntimeError("CP load already kept")
         self.closed = True
         self.adapter.allocator.commit(self.checkpoint)
 
 
-@dataclass(eq=False)
+@dataclass(frozen=True)
 class StartedLoads:
-    """The outcome of submitting every queued load of a batch."""
+    """The outcome of submitting every queued load of a batch: SGLang's
+    producer id, or the error (the cache reports it at the step's
+    all-reduce, which takes every unconsumed load-back back)."""
 
-    adapter: "CpTransferAdapter"
     producer_id: int
     error: Optional[BaseException]
-    acks_before: int
-    undone: bool = field(default=False)
-
-    def undo(self) -> None:
-        """Wait for the copies that did start and drop their acks."""
-        if self.undone:
-            raise RuntimeError("started CP loads already undone")
-        self.undone = True
-        queue = self.adapter.controller.ack_load_queue
-        for ack in queue[self.acks_before :]:
-            ack.finish_event.synchronize()
-        del queue[self.acks_before :]
 
 
 class CpTransferAdapter:
@@ -195,11 +176,11 @@ class CpTransferAdapter:
         self.stats.zero_owned_writes += sign * int(plan.num_host_slots == 0)
         self.stats.backup_slots += sign * plan.num_host_slots
 
-    def _count_load(self, plan: CpLoadPlan, sign: int) -> None:
+    def _count_load(self, plan: CpLoadPlan) -> None:
         n = int(plan.host_locs.numel())
-        self.stats.loads += sign
-        self.stats.zero_owned_loads += sign * int(n == 0)
-        self.stats.load_slots += sign * n
+        self.stats.loads += 1
+        self.stats.zero_owned_loads += int(n == 0)
+        self.stats.load_slots += n
 
     # ---- writes ------------------------------------------------------------
     def plan_write(
@@ -269,7 +250,7 @@ class CpTransferAdapter:
             return None
         op = CacheOperation(host, plan.device_locs, node_id, priority, pool_transfers=pool_transfers or None)
         ctrl.load_queue.append(op)
-        self._count_load(plan, +1)
+        self._count_load(plan)
         return PendingLoad(self, plan, op, checkpoint)
 
     def start_loading(self) -> StartedLoads:
@@ -277,10 +258,9 @@ class CpTransferAdapter:
         ``error`` (with the queue cleared) so the caller can tell the group
         before it raises."""
         ctrl = self.controller
-        acks_before = len(ctrl.ack_load_queue)
         try:
             producer = ctrl.start_loading()
         except Exception as exc:  # reported to every rank by the caller
             ctrl.load_queue.clear()
-            return StartedLoads(self, -1, exc, acks_before)
-        return StartedLoads(self, producer, None, acks_before)
+            return StartedLoads(-1, exc)
+        return StartedLoads(producer, None)
