@@ -107,6 +107,7 @@ _UTILS = "sglang.srt.mem_cache.utils"
 _EVENTS = "sglang.srt.disaggregation.kv_events"
 _METRICS = "sglang.srt.observability.metrics_collector"
 _SA = "sglang.srt.server_args"
+_SB = "sglang.srt.managers.schedule_batch"
 
 _COPY_D2H = ("self", "device_pool", "host_indices", "device_indices", "io_backend")
 _COPY_H2D = ("self", "device_pool", "host_indices", "device_indices", "layer_id", "io_backend", "is_draft")
@@ -149,6 +150,7 @@ def _classes() -> tuple[Hook, ...]:
         cls(_EVENTS, "StorageMedium", "records KV events with the medium"),
         cls(_REG, "TreeCacheBuildContext", "builds the cache from the factory context"),
         cls(_SA, "ServerArgs", "refuses server settings CP cannot honour"),
+        cls(_SB, "Req", "sizes the load-back quota from the request"),
         cls(_METRICS, "RadixCacheMetricsCollector", "observes load-back durations as upstream"),
         cls(_BPC, "MatchResult", "returns match results as upstream (keywords)", (
             "device_indices", "last_device_node", "last_host_node", "best_match_node", "host_hit_length",
@@ -321,7 +323,8 @@ def _attributes() -> tuple[Hook, ...]:
         *_reads(_CC, "CacheOperation", "node_ids host_indices", "finds and frees a taken-back write"),
         *_reads(_CC, "HiCacheAck", "node_ids finish_event", "waits on and drops acks of taken-back operations"),
         *_reads(_MPH, "HostPoolGroup", "anchor_entry entries layout size", "finds the host pools and agrees on them"),
-        *_reads(_MPH, "PoolEntry", "host_pool", "finds the host pool of each entry"),
+        *_reads(_MPH, "PoolEntry", "host_pool device_pool",
+                "binds each host pool's copies to the device pool of its entry"),
         *_reads(_MLA, "MLATokenToKVPoolHost", "kv_buffer layout dcp_size mtp_draft_device_pools",
                 "copies KV rows and refuses decode CP / MTP draft layers"),
         *_reads(_MPH, "DSAIndexerPoolHost", "index_k_with_scale_buffer layout dcp_size mtp_draft_device_pools",
@@ -344,6 +347,8 @@ def _attributes() -> tuple[Hook, ...]:
                 "builds the cache and registers its layer counter with the worker"),
         *_reads(_SA, "ServerArgs", "hicache_storage_backend hicache_write_policy",
                 "refuses L3 storage and write_back"),
+        *_reads(_SB, "Req", "full_untruncated_fill_ids prefix_indices",
+                "keeps room for the request's own new tokens in the load-back quota"),
     )
 
 

@@ -248,8 +248,14 @@ RECEIVERS = {
     ("name", "group"): {"HostPoolGroup"},
     ("attr", "anchor_entry"): {"PoolEntry"},
     ("name", "device_pool"): {"DSATokenToKVPool"},
+    ("attr", "device_pool"): {"DSATokenToKVPool"},
+    ("name", "entry"): {"PoolEntry"},
+    ("name", "kv_entry"): {"PoolEntry"},
+    ("name", "indexer_entry"): {"PoolEntry"},
     ("name", "pool"): HOST_POOLS,
-    ("name", "kv_pool"): HOST_POOLS | {"DSATokenToKVPool"},
+    ("name", "indexer_pool"): HOST_POOLS,
+    ("name", "host_pool"): HOST_POOLS | {"HostPoolGroup"},  # transfer_adapter: the group
+    ("name", "kv_pool"): HOST_POOLS | {"DSATokenToKVPool"},  # hiradix: the device pool
 }
 
 
@@ -258,6 +264,19 @@ def _receiver(node: ast.expr):
         return RECEIVERS.get(("name", node.id))
     if isinstance(node, ast.Attribute):
         return RECEIVERS.get(("attr", node.attr))
+    return None
+
+
+def _attribute_use(node: ast.AST):
+    """(owner classes, attribute name) for ``<receiver>.name`` and
+    ``getattr(<receiver>, "name", ...)``; None for anything else."""
+    if isinstance(node, ast.Attribute):
+        return _receiver(node.value), node.attr
+    if (
+        isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("getattr", "hasattr")
+        and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str)
+    ):
+        return _receiver(node.args[0]), node.args[1].value
     return None
 
 
@@ -276,10 +295,9 @@ def test_every_controller_and_pool_attribute_the_adapter_uses_is_registered():
     for path in ADAPTER_MODULES:
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):
-            if isinstance(node, ast.Attribute):
-                owners = _receiver(node.value)
-                if owners and not registered(owners, node.attr):
-                    missing.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
+            used = _attribute_use(node)
+            if used is not None and used[0] and not registered(*used):
+                missing.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
         for fn in _bound_functions(tree):
             for node in ast.walk(fn):
                 if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self":
@@ -325,6 +343,8 @@ def test_every_method_bound_on_an_sglang_instance_is_registered():
     ("_split_node", lambda: test_every_override_is_registered(CpHiRadixCache)),
     ("backuped", lambda: test_every_override_is_registered(CpTreeNode)),
     ("ack_load_queue", lambda: test_every_controller_and_pool_attribute_the_adapter_uses_is_registered()),
+    ("device_pool", lambda: test_every_controller_and_pool_attribute_the_adapter_uses_is_registered()),
+    ("mtp_draft_device_pools", lambda: test_every_controller_and_pool_attribute_the_adapter_uses_is_registered()),
     ("RadixKey", lambda: test_every_sglang_import_is_registered()),
 ], ids=lambda x: x if isinstance(x, str) else "")
 def test_the_coverage_checks_catch_an_unregistered_name(dropped, check, monkeypatch):
