@@ -124,7 +124,7 @@ def test_a_strategy_registered_ahead_of_ours_is_refused(strategies):
 
 
 def test_engine_arguments():
-    with pytest.raises(TypeError, match="layout must be a CpPlacement"):
+    with pytest.raises(TypeError, match="placement must be a CpPlacement, got tuple"):
         LibraryL2TransferEngine("kernel", (64, 2, 0))
     with pytest.raises(ValueError, match="io_backend must be 'kernel'"):
         LibraryL2TransferEngine("direct", CpPlacement(64, 2, 0))
