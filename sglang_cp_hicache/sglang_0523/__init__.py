@@ -11,6 +11,9 @@ not import sglang. Modules:
 * :mod:`.strategy` -- the ``register_stack_strategy`` seam that builds the
   sharded DSA stack with them, and the start-up check that refuses to serve
   if any seam did not take;
+* :mod:`.hooks` -- the registry of every SGLang name the adapter overrides,
+  replaces, calls or reads, checked when the stack is built;
+* :mod:`.startup` -- the CP ranks' start-up agreement (one all-gather);
 * :mod:`.plugin` -- the ``sglang.srt.plugins`` entry point.
 """
 
@@ -18,8 +21,8 @@ from __future__ import annotations
 
 from sglang_cp_hicache import settings
 
-#: The release whose private names (``_move_kv_shard_indices``,
-#: ``L2TransferEngine._submission``, ``_DsaStrategy.build``) this adapter follows.
+#: The release this adapter was written against (every SGLang name it
+#: depends on: :data:`.hooks.HOOKS`).
 SUPPORTED_SGLANG = "0.5.23"
 
 #: ``1``: run on another SGLang release anyway (at your own risk).

@@ -15,7 +15,8 @@ SGLang only logs a plugin that raises, so nothing here refuses by raising:
 a supported release registers the strategy, whose ``build`` runs the start-up
 check and raises inside cache construction (which does stop the server). A
 release without KV sharding (0.5.18) is left alone; any other release that
-has the strategy seam, or an unknown ``SGLANG_CP_HICACHE_COPY`` value, gets
+has the strategy seam, a release that lacks or changed a name in
+:data:`~.hooks.HOOKS`, or an unknown ``SGLANG_CP_HICACHE_COPY`` value, gets
 a strategy that refuses to build the sharded DSA stack with the reason --
 never a silent fallback to upstream's copies.
 """
@@ -92,6 +93,15 @@ def register() -> None:
         importlib.import_module(_ASSEMBLER).register_stack_strategy(
             _refusing_strategy(lambda: check_sglang_version(version))
         )
+        return
+    from sglang_cp_hicache.sglang_0523.hooks import HookMismatchError, check_hooks
+
+    try:
+        # Before importing the strategy module: it imports SGLang names at import.
+        check_hooks()
+    except HookMismatchError as exc:
+        logger.error("%s KV-sharded DSA HiCache will refuse to start.", exc)
+        importlib.import_module(_ASSEMBLER).register_stack_strategy(_refusing_strategy(check_hooks))
         return
     from sglang_cp_hicache.sglang_0523.strategy import install_strategy
 

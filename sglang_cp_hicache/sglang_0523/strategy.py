@@ -10,8 +10,12 @@ pool (``PageInterleaveDSATokenToKVPool``) and builds what upstream's
 :class:`~.controller.LibraryCopyController` in place of
 ``HybridCacheController``. No upstream class or function is patched.
 
-Start-up check (:func:`verify_library_stack`, run inside ``build``, so a
-failure aborts the cache and the server refuses to start): the stack is one
+Start-up, all inside ``build`` (so a failure aborts the cache and the server
+refuses to start): every SGLang name the adapter depends on is present and
+unchanged (:func:`~.hooks.check_hooks`, before any of them is used); the CP
+ranks agree on what they were started with (:func:`~.startup.agree_at_start_up`,
+one all-gather, before the controller exists); then
+:func:`verify_library_stack` checks that the stack is one
 the kernels support (kernel io, ``layer_first``/``page_first``, no DCP, no
 layer sharding, no packed MTP drafts, every layer with an indexer), and an
 empty write and an empty load sent through upstream's own entry points
@@ -41,6 +45,8 @@ from sglang_cp_hicache.kernels._checks import HOST_LAYOUTS
 from sglang_cp_hicache.sglang_0523 import check_sglang_version
 from sglang_cp_hicache.sglang_0523.controller import LibraryCopyController
 from sglang_cp_hicache.sglang_0523.copy_engine import LibraryL2TransferEngine, kv_host_pool_of
+from sglang_cp_hicache.sglang_0523.hooks import check_hooks
+from sglang_cp_hicache.sglang_0523.startup import agree_at_start_up
 
 __all__ = [
     "LibraryDsaStrategy",
@@ -79,8 +85,9 @@ class LibraryDsaStrategy(assembler._DsaStrategy):
         enable_storage_metrics=False,
     ) -> assembler.StackBuildResult:
         check_sglang_version()
+        check_hooks()
         # Follows upstream _DsaStrategy.build (0.5.23) line for line; only the
-        # controller class differs.
+        # controller class and the start-up agreement differ.
         config = prepare_host_pool_config(
             decls=kvcache.host_pool_decls(),
             full_layer_mapping={i: i for i in range(kvcache.layer_num)},
@@ -89,6 +96,8 @@ class LibraryDsaStrategy(assembler._DsaStrategy):
             packed_draft_device_pools=params.mtp_draft_device_pools,
         )
         host_pool_group = assembler.build_host_pool_group(config=config)
+        # Before anything a rank could refuse alone: every rank reaches the all-gather.
+        agree_at_start_up(kvcache, host_pool_group)
         memory = get_memory()
         cache_controller = LibraryCopyController(
             params.token_to_kv_pool_allocator,

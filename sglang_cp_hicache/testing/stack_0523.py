@@ -16,7 +16,9 @@ rank, over a gloo group of ``cp_size`` processes (the pool asserts
 ``copy_path``: ``"upstream"`` builds upstream's stack (``owned_rows`` + the
 stock ops, emulated in :mod:`.cpu_0523`); ``"library"`` builds it through
 :class:`~sglang_cp_hicache.sglang_0523.strategy.LibraryDsaStrategy` (this
-library's kernels; the strategy is registered only for the build).
+library's kernels; the strategy is registered only for the build). A library
+build makes the start-up agreement's one all-gather over ``cp_group``, so
+every rank builds its library stacks in the same order.
 
 Sizes are per rank and in pages: ``device_pages`` allocatable physical pages
 (plus SGLang's padding page), ``host_pages`` allocatable host pages.

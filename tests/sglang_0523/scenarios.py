@@ -312,6 +312,67 @@ def refusals(rank: int, world: int) -> dict[str, str]:
     return out
 
 
+#: Start-up agreement cases: what the LAST rank is started with differently
+#: (config overrides, environment, or another rank's cp_rank).
+AGREEMENT_CASES: dict[str, dict[str, Any]] = {
+    "agree": {},
+    "host_layout": {"config": {"host_layout": "page_first"}},
+    "host_pages": {"config": {"host_pages": 20}},
+    "device_pages": {"config": {"device_pages": 10}},
+    "kernel_backend": {"env": {"TRITON_INTERPRET": "0"}},
+    "settings": {"env": {"SGLANG_CP_HICACHE_DEBUG": "maybe"}},
+    "duplicate_rank": {"cp_rank": 0},
+    "settings_on_every_rank": {"env": {"SGLANG_CP_HICACHE_DEBUG": "maybe"}, "every_rank": True},
+}
+
+
+def agreement(rank: int, world: int) -> dict[str, Any]:
+    """Build the library stack once per case on every rank; returns case ->
+    ("built" or the error) and the number of all-gathers the build made."""
+    _setup()
+    import os
+
+    import torch.distributed as dist
+
+    from sglang_cp_hicache.testing.stack_0523 import ShardedStackConfig, build_sharded_rank_stack
+
+    gathers = 0
+    real_gather = dist.all_gather_object
+
+    def counting_gather(*args: Any, **kwargs: Any) -> Any:
+        nonlocal gathers
+        gathers += 1
+        return real_gather(*args, **kwargs)
+
+    dist.all_gather_object = counting_gather
+    out: dict[str, Any] = {}
+    try:
+        for case, spec in AGREEMENT_CASES.items():
+            odd = rank == world - 1 or spec.get("every_rank", False)
+            config = ShardedStackConfig(cp_size=world, copy_path="library", **(spec.get("config", {}) if odd else {}))
+            env = spec.get("env", {}) if odd else {}
+            saved = {k: os.environ.get(k) for k in env}
+            os.environ.update(env)
+            gathers = 0
+            try:
+                stack = build_sharded_rank_stack(
+                    config, spec.get("cp_rank", rank) if odd else rank, cp_group=dist.group.WORLD
+                )
+                stack.close()
+                out[case] = ("built", gathers)
+            except ValueError as exc:  # CpAgreementError or a settings error
+                out[case] = (f"{type(exc).__name__}: {exc}", gathers)
+            finally:
+                for key, value in saved.items():
+                    if value is None:
+                        os.environ.pop(key, None)
+                    else:
+                        os.environ[key] = value
+    finally:
+        dist.all_gather_object = real_gather
+    return out
+
+
 def two_rank_suite(rank: int, world: int, *, num_requests: int) -> dict[str, Any]:
     """Everything the two-rank tests need, in one launch (start-up dominates)."""
     return {
@@ -319,6 +380,7 @@ def two_rank_suite(rank: int, world: int, *, num_requests: int) -> dict[str, Any
         "sim": simulate_both_paths(rank, world, num_requests=num_requests),
         "refusals": refusals(rank, world),
         "finding_host_eviction": finding_host_eviction(rank, world),
+        "agreement": agreement(rank, world),
     }
 
 

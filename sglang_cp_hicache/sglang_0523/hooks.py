@@ -1,0 +1,334 @@
+"""Every SGLang 0.5.23 name this adapter depends on, in one registry.
+
+The adapter subclasses upstream classes, calls their private helpers, replaces
+one attribute on each controller instance, edits the strategy list in place
+and reads attributes of upstream's pools and configs. Each of those is one
+:class:`Hook` in :data:`HOOKS`, read from SGLang :data:`READ_FROM`.
+
+:func:`check_hooks` resolves every hook in the installed SGLang and raises
+:class:`HookMismatchError` naming the FIRST one that is missing or whose
+parameters changed, so a release that renamed one refuses to build the
+library stack by name instead of failing somewhere inside a copy. Parameter
+names are compared exactly: a new optional parameter on an overridden
+method is a change SGLang may start passing.
+
+Resolution: ``module`` is imported; ``owner`` (if any) is a class in it; the
+attribute is found on the owner's MRO (methods, class attributes, enum
+members, properties) or, for instance attributes, declared in a class of the
+MRO (annotations, dataclass / msgspec fields) or assigned as ``self.<name>``
+in its source. Hooks are listed classes first, so removing a class names the
+class, not a later hook on it.
+
+Importing this module does not import SGLang.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import importlib
+import inspect
+import textwrap
+from dataclasses import dataclass
+from typing import Any, Literal, Optional
+
+from sglang_cp_hicache.sglang_0523 import SUPPORTED_SGLANG
+
+__all__ = ["HOOKS", "READ_FROM", "Hook", "HookMismatchError", "check_hooks", "find_problem"]
+
+#: The SGLang release every hook below was read from.
+READ_FROM = SUPPORTED_SGLANG
+
+Kind = Literal["override", "replaced-on-instance", "private-helper", "attribute", "call"]
+KINDS: tuple[str, ...] = ("override", "replaced-on-instance", "private-helper", "attribute", "call")
+
+
+@dataclass(frozen=True)
+class Hook:
+    """One SGLang name the adapter depends on.
+
+    ``kind``: ``override`` -- a method the adapter's subclass replaces (SGLang
+    calls it with ``params``); ``replaced-on-instance`` -- an attribute the
+    adapter overwrites on each instance after upstream's ``__init__``;
+    ``private-helper`` -- a private method or function the adapter calls;
+    ``attribute`` -- a class, value or field the adapter reads or edits in
+    place; ``call`` -- a public function or class the adapter calls with
+    keyword arguments it names. ``params``: the exact parameter names, or
+    None where there is nothing to call.
+    """
+
+    module: str
+    owner: Optional[str]
+    attribute: str
+    kind: Kind
+    params: Optional[tuple[str, ...]]
+    why: str
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
+
+    @property
+    def name(self) -> str:
+        owner = f"{self.owner}." if self.owner else ""
+        return f"{self.module}.{owner}{self.attribute}"
+
+
+class HookMismatchError(RuntimeError):
+    """The installed SGLang lacks or changed a name the adapter depends on."""
+
+    def __init__(self, hook: Hook, problem: str, installed: str) -> None:
+        self.hook = hook
+        super().__init__(
+            f"sglang-cp-hicache's SGLang adapter was written against sglang {READ_FROM}; "
+            f"in the installed sglang {installed}, {hook.name} ({hook.kind}) {problem}. "
+            f"The adapter needs it because it {hook.why}. "
+            "Set SGLANG_CP_HICACHE_COPY=upstream to keep SGLang's own copy path."
+        )
+
+
+_ASM = "sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler"
+_HPC = "sglang.srt.mem_cache.hybrid_cache.host_pool_config"
+_HCC = "sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller"
+_CC = "sglang.srt.managers.cache_controller"
+_L2 = "sglang.srt.mem_cache.l2_transfer"
+_STORAGE = "sglang.srt.mem_cache.hicache_storage"
+_PIP = "sglang.srt.mem_cache.page_interleave_pool"
+_PI = "sglang.srt.mem_cache.page_interleave"
+_PH_PI = "sglang.srt.mem_cache.pool_host.page_interleave"
+_PH_MLA = "sglang.srt.mem_cache.pool_host.mla"
+_PH_DSA = "sglang.srt.mem_cache.pool_host.dsa"
+_PH_BASE = "sglang.srt.mem_cache.pool_host.base"
+_GROUP = "sglang.srt.mem_cache.pool_host.group"
+_DECL = "sglang.srt.mem_cache.pool_host.host_pool_decl"
+_MEMPOOL = "sglang.srt.mem_cache.memory_pool"
+_PARAMS = "sglang.srt.mem_cache.cache_init_params"
+_STEP_PARAMS = ("self", "transfers", "transfer_layer_id_max", "start_event", "on_layer_done")
+_BUILD_PARAMS = (
+    "self", "cache", "kvcache", "params", "server_args", "load_cache_event", "storage_backend",
+    "storage_backend_extra_config", "prefetch_threshold", "model_name", "enable_storage_metrics",
+)
+_CONTROLLER_PARAMS = (
+    "self", "token_to_kv_pool_allocator", "mem_pool_host", "page_size", "tp_group", "load_cache_event",
+    "attn_cp_group", "attn_tp_group", "pp_group", "write_policy", "io_backend", "storage_backend",
+    "prefetch_threshold", "model_name", "storage_backend_extra_config", "transfer_layer_id_max",
+    "enable_storage_metrics", "host_memory_mode",
+)
+
+
+def _reads(module: str, owner: str, names: str, why: str) -> tuple[Hook, ...]:
+    """One ``attribute`` hook per space-separated name read on ``owner``."""
+    return tuple(Hook(module, owner, n, "attribute", None, why) for n in names.split())
+
+
+def _classes() -> tuple[Hook, ...]:
+    def cls(module: str, name: str, why: str, params: Optional[tuple[str, ...]] = None) -> Hook:
+        return Hook(module, None, name, "call" if params else "attribute", params, why)
+
+    return (
+        cls("sglang", "__version__", "pins the release it supports"),
+        cls(_ASM, "_DsaStrategy", "subclasses upstream's DSA stack strategy"),
+        cls(_ASM, "_STRATEGIES", "reads the strategy list to prove its strategy is first "
+            "and removes it from the list in place on uninstall"),
+        cls(_HCC, "HybridCacheController", "subclasses the sharded HiCache controller"),
+        cls(_L2, "L2TransferEngine", "subclasses the L2 transfer engine"),
+        cls(_PIP, "PageInterleaveKVPoolMixin", "matches only KV-sharded device pools"),
+        cls(_PH_PI, "PageInterleaveHostPool", "unwraps the sharded anchor host pool"),
+        cls(_PH_MLA, "MLATokenToKVPoolHost", "copies the latent KV rows of the native host pool"),
+        cls(_PH_DSA, "DSAIndexerPoolHost", "copies the page-major indexer rows"),
+        cls(_HPC, "HostPoolGroupConfig", "reads the prepared host pool config"),
+        cls(_HPC, "HostPoolConfig", "reads each pool's declaration"),
+        cls(_DECL, "HostPoolDecl", "builds the sidecar list as upstream does"),
+        cls(_GROUP, "HostPoolGroup", "reads the built host pool group"),
+        cls(_GROUP, "PoolEntry", "reads each host pool entry"),
+        cls(_PI, "PageInterleavePlacement", "narrows host slots to this rank's rows"),
+        cls(_PI, "PageShardSpec", "reads the pool's shard rank and size"),
+        cls(_MEMPOOL, "KVCache", "reads the device pool's size, device and layers"),
+        cls(_PH_BASE, "HostKVCache", "reads the host pool's size, page size and layout"),
+        cls(_PARAMS, "CacheInitParams", "reads the cache parameters upstream's DSA strategy reads"),
+        cls("sglang.srt.arg_groups.fields.memory", "Memory", "reads the HiCache settings"),
+        cls(_STORAGE, "PoolName", "looks up the kv and indexer host pools"),
+        cls("sglang.srt.mem_cache.unified_cache.component_type", "ComponentType",
+            "maps the FULL component to the KV host pool"),
+        cls(_ASM, "register_stack_strategy", "registers its strategy ahead of upstream's", ("strategy",)),
+        cls(_ASM, "build_host_pool_group", "builds the host pool group as upstream's DSA strategy does",
+            ("config",)),
+        cls(_ASM, "StackBuildResult", "returns what upstream's DSA strategy returns", (
+            "host_pool_group", "cache_controller", "component_host_pools", "sidecars",
+            "register_req_to_token_counter", "pools_desc", "pool_declarations")),
+        cls(_HPC, "prepare_host_pool_config", "prepares the host pools as upstream's DSA strategy does", (
+            "decls", "full_layer_mapping", "transfer_layer_id_max", "transfer_page_size",
+            "packed_draft_device_pools")),
+        cls("sglang.srt.runtime_context", "get_memory", "reads the published HiCache settings", ()),
+        cls(_CC, "CacheOperation", "sends an empty write and load through upstream's paths at start-up",
+            ("host_indices", "device_indices", "node_id", "priority", "pool_transfers")),
+        cls(_STORAGE, "PoolTransfer", "narrows each pool transfer's host side (dataclasses.replace)", (
+            "name", "host_indices", "device_indices", "keys", "hit_policy", "nodes_to_load",
+            "indices_from_pool", "block_pages", "group_pages")),
+        cls(_L2, "L2Transfer", "copies each resolved transfer itself", (
+            "host_pool", "device_pool", "host_indices", "device_indices", "layer_mapper", "is_draft")),
+        cls(_L2, "TransferCompletion", "waits on the finish event of the start-up transfers",
+            ("start_event", "finish_event", "timing_enabled")),
+    )
+
+
+def _seam() -> tuple[Hook, ...]:
+    """Overrides, the instance replacement and the private helpers."""
+    return (
+        Hook(_ASM, "_DsaStrategy", "build", "override", _BUILD_PARAMS,
+             "builds the sharded DSA stack with its controller in place of upstream's"),
+        Hook(_ASM, "_DsaStrategy", "matches", "override", ("self", "kvcache", "components"),
+             "narrows the match to the sharded DSA pool and calls upstream's"),
+        Hook(_HCC, "HybridCacheController", "__init__", "override", _CONTROLLER_PARAMS,
+             "constructs its controller with upstream's DSA strategy arguments"),
+        Hook(_HCC, "HybridCacheController", "_move_kv_shard_indices", "override",
+             ("self", "operation", "write_back_jit"),
+             "prepares sharded transfers with logical device locs (no owned_rows)"),
+        Hook(_HCC, "HybridCacheController", "l2_transfer_engine", "replaced-on-instance", None,
+             "replaces each controller's engine with LibraryL2TransferEngine after upstream's __init__"),
+        Hook(_HCC, "HybridCacheController", "_move_write_operation", "private-helper", ("self", "op"),
+             "sends the start-up empty write through upstream's write preparation"),
+        Hook(_HCC, "HybridCacheController", "_move_op_indices", "private-helper", ("self", "op"),
+             "sends the start-up empty load through upstream's load preparation"),
+        Hook(_HCC, "HybridCacheController", "_l2_transfers", "private-helper",
+             ("self", "host_indices", "device_indices", "pool_transfers"),
+             "resolves the start-up empty write as upstream does"),
+        Hook(_HCC, "HybridCacheController", "_l2_load_transfers", "private-helper",
+             ("self", "host_indices", "device_indices", "pool_transfers"),
+             "resolves the start-up empty load as upstream does"),
+        Hook(_L2, "L2TransferEngine", "__init__", "override", ("self", "io_backend"),
+             "constructs its engine as upstream's"),
+        Hook(_L2, "L2TransferEngine", "submit_device_to_host", "override", ("self", "transfers"),
+             "runs each backup through the library's kernels"),
+        Hook(_L2, "L2TransferEngine", "submit_host_to_device", "override", _STEP_PARAMS,
+             "runs each layer's load through the library's kernels"),
+        Hook(_L2, "L2TransferEngine", "_submission", "private-helper",
+             ("self", "transfers", "stream", "transfer_key", "start_event"),
+             "keeps upstream's streams, events, layout leases and index preparation"),
+    )
+
+
+def _attributes() -> tuple[Hook, ...]:
+    return (
+        *_reads(_HCC, "HybridCacheController", "is_kv_sharded mem_pool_host io_backend device "
+                "transfer_layer_id_max", "reads the controller's pools, io backend and device"),
+        *_reads(_CC, "CacheOperation", "host_indices device_indices pool_transfers",
+                "prepares each operation's transfers"),
+        *_reads(_L2, "L2TransferEngine", "device_to_host_stream host_to_device_stream",
+                "submits on upstream's two streams"),
+        *_reads(_PH_PI, "PageInterleaveHostPool", "host_pool placement shard_rank shard_size",
+                "narrows host slots to this rank and unwraps the native pool"),
+        *_reads(_PI, "PageInterleavePlacement", "local_mask local_index", "narrows host slots to local rows"),
+        *_reads(_PI, "PageShardSpec", "shard_rank shard_size page_size", "names this rank in the start-up agreement"),
+        *_reads(_PIP, "PageInterleaveKVPoolMixin", "shard_spec shard_group shard_rank shard_size",
+                "gathers the start-up agreement over the pool's shard group"),
+        *_reads(_PH_MLA, "MLATokenToKVPoolHost", "_target_layer_indices device_kv_buffers kv_buffer dcp_size",
+                "copies latent KV rows and refuses a non-identity layer map or decode CP"),
+        *_reads(_PH_DSA, "DSAIndexerPoolHost", "_live_target_layers layer_num index_k_with_scale_buffer "
+                "packed_device_index_buffers device_pool",
+                "copies indexer rows to and from its device pool and refuses skipped indexer layers"),
+        *_reads(_PH_BASE, "HostKVCache", "size page_size layout", "checks the host layout and agrees on host pages"),
+        *_reads(_MEMPOOL, "KVCache", "size device layer_num layer_shard_enabled host_pool_decls",
+                "builds the host pools and agrees on device pages"),
+        *_reads(_HPC, "HostPoolGroupConfig", "transfer_page_size pools", "builds the controller and result"),
+        *_reads(_HPC, "HostPoolConfig", "decl", "builds the result's declarations"),
+        *_reads(_DECL, "HostPoolDecl", "is_primary sidecar_spec pool_name", "builds the result's sidecars"),
+        *_reads(_GROUP, "HostPoolGroup", "layout entries anchor_entry entry_map get_pool",
+                "checks the host pools and finds the anchor"),
+        *_reads(_GROUP, "PoolEntry", "name host_pool", "checks the host pools"),
+        *_reads(_PARAMS, "CacheInitParams", "page_size mtp_draft_device_pools token_to_kv_pool_allocator "
+                "tp_cache_group attn_cp_cache_group attn_tp_cache_group pp_cache_group",
+                "passes upstream's DSA strategy arguments"),
+        *_reads("sglang.srt.arg_groups.fields.memory", "Memory",
+                "hicache_write_policy hicache_io_backend hicache_host_memory_mode",
+                "passes the HiCache settings to the controller"),
+        *_reads(_STORAGE, "PoolName", "KV INDEXER", "looks up the kv and indexer host pools"),
+        *_reads("sglang.srt.mem_cache.unified_cache.component_type", "ComponentType", "FULL",
+                "maps the FULL component to the KV host pool"),
+    )
+
+
+#: Every hook, classes first (see the module doc).
+HOOKS: tuple[Hook, ...] = _classes() + _seam() + _attributes()
+
+
+# ---- resolution ---------------------------------------------------------------
+
+
+def _self_targets(tree: ast.AST) -> set[str]:
+    """Names assigned as ``self.<name>`` anywhere in ``tree``."""
+    names = set()
+    for node in ast.walk(tree):
+        targets = node.targets if isinstance(node, ast.Assign) else (
+            [node.target] if isinstance(node, (ast.AnnAssign, ast.AugAssign)) else []
+        )
+        for target in targets:
+            for sub in ast.walk(target):
+                if isinstance(sub, ast.Attribute) and isinstance(sub.value, ast.Name) and sub.value.id == "self":
+                    names.add(sub.attr)
+    return names
+
+
+@functools.lru_cache(maxsize=None)
+def _instance_attributes(cls: type) -> frozenset[str]:
+    """Instance attributes the SGLang classes of ``cls``'s MRO declare
+    (annotations, dataclass / msgspec fields) or assign as ``self.<name>``."""
+    names: set[str] = set()
+    for klass in cls.__mro__:
+        if not klass.__module__.startswith("sglang"):
+            continue
+        names.update(vars(klass).get("__annotations__", {}))
+        names.update(getattr(klass, "__struct_fields__", ()))
+        names.update(getattr(klass, "__dataclass_fields__", {}))
+        try:
+            names.update(_self_targets(ast.parse(textwrap.dedent(inspect.getsource(klass)))))
+        except (OSError, TypeError, SyntaxError):
+            pass  # no source (built-in / generated): its declarations above still count
+    return frozenset(names)
+
+
+def _target(hook: Hook) -> tuple[Any, Optional[str]]:
+    """(the resolved object or None, the problem or None)."""
+    try:
+        module = importlib.import_module(hook.module)
+    except ImportError as exc:
+        return None, f"cannot be imported ({exc})"
+    if hook.owner is None:
+        if not hasattr(module, hook.attribute):
+            return None, f"is missing: module {hook.module} has no {hook.attribute}"
+        return getattr(module, hook.attribute), None
+    owner = getattr(module, hook.owner, None)
+    if not isinstance(owner, type):
+        return None, f"is missing: module {hook.module} has no class {hook.owner}"
+    if any(hook.attribute in vars(klass) for klass in owner.__mro__):
+        return getattr(owner, hook.attribute), None
+    if hook.attribute in _instance_attributes(owner):
+        return None, None  # an instance attribute: nothing to call
+    return None, f"is missing: {hook.owner} no longer has {hook.attribute}"
+
+
+def find_problem(hook: Hook) -> Optional[str]:
+    """What is wrong with ``hook`` in the installed SGLang, or None."""
+    target, problem = _target(hook)
+    if problem is not None or hook.params is None:
+        return problem
+    if hook.kind in ("override", "private-helper") and not callable(target):
+        return f"is no longer callable (found {type(target).__name__})"
+    try:
+        found = tuple(inspect.signature(target).parameters)
+    except (TypeError, ValueError):
+        return "has no inspectable signature"
+    if found != hook.params:
+        return f"changed its parameters: expected {list(hook.params)}, found {list(found)}"
+    return None
+
+
+def check_hooks(hooks: tuple[Hook, ...] = HOOKS) -> None:
+    """Raise :class:`HookMismatchError` naming the first hook that is missing
+    or changed in the installed SGLang."""
+    for hook in hooks:
+        problem = find_problem(hook)
+        if problem is not None:
+            import sglang
+
+            raise HookMismatchError(hook, problem, getattr(sglang, "__version__", "(unknown)"))

@@ -1,0 +1,83 @@
+"""The CP ranks' start-up agreement when the library stack is built.
+
+Every CP rank of the sharded stack decides alone from mirrored state: the
+logical device and host allocators, the owner of each page, which copies
+run. Ranks started with different page sizes, host layouts, pool sizes or
+copy kernels would diverge silently. When :class:`~.strategy.LibraryDsaStrategy`
+builds, every rank calls :func:`agree_at_start_up` once, before the
+controller exists: one all-gather over the device pool's shard group (the
+group whose ``rank_in_group`` / ``world_size`` gave the pool its
+``shard_rank`` / ``shard_size``; upstream asserts both, and DSA KV sharding
+requires attention CP > 1, so it is the attention-CP group), then the same
+check on every rank (:func:`sglang_cp_hicache.agreement.check_agreement`).
+
+The settings of this library are read here too, and a bad value is part of
+the view rather than raised first: a rank that raised before the all-gather
+would leave the others waiting in it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import sglang
+
+from sglang_cp_hicache import settings
+from sglang_cp_hicache.agreement import RankView, gather_and_check
+from sglang_cp_hicache.kernels.transfer import select_backend
+
+__all__ = ["COPY_PATH", "SETTINGS_KEY", "agree_at_start_up", "start_up_view"]
+
+#: The copy path every rank that builds this strategy runs.
+COPY_PATH = "library"
+#: The view's entry for this library's settings: "valid", or the error.
+SETTINGS_KEY = "SGLANG_CP_HICACHE_* settings"
+
+
+def _settings_problem() -> Optional[str]:
+    try:
+        settings.check_all()
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def start_up_view(kvcache: Any, host_pool_group: Any) -> RankView:
+    """This rank's view: shard rank and size of the device pool, and every
+    value the CP ranks must share (pool sizes in pages per rank, the host
+    pool's padding page included)."""
+    page_size = int(kvcache.shard_spec.page_size)
+    host = host_pool_group.anchor_entry.host_pool
+    return RankView(
+        cp_rank=int(kvcache.shard_rank),
+        cp_size=int(kvcache.shard_size),
+        values={
+            "sglang": sglang.__version__,
+            "page_size": page_size,
+            "host_layout": host_pool_group.layout,
+            # Both allocators are mirrored on every rank (logical pages and
+            # host slots): their sizes must be equal for their picks to be.
+            "device_pages": int(kvcache.size) // page_size,
+            "host_pages": int(host.size) // int(host.page_size),
+            "copy_path": COPY_PATH,
+            "kernel_backend": select_backend(kvcache.device),
+            SETTINGS_KEY: _settings_problem() or "valid",
+        },
+    )
+
+
+def agree_at_start_up(
+    kvcache: Any,
+    host_pool_group: Any,
+    *,
+    all_gather: Optional[Callable[[list, Any, Any], None]] = None,
+) -> list[RankView]:
+    """All-gather this rank's view over the pool's shard group and check it
+    (:class:`~sglang_cp_hicache.agreement.CpAgreementError` on every rank,
+    naming the disagreeing rank and value); then raise this rank's settings
+    error, if any (every rank has the same one once they agree)."""
+    view = start_up_view(kvcache, host_pool_group)
+    views = gather_and_check(view, kvcache.shard_group.cpu_group, all_gather=all_gather)
+    if view.values[SETTINGS_KEY] != "valid":
+        raise ValueError(view.values[SETTINGS_KEY])
+    return views

@@ -1,0 +1,167 @@
+"""The CP ranks' start-up agreement when the library stack is built: one
+all-gather per build; any disagreement refused on every rank, naming the
+rank and the value."""
+
+from __future__ import annotations
+
+import pickle
+import threading
+from dataclasses import replace
+from types import SimpleNamespace
+from typing import Any, Callable
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from sglang_cp_hicache import settings
+from sglang_cp_hicache.agreement import CpAgreementError, RankView, gather_and_check
+from sglang_cp_hicache.sglang_0523.startup import COPY_PATH, SETTINGS_KEY, agree_at_start_up, start_up_view
+
+# ---- real stacks, two rank processes (tests/sglang_0523/scenarios.py::agreement) -----
+
+REFUSED = {
+    "host_layout": "CP ranks disagree on host_layout: cp_rank 1 has 'page_first', cp_rank 0 has 'layer_first'; "
+    "start every rank with the same host_layout",
+    "host_pages": "CP ranks disagree on host_pages: cp_rank 1 has 21, cp_rank 0 has 17; "
+    "start every rank with the same host_pages",
+    "device_pages": "CP ranks disagree on device_pages: cp_rank 1 has 10, cp_rank 0 has 8; "
+    "start every rank with the same device_pages",
+    "kernel_backend": "CP ranks disagree on kernel_backend: cp_rank 1 has 'reference', cp_rank 0 has "
+    "'triton-interpret'; start every rank with the same kernel_backend",
+    "duplicate_rank": "cp_rank 0 is claimed by group ranks 0 and 1; each rank of the CP group needs its own "
+    "cp_rank in 0..1",
+    "settings": f"CP ranks disagree on {SETTINGS_KEY}: cp_rank 1 has \"SGLANG_CP_HICACHE_DEBUG='maybe' is not "
+    "valid; use one of: 1, true, yes, on, 0, false, no, off (default 0)\", cp_rank 0 has 'valid'",
+}
+
+
+def test_agreeing_ranks_build_with_one_all_gather(two_ranks):
+    assert [r["agreement"]["agree"] for r in two_ranks] == [("built", 1), ("built", 1)]
+
+
+@pytest.mark.parametrize("case", sorted(REFUSED))
+def test_a_disagreement_is_refused_on_every_rank_naming_rank_and_value(two_ranks, case):
+    for rank, result in enumerate(two_ranks):
+        outcome, gathers = result["agreement"][case]
+        assert outcome.startswith("CpAgreementError: ") and REFUSED[case] in outcome, (rank, outcome)
+        assert gathers == 1, rank  # each rank reached the one all-gather
+
+
+def test_a_bad_setting_on_every_rank_is_raised_after_they_agree(two_ranks):
+    for result in two_ranks:
+        outcome, gathers = result["agreement"]["settings_on_every_rank"]
+        assert outcome == "ValueError: SGLANG_CP_HICACHE_DEBUG='maybe' is not valid; use one of: " \
+                          "1, true, yes, on, 0, false, no, off (default 0)"
+        assert gathers == 1
+
+
+# ---- views built from stand-in pools, three ranks as threads on a gloo group ---------
+
+
+def _object_all_gather(output: list, obj: Any, group: Any) -> None:
+    """``all_gather_object`` over a bare gloo ProcessGroup."""
+    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    n = group.size()
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(n)]
+    group.allgather([sizes], [torch.tensor([data.numel()])]).wait()
+    width = max(int(s) for s in sizes)
+    padded = torch.zeros(width, dtype=torch.uint8)
+    padded[: data.numel()] = data
+    chunks = [torch.zeros(width, dtype=torch.uint8) for _ in range(n)]
+    group.allgather([chunks], [padded]).wait()
+    for i in range(n):
+        output[i] = pickle.loads(bytes(chunks[i][: int(sizes[i])].tolist()))
+
+
+def _stand_ins(rank: int, group: Any, *, cp_size: int = 3, page_size: int = 64) -> tuple[Any, Any]:
+    """(device pool, host pool group) with the attributes the view reads."""
+    kvcache = SimpleNamespace(
+        shard_spec=SimpleNamespace(page_size=page_size), shard_rank=rank, shard_size=cp_size,
+        size=8 * page_size, device="cpu", shard_group=SimpleNamespace(cpu_group=group),
+    )
+    host = SimpleNamespace(size=17 * page_size, page_size=page_size)
+    return kvcache, SimpleNamespace(layout="page_first", anchor_entry=SimpleNamespace(host_pool=host))
+
+
+def _on_three_ranks(name: str, run: Callable[[int, Any], Any]) -> dict[int, str]:
+    store, results = dist.HashStore(), {}
+
+    def rank_main(r: int) -> None:
+        pg = dist.ProcessGroupGloo(dist.PrefixStore(name, store), r, 3)
+        try:
+            run(r, pg)
+            results[r] = "ok"
+        except CpAgreementError as exc:
+            results[r] = str(exc)
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return results
+
+
+@pytest.fixture
+def valid_settings(monkeypatch):
+    for s in settings.SETTINGS:
+        monkeypatch.delenv(s.name, raising=False)
+
+
+def test_the_view_holds_every_value_the_ranks_share(valid_settings):
+    view = start_up_view(*_stand_ins(2, None))
+    assert (view.cp_rank, view.cp_size) == (2, 3)
+    assert set(view.values) == {
+        "sglang", "page_size", "host_layout", "device_pages", "host_pages", "copy_path", "kernel_backend",
+        SETTINGS_KEY,
+    }
+    assert view.values["page_size"] == 64 and view.values["device_pages"] == 8
+    assert view.values["host_pages"] == 17 and view.values["host_layout"] == "page_first"
+    assert view.values["copy_path"] == COPY_PATH == "library" and view.values[SETTINGS_KEY] == "valid"
+    assert view.values["kernel_backend"] in ("reference", "triton-interpret")
+
+
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("agree", "ok"),
+        ("cp_size", "CP ranks disagree on cp_size: group rank 2 (cp_rank 2) has 4, group rank 0 (cp_rank 0) has 3"),
+        ("page_size", "CP ranks disagree on page_size: cp_rank 2 has 32, cp_rank 0 has 64; "
+         "start every rank with the same page_size"),
+        ("duplicate_rank", "cp_rank 1 is claimed by group ranks 1 and 2; "
+         "each rank of the CP group needs its own cp_rank in 0..2"),
+    ],
+)
+def test_stand_in_pools_disagreeing_are_refused_on_every_rank(valid_settings, case, message):
+    def run(rank: int, pg: Any) -> None:
+        odd = rank == 2
+        kvcache, group = _stand_ins(
+            1 if (odd and case == "duplicate_rank") else rank, pg,
+            cp_size=4 if (odd and case == "cp_size") else 3,
+            page_size=32 if (odd and case == "page_size") else 64,
+        )
+        views = agree_at_start_up(kvcache, group, all_gather=_object_all_gather)
+        assert [v.cp_rank for v in views] == [0, 1, 2]
+
+    assert _on_three_ranks(case, run) == {0: message, 1: message, 2: message}
+
+
+def test_a_rank_on_another_copy_path_is_refused_on_every_rank(valid_settings):
+    """A view injected as a rank on another copy path would send it."""
+    message = "CP ranks disagree on copy_path: cp_rank 1 has 'upstream', cp_rank 0 has 'library'; " \
+              "start every rank with the same copy_path"
+
+    def run(rank: int, pg: Any) -> None:
+        view = start_up_view(*_stand_ins(rank, pg))
+        if rank == 1:
+            view = replace(view, values={**view.values, "copy_path": "upstream"})
+        gather_and_check(view, pg, all_gather=_object_all_gather)
+
+    assert _on_three_ranks("copy_path", run) == {0: message, 1: message, 2: message}
+
+
+def test_a_view_is_plain_data():
+    """It crosses processes through all_gather_object (pickle)."""
+    view = start_up_view(*_stand_ins(0, None))
+    assert pickle.loads(pickle.dumps(view)) == view and isinstance(view, RankView)
