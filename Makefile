@@ -22,9 +22,29 @@ test-0518-interpreted:
 	TRITON_INTERPRET=1 $(PY) -m pytest tests/kernels tests/sglang_0518/test_sglang_cp.py \
 		tests/sglang_0518/test_faults.py tests/sglang_0518/test_no_sync.py
 
-# On a machine with one GPU (< 5 minutes); results under bench/results/gpu_check_<time>
+# On a machine with one GPU (< 5 minutes); results under bench/results/gpu_check_<time>.
+# Offline: installs this checkout with pip --no-deps --no-build-isolation --no-index
+# (setuptools>=77, pytest, hypothesis from build/gpu-wheels when missing there).
 gpu-check:
 	bash bench/gpu_check.sh
+
+# Where a package index is reachable: the small wheels to carry to a bare GPU
+# machine for `make gpu-check` (build/gpu-wheels, ~4 MB).
+.PHONY: gpu-wheels
+gpu-wheels:
+	bash scripts/gpu-wheels.sh
+
+# The kernel suite on the GPU test machine's triton (3.6.0) with numpy 2.4 and
+# no SGLang, under the interpreter; not part of `make test` (~30 s to build its
+# venv from local wheels, ~65 s for the suite on 2 shared cores).
+PY_TRITON36 ?= build/venv-triton36/bin/python
+.PHONY: install-triton36 test-triton36
+install-triton36:
+	bash scripts/install-triton36.sh
+
+test-triton36:
+	[ -x $(PY_TRITON36) ] || bash scripts/install-triton36.sh
+	TRITON_INTERPRET=1 $(PY_TRITON36) -m pytest tests/kernels
 
 bench-bookkeeping:
 	$(PY) bench/bench_bookkeeping.py

@@ -9,6 +9,7 @@ import importlib.util
 import json
 import os
 import pathlib
+import shutil
 import stat
 import subprocess
 import sys
@@ -33,10 +34,11 @@ def gpu_check():
     sys.modules.pop("gpu_check", None)
 
 
-def _run_script(*args, env_over=None, timeout=240):
-    env = {**os.environ, "PYTHON": sys.executable, **(env_over or {})}
+def _run_script(*args, env_over=None, timeout=240, script=SCRIPT):
+    # GPU_CHECK_INSTALL=overlay: the install stage never runs pip in the test environment
+    env = {**os.environ, "PYTHON": sys.executable, "GPU_CHECK_INSTALL": "overlay", **(env_over or {})}
     env.pop("TRITON_INTERPRET", None)
-    return subprocess.run(["bash", str(SCRIPT), *args], cwd=ROOT, env=env, capture_output=True, text=True,
+    return subprocess.run(["bash", str(script), *args], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=timeout)
 
 
@@ -46,9 +48,14 @@ def test_script_parses_and_dry_run_lists_every_stage(tmp_path):
     proc = _run_script("--dry-run", str(out))
     assert proc.returncode == 0, proc.stderr
     summary = (out / "summary.txt").read_text()
-    for stage in ("env", "checks", "bandwidth", "pytest"):
+    for stage in ("install", "env", "checks", "restore", "bandwidth", "pytest"):
         assert f"{stage}: would run" in summary
     assert "checks --device cuda" in summary and "--gpu --quick" in summary
+    assert "pip install --no-deps --no-build-isolation --no-index -e" in summary
+    assert "bench/bench_restore.py --time-budget-s" in summary
+    assert "pytest tests/kernels -k cuda" in summary
+    stages = [line.split(":")[0] for line in summary.splitlines() if ": would run" in line]
+    assert stages == ["install", "env", "checks", "restore", "bandwidth", "pytest"]
     assert _run_script("--bogus").returncode == 2
 
 
@@ -75,13 +82,43 @@ def test_cpu_mode_writes_each_stage_even_when_one_fails(tmp_path):
     assert proc.returncode == 1, proc.stdout + proc.stderr
     summary = (out / "summary.txt").read_text()
     assert "checks: FAILED (exit 3)" in summary
-    assert "bandwidth: OK" in summary and "env: OK" in summary
+    assert "bandwidth: OK" in summary and "env: OK" in summary and "restore: OK" in summary
+    assert "install: OK" in summary and f"already installed from {ROOT}" in summary
+    restore = json.loads((out / "restore" / "restore_cpu.json").read_text())
+    assert restore["ok"] is True and restore["meta"]["device"] == "cpu"
+    assert {(r["op"], r["cp_size"]) for r in restore["rows"]} == {
+        (op, n) for op in ("backup", "restore") for n in (1, 2, 8)}
     assert "injected failure" in (out / "checks.log").read_text()
     csv_text = (out / "bandwidth" / "transfer_cpu_quick.csv").read_text()
     assert "pct_of_ceiling" in csv_text.splitlines()[0] and len(csv_text.splitlines()) > 1
     for direction in ("d2h", "h2d"):
         assert (out / "bandwidth" / f"transfer_cpu_quick_{direction}.png").read_bytes()[:4] == b"\x89PNG"
     assert summary.rstrip().endswith("FAIL")
+
+
+def test_install_stage_makes_another_checkout_importable_through_an_overlay(tmp_path):
+    """A copy of the checkout run while the environment has the package from
+    this one: that install is left alone (no pip), and a PYTHONPATH overlay
+    makes the copy -- kernels/ mapped as sglang_cp_hicache.kernels -- import."""
+    copy = tmp_path / "checkout"
+    for part in ("sglang_cp_hicache", "kernels", "bench"):
+        shutil.copytree(ROOT / part, copy / part, ignore=shutil.ignore_patterns("__pycache__", "results"))
+    shutil.copy(ROOT / "pyproject.toml", copy)
+    out = tmp_path / "out"
+    # a 4 s budget: the install runs, every later stage is skipped
+    proc = _run_script("--cpu", str(out), script=copy / "bench" / "gpu_check.sh",
+                       env_over={"GPU_CHECK_BUDGET_S": "4"})
+    summary = (out / "summary.txt").read_text()
+    assert "install: OK" in summary and "through a PYTHONPATH overlay" in summary, proc.stdout + proc.stderr
+    assert "env: SKIPPED (time budget spent)" in summary and proc.returncode == 1
+    log = (out / "install.log").read_text()
+    assert f"imports from {ROOT.resolve()}, not from {copy.resolve()}: left installed" in log
+    code = ("import os, sglang_cp_hicache as p, sglang_cp_hicache.kernels.transfer as t; "
+            "print(os.path.realpath(p.__file__)); print(os.path.realpath(t.__file__))")
+    env = {**os.environ, "PYTHONPATH": str(out / "pythonpath")}
+    got = subprocess.run([sys.executable, "-c", code], cwd="/", env=env, capture_output=True, text=True, timeout=120)
+    assert got.stdout.split() == [str(copy.resolve() / "sglang_cp_hicache" / "__init__.py"),
+                                  str(copy.resolve() / "kernels" / "transfer.py")], got.stderr
 
 
 @pytest.mark.parametrize("kind", ["kv_fp8", "indexer"])
