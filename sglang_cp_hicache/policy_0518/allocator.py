@@ -1,6 +1,6 @@
 """Owner-lane paged allocator over LOGICAL pages of a CP shared KV pool.
 
-Logical page ``p`` lives on rank ``p % cp_size`` (its *lane*). The allocator
+Logical page ``p`` lives on rank ``page_owner(p, cp_size)`` (its *lane*). The allocator
 is identical on every rank and must be driven by the same call sequence on
 every rank, so every decision is deterministic (no hashing, no timing).
 
@@ -23,6 +23,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from sglang_cp_hicache.placement import page_owner
 from sglang_cp_hicache.validation import check_int as _check_int
 from sglang_cp_hicache.validation import check_int_tensor
 
@@ -63,7 +64,7 @@ class AllocatorSnapshot:
 
 
 class OwnerLaneAllocator:
-    """Paged allocator with one free list per owner class (``page % cp_size``)."""
+    """Paged allocator with one free list per owner class (``page_owner(page, cp_size)``)."""
 
     def __init__(
         self,
@@ -113,9 +114,6 @@ class OwnerLaneAllocator:
             self.lane_reclaim: Optional[Callable[[int, int], int]] = None
         self.lane_reclaims = 0  # lane_reclaim calls that freed pages
         self.uneven_picks = 0  # pages placed off balance: nothing left to reclaim
-
-    def lane_of_page(self, page: int) -> int:
-        return page % self.cp_size
 
     # ---- sizes -----------------------------------------------------------
     def immediate_available_pages(self) -> int:
@@ -198,7 +196,7 @@ class OwnerLaneAllocator:
             else:  # "free": the pages went to the end of their release lists
                 _, pages = entry
                 for page in reversed(pages):
-                    self._release[page % self.cp_size].pop()
+                    self._release[page_owner(page, self.cp_size)].pop()
                     self._in_use[page] = 1
         self._rr_cursor = checkpoint.rr_cursor
         self._close(checkpoint)
@@ -394,9 +392,6 @@ class OwnerLaneAllocator:
                 raise ValueError(f"{name} frees page {page}, which is not allocated")
         for page in pages:
             self._in_use[page] = 0
-            self._release[page % self.cp_size].append(page)
+            self._release[page_owner(page, self.cp_size)].append(page)
         if self._open_checkpoints:
             self._undo.append(("free", pages))
-
-    def is_page_in_use(self, page: int) -> bool:
-        return bool(self._in_use[page])

@@ -195,6 +195,54 @@ class HostEvictionResult:
     slots_freed_per_rank: tuple[int, ...] = ()
 
 
+@dataclass
+class _EvictionTally:
+    """What one :func:`evict_host_slots` call has freed so far."""
+
+    freed: list[int]  # the stop rule's counts: one per rank, or this rank's alone
+    local_slots: int = 0
+    logical_tokens: int = 0
+    nodes: int = 0
+
+
+def _eviction_targets(
+    required: int | Sequence[int], ledger: Optional[HostSlotLedger], cp_rank: int
+) -> tuple[bool, list[int], Optional[int]]:
+    """(per-rank stop rule?, the counts to free, cp_size when every rank's
+    share of a node is needed); checks the arguments before anything is evicted."""
+    per_rank = not isinstance(required, int) or isinstance(required, bool)
+    if per_rank:
+        need = check_int_list("required", required, minimum=0)
+        if not need:
+            raise ValueError("required must list at least one rank")
+    else:
+        need = [check_int("required", required, 0)]
+    if ledger is not None and not isinstance(ledger, HostSlotLedger):
+        raise TypeError(f"ledger must be a HostSlotLedger, got {type(ledger).__name__}")
+    if per_rank and ledger is not None and ledger.cp_size != len(need):
+        raise ValueError(f"required lists {len(need)} ranks but the ledger has {ledger.cp_size}")
+    # Per-rank counts need every rank's share of each node: one per rank.
+    cp_size = len(need) if per_rank else (ledger.cp_size if ledger is not None else None)
+    check_int("cp_rank", cp_rank, 0, None if cp_size is None else cp_size - 1)
+    return per_rank, need, cp_size
+
+
+def _remove_leaf(
+    node: CpNode,
+    index: HostLeafIndex,
+    child_key: Callable[[Any], Any],
+    on_remove: Optional[Callable[[CpNode], None]],
+) -> None:
+    """Take an evicted leaf out of its parent; the parent may become a host leaf."""
+    parent = node.parent
+    removed = parent.children.pop(child_key(node.key), None)
+    if removed is not node:
+        raise RuntimeError(f"host eviction: node {node.id} is not its parent's child")
+    if on_remove is not None:
+        on_remove(node)
+    index.refresh(parent)
+
+
 def evict_host_slots(
     index: HostLeafIndex,
     required: int | Sequence[int],
@@ -215,29 +263,11 @@ def evict_host_slots(
     that becomes a childless, evicted, backed-up node joins the index and can
     be evicted in the same call.
     """
-    per_rank = not isinstance(required, int) or isinstance(required, bool)
-    if per_rank:
-        need = check_int_list("required", required, minimum=0)
-        if not need:
-            raise ValueError("required must list at least one rank")
-    else:
-        need = [check_int("required", required, 0)]
-    if ledger is not None and not isinstance(ledger, HostSlotLedger):
-        raise TypeError(f"ledger must be a HostSlotLedger, got {type(ledger).__name__}")
-    if per_rank and ledger is not None and ledger.cp_size != len(need):
-        raise ValueError(f"required lists {len(need)} ranks but the ledger has {ledger.cp_size}")
-    # Per-rank counts need every rank's share of each node: one per rank.
-    cp_size = len(need) if per_rank else (ledger.cp_size if ledger is not None else None)
-    check_int("cp_rank", cp_rank, 0, None if cp_size is None else cp_size - 1)
-    freed = [0] * len(need)
-    local_freed = logical_freed = evicted = 0
+    per_rank, need, cp_size = _eviction_targets(required, ledger, cp_rank)
+    tally = _EvictionTally(freed=[0] * len(need))
     skipped: list[CpNode] = []
-
-    def satisfied() -> bool:
-        return all(f >= r for f, r in zip(freed, need))
-
     try:
-        while not satisfied():
+        while not all(f >= r for f, r in zip(tally.freed, need)):
             node = index.pop()
             if node is None:
                 break
@@ -255,25 +285,19 @@ def evict_host_slots(
             if ledger is not None:
                 ledger.release(counts)
             if per_rank:
-                freed = [f + c for f, c in zip(freed, counts)]
+                tally.freed = [f + c for f, c in zip(tally.freed, counts)]
             else:
-                freed[0] += cleared.physical_slots
-            local_freed += cleared.physical_slots
-            logical_freed += cleared.logical_tokens
-            evicted += 1
-            parent = node.parent
-            removed = parent.children.pop(child_key(node.key), None)
-            if removed is not node:
-                raise RuntimeError(f"host eviction: node {node.id} is not its parent's child")
-            if on_remove is not None:
-                on_remove(node)
-            index.refresh(parent)
+                tally.freed[0] += cleared.physical_slots
+            tally.local_slots += cleared.physical_slots
+            tally.logical_tokens += cleared.logical_tokens
+            tally.nodes += 1
+            _remove_leaf(node, index, child_key, on_remove)
     finally:
         for node in skipped:
             index.add(node)
     return HostEvictionResult(
-        physical_slots_freed=local_freed,
-        logical_tokens_freed=logical_freed,
-        nodes_evicted=evicted,
-        slots_freed_per_rank=tuple(freed) if per_rank else (),
+        physical_slots_freed=tally.local_slots,
+        logical_tokens_freed=tally.logical_tokens,
+        nodes_evicted=tally.nodes,
+        slots_freed_per_rank=tuple(tally.freed) if per_rank else (),
     )

@@ -23,8 +23,8 @@ from typing import Callable, Optional, Protocol, Sequence, Union
 
 import torch
 
+from sglang_cp_hicache.placement import CpPlacement, page_owner
 from sglang_cp_hicache.policy_0518.allocator import PageAllocation
-from sglang_cp_hicache.placement import CpPlacement
 from sglang_cp_hicache.policy_0518.metadata import CpHiCacheNodeMetadata
 from sglang_cp_hicache.validation import check_1d_int_tensor, check_int, check_int_tensor
 
@@ -33,7 +33,6 @@ __all__ = [
     "CpWritePlan",
     "HiCacheWriteFailure",
     "check_pages",
-    "owner_token_counts",
     "page_owner_tokens",
     "page_owners_of",
     "plan_load",
@@ -50,13 +49,12 @@ class CpWritePlan:
 
     ``device_locs`` are the node's full LOGICAL locs, where SGLang keeps them
     (the device); ``host_locs`` the host slots of the tokens this rank owns,
-    in order (``metadata.host_indices``); ``owner_tokens[r]`` how many tokens
-    rank ``r`` backs up (identical on every rank: the ledger's charge).
+    in order (``metadata.host_indices``); every position's owner is in
+    ``metadata.token_owners``.
     """
 
     metadata: CpHiCacheNodeMetadata
     device_locs: torch.Tensor
-    owner_tokens: list[int]
 
     @property
     def host_locs(self) -> torch.Tensor:
@@ -94,22 +92,8 @@ class CpLoadPlan:
         return self.allocation.locs
 
 
-class HostAllocator(Protocol):
-    def alloc(self, need_size: int) -> Optional[torch.Tensor]: ...
-
-
 class OwnerPreservingAllocator(Protocol):
     def alloc_with_owners_mirrored(self, owners: Sequence[int]) -> Optional[PageAllocation]: ...
-
-
-def _check_page_owners(layout: CpPlacement, page_owners: object) -> torch.Tensor:
-    owners = check_1d_int_tensor("page_owners", page_owners)
-    if owners.device.type != "cpu":
-        raise ValueError(f"page_owners must be a CPU tensor (the host mirror), got {owners.device}")
-    owners = owners.to(torch.int64)
-    if owners.numel() and (int(owners.min()) < 0 or int(owners.max()) >= layout.cp_size):
-        raise ValueError(f"page_owners must be in [0, cp_size={layout.cp_size})")
-    return owners
 
 
 def check_pages(pages: object) -> torch.Tensor:
@@ -127,12 +111,6 @@ def check_pages(pages: object) -> torch.Tensor:
     return pages
 
 
-def owner_token_counts(layout: CpPlacement, page_owners: torch.Tensor) -> list[int]:
-    """Tokens each rank owns among pages with these owners (CPU)."""
-    counts = torch.bincount(_check_page_owners(layout, page_owners), minlength=layout.cp_size)
-    return (counts * layout.page_size).tolist()
-
-
 def page_owner_tokens(layout: CpPlacement, pages: torch.Tensor) -> list[int]:
     """Tokens each rank owns in a node whose (trusted, CPU) pages are ``pages``:
     the ledger's charge for backing the node up. Plain Python: nodes are a
@@ -140,7 +118,7 @@ def page_owner_tokens(layout: CpPlacement, pages: torch.Tensor) -> list[int]:
     P, N = layout.page_size, layout.cp_size
     counts = [0] * N
     for page in pages.tolist():
-        counts[page % N] += P
+        counts[page_owner(page, N)] += P
     return counts
 
 
@@ -156,7 +134,7 @@ def plan_write(
     """Plan this rank's backup of one node of whole pages.
 
     ``pages``: the node's logical pages, from the CPU mirror (owner of page
-    ``p`` is ``p % cp_size``); ``device_locs``: the node's logical locs (any
+    ``p`` is ``page_owner(p, cp_size)``); ``device_locs``: the node's logical locs (any
     device, never read: only its length is checked). Host slots come from
     ``host_alloc`` only when this rank owns a page; a short host pool returns
     :class:`HiCacheWriteFailure` with nothing taken, and slots of a
@@ -174,11 +152,8 @@ def plan_write(
             f"device_locs has {device_locs.numel()} entries but pages lists "
             f"{len(page_list)} pages of page_size={P}"
         )
-    owners = [page % N for page in page_list]
+    owners = [page_owner(page, N) for page in page_list]
     owned = [i for i, owner in enumerate(owners) if owner == rank]
-    counts = [0] * N
-    for owner in owners:
-        counts[owner] += P
     num_owned = len(owned) * P
     host_locs = _EMPTY
     if num_owned:
@@ -197,7 +172,7 @@ def plan_write(
         owned_positions = _EMPTY
     token_owners = torch.tensor(owners, dtype=torch.int64).repeat_interleave(P)
     metadata = CpHiCacheNodeMetadata._trusted(len(page_list) * P, owned_positions, host_locs, token_owners)
-    return CpWritePlan(metadata=metadata, device_locs=device_locs, owner_tokens=counts)
+    return CpWritePlan(metadata=metadata, device_locs=device_locs)
 
 
 def placeholder_write_plan(
@@ -207,11 +182,11 @@ def placeholder_write_plan(
     owner recorded, no slots. It keeps the node (and the ledger) as on every
     other rank until the step's all-reduce takes the write back everywhere."""
     pages = check_pages(pages)
-    P, N = layout.page_size, layout.cp_size
-    owners = pages % N
-    metadata = CpHiCacheNodeMetadata._trusted(int(device_locs.numel()), _EMPTY, _EMPTY, owners.repeat_interleave(P))
-    counts = (torch.bincount(owners, minlength=N) * P).tolist()
-    return CpWritePlan(metadata=metadata, device_locs=device_locs, owner_tokens=counts)
+    owners = page_owner(pages, layout.cp_size)
+    metadata = CpHiCacheNodeMetadata._trusted(
+        int(device_locs.numel()), _EMPTY, _EMPTY, owners.repeat_interleave(layout.page_size)
+    )
+    return CpWritePlan(metadata=metadata, device_locs=device_locs)
 
 
 def page_owners_of(metadata: Sequence[CpHiCacheNodeMetadata], page_size: int) -> list[int]:

@@ -15,6 +15,7 @@ from sglang_cp_hicache.policy_0518 import (
     plan_load,
     plan_write,
 )
+from sglang_cp_hicache.policy_0518.plan import page_owner_tokens, placeholder_write_plan
 
 
 class FakeHostPool:
@@ -54,7 +55,6 @@ def test_write_plan_takes_the_owned_positions_and_their_host_slots():
     assert plan.metadata.owned_positions.tolist() == [0, 1, 2, 3]
     assert plan.host_locs.tolist() == [100, 101, 102, 103]
     assert plan.metadata.token_owners.tolist() == [1] * 4 + [2] * 4 + [3] * 4 + [0] * 4
-    assert plan.owner_tokens == [4, 4, 4, 4]
     assert pool.alloc_calls == [4]
     assert plan.device_locs is device_locs  # the device locs ride along untouched
     # What the kernels do with it: the owned tokens are physical slots 0..3 on rank 1.
@@ -66,7 +66,7 @@ def test_write_plan_positions_follow_the_pages_not_their_order():
     lay = CpPlacement(4, 2, 0)
     plan = plan_write(lay, torch.tensor([3, 8, 5, 6]), locs_of([3, 8, 5, 6]), FakeHostPool(range(8)).alloc)
     assert plan.metadata.owned_positions.tolist() == [4, 5, 6, 7, 12, 13, 14, 15]
-    assert plan.owner_tokens == [8, 8]
+    assert plan.metadata.token_owners.tolist() == [1] * 4 + [0] * 4 + [1] * 4 + [0] * 4
 
 
 def test_write_plan_zero_owned_has_metadata_and_no_slots():
@@ -75,7 +75,21 @@ def test_write_plan_zero_owned_has_metadata_and_no_slots():
     plan = plan_write(lay, torch.tensor([1]), locs_of([1]), pool.alloc)
     assert plan.metadata.logical_len == 4 and plan.num_host_slots == 0
     assert plan.host_locs.tolist() == [] and pool.alloc_calls == []
-    assert plan.owner_tokens == [0, 4, 0, 0]
+    assert plan.metadata.token_owners.tolist() == [1] * 4
+    assert plan.metadata.owned_positions.tolist() == []
+
+
+def test_ledger_charge_counts_every_rank_s_owned_tokens():
+    assert page_owner_tokens(CpPlacement(4, 4, 1), torch.tensor([1, 2, 3, 4])) == [4, 4, 4, 4]
+    assert page_owner_tokens(CpPlacement(4, 2, 0), torch.tensor([3, 8, 5, 6])) == [8, 8]
+    assert page_owner_tokens(CpPlacement(4, 4, 3), torch.tensor([1])) == [0, 4, 0, 0]
+
+
+def test_placeholder_plan_records_every_owner_and_no_slots():
+    plan = placeholder_write_plan(CpPlacement(4, 4, 2), torch.tensor([5, 2, 7]), locs_of([5, 2, 7]))
+    assert plan.metadata.logical_len == 12 and plan.num_host_slots == 0
+    assert plan.metadata.token_owners.tolist() == [1] * 4 + [2] * 4 + [3] * 4
+    assert plan.metadata.owned_positions.tolist() == [] and plan.host_locs.tolist() == []
 
 
 def test_write_plan_short_host_pool_reports_what_it_needed_and_takes_nothing():
