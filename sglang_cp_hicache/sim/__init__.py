@@ -20,7 +20,8 @@ are :mod:`.engine_0518` and :mod:`.engine_0523`, on the shared
 * ``ranklog``  -- each process's output in an unnamed file, kept only on failure
 * ``launcher`` -- spawn, watch, stop on failure, collect
 * ``failures`` -- which rank failed first (the cause, not its peers' symptoms)
-* ``report``   -- summary JSON, table, comparison with non-CP, failure message
+* ``report``   -- summary JSON, verdict, comparison with non-CP, failure message
+* ``table``    -- the text report printed from the summary
 * ``outputs``  -- --json / --plot paths checked before a run
 * ``plot``     -- PNG (matplotlib, optional)
 * ``cli``      -- the ``simulate`` subcommand

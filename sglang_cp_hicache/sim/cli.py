@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import sys
-from typing import Optional
+from typing import Any, Optional, Union
 
 from sglang_cp_hicache.sim.config import (
     COPY_PATHS,
@@ -26,6 +26,7 @@ from sglang_cp_hicache.sim.config import (
     seconds_problem,
 )
 from sglang_cp_hicache.sim.outputs import OutputPathError, check_output_paths
+from sglang_cp_hicache.sim.plot import PlotUnavailable, check_matplotlib, plot_summary
 from sglang_cp_hicache.sim.workload import ChatShape, SimRequest, TraceError, load_trace, synthetic_chat
 
 __all__ = ["add_simulate_parser", "run_simulate"]
@@ -87,8 +88,9 @@ def add_simulate_parser(subparsers: argparse._SubParsersAction) -> argparse.Argu
         help="replay requests on N CP ranks (one process each, gloo) and verify every restored byte",
         description=(
             "Start --cp-size processes joined by a torch.distributed gloo group. Each builds one "
-            "CP rank's real SGLang 0.5.18 HiCache stack (DSA device pool, CP allocator, "
-            "CpHiRadixCache) on CPU and replays the same requests: match, load-back, alloc, "
+            "CP rank's real SGLang HiCache stack on CPU (0.5.18: DSA device pool, CP allocator, "
+            "CpHiRadixCache; 0.5.23: upstream's KV-sharded DSA pool and UnifiedRadixCache, see "
+            "--sglang) and replays the same requests: match, load-back, alloc, "
             "write KV + indexer content into the pages it owns, insert, write-through. Every owned "
             "page of every matched prefix is checked bit-exactly."
         ),
@@ -98,6 +100,16 @@ def add_simulate_parser(subparsers: argparse._SubParsersAction) -> argparse.Argu
             "trace (found before any rank starts)."
         ),
     )
+    _add_shape_flags(p)
+    _add_output_flags(p)
+    _add_limit_flags(p)
+    _add_stack_flags(p)
+    p.set_defaults(func=run_simulate)
+    return p
+
+
+def _add_shape_flags(p: argparse.ArgumentParser) -> None:
+    """The simulated deployment and its workload."""
     p.add_argument("--cp-size", type=_positive("--cp-size", 64), default=_DEFAULTS.cp_size,
                    metavar="N", help=f"CP ranks, one process each (default {_DEFAULTS.cp_size})")
     p.add_argument("--page-size", type=_page_size, default=_DEFAULTS.page_size,
@@ -117,6 +129,10 @@ def add_simulate_parser(subparsers: argparse._SubParsersAction) -> argparse.Argu
     p.add_argument("--trace", metavar="FILE.jsonl", default=None,
                    help='replay a trace: one {"tokens": [...]} or {"prompt_len": n, "prefix_group": g'
                         ', "shared_len": s} per line')
+
+
+def _add_output_flags(p: argparse.ArgumentParser) -> None:
+    """What gets written, and the non-CP run to compare with."""
     p.add_argument("--json", metavar="PATH", default=None, help="write the summary as JSON")
     p.add_argument("--plot", metavar="PATH", default=None,
                    help="write a PNG: host slots per rank over time, hits and restores (needs matplotlib)")
@@ -128,6 +144,10 @@ def add_simulate_parser(subparsers: argparse._SubParsersAction) -> argparse.Argu
                         "pool (a TP deployment of an MLA model: replicated KV, the same per-step ack "
                         "all-reduce over N ranks); 'single' runs one process with no group "
                         f"(default {_DEFAULTS.non_cp_group})")
+
+
+def _add_limit_flags(p: argparse.ArgumentParser) -> None:
+    """Timeouts, and whether a run that verified nothing passes."""
     p.add_argument("--collective-timeout", type=_seconds, default=_DEFAULTS.collective_timeout_s,
                    metavar="SECONDS", help="gloo timeout once every rank is up: a rank that waits longer for "
                                            "its peers fails (startup: import, rendezvous and stack build, "
@@ -140,6 +160,10 @@ def add_simulate_parser(subparsers: argparse._SubParsersAction) -> argparse.Argu
     p.add_argument("--allow-unverified", action="store_true",
                    help="exit 0 even if no page was verified (e.g. a trace of requests shorter than a "
                         "page); without it such a run fails, since it proved nothing")
+
+
+def _add_stack_flags(p: argparse.ArgumentParser) -> None:
+    """Which SGLang stack and copy path, and the progress bar."""
     p.add_argument("--sglang", choices=("auto", *SGLANG_VERSIONS), default="auto",
                    help="which SGLang's stack the ranks build: 0.5.18 (HiRadixCache + this library's CP "
                         "cache) or 0.5.23 (upstream's KV-sharded UnifiedRadixCache); auto: the installed "
@@ -148,8 +172,6 @@ def add_simulate_parser(subparsers: argparse._SubParsersAction) -> argparse.Argu
                    help="SGLang 0.5.23 only: whose copies the sharded pool runs, this library's kernels or "
                         "upstream's own (default library)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
-    p.set_defaults(func=run_simulate)
-    return p
 
 
 def installed_sglang() -> str:
@@ -186,50 +208,13 @@ def _workload(args: argparse.Namespace, config: SimConfig) -> tuple[list[SimRequ
 
 def run_simulate(args: argparse.Namespace) -> int:
     from sglang_cp_hicache.sim.launcher import launch
-    from sglang_cp_hicache.sim.plot import PlotUnavailable, check_matplotlib, plot_summary
-    from sglang_cp_hicache.sim.report import dump_json, failure_message, format_table, summarize
+    from sglang_cp_hicache.sim.report import failure_message, summarize
+    from sglang_cp_hicache.sim.table import format_table
 
-    version = args.sglang if args.sglang != "auto" else installed_sglang()
-    if version not in SGLANG_VERSIONS:
-        return _error(f"the installed SGLang is {version}; the simulator drives {' and '.join(SGLANG_VERSIONS)}", 2)
-    if version != installed_sglang():
-        return _error(f"--sglang {version}, but this environment has SGLang {installed_sglang()} "
-                      "(0.5.18 and 0.5.23 live in separate venvs: .venv and .venv-0523)", 2)
-    if version == "0.5.23" and args.compare_non_cp:
-        return _error("--compare-non-cp needs --sglang 0.5.18: the CPU harness has no plain 0.5.23 stack "
-                      "(compare the copy paths with --copy upstream|library instead)", 2)
-    try:
-        config = SimConfig(
-            cp_size=args.cp_size, page_size=args.page_size, num_layers=args.layers,
-            num_requests=args.requests if args.requests is not None else _DEFAULTS.num_requests,
-            seed=args.seed, device_pages=args.device_pages, host_pages=args.host_pages,
-            collective_timeout_s=args.collective_timeout,
-            non_cp_group=args.non_cp_group,
-            grace_s=min(_DEFAULTS.grace_s, args.collective_timeout),
-            startup_timeout_s=args.startup_timeout,
-            sglang_version=version, copy_path=args.copy,
-        )
-    except ValueError as exc:
-        return _error(str(exc), 2)
-    try:
-        failure: Optional[FailureInjection] = parse_failure_injection()
-    except ValueError as exc:
-        return _error(str(exc), 2)
-    if args.plot is not None:
-        try:
-            check_matplotlib()
-        except PlotUnavailable as exc:
-            return _error(str(exc), 2)
-    try:
-        check_output_paths({"--json": args.json, "--plot": args.plot})
-    except OutputPathError as exc:
-        return _error(str(exc), 2)
-    try:
-        requests, workload = _workload(args, config)
-    except TraceError as exc:
-        return _error(str(exc), 2)
-    except ValueError as exc:
-        return _error(str(exc), 2)
+    prepared = _prepare(args)
+    if isinstance(prepared, int):
+        return prepared
+    config, failure, requests, workload = prepared
     token_lists = tuple(r.tokens for r in requests)
 
     show = not args.no_progress
@@ -246,7 +231,74 @@ def run_simulate(args: argparse.Namespace) -> int:
     summary, verdict = summarize(config, workload, len(requests), cp, non_cp,
                                  allow_unverified=args.allow_unverified)
     print(format_table(summary))
-    # the paths were checked before the run; the disk may still fill up since
+    written = _write_outputs(args, summary)
+    if written != 0:
+        return written
+    return 0 if verdict.ok else 1
+
+
+def _prepare(
+    args: argparse.Namespace,
+) -> Union[int, tuple[SimConfig, Optional[FailureInjection], list[SimRequest], str]]:
+    """Everything checked before a rank starts: the SGLang release, the
+    settings, the test hook, the output paths and the workload; an exit
+    status (2, with the error printed) when one is wrong."""
+    version = args.sglang if args.sglang != "auto" else installed_sglang()
+    problem = _version_problem(version, args)
+    if problem is not None:
+        return _error(problem, 2)
+    try:
+        config = _config(args, version)
+        failure: Optional[FailureInjection] = parse_failure_injection()
+    except ValueError as exc:
+        return _error(str(exc), 2)
+    if args.plot is not None:
+        try:
+            check_matplotlib()
+        except PlotUnavailable as exc:
+            return _error(str(exc), 2)
+    try:
+        check_output_paths({"--json": args.json, "--plot": args.plot})
+    except OutputPathError as exc:
+        return _error(str(exc), 2)
+    try:
+        requests, workload = _workload(args, config)
+    except (TraceError, ValueError) as exc:
+        return _error(str(exc), 2)
+    return config, failure, requests, workload
+
+
+def _version_problem(version: str, args: argparse.Namespace) -> Optional[str]:
+    if version not in SGLANG_VERSIONS:
+        return f"the installed SGLang is {version}; the simulator drives {' and '.join(SGLANG_VERSIONS)}"
+    if version != installed_sglang():
+        return (f"--sglang {version}, but this environment has SGLang {installed_sglang()} "
+                "(0.5.18 and 0.5.23 live in separate venvs: .venv and .venv-0523)")
+    if version == "0.5.23" and args.compare_non_cp:
+        return ("--compare-non-cp needs --sglang 0.5.18: the CPU harness has no plain 0.5.23 stack "
+                "(compare the copy paths with --copy upstream|library instead)")
+    return None
+
+
+def _config(args: argparse.Namespace, version: str) -> SimConfig:
+    return SimConfig(
+        cp_size=args.cp_size, page_size=args.page_size, num_layers=args.layers,
+        num_requests=args.requests if args.requests is not None else _DEFAULTS.num_requests,
+        seed=args.seed, device_pages=args.device_pages, host_pages=args.host_pages,
+        collective_timeout_s=args.collective_timeout,
+        non_cp_group=args.non_cp_group,
+        grace_s=min(_DEFAULTS.grace_s, args.collective_timeout),
+        startup_timeout_s=args.startup_timeout,
+        sglang_version=version, copy_path=args.copy,
+    )
+
+
+def _write_outputs(args: argparse.Namespace, summary: dict[str, Any]) -> int:
+    """--json and --plot; 1 (with the error printed) when the disk refuses,
+    0 otherwise. The paths were checked before the run; the disk may still
+    fill up since."""
+    from sglang_cp_hicache.sim.report import dump_json
+
     try:
         if args.json is not None:
             with open(args.json, "w", encoding="utf-8") as f:
@@ -255,4 +307,4 @@ def run_simulate(args: argparse.Namespace) -> int:
             plot_summary(summary, args.plot)
     except OSError as exc:
         return _error(f"cannot write {exc.filename or 'the output'}: {exc.strerror or exc}", 1)
-    return 0 if verdict.ok else 1
+    return 0

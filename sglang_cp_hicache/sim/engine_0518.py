@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from typing import Any, Sequence
+from typing import Any, Optional
 
 import torch
 from sglang.srt.mem_cache.base_prefix_cache import (
@@ -37,9 +37,8 @@ from sglang.srt.mem_cache.radix_cache import RadixKey
 
 from sglang_cp_hicache.placement import CpPlacement
 from sglang_cp_hicache.sglang_0518.hiradix import CpInsertParams
-from sglang_cp_hicache.sim.content import prefix_keys
-from sglang_cp_hicache.sim.engine_base import RankEngineBase
-from sglang_cp_hicache.sim.records import EngineTotals, RequestRecord
+from sglang_cp_hicache.sim.engine_base import NewPages, PrefixHit, RankEngineBase, RequestInFlight
+from sglang_cp_hicache.sim.records import EngineTotals
 from sglang_cp_hicache.testing.stack_0518 import CpRankStack
 
 __all__ = ["SimRankEngine"]
@@ -130,105 +129,81 @@ class SimRankEngine(RankEngineBase):
         host = self.cache.token_to_kv_pool_host
         return int(host.size - host.available_size())
 
-    # ---- content ----------------------------------------------------------
-    # ---- one request --------------------------------------------------------
-    def serve(self, index: int, tokens: Sequence[int]) -> RequestRecord:
-        P = self.page_size
-        cache, allocator = self.cache, self.allocator
-        tokens = list(tokens)
-        record = RequestRecord(index=index, tokens=len(tokens))
-        with self._content_time():
-            keys = prefix_keys(tokens)
-        padded_len = -(-len(tokens) // P) * P  # the allocation covers the partial last page
-        key_len = len(tokens) // P * P  # the tree holds whole pages only
+    # ---- one request: the steps RankEngineBase.serve runs ----------------------
+    def _match_and_load(self, request: RequestInFlight) -> PrefixHit:
+        cache, record = self.cache, request.record
+        match = cache.match_prefix(MatchPrefixParams(key=RadixKey(request.tokens)))
+        device_locs = match.device_indices.to(torch.int64)
+        record.device_hit_tokens = int(device_locs.numel())
+        record.host_hit_tokens = int(match.host_hit_length)
+        admission = match.last_device_node
+        cache.inc_lock_ref(admission)
+        record.device_tokens_evicted += self._make_room(request.padded_len - record.device_hit_tokens)
+        loaded, last_node = _EMPTY, admission
+        if record.host_hit_tokens > 0:
+            loaded, last_node = self._load_back(request, match)
+        record.loaded_tokens = int(loaded.numel())
+        cache.inc_lock_ref(last_node)  # the request's lock (req.last_node)
+        cache.dec_lock_ref(admission)
+        return PrefixHit(device_locs=device_locs, loaded=loaded, last_node=last_node, lock=last_node)
 
-        with self._cache_time():
-            match = cache.match_prefix(MatchPrefixParams(key=RadixKey(tokens)))
-            device_locs = match.device_indices.to(torch.int64)
-            record.device_hit_tokens = int(device_locs.numel())
-            record.host_hit_tokens = int(match.host_hit_length)
-            admission = match.last_device_node
-            cache.inc_lock_ref(admission)
-            record.device_tokens_evicted += self._make_room(padded_len - record.device_hit_tokens)
-            loaded, last_node = _EMPTY, admission
-            if record.host_hit_tokens > 0:
-                new_tokens = padded_len - record.device_hit_tokens - record.host_hit_tokens
-                quota = max(allocator.available_size() - new_tokens, 0)
-                loaded, last_node = cache.init_load_back(
-                    InitLoadBackParams(
-                        best_match_node=match.best_match_node,
-                        host_hit_length=record.host_hit_tokens,
-                        mem_quota=quota,
-                    )
-                )
-                cache.ready_to_load_host_cache()
-                loaded = loaded.to(torch.int64)
-                if loaded.numel():
-                    self._plain_load_backs += 1
-                    self._plain_load_back_tokens += int(loaded.numel())
-            record.loaded_tokens = int(loaded.numel())
-            cache.inc_lock_ref(last_node)  # the request's lock (req.last_node)
-            cache.dec_lock_ref(admission)
-        # On CPU the load ran inside ready_to_load_host_cache (no-op streams), so
-        # the restored bytes are in place; its ack is consumed with the others
-        # at the end of the request, as the scheduler does once per iteration.
-        prefix = torch.cat([device_locs, loaded])
-        if self.corrupt_next_restore and loaded.numel():
-            self._corrupt_one_byte(loaded)
+    def _load_back(self, request: RequestInFlight, match: Any) -> tuple[torch.Tensor, Any]:
+        """``init_load_back`` within the quota the new tokens leave, then the load."""
+        record, cache = request.record, self.cache
+        new_tokens = request.padded_len - record.device_hit_tokens - record.host_hit_tokens
+        quota = max(self.allocator.available_size() - new_tokens, 0)
+        loaded, last_node = cache.init_load_back(
+            InitLoadBackParams(
+                best_match_node=match.best_match_node,
+                host_hit_length=record.host_hit_tokens,
+                mem_quota=quota,
+            )
+        )
+        cache.ready_to_load_host_cache()
+        loaded = loaded.to(torch.int64)
+        if loaded.numel():
+            self._plain_load_backs += 1
+            self._plain_load_back_tokens += int(loaded.numel())
+        return loaded, last_node
 
-        with self._content_time():
-            checked, restored, corrupted = self._verify(prefix, keys[: prefix.numel()], record.device_hit_tokens)
-        record.verified_pages, record.restored_pages_verified, record.corrupted_pages = checked, restored, corrupted
+    def _alloc_rest(self, request: RequestInFlight, hit: PrefixHit, prefix: torch.Tensor) -> Optional[NewPages]:
+        record, allocator = request.record, self.allocator
+        new_len = request.padded_len - prefix.numel()
+        record.device_tokens_evicted += self._make_room(new_len)
+        if new_len <= 0:
+            return NewPages(locs=_EMPTY, pages=_EMPTY)
+        if not self.cp_mode:
+            new = allocator.alloc(new_len)
+            return None if new is None else NewPages(locs=new.to(torch.int64))
+        # The CP allocator also hands out the CPU page mirror, and may evict
+        # for a lane that is short (host balance).
+        reclaimed = self.cache.cp_counters.lane_reclaim_tokens
+        got = allocator.alloc_mirrored(new_len)
+        record.device_tokens_reclaimed = self.cache.cp_counters.lane_reclaim_tokens - reclaimed
+        record.device_tokens_evicted += record.device_tokens_reclaimed
+        return None if got is None else NewPages(locs=got.locs.to(torch.int64), pages=got.pages)
 
-        new_len = padded_len - prefix.numel()
-        new_pages = _EMPTY
-        with self._cache_time():
-            record.device_tokens_evicted += self._make_room(new_len)
-            if new_len <= 0:
-                new = _EMPTY
-            elif self.cp_mode:  # the CP allocator also hands out the CPU page mirror
-                reclaimed = cache.cp_counters.lane_reclaim_tokens
-                got = allocator.alloc_mirrored(new_len)
-                new, new_pages = (None, None) if got is None else (got.locs, got.pages)
-                # the allocator may evict for a lane that is short (host balance)
-                record.device_tokens_reclaimed = cache.cp_counters.lane_reclaim_tokens - reclaimed
-                record.device_tokens_evicted += record.device_tokens_reclaimed
-            else:
-                new = allocator.alloc(new_len)
-        if new is None:  # everything left is locked: identical on every rank
-            record.skipped = True
-            with self._cache_time():
-                cache.dec_lock_ref(last_node)
-                self._check_events()
-            record.host_slots = self.host_slots_in_use()
-            return record
-        new = new.to(torch.int64)
-        record.new_tokens = len(tokens) - prefix.numel()
-        with self._content_time():
-            start = prefix.numel()
-            self._write(new[: len(tokens) - start], keys[start:])
+    def _insert(self, request: RequestInFlight, hit: PrefixHit, prefix: torch.Tensor, new: NewPages) -> None:
+        cache, allocator, key_len = self.cache, self.allocator, request.key_len
+        locs = torch.cat([prefix, new.locs])
+        key = RadixKey(request.tokens[:key_len])
+        if self.cp_mode:
+            # The CPU page mirror of the value: the cache never reads it back.
+            pages = torch.cat([cache.cp_prefix_pages(hit.last_node), new.pages])
+            params = CpInsertParams(key=key, value=locs[:key_len].clone(), value_pages=pages)
+        else:
+            params = InsertParams(key=key, value=locs[:key_len].clone())
+        result = cache.insert(params)
+        # cache_finished_req: free what the tree already had, then the tail
+        duplicates = locs[prefix.numel() : max(int(result.prefix_len), prefix.numel())]
+        request.record.duplicate_tokens_freed = int(duplicates.numel())
+        if duplicates.numel():
+            allocator.free(duplicates)
+        if locs.numel() > key_len:
+            allocator.free(locs[max(key_len, prefix.numel()) :])
 
-        locs = torch.cat([prefix, new])
-        with self._cache_time():
-            key = RadixKey(tokens[:key_len])
-            if self.cp_mode:
-                # The CPU page mirror of the value: the cache never reads it back.
-                pages = torch.cat([cache.cp_prefix_pages(last_node), new_pages])
-                params = CpInsertParams(key=key, value=locs[:key_len].clone(), value_pages=pages)
-            else:
-                params = InsertParams(key=key, value=locs[:key_len].clone())
-            result = cache.insert(params)
-            # cache_finished_req: free what the tree already had, then the tail
-            duplicates = locs[prefix.numel() : max(int(result.prefix_len), prefix.numel())]
-            record.duplicate_tokens_freed = int(duplicates.numel())
-            if duplicates.numel():
-                allocator.free(duplicates)
-            if locs.numel() > key_len:
-                allocator.free(locs[max(key_len, prefix.numel()) :])
-            cache.dec_lock_ref(last_node)
-            self._check_events()
-        record.host_slots = self.host_slots_in_use()
-        return record
+    def _release(self, hit: PrefixHit) -> None:
+        self.cache.dec_lock_ref(hit.lock)
 
     # ---- end of run ---------------------------------------------------------
     def _host_slots_of(self, node: Any) -> int:

@@ -1,6 +1,6 @@
 """One simulated scheduler rank on SGLang 0.5.23's KV-sharded DSA HiCache
 (:mod:`sglang_cp_hicache.testing.stack_0523`), writing and verifying the same
-deterministic KV + indexer content as :mod:`.engine` (0.5.18).
+deterministic KV + indexer content as :mod:`.engine_0518` (0.5.18).
 
 Per request, in the same order on every rank (the 0.5.23 prefill scheduler's
 flow, one request per batch)::
@@ -32,7 +32,7 @@ import hashlib
 import time
 from array import array
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional
 
 import torch
 from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams, InsertParams, MatchPrefixParams
@@ -40,9 +40,8 @@ from sglang.srt.mem_cache.common import evict_from_tree_cache
 from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 
-from sglang_cp_hicache.sim.content import prefix_keys
-from sglang_cp_hicache.sim.engine_base import RankEngineBase
-from sglang_cp_hicache.sim.records import EngineTotals, RequestRecord
+from sglang_cp_hicache.sim.engine_base import NewPages, PrefixHit, RankEngineBase, RequestInFlight
+from sglang_cp_hicache.sim.records import EngineTotals
 from sglang_cp_hicache.testing.stack_0523 import ShardedRankStack
 
 __all__ = ["CopyPathTimes", "ShardedSimRankEngine"]
@@ -87,6 +86,19 @@ class _NoMamba:
     mamba_pool_idx = None
 
 
+def _timed(fn: Callable[..., Any], add: Callable[[float], None]) -> Callable[..., Any]:
+    """``fn``, passing the process CPU seconds of every call to ``add``."""
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        start = time.process_time()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            add(time.process_time() - start)
+
+    return wrapper
+
+
 class ShardedSimRankEngine(RankEngineBase):
     """Drives one rank's :class:`ShardedRankStack` request by request."""
 
@@ -96,26 +108,18 @@ class ShardedSimRankEngine(RankEngineBase):
         self.copy_path = stack.config.copy_path
         self.copy_times = CopyPathTimes(self.copy_path)
         self._totals = EngineTotals()
-        self._instrument()
+        self._time_copy_path()
+        self._count_transfers()
 
     # ---- instrumentation (instance attributes shadow the bound methods) ------
     def _owned_tokens(self, logical: torch.Tensor) -> int:
         return int(self.layout.owned_by_this_rank(logical.to(torch.int64).cpu()).sum())
 
-    def _instrument(self) -> None:
+    def _time_copy_path(self) -> None:
+        """CPU time in index preparation, submission and the consensus
+        all-reduce; one queued operation per submit."""
         cache, ctrl = self.cache, self.cache.cache_controller
-        engine, anchor = ctrl.l2_transfer_engine, ctrl.mem_pool_host.anchor_entry.host_pool
-        t = self._totals
-
-        def timed(fn: Callable[..., Any], add: Callable[[float], None]) -> Callable[..., Any]:
-            def wrapper(*args: Any, **kwargs: Any) -> Any:
-                start = time.process_time()
-                try:
-                    return fn(*args, **kwargs)
-                finally:
-                    add(time.process_time() - start)
-
-            return wrapper
+        engine = ctrl.l2_transfer_engine
 
         def add_prepare(seconds: float) -> None:
             self.copy_times.prepare_seconds += seconds
@@ -135,12 +139,18 @@ class ShardedSimRankEngine(RankEngineBase):
             self.collective_cpu_seconds += seconds
             self.collective_calls += 1
 
-        ctrl._move_write_operation = timed(ctrl._move_write_operation, add_prepare)
-        ctrl._move_op_indices = timed(ctrl._move_op_indices, add_prepare)
-        engine.submit_device_to_host = timed(engine.submit_device_to_host, add_write_submit)
-        engine.submit_host_to_device = timed(engine.submit_host_to_device, add_load_submit)
-        cache._all_reduce_attn_groups = timed(cache._all_reduce_attn_groups, add_collective)
+        ctrl._move_write_operation = _timed(ctrl._move_write_operation, add_prepare)
+        ctrl._move_op_indices = _timed(ctrl._move_op_indices, add_prepare)
+        engine.submit_device_to_host = _timed(engine.submit_device_to_host, add_write_submit)
+        engine.submit_host_to_device = _timed(engine.submit_host_to_device, add_load_submit)
+        cache._all_reduce_attn_groups = _timed(cache._all_reduce_attn_groups, add_collective)
 
+    def _count_transfers(self) -> None:
+        """Backups, load-backs and host frees as the controller and the host
+        pool see them, in logical tokens and in this rank's owned slots."""
+        ctrl = self.cache.cache_controller
+        anchor = ctrl.mem_pool_host.anchor_entry.host_pool
+        t = self._totals
         write, load, free_host = ctrl.write, ctrl.load, anchor.free
 
         def counted_write(device_indices: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
@@ -204,96 +214,78 @@ class ShardedSimRankEngine(RankEngineBase):
         )
         return out, bases[0]
 
-    # ---- content ------------------------------------------------------------
-    # ---- one request --------------------------------------------------------
-    def serve(self, index: int, tokens: Sequence[int]) -> RequestRecord:
-        P = self.page_size
-        cache = self.cache
-        tokens = list(tokens)
-        record = RequestRecord(index=index, tokens=len(tokens))
-        with self._content_time():
-            keys = prefix_keys(tokens)
-        padded_len = -(-len(tokens) // P) * P
-        key_len = len(tokens) // P * P
-        token_array = array("q", tokens)
+    # ---- one request: the steps RankEngineBase.serve runs ----------------------
+    def _match_and_load(self, request: RequestInFlight) -> PrefixHit:
+        cache, record = self.cache, request.record
+        match = cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", request.tokens))))
+        record.device_hit_tokens = int(match.device_prefix_len)
+        record.host_hit_tokens = int(match.host_hit_length)
+        device_locs = cache.path_device_indices(match.last_device_node)[: record.device_hit_tokens]
+        admission = cache.lock(match.last_device_node)
+        record.device_tokens_evicted += self._make_room(request.padded_len - record.device_hit_tokens)
+        last_node = match.last_device_node
+        loaded = _EMPTY
+        if record.host_hit_tokens > 0:
+            loaded, last_node = self._load_back(request, match)
+        record.loaded_tokens = int(loaded.numel())
+        request_lock = cache.lock(last_node)
+        cache.unlock(admission)
+        return PrefixHit(device_locs=device_locs.to(torch.int64), loaded=loaded, last_node=last_node,
+                         lock=request_lock)
 
-        with self._cache_time():
-            match = cache.match_prefix(MatchPrefixParams(key=RadixKey(token_array)))
-            record.device_hit_tokens = int(match.device_prefix_len)
-            record.host_hit_tokens = int(match.host_hit_length)
-            device_locs = cache.path_device_indices(match.last_device_node)[: record.device_hit_tokens]
-            admission = cache.lock(match.last_device_node)
-            record.device_tokens_evicted += self._make_room(padded_len - record.device_hit_tokens)
-            last_node = match.last_device_node
-            loaded = _EMPTY
-            if record.host_hit_tokens > 0:
-                new_tokens = padded_len - record.device_hit_tokens - record.host_hit_tokens
-                quota = max(self.allocator.available_size() - self._reserve_tokens(new_tokens), 0)
-                request = _LoadBackRequest(
-                    rid=f"sim-{index}", last_node=match.last_device_node,
-                    kv_rotation_base=cache.rotation_base_of(match.best_match_node),
-                )
-                num_loaded, last_node = cache.init_load_back(
-                    InitLoadBackParams(
-                        best_match_node=match.best_match_node, host_hit_length=record.host_hit_tokens,
-                        mem_quota=quota, req=request,
-                    )
-                )
-                cache.ready_to_load_host_cache()
-                if num_loaded:
-                    loaded = cache.path_device_indices(last_node)[record.device_hit_tokens :].to(torch.int64)
-            record.loaded_tokens = int(loaded.numel())
-            request_lock = cache.lock(last_node)
-            cache.unlock(admission)
-        # On CPU the copies ran inside ready_to_load_host_cache (synchronous
-        # streams); the ack is consumed with the others at the end.
-        prefix = torch.cat([device_locs.to(torch.int64), loaded])
-        if self.corrupt_next_restore and loaded.numel():
-            self._corrupt_one_byte(loaded)
-        with self._content_time():
-            checked, restored, corrupted = self._verify(prefix, keys[: prefix.numel()], record.device_hit_tokens)
-        record.verified_pages, record.restored_pages_verified, record.corrupted_pages = checked, restored, corrupted
+    def _load_back(self, request: RequestInFlight, match: Any) -> tuple[torch.Tensor, Any]:
+        """``init_load_back`` on the chain's rotation base, within the quota
+        the new tokens leave; the loaded locs are read off the tree."""
+        record, cache = request.record, self.cache
+        new_tokens = request.padded_len - record.device_hit_tokens - record.host_hit_tokens
+        quota = max(self.allocator.available_size() - self._reserve_tokens(new_tokens), 0)
+        load_request = _LoadBackRequest(
+            rid=f"sim-{record.index}", last_node=match.last_device_node,
+            kv_rotation_base=cache.rotation_base_of(match.best_match_node),
+        )
+        num_loaded, last_node = cache.init_load_back(
+            InitLoadBackParams(
+                best_match_node=match.best_match_node, host_hit_length=record.host_hit_tokens,
+                mem_quota=quota, req=load_request,
+            )
+        )
+        cache.ready_to_load_host_cache()
+        loaded = _EMPTY
+        if num_loaded:
+            loaded = cache.path_device_indices(last_node)[record.device_hit_tokens :].to(torch.int64)
+        return loaded, last_node
 
+    def _alloc_rest(self, request: RequestInFlight, hit: PrefixHit, prefix: torch.Tensor) -> Optional[NewPages]:
         prefix_len = int(prefix.numel())
-        new_len = padded_len - prefix_len
-        new, base = _EMPTY, cache.rotation_base_of(last_node) if prefix_len else None
-        if new_len > 0:
-            with self._cache_time():
-                record.device_tokens_evicted += self._make_room(new_len)
-                last_loc = int(prefix[-1]) if prefix_len else -1
-                new, base = self._alloc(prefix_len, padded_len, last_loc, base)
-            if new is None:  # everything left is locked: identical on every rank
-                record.skipped = True
-                with self._cache_time():
-                    cache.unlock(request_lock)
-                    self._check_events()
-                record.host_slots = self.host_slots_in_use()
-                return record
-            new = new.to(torch.int64)
-            record.new_tokens = len(tokens) - prefix_len
-            with self._content_time():
-                self._write(new[: len(tokens) - prefix_len], keys[prefix_len:])
+        new_len = request.padded_len - prefix_len
+        base = self.cache.rotation_base_of(hit.last_node) if prefix_len else None
+        if new_len <= 0:
+            return NewPages(locs=_EMPTY, rotation_base=base)
+        request.record.device_tokens_evicted += self._make_room(new_len)
+        last_loc = int(prefix[-1]) if prefix_len else -1
+        new, base = self._alloc(prefix_len, request.padded_len, last_loc, base)
+        return None if new is None else NewPages(locs=new.to(torch.int64), rotation_base=base)
 
-        locs = torch.cat([prefix, new])
-        with self._cache_time():
-            if key_len > prefix_len:
-                result = cache.insert(
-                    InsertParams(
-                        key=RadixKey(token_array[:key_len]), value=locs[:key_len].clone(),
-                        rotation_base=base, prev_prefix_len=prefix_len,
-                    )
+    def _insert(self, request: RequestInFlight, hit: PrefixHit, prefix: torch.Tensor, new: NewPages) -> None:
+        prefix_len, key_len = int(prefix.numel()), request.key_len
+        locs = torch.cat([prefix, new.locs])
+        if key_len > prefix_len:
+            result = self.cache.insert(
+                InsertParams(
+                    key=RadixKey(array("q", request.tokens[:key_len])), value=locs[:key_len].clone(),
+                    rotation_base=new.rotation_base, prev_prefix_len=prefix_len,
                 )
-                if result.rotation_tail_declined:  # the request keeps its own pages: free them
-                    self.allocator.free(locs[prefix_len:key_len])
-                else:
-                    # The tree freed what it already held (between prev_prefix_len and its match).
-                    record.duplicate_tokens_freed = max(int(result.prefix_len) - prefix_len, 0)
-            if padded_len > max(key_len, prefix_len):
-                self.allocator.free(locs[max(key_len, prefix_len) :])
-            cache.unlock(request_lock)
-            self._check_events()
-        record.host_slots = self.host_slots_in_use()
-        return record
+            )
+            if result.rotation_tail_declined:  # the request keeps its own pages: free them
+                self.allocator.free(locs[prefix_len:key_len])
+            else:
+                # The tree freed what it already held (between prev_prefix_len and its match).
+                request.record.duplicate_tokens_freed = max(int(result.prefix_len) - prefix_len, 0)
+        if request.padded_len > max(key_len, prefix_len):
+            self.allocator.free(locs[max(key_len, prefix_len) :])
+
+    def _release(self, hit: PrefixHit) -> None:
+        self.cache.unlock(hit.lock)
 
     # ---- end of run ---------------------------------------------------------
     def host_slots_in_use(self) -> int:
@@ -365,6 +357,6 @@ class ShardedSimRankEngine(RankEngineBase):
             host_evicted_nodes=t.host_evicted_nodes, load_backs=t.load_backs,
             load_back_tokens=t.load_back_tokens, load_slots=t.load_slots,
             zero_owned_writes=t.zero_owned_writes, zero_owned_loads=t.zero_owned_loads,
-            consensus_calls=self.collective_calls, host_slot_capacity=slots.size // self.cp_size,
+            host_slot_capacity=slots.size // self.cp_size,
             tree_digest=self.tree_digest(), invariant_violations=self.invariant_violations(),
         )

@@ -1,24 +1,62 @@
 """What the simulator's rank engines share, whichever SGLang stack they
-drive: CPU-time accounting, and writing / verifying / corrupting the
-deterministic content of this rank's pages (:mod:`.content`)."""
+drive: the shape of serving one request (:meth:`RankEngineBase.serve`, whose
+SGLang calls each engine supplies), CPU-time accounting, and writing /
+verifying / corrupting the deterministic content of this rank's pages
+(:mod:`.content`)."""
 
 from __future__ import annotations
 
 import time
 from contextlib import contextmanager
-from typing import Any, Iterator
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
 from sglang_cp_hicache.placement import CpPlacement
-from sglang_cp_hicache.sim.content import corrupted_token_mask, write_content
-from sglang_cp_hicache.sim.records import AckCounts
+from sglang_cp_hicache.sim.content import corrupted_token_mask, prefix_keys, write_content
+from sglang_cp_hicache.sim.records import AckCounts, RequestRecord
 
-__all__ = ["RankEngineBase"]
+__all__ = ["NewPages", "PrefixHit", "RankEngineBase", "RequestInFlight"]
+
+
+@dataclass
+class RequestInFlight:
+    """One request while an engine serves it."""
+
+    record: RequestRecord
+    tokens: list[int]
+    keys: torch.Tensor  # content key per token (:func:`.content.prefix_keys`)
+    padded_len: int  # the allocation covers the partial last page
+    key_len: int  # the tree holds whole pages only
+
+
+@dataclass
+class PrefixHit:
+    """What match + load-back left the request holding (logical locs, int64)."""
+
+    device_locs: torch.Tensor  # matched on the device
+    loaded: torch.Tensor  # just loaded back from host (empty if none or refused)
+    last_node: Any  # the request's last node
+    lock: Any  # what releases the request's lock (the engine's own handle)
+
+    def locs(self) -> torch.Tensor:
+        return torch.cat([self.device_locs, self.loaded])
+
+
+@dataclass
+class NewPages:
+    """The request's newly allocated logical locs (int64) and what its insert needs."""
+
+    locs: torch.Tensor
+    pages: Optional[torch.Tensor] = None  # 0.5.18 CP: the allocator's CPU page mirror
+    rotation_base: Optional[int] = None  # 0.5.23: the chain's rotation base
 
 
 class RankEngineBase:
-    """Subclasses call :meth:`_bind_stack` first."""
+    """Subclasses call :meth:`_bind_stack` first and supply the SGLang calls
+    :meth:`serve` makes: :meth:`_match_and_load`, :meth:`_alloc_rest`,
+    :meth:`_insert`, :meth:`_release` and :meth:`_check_events`."""
 
     layout: CpPlacement
     kv_pool: Any
@@ -45,6 +83,90 @@ class RankEngineBase:
         self.corrupt_next_restore = False
         self.corrupt_part = "kv"
 
+    # ---- one request --------------------------------------------------------
+    def serve(self, index: int, tokens: Sequence[int]) -> RequestRecord:
+        """Serve one request, in the same order of SGLang calls on every rank."""
+        request = self._new_request(index, tokens)
+        with self._cache_time():
+            hit = self._match_and_load(request)
+        # On CPU the load ran inside ready_to_load_host_cache (synchronous
+        # streams), so the restored bytes are in place; its ack is consumed
+        # with the others at the end of the request, as the scheduler does
+        # once per iteration.
+        prefix = hit.locs()
+        self._check_prefix(request.record, prefix, hit.loaded, request.keys)
+        new = self._allocate_rest(request, hit, prefix)
+        with self._cache_time():
+            if new is None:  # everything left is locked: identical on every rank
+                request.record.skipped = True
+            else:
+                self._insert(request, hit, prefix, new)
+            self._release(hit)
+            self._check_events()
+        request.record.host_slots = self.host_slots_in_use()
+        return request.record
+
+    def _new_request(self, index: int, tokens: Sequence[int]) -> RequestInFlight:
+        tokens = list(tokens)
+        P = self.page_size
+        with self._content_time():
+            keys = prefix_keys(tokens)
+        return RequestInFlight(
+            record=RequestRecord(index=index, tokens=len(tokens)), tokens=tokens, keys=keys,
+            padded_len=-(-len(tokens) // P) * P, key_len=len(tokens) // P * P,
+        )
+
+    def _check_prefix(
+        self, record: RequestRecord, prefix: torch.Tensor, loaded: torch.Tensor, keys: torch.Tensor
+    ) -> None:
+        """Verify every owned page of the matched prefix (after the test
+        hook's corruption of a restored page, if armed)."""
+        if self.corrupt_next_restore and loaded.numel():
+            self._corrupt_one_byte(loaded)
+        with self._content_time():
+            checked, restored, corrupted = self._verify(prefix, keys[: prefix.numel()], record.device_hit_tokens)
+        record.verified_pages, record.restored_pages_verified, record.corrupted_pages = checked, restored, corrupted
+
+    def _allocate_rest(
+        self, request: RequestInFlight, hit: PrefixHit, prefix: torch.Tensor
+    ) -> Optional[NewPages]:
+        """Allocate what the prefix does not cover and write the content of
+        the new tokens this rank owns; None when it does not fit."""
+        with self._cache_time():
+            new = self._alloc_rest(request, hit, prefix)
+        if new is None or new.locs.numel() == 0:
+            return new
+        start = int(prefix.numel())
+        request.record.new_tokens = len(request.tokens) - start
+        with self._content_time():
+            self._write(new.locs[: len(request.tokens) - start], request.keys[start:])
+        return new
+
+    # ---- the SGLang calls, per release ----------------------------------------
+    def _match_and_load(self, request: RequestInFlight) -> PrefixHit:
+        """match_prefix, lock, evict for the request, load back a host hit."""
+        raise NotImplementedError
+
+    def _alloc_rest(self, request: RequestInFlight, hit: PrefixHit, prefix: torch.Tensor) -> Optional[NewPages]:
+        """Evict the shortfall and allocate the rest (empty locs when nothing is left)."""
+        raise NotImplementedError
+
+    def _insert(self, request: RequestInFlight, hit: PrefixHit, prefix: torch.Tensor, new: NewPages) -> None:
+        """Insert the request's whole pages; free duplicates and the unaligned tail."""
+        raise NotImplementedError
+
+    def _release(self, hit: PrefixHit) -> None:
+        """Drop the request's lock."""
+        raise NotImplementedError
+
+    def _check_events(self) -> None:
+        """The scheduler's per-iteration check_hicache_events."""
+        raise NotImplementedError
+
+    def host_slots_in_use(self) -> int:
+        raise NotImplementedError
+
+    # ---- accounting and content ---------------------------------------------
     @contextmanager
     def _cache_time(self) -> Iterator[None]:
         start = time.process_time()

@@ -100,19 +100,12 @@ def launch(
     try:
         for rank in ranks:
             logs[rank] = RankLog(log_name(rank))
-            reader, writer = ctx.Pipe(duplex=False)
             spec = RankSpec(
                 config=config, rank=rank, cp_mode=cp_mode, master_port=port, requests=requests,
                 log=logs[rank].for_child(), launcher_pid=os.getpid(),
                 progress=show_progress and rank in (0, -1), failure=failure,
             )
-            proc = ctx.Process(target=rank_main, args=(spec, writer), name=f"sim-{logs[rank].name}", daemon=True)
-            channels[rank] = reader
-            try:
-                proc.start()
-            finally:
-                writer.close()  # the child holds the only write end: EOF when it exits
-            procs[rank] = proc
+            _spawn(ctx, spec, logs[rank].name, procs, channels)
         _watch(config, procs, channels, result, bar)
     except BaseException:  # Ctrl-C, SIGTERM (see cli), or a launcher bug: never leave ranks behind
         _stop(procs, [r for r, p in procs.items() if p.is_alive()])
@@ -124,17 +117,43 @@ def launch(
             bar.close()
         for channel in channels.values():
             channel.close()
+    _collect(result, procs, [logs[r] for r in ranks], start)
+    return result
+
+
+def _spawn(
+    ctx: mp.context.BaseContext,
+    spec: RankSpec,
+    name: str,
+    procs: dict[int, mp.process.BaseProcess],
+    channels: dict[int, Connection],
+) -> None:
+    """Start one process with its own pipe to the launcher."""
+    reader, writer = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=rank_main, args=(spec, writer), name=f"sim-{name}", daemon=True)
+    channels[spec.rank] = reader
+    try:
+        proc.start()
+    finally:
+        writer.close()  # the child holds the only write end: EOF when it exits
+    procs[spec.rank] = proc
+
+
+def _collect(
+    result: LaunchResult, procs: dict[int, mp.process.BaseProcess], logs: list[RankLog], start: float
+) -> None:
+    """Exit codes, failures in the order they happened, reports by rank,
+    the run's wall time; the logs are kept only when the run failed."""
     for rank, proc in procs.items():
         proc.join(timeout=5.0)
         result.exit_codes[rank] = proc.exitcode
     result.failures.sort(key=lambda f: f.at)
     result.reports.sort(key=lambda r: r.rank)
     result.wall_seconds = time.perf_counter() - start
-    if not result.ok or len(result.reports) != len(ranks):
-        result.log_dir = save_logs([logs[r] for r in ranks])
-    for log in logs.values():
+    if not result.ok or len(result.reports) != len(logs):
+        result.log_dir = save_logs(logs)
+    for log in logs:
         log.close()
-    return result
 
 
 def _watch(

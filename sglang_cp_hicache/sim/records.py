@@ -6,7 +6,7 @@ Plain dataclasses of ints, floats, strings and lists: they travel through a
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 __all__ = [
@@ -67,7 +67,6 @@ class EngineTotals:
     load_slots: int = 0  # physical slots restored by this rank
     zero_owned_writes: int = 0
     zero_owned_loads: int = 0
-    consensus_calls: int = 0
     device_page_reads: int = 0  # CP inserts without the CPU page mirror (each a device read)
     lane_reclaims: int = 0  # CP allocator: evictions for a lane that was short
     uneven_picks: int = 0  # CP allocator: pages placed off balance (nothing to reclaim)
@@ -90,7 +89,7 @@ class RankReport:
     cpu_seconds: float  # process CPU seconds of the replay (after import and build)
     cache_cpu_seconds: float  # of which inside SGLang cache / allocator calls
     content_cpu_seconds: float  # of which writing and verifying content
-    collective_cpu_seconds: float  # of the cache part, inside HiRadixCache._all_reduce
+    collective_cpu_seconds: float  # of the cache part, inside the cache's consensus all-reduce
     collective_calls: int
     wall_seconds: float
     startup_seconds: float  # wall: import + process group + stack build
@@ -102,9 +101,6 @@ class RankReport:
     @property
     def peak_host_slots(self) -> int:
         return max((r.host_slots for r in self.records), default=0)
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 @dataclass

@@ -1,4 +1,6 @@
-"""Turn rank reports into the summary (JSON) and the table (stdout).
+"""Turn rank reports into the summary (JSON) and the verdict; the failure
+message of a run that did not finish. The table printed from the summary is
+:mod:`.table`.
 
 Definitions used in the comparison with the non-CP run:
 
@@ -25,15 +27,16 @@ from typing import Any, Optional
 from sglang_cp_hicache.sim.config import SimConfig
 from sglang_cp_hicache.sim.failures import describe_exit, first_cause, later_failures
 from sglang_cp_hicache.sim.launcher import LaunchResult, log_name
-from sglang_cp_hicache.sim.records import RankReport
+from sglang_cp_hicache.sim.records import AckCounts, RankReport
 
 __all__ = [
+    "CACHE_CPU_GOAL",
     "CPU_GOAL",
     "NOTHING_VERIFIED",
     "Verdict",
     "dump_json",
     "failure_message",
-    "format_table",
+    "mean",
     "summarize",
 ]
 
@@ -53,7 +56,8 @@ class Verdict:
     problems: list[str] = field(default_factory=list)
 
 
-def _mean(values: list[float]) -> float:
+def mean(values: list[float]) -> float:
+    """The arithmetic mean (0.0 of nothing)."""
     return sum(values) / len(values) if values else 0.0
 
 
@@ -101,42 +105,58 @@ def summarize(
     rank's report present (``cp.ok``). A run that verified no page at all
     proves nothing, so it fails unless ``allow_unverified``."""
     reports = cp.reports
-    N, P = config.cp_size, config.page_size
     sides = [_side(r) for r in reports]
-    problems: list[str] = []
     rank0 = next(r for r in reports if r.rank == 0)
-    agreement = rank0.agreement or {}
-    digests = [r.totals.tree_digest for r in reports]
-    acks = [r.acks for r in reports]
-    acks_agree = all(a.as_tuple() == acks[0].as_tuple() for a in acks)
-    digests_agree = len(set(digests)) == 1
-    ranks_agree = bool(agreement.get("digests_agree")) and bool(agreement.get("acks_agree")) \
-        and acks_agree and digests_agree
-    if not ranks_agree:
-        problems.append(f"ranks disagree: tree digests {digests}, acks {[a.as_tuple() for a in acks]}")
-    corrupted = sum(s["corrupted_pages"] for s in sides)
-    if corrupted:
-        problems.append(f"{corrupted} corrupted pages")
-    violations = [f"rank {r.rank}: {v}" for r in reports for v in r.totals.invariant_violations]
-    problems += violations
-    nothing_verified = sum(s["verified_pages"] for s in sides) == 0
-    if nothing_verified and not allow_unverified:
-        problems.append(f"{NOTHING_VERIFIED} (pass --allow-unverified to accept such a run)")
     summary: dict[str, Any] = {
+        **_run_fields(config, workload, num_requests),
+        **_verified_fields(sides),
+        **_cache_fields(reports, sides, rank0),
+        **_agreement_fields(reports, rank0),
+        **_cpu_fields(reports),
+        **_copy_fields(reports),
+        "series": {
+            "host_slots_per_rank": [[rec.host_slots for rec in r.records] for r in reports],
+            "device_hit_tokens": [rec.device_hit_tokens for rec in rank0.records],
+            "host_hit_tokens": [rec.host_hit_tokens for rec in rank0.records],
+            "loaded_tokens": [rec.loaded_tokens for rec in rank0.records],
+        },
+    }
+    problems = _cp_problems(summary, reports, allow_unverified)
+    if non_cp is not None and non_cp.reports:
+        problems += _add_non_cp(summary, config, num_requests, cp, non_cp)
+    summary["ok"] = not problems
+    summary["problems"] = problems
+    return summary, Verdict(ok=not problems, problems=problems)
+
+
+def _run_fields(config: SimConfig, workload: str, num_requests: int) -> dict[str, Any]:
+    return {
         "sglang_version": config.sglang_version,
         "copy_path": config.copy_path,
-        "cp_size": N,
-        "page_size": P,
+        "cp_size": config.cp_size,
+        "page_size": config.page_size,
         "layers": config.num_layers,
         "requests": num_requests,
         "seed": config.seed,
         "device_pages": config.device_pages,
         "host_pages": config.host_pages,
         "workload": workload,
+    }
+
+
+def _verified_fields(sides: list[dict[str, Any]]) -> dict[str, Any]:
+    return {
         "verified_pages": sum(s["verified_pages"] for s in sides),
         "restored_pages_verified": sum(s["restored_pages_verified"] for s in sides),
-        "corrupted_pages": corrupted,
-        "nothing_verified": nothing_verified,
+        "corrupted_pages": sum(s["corrupted_pages"] for s in sides),
+        "nothing_verified": sum(s["verified_pages"] for s in sides) == 0,
+    }
+
+
+def _cache_fields(reports: list[RankReport], sides: list[dict[str, Any]], rank0: RankReport) -> dict[str, Any]:
+    """What the caches did: logical counts (identical on every rank) from
+    rank 0, physical ones per rank."""
+    return {
         "backup_tokens": rank0.totals.backup_tokens,
         "backup_slots_per_rank": [r.totals.backup_slots for r in reports],
         "load_backs": rank0.totals.load_backs,
@@ -156,17 +176,35 @@ def summarize(
         "load_backs_refused": sides[0]["load_backs_refused"],
         "host_slots_per_rank": [s["host_slots"] for s in sides],
         "host_slot_capacity_per_rank": [s["host_slot_capacity"] for s in sides],
-        "acks_per_rank": [
-            {"writes_queued": a.writes_queued, "loads_queued": a.loads_queued,
-             "write_acks": a.write_acks, "load_acks": a.load_acks}
-            for a in acks
-        ],
+        "acks_per_rank": [_acks_dict(r.acks) for r in reports],
         "zero_owned_writes_per_rank": [r.totals.zero_owned_writes for r in reports],
         "zero_owned_loads_per_rank": [r.totals.zero_owned_loads for r in reports],
+    }
+
+
+def _acks_dict(acks: AckCounts) -> dict[str, int]:
+    return {"writes_queued": acks.writes_queued, "loads_queued": acks.loads_queued,
+            "write_acks": acks.write_acks, "load_acks": acks.load_acks}
+
+
+def _agreement_fields(reports: list[RankReport], rank0: RankReport) -> dict[str, Any]:
+    """Whether the ranks agree: rank 0's all_gather verdict and the reports
+    themselves must both say so."""
+    agreement = rank0.agreement or {}
+    digests = [r.totals.tree_digest for r in reports]
+    acks = [r.acks.as_tuple() for r in reports]
+    ranks_agree = bool(agreement.get("digests_agree")) and bool(agreement.get("acks_agree")) \
+        and all(a == acks[0] for a in acks) and len(set(digests)) == 1
+    return {
         "ranks_agree": ranks_agree,
         "tree_digests": digests,
-        "invariant_violations": violations,
-        "cpu_seconds": _mean([r.cpu_seconds for r in reports]),
+        "invariant_violations": [f"rank {r.rank}: {v}" for r in reports for v in r.totals.invariant_violations],
+    }
+
+
+def _cpu_fields(reports: list[RankReport]) -> dict[str, Any]:
+    return {
+        "cpu_seconds": mean([r.cpu_seconds for r in reports]),
         "cpu_seconds_per_rank": [r.cpu_seconds for r in reports],
         "cache_cpu_seconds_per_rank": [r.cache_cpu_seconds for r in reports],
         "content_cpu_seconds_per_rank": [r.content_cpu_seconds for r in reports],
@@ -174,55 +212,65 @@ def summarize(
         "collective_calls_per_rank": [r.collective_calls for r in reports],
         "startup_seconds_per_rank": [r.startup_seconds for r in reports],
         "replay_wall_seconds": max(r.wall_seconds for r in reports),
+    }
+
+
+def _copy_fields(reports: list[RankReport]) -> dict[str, Any]:
+    return {
         "copies": _copies(reports),
         "indexer_pages_verified": sum(r.indexer_pages_verified for r in reports),
         "copy_path_cpu_seconds_per_rank": [r.copy_path_cpu for r in reports],
         "device_page_reads_per_rank": [r.totals.device_page_reads for r in reports],
-        "series": {
-            "host_slots_per_rank": [[rec.host_slots for rec in r.records] for r in reports],
-            "device_hit_tokens": [rec.device_hit_tokens for rec in rank0.records],
-            "host_hit_tokens": [rec.host_hit_tokens for rec in rank0.records],
-            "loaded_tokens": [rec.loaded_tokens for rec in rank0.records],
-        },
     }
-    if non_cp is not None and non_cp.reports:
-        ref = next((r for r in non_cp.reports if r.rank == -1), non_cp.reports[0])
-        side = _side(ref)
-        nc_ranks = len(non_cp.reports)
-        # Per-rank means over the baseline's processes (identical work on each).
-        for key, attr in (("cpu_seconds", "cpu_seconds"), ("cache_cpu_seconds", "cache_cpu_seconds"),
-                          ("collective_cpu_seconds", "collective_cpu_seconds"),
-                          ("content_cpu_seconds", "content_cpu_seconds")):
-            side[key] = _mean([getattr(r, attr) for r in non_cp.reports])
-        summary["non_cp"] = {
-            "group": _group_text(config),
-            "processes": nc_ranks,
-            "device_pages": config.logical_device_pages - 1,
-            "host_pages": config.host_pages * N,
-            **{k: v for k, v in side.items()},
-            "acks": {"writes_queued": ref.acks.writes_queued, "loads_queued": ref.acks.loads_queued,
-                     "write_acks": ref.acks.write_acks, "load_acks": ref.acks.load_acks},
-        }
-        summary["series"]["non_cp_host_slots"] = [rec.host_slots for rec in ref.records]
-        if side["corrupted_pages"]:
-            problems.append(f"non-CP run: {side['corrupted_pages']} corrupted pages")
-        problems += [f"non-CP run: {v}" for v in side["invariant_violations"]]
-        summary["comparison"] = _compare(summary, side, N, P)
-        same = sum(
-            (a.device_hit_tokens, a.host_hit_tokens, a.loaded_tokens)
-            == (b.device_hit_tokens, b.host_hit_tokens, b.loaded_tokens)
-            for a, b in zip(rank0.records, ref.records)
-        )
-        summary["comparison"]["requests_with_identical_hits"] = same
-        summary["non_cp_group"] = _group_text(config)
-        summary["all_reduces_per_request"] = {
-            "cp": _mean([r.collective_calls for r in reports]) / max(num_requests, 1),
-            "non_cp": _mean([r.collective_calls for r in non_cp.reports]) / max(num_requests, 1),
-        }
-        summary["cache_cpu_ratio"] = summary["comparison"]["cache_cpu_ratio"]
-    summary["ok"] = not problems
-    summary["problems"] = problems
-    return summary, Verdict(ok=not problems, problems=problems)
+
+
+def _cp_problems(summary: dict[str, Any], reports: list[RankReport], allow_unverified: bool) -> list[str]:
+    problems: list[str] = []
+    if not summary["ranks_agree"]:
+        problems.append(f"ranks disagree: tree digests {summary['tree_digests']}, "
+                        f"acks {[r.acks.as_tuple() for r in reports]}")
+    if summary["corrupted_pages"]:
+        problems.append(f"{summary['corrupted_pages']} corrupted pages")
+    problems += summary["invariant_violations"]
+    if summary["nothing_verified"] and not allow_unverified:
+        problems.append(f"{NOTHING_VERIFIED} (pass --allow-unverified to accept such a run)")
+    return problems
+
+
+def _add_non_cp(
+    summary: dict[str, Any], config: SimConfig, num_requests: int, cp: LaunchResult, non_cp: LaunchResult
+) -> list[str]:
+    """Add the non-CP run and the comparison to ``summary``; its problems."""
+    ref = next((r for r in non_cp.reports if r.rank == -1), non_cp.reports[0])
+    side = _side(ref)
+    # Per-rank means over the baseline's processes (identical work on each).
+    for key in ("cpu_seconds", "cache_cpu_seconds", "collective_cpu_seconds", "content_cpu_seconds"):
+        side[key] = mean([getattr(r, key) for r in non_cp.reports])
+    summary["non_cp"] = {
+        "group": _group_text(config),
+        "processes": len(non_cp.reports),
+        "device_pages": config.logical_device_pages - 1,
+        "host_pages": config.host_pages * config.cp_size,
+        **side,
+        "acks": _acks_dict(ref.acks),
+    }
+    summary["series"]["non_cp_host_slots"] = [rec.host_slots for rec in ref.records]
+    problems = [f"non-CP run: {side['corrupted_pages']} corrupted pages"] if side["corrupted_pages"] else []
+    problems += [f"non-CP run: {v}" for v in side["invariant_violations"]]
+    summary["comparison"] = _compare(summary, side, config.cp_size, config.page_size)
+    rank0 = next(r for r in cp.reports if r.rank == 0)
+    summary["comparison"]["requests_with_identical_hits"] = sum(
+        (a.device_hit_tokens, a.host_hit_tokens, a.loaded_tokens)
+        == (b.device_hit_tokens, b.host_hit_tokens, b.loaded_tokens)
+        for a, b in zip(rank0.records, ref.records)
+    )
+    summary["non_cp_group"] = _group_text(config)
+    summary["all_reduces_per_request"] = {
+        "cp": mean([r.collective_calls for r in cp.reports]) / max(num_requests, 1),
+        "non_cp": mean([r.collective_calls for r in non_cp.reports]) / max(num_requests, 1),
+    }
+    summary["cache_cpu_ratio"] = summary["comparison"]["cache_cpu_ratio"]
+    return problems
 
 
 def _group_text(config: SimConfig) -> str:
@@ -254,9 +302,9 @@ def _compare(summary: dict[str, Any], non_cp: dict[str, Any], N: int, P: int) ->
     mean_fractions = [sum(s) / ref_total if ref_total else None for s in series["host_slots_per_rank"]]
     goal_slots = ref_peak / N + P
     cp_cpu = summary["cpu_seconds"]
-    cp_cache = _mean(summary["cache_cpu_seconds_per_rank"])
-    cp_content = _mean(summary["content_cpu_seconds_per_rank"])
-    cp_collective = _mean(summary["collective_cpu_seconds_per_rank"])
+    cp_cache = mean(summary["cache_cpu_seconds_per_rank"])
+    cp_content = mean(summary["content_cpu_seconds_per_rank"])
+    cp_collective = mean(summary["collective_cpu_seconds_per_rank"])
     ratio = cp_cpu / non_cp["cpu_seconds"] if non_cp["cpu_seconds"] else None
     cache_ratio = cp_cache / non_cp["cache_cpu_seconds"] if non_cp["cache_cpu_seconds"] else None
     return {
@@ -332,117 +380,6 @@ def failure_message(result: LaunchResult) -> str:
             lines.append(f"  {who(rank)} {describe_exit(code)} without a report")
     lines.append(f"  logs of every process: {result.log_dir}")
     return "\n".join(lines)
-
-
-def _copies_line(copies: dict[str, Any]) -> str:
-    if copies["backend"] is None:
-        return "copies through sglang_cp_hicache.kernels.transfer: none (another copy path ran them)"
-    return (
-        f"copies through sglang_cp_hicache.kernels.transfer: backend {copies['backend']}, "
-        f"cp_size {copies['cp_size']}; KV backup/load calls {copies['kv_backup_calls']}/"
-        f"{copies['kv_load_calls']}, indexer {copies['indexer_backup_calls']}/"
-        f"{copies['indexer_load_calls']}, owned pages moved {copies['pages_copied']} (all ranks)"
-    )
-
-
-def format_table(summary: dict[str, Any]) -> str:
-    N = summary["cp_size"]
-    P = summary["page_size"]
-    non_cp = summary.get("non_cp")
-    cols = [f"rank {r}" for r in range(N)] + (["non-CP"] if non_cp else [])
-    acks = summary["acks_per_rank"]
-
-    def row(name: str, per_rank: list[Any], ref: Any = "") -> str:
-        cells = [_fmt(v) for v in per_rank] + ([_fmt(ref)] if non_cp else [])
-        return f"{name:<26}" + "".join(f"{c:>12}" for c in cells)
-
-    nc = non_cp or {}
-    lines = [
-        f"CP HiCache simulation (SGLang {summary['sglang_version']}, copies: {summary['copy_path']}): "
-        f"cp_size={N} page_size={P} layers={summary['layers']} "
-        f"requests={summary['requests']} workload={summary['workload']} seed={summary['seed']}",
-        f"per rank: device {summary['device_pages']} pages, host {summary['host_pages']} pages"
-        + (f"; non-CP: device {nc['device_pages']} pages, host {nc['host_pages']} pages" if non_cp else ""),
-        "",
-        f"{'':<26}" + "".join(f"{c:>12}" for c in cols),
-        row("peak host slots", summary["host_slots_per_rank"], nc.get("host_slots")),
-        row("host slot capacity", summary["host_slot_capacity_per_rank"], nc.get("host_slot_capacity")),
-        row("backup slots written", summary["backup_slots_per_rank"], nc.get("backup_slots")),
-        row("host slots evicted", summary["host_evicted_slots_per_rank"], nc.get("host_evicted_slots")),
-        row("slots loaded back", summary["load_slots_per_rank"], nc.get("load_back_tokens")),
-        row("write ops / acks", [f"{a['writes_queued']}/{a['write_acks']}" for a in acks],
-            f"{nc['acks']['writes_queued']}/{nc['acks']['write_acks']}" if non_cp else ""),
-        row("load ops / acks", [f"{a['loads_queued']}/{a['load_acks']}" for a in acks],
-            f"{nc['acks']['loads_queued']}/{nc['acks']['load_acks']}" if non_cp else ""),
-        row("replay CPU s", summary["cpu_seconds_per_rank"], nc.get("cpu_seconds")),
-        row("  in cache calls", summary["cache_cpu_seconds_per_rank"], nc.get("cache_cpu_seconds")),
-        row("    in all-reduces", summary["collective_cpu_seconds_per_rank"], nc.get("collective_cpu_seconds")),
-        row("  writing/checking KV", summary["content_cpu_seconds_per_rank"], nc.get("content_cpu_seconds")),
-        row("startup s (import+build)", summary["startup_seconds_per_rank"], nc.get("startup_seconds")),
-        "",
-        f"logical tokens: device hits {summary['device_hit_tokens']}, host hits {summary['host_hit_tokens']}, "
-        f"loaded back {summary['load_back_tokens']} ({summary['load_backs']} load-backs), "
-        f"backed up {summary['backup_tokens']}, device-evicted {summary['device_evicted_tokens']}"
-        + (f" (of which {summary['device_reclaimed_tokens']} for host balance)"
-           if summary.get("device_reclaimed_tokens") else "") + ", "
-        f"load-backs refused {summary['load_backs_refused']}, skipped requests {summary['skipped_requests']}",
-        f"pages verified bit-exact: {summary['verified_pages']} "
-        f"(of which just restored: {summary['restored_pages_verified']}), "
-        f"corrupted: {summary['corrupted_pages']}; indexer pages verified: {summary['indexer_pages_verified']}"
-        + (f"; non-CP verified {nc['verified_pages']}, corrupted {nc['corrupted_pages']}" if non_cp else ""),
-        f"ranks agree (tree digest + acks, all_gather): {'yes' if summary['ranks_agree'] else 'NO'}",
-        _copies_line(summary["copies"]),
-    ]
-    path_cpu = [c for c in summary["copy_path_cpu_seconds_per_rank"] if c]
-    if path_cpu:
-        prep = _mean([c["prepare_seconds"] for c in path_cpu])
-        sub = _mean([c["submit_seconds"] for c in path_cpu])
-        lines.append(f"CPU s per rank in the sharded copy path ({summary['copy_path']}): "
-                     f"prepare {_fmt(prep)} + submit {_fmt(sub)}")
-    if "all_reduces_per_request" in summary:
-        a = summary["all_reduces_per_request"]
-        lines.append(
-            f"all-reduces per request per rank: CP {_fmt(a['cp'])}, non-CP {_fmt(a['non_cp'])} "
-            f"(non-CP baseline: {summary['non_cp_group'].split(':')[0]} with "
-            f"{non_cp['processes']} process{'es' if non_cp['processes'] > 1 else ''})"
-        )
-    comp = summary.get("comparison")
-    if comp:
-        fr = ", ".join(_fmt(f) for f in comp["host_slots_fraction_per_rank"])
-        mean_fr = ", ".join(_fmt(f) for f in comp["host_slots_mean_fraction_per_rank"])
-        dev = ", ".join(f"{d:+.2f}" for d in comp["host_slots_deviation_pages_per_rank"])
-        lines.append(
-            f"peak host slots per rank / non-CP peak: {fr}, i.e. {dev} pages from 1/{N} (goal: within "
-            f"1 page: {'met' if comp['host_slots_goal_met'] else 'MISSED'}); time-averaged: {mean_fr}"
-            + (f"; host balance: {summary['host_balance']}" if summary.get("host_balance") else "")
-        )
-        lines.append(
-            f"replay CPU s, CP mean per rank / non-CP: {_fmt(comp['cpu_ratio'])} (goal <= {CPU_GOAL}: "
-            f"{'met' if comp['cpu_goal_met'] else 'MISSED'}); in cache calls {_fmt(comp['cache_cpu_ratio'])} "
-            f"(goal <= {CACHE_CPU_GOAL}: {'met' if comp['cache_cpu_goal_met'] else 'MISSED'}; "
-            f"{_fmt(comp['cache_cpu_ratio_without_collectives'])} without all-reduces), "
-            f"KV content {_fmt(comp['content_cpu_ratio'])}"
-        )
-        lines.append(
-            f"requests with the same device/host hits and restores as non-CP: "
-            f"{comp['requests_with_identical_hits']}/{summary['requests']}"
-        )
-    if not summary["ok"]:
-        lines.append("result: FAILED: " + "; ".join(summary["problems"]))
-    elif summary.get("nothing_verified"):
-        lines.append(f"result: OK, but NOTHING WAS VERIFIED: {NOTHING_VERIFIED}")
-    else:
-        lines.append("result: OK")
-    return "\n".join(lines)
-
-
-def _fmt(value: Any) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, float):
-        return f"{value:.3f}"
-    return str(value)
-
 
 
 def dump_json(summary: dict[str, Any]) -> str:

@@ -16,13 +16,13 @@ import sys
 import time
 import traceback
 import warnings
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from datetime import timedelta
 from typing import Any, Optional
 
 from sglang_cp_hicache.sim.config import FAIL_ENV, FailureInjection, RankSpec
 from sglang_cp_hicache.sim.lifetime import EXIT_LAUNCHER_GONE, die_with_launcher
-from sglang_cp_hicache.sim.records import Progress, RankFailure, RankReport
+from sglang_cp_hicache.sim.records import Progress, RankFailure, RankReport, RequestRecord
 
 __all__ = ["rank_main"]
 
@@ -93,6 +93,18 @@ def _agreement(engine_digest: str, acks: tuple, cp_size: int) -> dict[str, Any]:
     }
 
 
+@dataclass
+class _RankSetup:
+    """A started rank: its group (None without one), stack and engine."""
+
+    world: int  # processes in the group
+    group_rank: int
+    group: Any
+    stack: Any
+    engine: Any
+    startup_seconds: float
+
+
 def _build_0518(spec: RankSpec, group: Any) -> tuple[Any, Any]:
     """One rank's SGLang 0.5.18 stack (CP, or a non-CP baseline process) and its engine."""
     from sglang_cp_hicache.sim.engine_0518 import SimRankEngine
@@ -121,10 +133,46 @@ def _build_0518(spec: RankSpec, group: Any) -> tuple[Any, Any]:
     return stack, engine
 
 
-def _serve_all(spec: RankSpec, channel: Any, step_ref: list[Optional[int]]) -> RankReport:
-    injected = spec.failure if spec.failure is not None and spec.failure.rank == spec.rank else None
-    if injected is not None and injected.step is None:
-        _inject(injected)  # before anything heavy is imported
+def _build_0523(spec: RankSpec, group: Any) -> tuple[Any, Any]:
+    """One CP rank's SGLang 0.5.23 KV-sharded stack and its engine (the CLI
+    refuses a non-CP run on 0.5.23)."""
+    from sglang_cp_hicache.sim.engine_0523 import ShardedSimRankEngine
+    from sglang_cp_hicache.testing.stack_0523 import ShardedStackConfig, build_sharded_rank_stack
+
+    cfg = spec.config
+    stack = build_sharded_rank_stack(
+        ShardedStackConfig(
+            cp_size=cfg.cp_size, page_size=cfg.page_size, num_layers=cfg.num_layers,
+            device_pages=cfg.device_pages, host_pages=cfg.host_pages, copy_path=cfg.copy_path,
+        ),
+        spec.rank, cp_group=group,
+    )
+    return stack, ShardedSimRankEngine(stack, content_seed=cfg.seed)
+
+
+def _join_group(spec: RankSpec, world: int, group_rank: int) -> Any:
+    """The gloo group of this run's processes (None for a lone process)."""
+    if world <= 1:
+        return None
+    import torch.distributed as dist
+
+    cfg = spec.config
+    # Rendezvous and stack build wait for the slowest `import sglang` (seconds
+    # per process, more on a loaded machine): the startup timeout, then the
+    # collective timeout for the replay (see _start_rank).
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{spec.master_port}",
+        rank=group_rank,
+        world_size=world,
+        timeout=timedelta(seconds=max(cfg.collective_timeout_s, cfg.startup_limit_s)),
+    )
+    return dist.group.WORLD
+
+
+def _start_rank(spec: RankSpec) -> _RankSetup:
+    """Import SGLang, join the group, build the stack; the copy counters
+    start from zero afterwards, so they count the replay only."""
     import torch
 
     from sglang_cp_hicache.testing.torchvision_standin import ensure_sglang_importable
@@ -136,44 +184,23 @@ def _serve_all(spec: RankSpec, channel: Any, step_ref: list[Optional[int]]) -> R
     from sglang_cp_hicache.kernels import transfer
 
     cfg = spec.config
-    group = None
     world = cfg.cp_size if spec.cp_mode else cfg.non_cp_ranks
     group_rank = spec.rank if spec.cp_mode else -1 - spec.rank
-    if world > 1:
-        import torch.distributed as dist
-
-        # Rendezvous and stack build wait for the slowest `import sglang` (seconds
-        # per process, more on a loaded machine): the startup timeout, then the
-        # collective timeout for the replay (below).
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{spec.master_port}",
-            rank=group_rank,
-            world_size=world,
-            timeout=timedelta(seconds=max(cfg.collective_timeout_s, cfg.startup_limit_s)),
-        )
-        group = dist.group.WORLD
-    if cfg.sglang_version == "0.5.23":
-        # Upstream's KV-sharded stack (CP ranks only; the CLI refuses a non-CP run).
-        from sglang_cp_hicache.sim.engine_0523 import ShardedSimRankEngine
-        from sglang_cp_hicache.testing.stack_0523 import ShardedStackConfig, build_sharded_rank_stack
-
-        stack = build_sharded_rank_stack(
-            ShardedStackConfig(
-                cp_size=cfg.cp_size, page_size=cfg.page_size, num_layers=cfg.num_layers,
-                device_pages=cfg.device_pages, host_pages=cfg.host_pages, copy_path=cfg.copy_path,
-            ),
-            spec.rank, cp_group=group,
-        )
-        engine = ShardedSimRankEngine(stack, content_seed=cfg.seed)
-    else:
-        stack, engine = _build_0518(spec, group)
+    group = _join_group(spec, world, group_rank)
+    build = _build_0523 if cfg.sglang_version == "0.5.23" else _build_0518
+    stack, engine = build(spec, group)
     if world > 1:
         torch.distributed.barrier()
         _set_collective_timeout(cfg.collective_timeout_s)
     transfer.reset_copy_stats()  # count the replay's copies only (not the warm-up)
-    startup = time.perf_counter() - started
+    return _RankSetup(world, group_rank, group, stack, engine, time.perf_counter() - started)
 
+
+def _replay(
+    spec: RankSpec, engine: Any, channel: Any, step_ref: list[Optional[int]],
+    injected: Optional[FailureInjection],
+) -> tuple[list[RequestRecord], float, float]:
+    """Serve every request; (records, process CPU seconds, wall seconds)."""
     total = len(spec.requests)
     every = max(1, total // 200)
     wall0, cpu0 = time.perf_counter(), time.process_time()
@@ -188,17 +215,31 @@ def _serve_all(spec: RankSpec, channel: Any, step_ref: list[Optional[int]]) -> R
     cpu = time.process_time() - cpu0
     wall = time.perf_counter() - wall0
     step_ref[0] = None
+    return records, cpu, wall
+
+
+def _serve_all(spec: RankSpec, channel: Any, step_ref: list[Optional[int]]) -> RankReport:
+    injected = spec.failure if spec.failure is not None and spec.failure.rank == spec.rank else None
+    if injected is not None and injected.step is None:
+        _inject(injected)  # before anything heavy is imported
+    setup = _start_rank(spec)
+    engine = setup.engine
+    records, cpu, wall = _replay(spec, engine, channel, step_ref, injected)
+
+    from sglang_cp_hicache.kernels import transfer
 
     totals = engine.totals()
     copies = transfer.copy_stats().as_dict()
     agreement = None
-    if world > 1:
-        agreement = _agreement(totals.tree_digest, engine.acks.as_tuple(), world)
-        torch.distributed.destroy_process_group()
-    stack.close()
+    if setup.world > 1:
+        import torch.distributed as dist
+
+        agreement = _agreement(totals.tree_digest, engine.acks.as_tuple(), setup.world)
+        dist.destroy_process_group()
+    setup.stack.close()
     return RankReport(
         rank=spec.rank,
-        cp_size=cfg.cp_size if spec.cp_mode else 1,
+        cp_size=spec.config.cp_size if spec.cp_mode else 1,
         cp_mode=spec.cp_mode,
         records=records,
         totals=totals,
@@ -209,11 +250,10 @@ def _serve_all(spec: RankSpec, channel: Any, step_ref: list[Optional[int]]) -> R
         collective_cpu_seconds=engine.collective_cpu_seconds,
         collective_calls=engine.collective_calls,
         wall_seconds=wall,
-        startup_seconds=startup,
-        agreement=agreement if group_rank == 0 else None,
+        startup_seconds=setup.startup_seconds,
+        agreement=agreement if setup.group_rank == 0 else None,
         copies=copies,
-        # The 0.5.18 engine checks every verified page's indexer bytes with its KV.
-        indexer_pages_verified=getattr(engine, "indexer_pages_verified", sum(r.verified_pages for r in records)),
+        indexer_pages_verified=engine.indexer_pages_verified,  # every verified page's indexer row too
         copy_path_cpu=asdict(engine.copy_times) if hasattr(engine, "copy_times") else {},
     )
 

@@ -13,7 +13,8 @@ from sglang_cp_hicache.sim import launcher
 from sglang_cp_hicache.sim.config import MAX_TIMEOUT_S, SimConfig, default_startup_timeout_s
 from sglang_cp_hicache.sim.outputs import OutputPathError, check_output_path
 from sglang_cp_hicache.sim.records import AckCounts, EngineTotals, RankReport, RequestRecord
-from sglang_cp_hicache.sim.report import format_table, summarize
+from sglang_cp_hicache.sim.report import summarize
+from sglang_cp_hicache.sim.table import format_table
 from tests.sim.simrun import simulate
 
 

@@ -1,0 +1,143 @@
+"""The text report the simulator prints: one column per CP rank (and the
+non-CP run), then the totals, the copy path and the comparison, all read off
+the summary :func:`.report.summarize` builds."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sglang_cp_hicache.sim.report import CACHE_CPU_GOAL, CPU_GOAL, NOTHING_VERIFIED, mean
+
+__all__ = ["format_table"]
+
+_NAME_WIDTH = 26
+_CELL_WIDTH = 12
+
+
+def format_table(summary: dict[str, Any]) -> str:
+    nc = summary.get("non_cp") or {}
+    lines = [*_header(summary, nc), "", *_per_rank_rows(summary, nc), "", *_totals_lines(summary, nc)]
+    path_cpu = [c for c in summary["copy_path_cpu_seconds_per_rank"] if c]
+    if path_cpu:
+        prep = mean([c["prepare_seconds"] for c in path_cpu])
+        sub = mean([c["submit_seconds"] for c in path_cpu])
+        lines.append(f"CPU s per rank in the sharded copy path ({summary['copy_path']}): "
+                     f"prepare {_fmt(prep)} + submit {_fmt(sub)}")
+    if "all_reduces_per_request" in summary:
+        a = summary["all_reduces_per_request"]
+        lines.append(
+            f"all-reduces per request per rank: CP {_fmt(a['cp'])}, non-CP {_fmt(a['non_cp'])} "
+            f"(non-CP baseline: {summary['non_cp_group'].split(':')[0]} with "
+            f"{nc['processes']} process{'es' if nc['processes'] > 1 else ''})"
+        )
+    if summary.get("comparison"):
+        lines += _comparison_lines(summary, summary["comparison"])
+    lines.append(_result_line(summary))
+    return "\n".join(lines)
+
+
+def _header(summary: dict[str, Any], nc: dict[str, Any]) -> list[str]:
+    return [
+        f"CP HiCache simulation (SGLang {summary['sglang_version']}, copies: {summary['copy_path']}): "
+        f"cp_size={summary['cp_size']} page_size={summary['page_size']} layers={summary['layers']} "
+        f"requests={summary['requests']} workload={summary['workload']} seed={summary['seed']}",
+        f"per rank: device {summary['device_pages']} pages, host {summary['host_pages']} pages"
+        + (f"; non-CP: device {nc['device_pages']} pages, host {nc['host_pages']} pages" if nc else ""),
+    ]
+
+
+def _per_rank_rows(summary: dict[str, Any], nc: dict[str, Any]) -> list[str]:
+    """The table: a column per rank, then the non-CP run's when there is one."""
+    cols = [f"rank {r}" for r in range(summary["cp_size"])] + (["non-CP"] if nc else [])
+    acks = summary["acks_per_rank"]
+
+    def row(name: str, per_rank: list[Any], ref: Any = "") -> str:
+        cells = [_fmt(v) for v in per_rank] + ([_fmt(ref)] if nc else [])
+        return f"{name:<{_NAME_WIDTH}}" + "".join(f"{c:>{_CELL_WIDTH}}" for c in cells)
+
+    nc_acks = nc.get("acks", {})
+    return [
+        f"{'':<{_NAME_WIDTH}}" + "".join(f"{c:>{_CELL_WIDTH}}" for c in cols),
+        row("peak host slots", summary["host_slots_per_rank"], nc.get("host_slots")),
+        row("host slot capacity", summary["host_slot_capacity_per_rank"], nc.get("host_slot_capacity")),
+        row("backup slots written", summary["backup_slots_per_rank"], nc.get("backup_slots")),
+        row("host slots evicted", summary["host_evicted_slots_per_rank"], nc.get("host_evicted_slots")),
+        row("slots loaded back", summary["load_slots_per_rank"], nc.get("load_back_tokens")),
+        row("write ops / acks", [f"{a['writes_queued']}/{a['write_acks']}" for a in acks],
+            f"{nc_acks['writes_queued']}/{nc_acks['write_acks']}" if nc else ""),
+        row("load ops / acks", [f"{a['loads_queued']}/{a['load_acks']}" for a in acks],
+            f"{nc_acks['loads_queued']}/{nc_acks['load_acks']}" if nc else ""),
+        row("replay CPU s", summary["cpu_seconds_per_rank"], nc.get("cpu_seconds")),
+        row("  in cache calls", summary["cache_cpu_seconds_per_rank"], nc.get("cache_cpu_seconds")),
+        row("    in all-reduces", summary["collective_cpu_seconds_per_rank"], nc.get("collective_cpu_seconds")),
+        row("  writing/checking KV", summary["content_cpu_seconds_per_rank"], nc.get("content_cpu_seconds")),
+        row("startup s (import+build)", summary["startup_seconds_per_rank"], nc.get("startup_seconds")),
+    ]
+
+
+def _totals_lines(summary: dict[str, Any], nc: dict[str, Any]) -> list[str]:
+    """Logical token counts, what was verified, agreement, the copies."""
+    return [
+        f"logical tokens: device hits {summary['device_hit_tokens']}, host hits {summary['host_hit_tokens']}, "
+        f"loaded back {summary['load_back_tokens']} ({summary['load_backs']} load-backs), "
+        f"backed up {summary['backup_tokens']}, device-evicted {summary['device_evicted_tokens']}"
+        + (f" (of which {summary['device_reclaimed_tokens']} for host balance)"
+           if summary.get("device_reclaimed_tokens") else "") + ", "
+        f"load-backs refused {summary['load_backs_refused']}, skipped requests {summary['skipped_requests']}",
+        f"pages verified bit-exact: {summary['verified_pages']} "
+        f"(of which just restored: {summary['restored_pages_verified']}), "
+        f"corrupted: {summary['corrupted_pages']}; indexer pages verified: {summary['indexer_pages_verified']}"
+        + (f"; non-CP verified {nc['verified_pages']}, corrupted {nc['corrupted_pages']}" if nc else ""),
+        f"ranks agree (tree digest + acks, all_gather): {'yes' if summary['ranks_agree'] else 'NO'}",
+        _copies_line(summary["copies"]),
+    ]
+
+
+def _copies_line(copies: dict[str, Any]) -> str:
+    if copies["backend"] is None:
+        return "copies through sglang_cp_hicache.kernels.transfer: none (another copy path ran them)"
+    return (
+        f"copies through sglang_cp_hicache.kernels.transfer: backend {copies['backend']}, "
+        f"cp_size {copies['cp_size']}; KV backup/load calls {copies['kv_backup_calls']}/"
+        f"{copies['kv_load_calls']}, indexer {copies['indexer_backup_calls']}/"
+        f"{copies['indexer_load_calls']}, owned pages moved {copies['pages_copied']} (all ranks)"
+    )
+
+
+def _comparison_lines(summary: dict[str, Any], comp: dict[str, Any]) -> list[str]:
+    """Host slots, CPU and hits against the non-CP run."""
+    fr = ", ".join(_fmt(f) for f in comp["host_slots_fraction_per_rank"])
+    mean_fr = ", ".join(_fmt(f) for f in comp["host_slots_mean_fraction_per_rank"])
+    dev = ", ".join(f"{d:+.2f}" for d in comp["host_slots_deviation_pages_per_rank"])
+    return [
+        f"peak host slots per rank / non-CP peak: {fr}, i.e. {dev} pages from 1/{summary['cp_size']} "
+        f"(goal: within 1 page: {_met(comp['host_slots_goal_met'])}); time-averaged: {mean_fr}"
+        + (f"; host balance: {summary['host_balance']}" if summary.get("host_balance") else ""),
+        f"replay CPU s, CP mean per rank / non-CP: {_fmt(comp['cpu_ratio'])} (goal <= {CPU_GOAL}: "
+        f"{_met(comp['cpu_goal_met'])}); in cache calls {_fmt(comp['cache_cpu_ratio'])} "
+        f"(goal <= {CACHE_CPU_GOAL}: {_met(comp['cache_cpu_goal_met'])}; "
+        f"{_fmt(comp['cache_cpu_ratio_without_collectives'])} without all-reduces), "
+        f"KV content {_fmt(comp['content_cpu_ratio'])}",
+        f"requests with the same device/host hits and restores as non-CP: "
+        f"{comp['requests_with_identical_hits']}/{summary['requests']}",
+    ]
+
+
+def _result_line(summary: dict[str, Any]) -> str:
+    if not summary["ok"]:
+        return "result: FAILED: " + "; ".join(summary["problems"])
+    if summary.get("nothing_verified"):
+        return f"result: OK, but NOTHING WAS VERIFIED: {NOTHING_VERIFIED}"
+    return "result: OK"
+
+
+def _met(goal_met: bool) -> str:
+    return "met" if goal_met else "MISSED"
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.3f}"
+    return str(value)
