@@ -194,7 +194,7 @@ def check_index_call(
     return host_index_geometry("host_index", host_index, host_layout, dev.shape[-1])
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # holds tensors: compared by identity
 class PoolGeometry:
     """Device layers and the SGLang host buffer they copy to, validated together.
 

@@ -157,7 +157,7 @@ class LaunchPlan:
     to_host: bool
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # holds tensors: compared by identity
 class PoolPart:
     """The part of a launch the buffers (and page size) fix: kernel buffers,
     sizes, host strides in copy units, constexprs."""

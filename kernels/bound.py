@@ -33,7 +33,7 @@ from sglang_cp_hicache.placement import CpPlacement
 __all__ = ["PoolCopies", "bind_indexer_copies", "bind_kv_copies"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # holds tensors: compared by identity
 class PoolCopies:
     """Backup (every layer) and load (one layer) between one device pool's
     layers and the SGLang host buffer that mirrors them."""

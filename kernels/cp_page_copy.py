@@ -160,7 +160,7 @@ def _launch(
 
 
 # ----------------------------------------------------------------------------- bound pools
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # holds tensors: compared by identity
 class PoolLaunches:
     """The buffer-fixed part of every launch of one checked pool: the backup
     and one load per device layer (default tuning)."""

@@ -9,7 +9,7 @@ those receive rows the controller narrowed with ``owned_rows`` (a host
 
 :class:`LibraryL2TransferEngine` keeps upstream's submission (streams, start
 and finish events, layout leases, index preparation) and replaces only the
-per-transfer copy: the kernels of :mod:`sglang_cp_hicache.kernels.transfer`
+per-transfer copy: this library's kernels (:mod:`sglang_cp_hicache.kernels`)
 take the LOGICAL device locs of whole pages, skip the pages other ranks own
 and translate the owned ones to physical rows inside the kernel, so nothing
 reads device memory on the host. The host side is the rank-local rows of the
@@ -72,7 +72,7 @@ def _locs(indices: torch.Tensor) -> torch.Tensor:
     return indices
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # holds tensors: compared by identity
 class _BoundPool:
     """One transfer host pool's copies, and which counters they feed."""
 
