@@ -1,7 +1,8 @@
-"""What a real SGLang 0.5.18 ``HiRadixCache`` needs around it on a CPU machine.
+"""What a real SGLang HiCache stack needs around it on a CPU machine (both
+CPU harnesses use these helpers: :mod:`.stack_0518` and :mod:`.stack_0523`).
 
-``HiRadixCache(params, server_args)`` reads three things besides its
-arguments:
+SGLang 0.5.18's ``HiRadixCache(params, server_args)`` reads three things
+besides its arguments (0.5.23's stack build needs the first two):
 
 * a ``ServerArgs`` -- whose ``__post_init__`` loads ``config.json`` from
   ``model_path`` through transformers (a Hub name means a download) and sets

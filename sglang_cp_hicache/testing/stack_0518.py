@@ -84,12 +84,9 @@ def build_cp_rank_stack(
     """One rank's stack. ``cp_group``: the CP process group SGLang's
     consensus all-reduces run over (None: a one-process group, for ranks
     simulated in one process)."""
-    from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
     from sglang.srt.mem_cache.hiradix_cache import HiRadixCache
-    from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
 
-    from sglang_cp_hicache.sglang_0518.allocator import CpSharedPagedTokenToKVPoolAllocator
     from sglang_cp_hicache.sglang_0518.hiradix import CpHiRadixCache
 
     config = replace(config, **overrides)
@@ -106,37 +103,9 @@ def build_cp_rank_stack(
         device=config.device,
     )
     env.publish_server_args(server_args)
-    physical_size = config.device_pages * config.page_size
-    kv_pool = DSATokenToKVPool(
-        size=physical_size,
-        page_size=config.page_size,
-        kv_lora_rank=config.kv_lora_rank,
-        dtype=config.dtype,
-        qk_rope_head_dim=config.qk_rope_head_dim,
-        layer_num=config.num_layers,
-        device=config.device,
-        index_head_dim=config.index_head_dim,
-        enable_memory_saver=False,
-        kv_cache_dim=config.kv_lora_rank + config.qk_rope_head_dim,
-    )
+    kv_pool = _make_kv_pool(config)
     group = cp_group if cp_group is not None else env.make_local_gloo_group()
-    if config.cp_mode:
-        allocator = CpSharedPagedTokenToKVPoolAllocator(
-            logical_size=config.logical_size,
-            physical_size=physical_size,
-            page_size=config.page_size,
-            dtype=config.dtype,
-            device=config.device,
-            kvcache=kv_pool,
-            need_sort=True,
-            cp_size=config.cp_size,
-            cp_rank=cp_rank,
-        )
-    else:
-        allocator = PagedTokenToKVPoolAllocator(
-            size=physical_size, page_size=config.page_size, dtype=config.dtype,
-            device=config.device, kvcache=kv_pool, need_sort=True,
-        )
+    allocator = _make_allocator(config, cp_rank, kv_pool)
     params = CacheInitParams(
         disable=False,
         req_to_token_pool=None,
@@ -150,3 +119,47 @@ def build_cp_rank_stack(
     cache = (CpHiRadixCache if config.cp_mode else HiRadixCache)(params, server_args)
     return CpRankStack(config, cp_rank, server_args, kv_pool, allocator, cache,
                        time.perf_counter() - start)
+
+
+def _make_kv_pool(config: CpStackConfig) -> Any:
+    """This rank's physical DSA device pool (KV + indexer)."""
+    from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
+
+    return DSATokenToKVPool(
+        size=config.device_pages * config.page_size,
+        page_size=config.page_size,
+        kv_lora_rank=config.kv_lora_rank,
+        dtype=config.dtype,
+        qk_rope_head_dim=config.qk_rope_head_dim,
+        layer_num=config.num_layers,
+        device=config.device,
+        index_head_dim=config.index_head_dim,
+        enable_memory_saver=False,
+        kv_cache_dim=config.kv_lora_rank + config.qk_rope_head_dim,
+    )
+
+
+def _make_allocator(config: CpStackConfig, cp_rank: int, kv_pool: Any) -> Any:
+    """The CP allocator over the logical pool, or (``cp_mode=False``) SGLang's
+    plain paged allocator over this rank's physical pool."""
+    from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
+
+    from sglang_cp_hicache.sglang_0518.allocator import CpSharedPagedTokenToKVPoolAllocator
+
+    physical_size = config.device_pages * config.page_size
+    if not config.cp_mode:
+        return PagedTokenToKVPoolAllocator(
+            size=physical_size, page_size=config.page_size, dtype=config.dtype,
+            device=config.device, kvcache=kv_pool, need_sort=True,
+        )
+    return CpSharedPagedTokenToKVPoolAllocator(
+        logical_size=config.logical_size,
+        physical_size=physical_size,
+        page_size=config.page_size,
+        dtype=config.dtype,
+        device=config.device,
+        kvcache=kv_pool,
+        need_sort=True,
+        cp_size=config.cp_size,
+        cp_rank=cp_rank,
+    )
