@@ -6,7 +6,8 @@ value, match result and load-back result derived from it) is a
 ``.tolist()``, ``.item()``, ``int()``, ``bool()``, ``nonzero``, ``unique``,
 boolean-mask indexing, ``masked_select``, ``bincount``, ``torch.equal`` --
 raises :class:`HostRead`. Only "device work" may look at the values: the copy
-kernels (the dispatcher's four functions) and the test's own content fill and
+kernels (the dispatcher's four functions and the bound pool copies the
+server path calls) and the test's own content fill and
 check (the forward pass's job on a real server); both run inside
 :func:`device_side`.
 
@@ -24,6 +25,7 @@ import torch
 
 from sglang_cp_hicache.policy_0518.allocator import OwnerLaneAllocator, PageAllocation
 from sglang_cp_hicache.kernels import transfer
+from sglang_cp_hicache.kernels.bound import PoolCopies
 from sglang_cp_hicache.sglang_0518.hiradix import CpInsertParams
 from sglang_cp_hicache.testing.stack_0518 import CpStackConfig
 
@@ -113,14 +115,19 @@ def no_host_reads(monkeypatch, harness_is_device_work):
         return PageAllocation(locs=got.locs.as_subclass(DeviceIndex), pages=got.pages)
 
     monkeypatch.setattr(OwnerLaneAllocator, "_allocation", wrapped_allocation)
-    for name in ("backup_kv_all_layers", "load_kv_one_layer", "backup_indexer_all_layers", "load_indexer_one_layer"):
-        kernel = getattr(transfer, name)
+    copies = [
+        (transfer, name)
+        for name in ("backup_kv_all_layers", "load_kv_one_layer", "backup_indexer_all_layers", "load_indexer_one_layer")
+    ]
+    copies += [(PoolCopies, "backup"), (PoolCopies, "load")]  # the bound copies the server path uses
+    for owner, name in copies:
+        kernel = getattr(owner, name)
 
         def on_device(*args, _kernel=kernel, **kwargs):
             with device_side():
                 return _kernel(*unwrap(args), **{k: unwrap(v) for k, v in kwargs.items()})
 
-        monkeypatch.setattr(transfer, name, on_device)
+        monkeypatch.setattr(owner, name, on_device)
 
 
 @pytest.fixture
