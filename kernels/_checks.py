@@ -6,8 +6,14 @@ Every check raises ``TypeError`` (wrong kind of object or dtype) or
 argument's name first in the message, so a caller can tell which input was
 bad without reading a traceback. None of the checks here reads device memory
 except :func:`check_indices` (index values: sign, page structure, owned-token
-count, ranges), which the callers run only when that is free -- indices on
-the CPU -- or when ``SGLANG_CP_HICACHE_DEBUG=1`` asks for it.
+count, ranges, distinct destination pages), which the callers run only when
+that is free -- indices on the CPU -- or when ``SGLANG_CP_HICACHE_DEBUG=1``
+asks for it.
+
+Both backends run the same checks, the memory ones included
+(:func:`check_launchable`, :func:`check_call_indices`): a call the Triton
+launchers refuse, the reference refuses with the same message, so a bad
+caller fails the same way on a CPU test machine as on the GPU.
 """
 
 from __future__ import annotations
@@ -261,6 +267,59 @@ def check_locs_pair(device_locs: object, host_locs: object, placement: CpPlaceme
     check_lengths(device_locs, host_locs)
 
 
+# ----------------------------------------------------------------------------- memory the kernel reads
+def check_host_buffer(name: str, host: torch.Tensor, device: torch.device) -> None:
+    """Dense host rows, in memory the device buffers' device can read."""
+    if host.stride(-1) != 1:
+        raise ValueError(f"{name} rows must be dense (stride(-1) == 1), got strides {host.stride()}")
+    if device.type == "cuda":
+        if host.device.type != "cpu" or not host.is_pinned():
+            raise ValueError(
+                f"{name} must be a pinned CPU tensor when the device buffers are on {device} "
+                f"(got {'pinned ' if host.device.type == 'cpu' and host.is_pinned() else ''}"
+                f"{host.device} memory); pageable memory cannot be read by the kernel"
+            )
+    elif host.device != device:
+        raise ValueError(f"{name} is on {host.device} but the device buffers are on {device}")
+
+
+def check_device_buffer(name: str, t: torch.Tensor) -> None:
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous, got shape {tuple(t.shape)} strides {t.stride()}")
+
+
+def check_launchable(pool: PoolGeometry, dev_names: Sequence[str], host_name: str) -> None:
+    """What the Triton kernel needs of a checked pool, and so what both
+    backends demand: CUDA or CPU device layers, each contiguous; host rows
+    dense; a pinned host buffer for CUDA layers, a CPU one for CPU layers."""
+    device = pool.device
+    if device.type not in ("cuda", "cpu"):
+        raise ValueError(
+            f"{dev_names[0]} is on {device}; the page copies take cuda (compiled Triton) "
+            f"or cpu (Triton interpreter or the torch reference) tensors"
+        )
+    check_host_buffer(host_name, pool.host_buffer, device)
+    for name, t in zip(dev_names, pool.device_layers):
+        check_device_buffer(name, t)
+
+
+def check_index_tensor(name: str, locs: torch.Tensor, device: torch.device) -> None:
+    if locs.device != device:
+        raise ValueError(f"{name} is on {locs.device} but the device buffers are on {device}")
+    if not locs.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+
+
+def check_call_indices(
+    device_locs: object, host_locs: object, placement: CpPlacement, device: torch.device
+) -> None:
+    """Every per-call check of the index tensors that reads no values: dtype,
+    shape, lengths, device (the device buffers'), contiguity."""
+    check_locs_pair(device_locs, host_locs, placement)
+    check_index_tensor("device_locs", device_locs, device)
+    check_index_tensor("host_locs", host_locs, device)
+
+
 def check_lengths(device_locs: torch.Tensor, host_locs: torch.Tensor) -> None:
     if host_locs.numel() > device_locs.numel():
         raise ValueError(
@@ -292,6 +351,8 @@ def check_indices(
     placement: CpPlacement,
     dev_num_pages: int,
     host_num_pages: int,
+    *,
+    to_host: bool,
 ) -> None:
     """Full index validation; reads the indices (a device sync on CUDA).
 
@@ -299,8 +360,10 @@ def check_indices(
     pages (each page's ``page_size`` locations contiguous, the first one page
     aligned); ``host_locs`` has exactly the owned tokens of ``device_locs``;
     every owned page's physical page fits the device buffer and every host
-    page the host buffer. Both backends run it whenever the indices are on the
-    CPU, so the same bad call fails the same way on either.
+    page the host buffer; no destination page named twice (host pages of a
+    backup, ``to_host``; owned device pages of a load). Both backends run it
+    whenever the indices are on the CPU, so the same bad call fails the same
+    way on either.
     """
     p = placement.page_size
     for name, locs in (("device_locs", device_locs), ("host_locs", host_locs)):
@@ -330,4 +393,21 @@ def check_indices(
         raise ValueError(
             f"host_locs reaches host page {int(host_pages.max())}, beyond the host "
             f"buffer's {host_num_pages} pages"
+        )
+    if to_host:
+        _check_distinct_pages("host_locs", "host page", host_pages[::p], "a backup")
+    else:
+        logical_pages = device_locs[owned][::p] // p
+        _check_distinct_pages("device_locs", "logical page", logical_pages, "a load")
+
+
+def _check_distinct_pages(name: str, what: str, pages: torch.Tensor, copy: str) -> None:
+    """Each destination page once: the kernel copies pages in parallel, so two
+    copies into one page race and leave either one's bytes."""
+    ordered = torch.sort(pages).values
+    repeated = ordered[1:][ordered[1:] == ordered[:-1]]
+    if repeated.numel():
+        raise ValueError(
+            f"{name} names {what} {int(repeated[0])} more than once; {copy} writes each "
+            f"destination page once (two copies into one page race)"
         )

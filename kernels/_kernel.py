@@ -34,6 +34,11 @@ Owners are computed with floor division, like the CPU side
 negative locations. A page whose physical page or host page falls outside its
 buffer (negative included) keeps its host slot in the pairing but is not
 copied: a stray store into pinned host memory corrupts the process.
+
+Destination pages must be distinct (host pages of a backup, owned device
+pages of a load): programs copy their pages concurrently, so two copies into
+one page race. The kernel does not look; the launchers refuse a repeated
+destination page whenever they read the indices (CPU, or debug mode).
 """
 
 from __future__ import annotations

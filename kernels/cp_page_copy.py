@@ -29,7 +29,7 @@ import torch
 
 from sglang_cp_hicache.kernels import _checks
 from sglang_cp_hicache.kernels import _launch_spec as _spec
-from sglang_cp_hicache.kernels._checks import PoolGeometry
+from sglang_cp_hicache.kernels._checks import PoolGeometry, check_launchable
 from sglang_cp_hicache.kernels._kernel import (
     COUNT_PAGES,
     DEFAULT_BLOCK_BYTES,
@@ -61,32 +61,6 @@ __all__ = [
 
 
 # ----------------------------------------------------------------------------- argument checks
-def _check_host_buffer(name: str, host: torch.Tensor, device: torch.device) -> None:
-    if host.stride(-1) != 1:
-        raise ValueError(f"{name} rows must be dense (stride(-1) == 1), got strides {host.stride()}")
-    if device.type == "cuda":
-        if host.device.type != "cpu" or not host.is_pinned():
-            raise ValueError(
-                f"{name} must be a pinned CPU tensor when the device buffers are on {device} "
-                f"(got {'pinned ' if host.device.type == 'cpu' and host.is_pinned() else ''}"
-                f"{host.device} memory); pageable memory cannot be read by the kernel"
-            )
-    elif host.device != device:
-        raise ValueError(f"{name} is on {host.device} but the device buffers are on {device}")
-
-
-def _check_device_buffer(name: str, t: torch.Tensor) -> None:
-    if not t.is_contiguous():
-        raise ValueError(f"{name} must be contiguous, got shape {tuple(t.shape)} strides {t.stride()}")
-
-
-def _check_index_tensor(name: str, locs: torch.Tensor, device: torch.device) -> None:
-    if locs.device != device:
-        raise ValueError(f"{name} is on {locs.device} but the device buffers are on {device}")
-    if not locs.is_contiguous():
-        raise ValueError(f"{name} must be contiguous")
-
-
 def _check_num_ctas(num_ctas: int | None, block_bytes: int | None) -> tuple[int, int]:
     num_ctas = DEFAULT_NUM_CTAS if num_ctas is None else num_ctas
     block_bytes = DEFAULT_BLOCK_BYTES if block_bytes is None else block_bytes
@@ -100,39 +74,24 @@ def _check_num_ctas(num_ctas: int | None, block_bytes: int | None) -> tuple[int,
     return num_ctas, block_bytes
 
 
-def check_launchable(pool: PoolGeometry, dev_names: Sequence[str], host_name: str) -> None:
-    """What the kernel needs of a checked pool beyond what the reference
-    needs: CUDA or CPU device layers, each contiguous; host rows dense; a
-    pinned host buffer for CUDA layers, a CPU one for CPU layers."""
-    device = pool.device
-    if device.type not in ("cuda", "cpu"):
-        raise ValueError(
-            f"{dev_names[0]} is on {device}; the Triton kernels take cuda (compiled) "
-            f"or cpu (Triton interpreter) tensors"
-        )
-    _check_host_buffer(host_name, pool.host_buffer, device)
-    for name, t in zip(dev_names, pool.device_layers):
-        _check_device_buffer(name, t)
-
-
-def _check_indices(device_locs, host_locs, placement, dev_num_pages, host_num_pages) -> None:
+def _check_indices(
+    device_locs, host_locs, placement, dev_num_pages, host_num_pages, *, to_host: bool
+) -> None:
     """Check the index values whenever that is free: indices on the CPU
     (both backends do) or debug mode. CUDA indices are not read without debug
     mode (that would be a sync); the kernel then skips any page outside the
     buffers (negative locations included) instead of writing it."""
     if device_locs.device.type == "cpu" or _checks.debug_enabled():
-        _checks.check_indices(device_locs, host_locs, placement, dev_num_pages, host_num_pages)
+        _checks.check_indices(device_locs, host_locs, placement, dev_num_pages, host_num_pages, to_host=to_host)
 
 
 def _check_call(
     device_locs: object, host_locs: object, placement: CpPlacement, device: torch.device,
-    dev_num_pages: int, host_num_pages: int,
+    dev_num_pages: int, host_num_pages: int, *, to_host: bool,
 ) -> bool:
     """Per-call checks of the index tensors; True when there is a page to copy."""
-    _checks.check_locs_pair(device_locs, host_locs, placement)
-    _check_index_tensor("device_locs", device_locs, device)
-    _check_index_tensor("host_locs", host_locs, device)
-    _check_indices(device_locs, host_locs, placement, dev_num_pages, host_num_pages)
+    _checks.check_call_indices(device_locs, host_locs, placement, device)
+    _check_indices(device_locs, host_locs, placement, dev_num_pages, host_num_pages, to_host=to_host)
     return host_locs.numel() > 0
 
 
@@ -182,7 +141,9 @@ def bind_launches(
 
 
 def _run_bound(part: PoolPart, device_locs, host_locs, placement: CpPlacement) -> None:
-    if _check_call(device_locs, host_locs, placement, part.device, part.dev_num_pages, part.host_num_pages):
+    to_host = part.meta["TO_HOST"]
+    if _check_call(device_locs, host_locs, placement, part.device, part.dev_num_pages, part.host_num_pages,
+                   to_host=to_host):
         _spec.run(part, device_locs, host_locs, placement, DEFAULT_NUM_CTAS)
 
 
@@ -212,7 +173,8 @@ def _backup_all_layers(
     pool = _checks.check_backup_pool(kv, dev_name, device_layers, host_name, host, host_layout, placement)
     check_launchable(pool, [f"{dev_name}[{i}]" for i in range(len(pool.device_layers))], host_name)
     num_ctas, block_bytes = _check_num_ctas(num_ctas, block_bytes)
-    if _check_call(device_locs, host_locs, placement, pool.device, pool.dev_num_pages, pool.host.num_pages):
+    if _check_call(device_locs, host_locs, placement, pool.device, pool.dev_num_pages, pool.host.num_pages,
+                   to_host=True):
         _launch(_backup_plan(pool), device_locs, host_locs, placement, num_ctas, block_bytes)
 
 
@@ -227,7 +189,8 @@ def _load_one_layer(
     check_launchable(pool, [dev_name], host_name)
     num_ctas, block_bytes = _check_num_ctas(num_ctas, block_bytes)
     _checks.check_layer_id("layer_id", layer_id, pool.host.num_layers)
-    if _check_call(device_locs, host_locs, placement, pool.device, pool.dev_num_pages, pool.host.num_pages):
+    if _check_call(device_locs, host_locs, placement, pool.device, pool.dev_num_pages, pool.host.num_pages,
+                   to_host=False):
         _launch(_load_plan(pool, pool.device_layers[0], layer_id), device_locs, host_locs, placement,
                 num_ctas, block_bytes)
 

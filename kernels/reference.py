@@ -26,14 +26,22 @@ indexer ``index_k_with_scale_buffer[layer]`` is ``(pages, page_bytes)`` (page
 major). The reference uses boolean indexing, so on CUDA it synchronises; the
 Triton kernels do not. Since it reads the indices anyway, it always checks
 their values (:func:`._checks.check_indices`: no negatives, whole aligned
-pages, owned-token count, ranges) and raises ``ValueError`` naming the
-argument, exactly like the Triton launchers do for CPU indices.
+pages, owned-token count, ranges, no destination page twice) and raises
+``ValueError`` naming the argument, exactly like the Triton launchers do for
+CPU indices.
+
+It refuses everything the Triton launchers refuse, with their messages,
+although torch indexing could copy it: non-contiguous device layers or index
+tensors, host rows that are not dense, indices on another device, unpinned
+host memory for CUDA layers (:func:`._checks.check_launchable`,
+:func:`._checks.check_call_indices`). A caller tested on the CPU backend then
+cannot hand the GPU a call it refuses.
 
 Each public function checks the buffers (:func:`._checks.check_backup_pool`
-/ :func:`._checks.check_load_pool`) and hands the result to
-:func:`backup_all_layers` / :func:`load_one_layer`, which check only the
-index tensors: :class:`~.bound.PoolCopies` calls those two directly with the
-geometry it checked once.
+/ :func:`._checks.check_load_pool`, then :func:`._checks.check_launchable`)
+and hands the result to :func:`backup_all_layers` / :func:`load_one_layer`,
+which check only the index tensors: :class:`~.bound.PoolCopies` calls those
+two directly with the pool it checked once, at bind time.
 """
 
 from __future__ import annotations
@@ -90,12 +98,15 @@ def _index_pair(pool: PoolGeometry, phys: torch.Tensor, host_locs: torch.Tensor,
 
 
 def _owned_or_none(
-    pool: PoolGeometry, device_locs: torch.Tensor, host_locs: torch.Tensor, placement: CpPlacement
+    pool: PoolGeometry, device_locs: torch.Tensor, host_locs: torch.Tensor, placement: CpPlacement,
+    *, to_host: bool,
 ) -> torch.Tensor | None:
     """Per-call checks of the index tensors (values included: this backend
     reads them anyway); the owned physical slots, or None when there are none."""
-    _checks.check_locs_pair(device_locs, host_locs, placement)
-    _checks.check_indices(device_locs, host_locs, placement, pool.dev_num_pages, pool.host.num_pages)
+    _checks.check_call_indices(device_locs, host_locs, placement, pool.device)
+    _checks.check_indices(
+        device_locs, host_locs, placement, pool.dev_num_pages, pool.host.num_pages, to_host=to_host
+    )
     phys = _owned_physical(device_locs, placement)
     return phys if phys.numel() else None
 
@@ -104,7 +115,7 @@ def backup_all_layers(
     pool: PoolGeometry, device_locs: torch.Tensor, host_locs: torch.Tensor, placement: CpPlacement
 ) -> None:
     """D2H of every layer of a checked pool; checks only the index tensors."""
-    phys = _owned_or_none(pool, device_locs, host_locs, placement)
+    phys = _owned_or_none(pool, device_locs, host_locs, placement, to_host=True)
     if phys is None:
         return
     dev_at, host_at = _index_pair(pool, phys, host_locs, placement.page_size)
@@ -123,7 +134,7 @@ def load_one_layer(
 ) -> None:
     """H2D of host layer ``layer_id`` into ``device_layer`` (one of a checked
     pool's layers); checks only the index tensors."""
-    phys = _owned_or_none(pool, device_locs, host_locs, placement)
+    phys = _owned_or_none(pool, device_locs, host_locs, placement, to_host=False)
     if phys is None:
         return
     dev_at, host_at = _index_pair(pool, phys, host_locs, placement.page_size)
@@ -131,6 +142,10 @@ def load_one_layer(
 
 
 # ----------------------------------------------------------------------------- public functions
+def _layer_names(name: str, pool: PoolGeometry) -> list[str]:
+    return [f"{name}[{i}]" for i in range(len(pool.device_layers))]
+
+
 def backup_kv_all_layers_reference(
     device_kv: Sequence[torch.Tensor],
     host_kv: torch.Tensor,
@@ -142,6 +157,7 @@ def backup_kv_all_layers_reference(
     """D2H: every layer's owned KV rows -> host slots."""
     placement = _checks.check_placement(placement)
     pool = _checks.check_backup_pool(True, "device_kv", device_kv, "host_kv", host_kv, host_layout, placement)
+    _checks.check_launchable(pool, _layer_names("device_kv", pool), "host_kv")
     backup_all_layers(pool, device_locs, host_locs, placement)
 
 
@@ -157,6 +173,7 @@ def load_kv_one_layer_reference(
     """H2D: one layer's host slots -> owned physical KV rows."""
     placement = _checks.check_placement(placement)
     pool = _checks.check_load_pool(True, "device_kv_layer", device_kv_layer, host_kv, host_layout, placement)
+    _checks.check_launchable(pool, ["device_kv_layer"], "host_kv")
     _checks.check_layer_id("layer_id", layer_id, pool.host.num_layers)
     load_one_layer(pool, device_kv_layer, layer_id, device_locs, host_locs, placement)
 
@@ -174,6 +191,7 @@ def backup_indexer_all_layers_reference(
     pool = _checks.check_backup_pool(
         False, "device_index", device_index, "host_index", host_index, host_layout, placement
     )
+    _checks.check_launchable(pool, _layer_names("device_index", pool), "host_index")
     backup_all_layers(pool, device_locs, host_locs, placement)
 
 
@@ -191,5 +209,6 @@ def load_indexer_one_layer_reference(
     pool = _checks.check_load_pool(
         False, "device_index_layer", device_index_layer, host_index, host_layout, placement
     )
+    _checks.check_launchable(pool, ["device_index_layer"], "host_index")
     _checks.check_layer_id("layer_id", layer_id, pool.host.num_layers)
     load_one_layer(pool, device_index_layer, layer_id, device_locs, host_locs, placement)

@@ -18,6 +18,7 @@ Page 0 is reserved (SGLang uses slot 0 as padding).
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
@@ -28,6 +29,8 @@ from sglang_cp_hicache.validation import check_int as _check_int
 from sglang_cp_hicache.validation import check_int_tensor
 
 __all__ = ["AllocatorCheckpoint", "AllocatorSnapshot", "OwnerLaneAllocator", "PageAllocation"]
+
+_CHECKPOINT_SERIALS = itertools.count(1)  # next() is atomic under the GIL: threaded ranks share it
 
 
 @dataclass(frozen=True)
@@ -44,11 +47,14 @@ class PageAllocation:
 @dataclass(frozen=True)
 class AllocatorCheckpoint:
     """A point :meth:`OwnerLaneAllocator.rollback` can return to: the length
-    of the undo log when it was taken, and the round-robin cursor then."""
+    of the undo log when it was taken, and the round-robin cursor then.
+    ``serial`` names it (unique in the process), so a closed checkpoint, or
+    another allocator's, cannot be mistaken for an open one at its depth."""
 
     log_len: int
     rr_cursor: int
     depth: int
+    serial: int
 
 
 @dataclass(frozen=True)
@@ -99,7 +105,7 @@ class OwnerLaneAllocator:
         # Undo log, kept only while a checkpoint is open: ("take", lane, pages),
         # ("merge", lane, old_free, old_release) or ("free", pages).
         self._undo: list[tuple] = []
-        self._open_checkpoints = 0
+        self._close_all_checkpoints()
         # Optional per-lane load (e.g. host slots each rank holds): lanes with
         # less load are preferred. Must be identical on every rank.
         if not hasattr(self, "lane_bias"):
@@ -161,28 +167,52 @@ class OwnerLaneAllocator:
             self._release[lane] = []
 
     # ---- undo log: take back allocations in O(pages touched) ---------------
+    @property
+    def _open_checkpoints(self) -> int:
+        return len(self._open_serials)
+
+    def _close_all_checkpoints(self) -> None:
+        # Serials are never reused, so a checkpoint from before clear() or
+        # restore() stays closed.
+        self._open_serials: list[int] = []
+        self._undo.clear()
+
     def checkpoint(self) -> AllocatorCheckpoint:
         """Start (or nest) an undo log; :meth:`rollback` returns here exactly
         (free-list order included), :meth:`commit` keeps what happened since.
         Costs O(pages touched), unlike a :meth:`snapshot` of every free list."""
-        self._open_checkpoints += 1
-        return AllocatorCheckpoint(len(self._undo), self._rr_cursor, self._open_checkpoints)
+        serial = next(_CHECKPOINT_SERIALS)
+        self._open_serials.append(serial)
+        return AllocatorCheckpoint(len(self._undo), self._rr_cursor, len(self._open_serials), serial)
 
-    def _close(self, checkpoint: AllocatorCheckpoint) -> None:
+    def _check_innermost(self, checkpoint: object) -> AllocatorCheckpoint:
+        """Only the innermost open checkpoint may close: closing another (one
+        already closed, or an outer one) would end a newer owner's undo log."""
         if not isinstance(checkpoint, AllocatorCheckpoint):
             raise TypeError(f"checkpoint must be an AllocatorCheckpoint, got {type(checkpoint).__name__}")
-        if checkpoint.depth != self._open_checkpoints or checkpoint.log_len > len(self._undo):
-            raise ValueError("checkpoint is not the innermost open checkpoint of this allocator")
-        self._open_checkpoints -= 1
-        if self._open_checkpoints == 0:
+        if checkpoint.serial not in self._open_serials:
+            raise ValueError(
+                f"checkpoint {checkpoint.serial} is not open on this allocator (committed, rolled back, "
+                "cleared, or taken from another allocator); nothing was changed"
+            )
+        if checkpoint.serial != self._open_serials[-1]:
+            raise ValueError(
+                f"checkpoint {checkpoint.serial} is not the innermost open checkpoint of this allocator "
+                f"(checkpoint {self._open_serials[-1]} was taken after it and is still open); close that "
+                "one first; nothing was changed"
+            )
+        return checkpoint
+
+    def _close(self, checkpoint: AllocatorCheckpoint) -> None:
+        self._open_serials.pop()
+        if not self._open_serials:
             self._undo.clear()
 
     def rollback(self, checkpoint: AllocatorCheckpoint) -> None:
-        """Undo every allocation and free since ``checkpoint`` and close it."""
-        if not isinstance(checkpoint, AllocatorCheckpoint):
-            raise TypeError(f"checkpoint must be an AllocatorCheckpoint, got {type(checkpoint).__name__}")
-        if checkpoint.depth != self._open_checkpoints or checkpoint.log_len > len(self._undo):
-            raise ValueError("checkpoint is not the innermost open checkpoint of this allocator")
+        """Undo every allocation and free since ``checkpoint`` and close it.
+        Refused (``ValueError``, nothing changed) unless ``checkpoint`` is the
+        innermost open one."""
+        self._check_innermost(checkpoint)
         while len(self._undo) > checkpoint.log_len:
             entry = self._undo.pop()
             if entry[0] == "take":
@@ -202,8 +232,10 @@ class OwnerLaneAllocator:
         self._close(checkpoint)
 
     def commit(self, checkpoint: AllocatorCheckpoint) -> None:
-        """Keep everything since ``checkpoint`` and close it."""
-        self._close(checkpoint)
+        """Keep everything since ``checkpoint`` and close it. Refused
+        (``ValueError``, nothing changed) unless ``checkpoint`` is the
+        innermost open one."""
+        self._close(self._check_innermost(checkpoint))
 
     def snapshot(self) -> AllocatorSnapshot:
         return AllocatorSnapshot(
@@ -220,8 +252,7 @@ class OwnerLaneAllocator:
         self._release = [list(x) for x in snapshot.release]
         self._in_use = bytearray(snapshot.in_use)
         self._rr_cursor = snapshot.rr_cursor
-        self._undo.clear()
-        self._open_checkpoints = 0
+        self._close_all_checkpoints()
 
     def merge_free(self) -> None:
         """Move every deferred release into the sorted free lists now."""

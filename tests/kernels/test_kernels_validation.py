@@ -13,7 +13,7 @@ import torch
 from tests.helpers.kernel_pools import (
     POISON, assert_same_bytes, bits, changed_bytes, make_pools, page_locs, run_triton,
 )
-from sglang_cp_hicache.kernels import DEBUG_ENV, cp_page_copy, reference, transfer
+from sglang_cp_hicache.kernels import DEBUG_ENV, _checks, cp_page_copy, reference, transfer
 from sglang_cp_hicache.placement import CpPlacement
 
 P = 4
@@ -74,8 +74,8 @@ BACKUP_IDX = (cp_page_copy.backup_indexer_all_layers, reference.backup_indexer_a
 LOAD_IDX = (cp_page_copy.load_indexer_one_layer, reference.load_indexer_one_layer_reference)
 
 # (functions, args builder, overrides, exception, argument name in the message)
-# Checked on the Triton launcher and, where the reference validates the same
-# thing, on the reference too (both=True).
+# Checked on the Triton launcher and, unless the argument is the launcher's
+# own (num_ctas, block_bytes: both=False), on the reference too.
 BAD = [
     (BACKUP_KV, kv_args, dict(host_kv=torch.zeros(2, 3 * P, 1, 8, dtype=torch.float16)), TypeError, "host_kv", True),
     (BACKUP_KV, kv_args, dict(host_kv=torch.zeros(2, 3 * P, 1, 9, dtype=torch.bfloat16)), ValueError, "host_kv", True),
@@ -87,9 +87,9 @@ BAD = [
     (BACKUP_KV, kv_args, dict(device_kv=[torch.zeros(4 * P, 1, 8, dtype=torch.bfloat16),
                                          torch.zeros(5 * P, 1, 8, dtype=torch.bfloat16)]), ValueError, "device_kv[1]", True),
     (BACKUP_KV, kv_args, dict(device_kv=[torch.zeros(4 * P, 1, 8, dtype=torch.bfloat16),
-                                         torch.zeros(4 * P, 1, 16, dtype=torch.bfloat16)[..., ::2]]), ValueError, "device_kv[1]", False),
+                                         torch.zeros(4 * P, 1, 16, dtype=torch.bfloat16)[..., ::2]]), ValueError, "device_kv[1]", True),
     (BACKUP_KV, kv_args, dict(device_kv=[torch.zeros(4 * P, 8, dtype=torch.bfloat16)]), ValueError, "device_kv[0]", True),
-    (BACKUP_KV, kv_args, dict(host_kv=torch.zeros(2, 3 * P, 1, 16, dtype=torch.bfloat16)[..., ::2]), ValueError, "host_kv", False),
+    (BACKUP_KV, kv_args, dict(host_kv=torch.zeros(2, 3 * P, 1, 16, dtype=torch.bfloat16)[..., ::2]), ValueError, "host_kv", True),
     (BACKUP_KV, kv_args, dict(host_layout="page_last"), ValueError, "host_layout", True),
     (BACKUP_KV, kv_args, dict(placement=(4, 2, 0)), TypeError, "placement", True),
     (BACKUP_KV, kv_args, dict(device_locs=page_locs([0, 1, 2], P).to(torch.int32)), TypeError, "device_locs", True),
@@ -98,18 +98,18 @@ BAD = [
     (BACKUP_KV, kv_args, dict(device_locs=torch.arange(10, dtype=I64)), ValueError, "device_locs", True),
     (BACKUP_KV, kv_args, dict(host_locs=torch.arange(6, dtype=I64)), ValueError, "host_locs", True),
     (BACKUP_KV, kv_args, dict(host_locs=page_locs([0, 1, 2, 3], P)), ValueError, "host_locs", True),
-    (BACKUP_KV, kv_args, dict(device_locs=page_locs([0, 1, 2, 3], P)[::2]), ValueError, "device_locs", False),
-    (BACKUP_KV, kv_args, dict(device_locs=page_locs([0, 1, 2], P).to("meta")), ValueError, "device_locs", False),
+    (BACKUP_KV, kv_args, dict(device_locs=page_locs([0, 1, 2, 3], P)[::2]), ValueError, "device_locs", True),
+    (BACKUP_KV, kv_args, dict(device_locs=page_locs([0, 1, 2], P).to("meta")), ValueError, "device_locs", True),
     (BACKUP_KV, kv_args, dict(device_kv=[torch.zeros(4 * P, 1, 8, dtype=torch.bfloat16, device="meta")]),
-     ValueError, "device_kv[0]", False),
+     ValueError, "device_kv[0]", True),
     (BACKUP_KV, kv_args, dict(num_ctas=0), ValueError, "num_ctas", False),
     (BACKUP_KV, kv_args, dict(block_bytes=100), ValueError, "block_bytes", False),
     (LOAD_KV, load_kv_args, dict(layer_id=2), ValueError, "layer_id", True),
     (LOAD_KV, load_kv_args, dict(layer_id=-1), ValueError, "layer_id", True),
     (LOAD_KV, load_kv_args, dict(layer_id=True), TypeError, "layer_id", True),
     (LOAD_KV, load_kv_args, dict(device_kv_layer=torch.zeros(4 * P, 1, 8)), TypeError, "device_kv_layer", True),
-    (LOAD_KV, load_kv_args, dict(device_kv_layer=torch.zeros(4 * P, 1, 16, dtype=torch.bfloat16)[..., :8]), ValueError, "device_kv_layer", False),
-    (LOAD_KV, load_kv_args, dict(host_locs=page_locs([0, 2], P).to("meta")), ValueError, "host_locs", False),
+    (LOAD_KV, load_kv_args, dict(device_kv_layer=torch.zeros(4 * P, 1, 16, dtype=torch.bfloat16)[..., :8]), ValueError, "device_kv_layer", True),
+    (LOAD_KV, load_kv_args, dict(host_locs=page_locs([0, 2], P).to("meta")), ValueError, "host_locs", True),
     (BACKUP_IDX, index_args, dict(host_index=torch.zeros(3, 2, 1, 132 * P, dtype=torch.int8)), TypeError, "host_index", True),
     (BACKUP_IDX, index_args, dict(host_index=torch.zeros(3, 2, 132 * P, dtype=torch.uint8)), ValueError, "host_index", True),
     (BACKUP_IDX, index_args, dict(device_index=[torch.zeros(4, 132 * P, dtype=torch.int8)] * 2,
@@ -120,8 +120,8 @@ BAD = [
 ]
 
 
-# Mechanism-specific checks (contiguity, device, grid) apply to the Triton
-# launchers only; the reference handles such inputs.
+# The reference refuses what the launchers refuse (contiguity, device, dense
+# host rows included); only the launch tuning is the launchers' alone.
 BAD_CASES = [
     pytest.param(fns[impl], build, over, exc, name, id=f"{impl and 'reference' or 'triton'}-{i}-{name}")
     for i, (fns, build, over, exc, name, both) in enumerate(BAD)
@@ -138,7 +138,7 @@ def test_bad_argument_is_named(fn, build, over, exc, name):
 
 def test_host_buffer_must_be_pinned_for_cuda_device_buffers():
     with pytest.raises(ValueError, match=r"^host_kv must be a pinned CPU tensor"):
-        cp_page_copy._check_host_buffer("host_kv", torch.zeros(2, 4, 1, 8), torch.device("cuda", 0))
+        _checks.check_host_buffer("host_kv", torch.zeros(2, 4, 1, 8), torch.device("cuda", 0))
 
 
 @pytest.mark.parametrize(
