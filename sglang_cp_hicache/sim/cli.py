@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import sys
-from typing import Any, Optional, Union
+from typing import Any, Optional, Sequence, Union
 
 from sglang_cp_hicache.sim.config import (
     COPY_PATHS,
@@ -27,7 +27,14 @@ from sglang_cp_hicache.sim.config import (
 )
 from sglang_cp_hicache.sim.outputs import OutputPathError, check_output_paths
 from sglang_cp_hicache.sim.plot import PlotUnavailable, check_matplotlib, plot_summary
-from sglang_cp_hicache.sim.workload import ChatShape, SimRequest, TraceError, load_trace, synthetic_chat
+from sglang_cp_hicache.sim.workload import (
+    ChatShape,
+    SimRequest,
+    TraceError,
+    load_trace,
+    pack_requests,
+    synthetic_chat,
+)
 
 __all__ = ["add_simulate_parser", "run_simulate"]
 
@@ -187,7 +194,7 @@ def _error(message: str, code: int) -> int:
     return code
 
 
-def _workload(args: argparse.Namespace, config: SimConfig) -> tuple[list[SimRequest], str]:
+def _workload(args: argparse.Namespace, config: SimConfig) -> tuple[Sequence[SimRequest], str]:
     if args.trace is not None:
         reqs = load_trace(args.trace, seed=config.seed, max_tokens=config.max_request_tokens,
                           limit=args.requests)
@@ -215,7 +222,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     if isinstance(prepared, int):
         return prepared
     config, failure, requests, workload = prepared
-    token_lists = tuple(r.tokens for r in requests)
+    token_lists = pack_requests(requests)  # what every rank gets: ids packed, pickled as raw bytes
 
     show = not args.no_progress
     cp = launch(config, token_lists, cp_mode=True, failure=failure, show_progress=show)
@@ -239,7 +246,7 @@ def run_simulate(args: argparse.Namespace) -> int:
 
 def _prepare(
     args: argparse.Namespace,
-) -> Union[int, tuple[SimConfig, Optional[FailureInjection], list[SimRequest], str]]:
+) -> Union[int, tuple[SimConfig, Optional[FailureInjection], Sequence[SimRequest], str]]:
     """Everything checked before a rank starts: the SGLang release, the
     settings, the test hook, the output paths and the workload; an exit
     status (2, with the error printed) when one is wrong."""
@@ -258,7 +265,7 @@ def _prepare(
         except PlotUnavailable as exc:
             return _error(str(exc), 2)
     try:
-        check_output_paths({"--json": args.json, "--plot": args.plot})
+        check_output_paths({"--json": args.json, "--plot": args.plot}, inputs={"--trace": args.trace})
     except OutputPathError as exc:
         return _error(str(exc), 2)
     try:

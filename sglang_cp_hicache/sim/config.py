@@ -9,6 +9,7 @@ from typing import Any, Optional
 
 from sglang_cp_hicache import settings
 from sglang_cp_hicache.placement import DSA_PAGE_SIZE  # SGLang's DSA pools take only 64 (outside ROCm)
+from sglang_cp_hicache.sim.packed import PackedRequests
 
 __all__ = [
     "DSA_PAGE_SIZE",
@@ -183,7 +184,7 @@ class RankSpec:
     rank: int  # -1: the non-CP comparison process
     cp_mode: bool
     master_port: int
-    requests: tuple[tuple[int, ...], ...]
+    requests: PackedRequests  # every request's token ids (4 bytes a token when pickled)
     log: Any  # ranklog.InheritedFd: where the process writes its stdout and stderr
     launcher_pid: int  # the process exits as soon as this one is gone
     progress: bool  # send Progress messages (rank 0 and the non-CP process)

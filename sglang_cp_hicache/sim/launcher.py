@@ -23,6 +23,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Optional
 
 from sglang_cp_hicache.sim.config import FailureInjection, RankSpec, SimConfig
+from sglang_cp_hicache.sim.packed import PackedRequests
 from sglang_cp_hicache.sim.progress import ProgressBar
 from sglang_cp_hicache.sim.ranklog import RankLog, save_logs
 from sglang_cp_hicache.sim.records import Progress, RankFailure, RankReport
@@ -72,7 +73,7 @@ def log_name(rank: int) -> str:
 
 def launch(
     config: SimConfig,
-    requests: tuple[tuple[int, ...], ...],
+    requests: PackedRequests,
     *,
     cp_mode: bool,
     failure: Optional[FailureInjection] = None,

@@ -3,7 +3,9 @@
 A run takes seconds to minutes; finding out at the end that its summary
 cannot be written loses it. Each path must name a file (not a directory) in
 an existing directory where this process can create it, or an existing file
-it can write to. The check opens nothing it keeps and leaves no file behind.
+it can write to, and no two paths (outputs, or an output and the trace the
+run reads) may name one file. The check opens nothing it keeps and leaves no
+file behind.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import os
 import tempfile
 from typing import Mapping, Optional
 
-__all__ = ["OutputPathError", "check_output_path", "check_output_paths"]
+__all__ = ["OutputPathError", "check_output_path", "check_output_paths", "same_file"]
 
 
 class OutputPathError(ValueError):
@@ -49,15 +51,27 @@ def check_output_path(flag: str, path: str) -> None:
         raise OutputPathError(f"{flag} {path}: cannot write there: {reason}") from None
 
 
-def check_output_paths(paths: Mapping[str, Optional[str]]) -> None:
-    """Check every ``{flag: path}`` given (None: not requested); two flags may
-    not name the same file."""
-    seen: dict[str, str] = {}
+def same_file(a: str, b: str) -> bool:
+    """Whether two paths name one file: the same inode when both exist
+    (symlinks and hard links included), else the same resolved path."""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # one of them does not exist (yet)
+        return os.path.realpath(a) == os.path.realpath(b)
+
+
+def check_output_paths(
+    paths: Mapping[str, Optional[str]], inputs: Optional[Mapping[str, Optional[str]]] = None
+) -> None:
+    """Check every ``{flag: path}`` given (None: not requested); no two
+    flags may name one file, and no output may name an input (``inputs``,
+    e.g. ``{"--trace": path}``): writing it would destroy what the run reads."""
+    seen: list[tuple[str, str]] = [(flag, path) for flag, path in (inputs or {}).items() if path is not None]
     for flag, path in paths.items():
         if path is None:
             continue
+        for other_flag, other in seen:
+            if isinstance(path, str) and path and same_file(path, other):
+                raise OutputPathError(f"{other_flag} and {flag} name the same file: {path}")
         check_output_path(flag, path)
-        key = os.path.realpath(path)
-        if key in seen:
-            raise OutputPathError(f"{seen[key]} and {flag} name the same file: {path}")
-        seen[key] = flag
+        seen.append((flag, path))

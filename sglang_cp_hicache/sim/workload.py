@@ -32,9 +32,13 @@ import hashlib
 import json
 import reprlib
 import random
+from array import array
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO, Optional
+from collections.abc import Sequence
+from typing import Any, BinaryIO, Iterator, Optional
+
+from sglang_cp_hicache.sim.packed import PackedRequests
 
 __all__ = [
     "MAX_REQUEST_TOKENS",
@@ -42,9 +46,11 @@ __all__ = [
     "MAX_TRACE_TOKENS",
     "ChatShape",
     "SimRequest",
+    "Trace",
     "TraceError",
     "VOCAB_SIZE",
     "load_trace",
+    "pack_requests",
     "synthetic_chat",
 ]
 
@@ -56,9 +62,12 @@ MAX_TRACE_LINE_BYTES = 16 * 1024 * 1024
 #: Longest request whatever the pool size (2**20 tokens = 16,384 pages of 64;
 #: the simulator's pools are a few hundred pages).
 MAX_REQUEST_TOKENS = 1 << 20
-#: Tokens in the whole trace: every rank holds its own copy of every request
-#: (tens of bytes per token in Python), so 2**24 tokens already cost about
-#: half a GiB per rank. Use --requests to replay the first lines of a longer one.
+#: Tokens in the whole trace. Every rank holds its own copy, packed
+#: (:class:`.packed.PackedRequests`): 4 bytes a token + 8 a request, plus
+#: array's growth slack of a sixteenth -- at most 13 bytes a token (one-token
+#: lines), 208 MiB per rank at 2**24, a little over 4 for long requests; the
+#: launcher 8 more a request (line numbers). Use --requests to replay the
+#: first lines of a longer one.
 MAX_TRACE_TOKENS = 1 << 24
 
 
@@ -69,6 +78,47 @@ class SimRequest:
 
     def __len__(self) -> int:
         return len(self.tokens)
+
+
+class Trace(Sequence[SimRequest]):
+    """A parsed trace: every request's ids packed (:attr:`packed`, what the
+    ranks get) and the line each came from. Indexing and iteration build a
+    :class:`SimRequest` per request on demand."""
+
+    def __init__(self, packed: PackedRequests, line_numbers: array) -> None:
+        self.packed = packed
+        self.line_numbers = line_numbers
+
+    def __len__(self) -> int:
+        return len(self.packed)
+
+    def __getitem__(self, index):  # type: ignore[override]
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        return SimRequest(tuple(self.packed[index]), f"trace:{self.line_numbers[index]}")
+
+    def __iter__(self) -> Iterator[SimRequest]:
+        for i in range(len(self)):
+            yield self[i]
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Trace):
+            return self.packed == other.packed and self.line_numbers == other.line_numbers
+        if isinstance(other, Sequence) and not isinstance(other, (str, bytes)):
+            return len(self) == len(other) and all(a == b for a, b in zip(self, other))
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"Trace({len(self)} requests, {self.packed.total_tokens} tokens)"
+
+
+def pack_requests(requests: Sequence[SimRequest]) -> PackedRequests:
+    """The ids the ranks replay: a trace's packed form, or ``requests`` packed."""
+    if isinstance(requests, Trace):
+        return requests.packed
+    return PackedRequests.from_token_lists(r.tokens for r in requests)
 
 
 class TraceError(ValueError):
@@ -210,8 +260,8 @@ def _length_problem(n: int, max_tokens: Optional[int], budget: int) -> Optional[
 
 def _parse_line(
     obj: Any, path: str, line_no: int, seed: int, max_tokens: Optional[int], budget: int
-) -> SimRequest:
-    """One request; ``budget``: tokens the trace may still add."""
+) -> Sequence[int]:
+    """One request's token ids; ``budget``: tokens the trace may still add."""
     def fail(message: str) -> TraceError:
         return TraceError(path, line_no, message)
 
@@ -227,7 +277,7 @@ def _parse_line(
         for i, t in enumerate(tokens):
             if not _is_int(t) or not 0 <= t <= _MAX_TOKEN_ID:
                 raise fail(f"'tokens'[{i}] must be an integer in [0, {_MAX_TOKEN_ID}], got {_short(t)}")
-        return SimRequest(tuple(tokens), f"trace:{line_no}")
+        return tokens
     if "prompt_len" not in obj:
         raise fail("expected a 'tokens' list or a 'prompt_len' (with 'prefix_group')")
     prompt_len = obj["prompt_len"]
@@ -245,8 +295,7 @@ def _parse_line(
     if not _is_int(shared) or not 0 <= shared <= prompt_len:
         raise fail(f"'shared_len' must be an integer in [0, prompt_len={prompt_len}], got {_short(shared)}")
     own = random.Random(seed * 1_000_003 + line_no)
-    tokens = _group_stream(str(group), shared) + _tokens(own, prompt_len - shared)
-    return SimRequest(tokens, f"trace:{line_no}")
+    return _group_stream(str(group), shared) + _tokens(own, prompt_len - shared)
 
 
 def _read_line(handle: BinaryIO, path: str, line_no: int) -> Optional[str]:
@@ -283,16 +332,16 @@ def load_trace(
     seed: int,
     max_tokens: Optional[int] = None,
     limit: Optional[int] = None,
-) -> list[SimRequest]:
+) -> Trace:
     """Parse a JSONL trace; raise :class:`TraceError` naming the first bad line.
 
     ``max_tokens``: longest request the simulated device can hold (requests
     are capped at :data:`MAX_REQUEST_TOKENS` regardless).
     ``limit``: keep only the first ``limit`` requests (later lines are not read).
+    The requests are packed as they are parsed (see :data:`MAX_TRACE_TOKENS`).
     """
     path = str(path)
-    out: list[SimRequest] = []
-    total = 0
+    out = Trace(PackedRequests(), array("q"))
     try:
         handle = open(path, "rb")
     except OSError as exc:
@@ -308,9 +357,9 @@ def load_trace(
                 if not line.strip():
                     continue
                 obj = _decode_json(line, path, line_no)
-                req = _parse_line(obj, path, line_no, seed, max_tokens, MAX_TRACE_TOKENS - total)
-                total += len(req)
-                out.append(req)
+                budget = MAX_TRACE_TOKENS - out.packed.total_tokens
+                out.packed.append(_parse_line(obj, path, line_no, seed, max_tokens, budget))
+                out.line_numbers.append(line_no)
         except OSError as exc:
             raise TraceError(path, None, f"cannot read the trace: {exc.strerror or exc}") from None
     if not out:
