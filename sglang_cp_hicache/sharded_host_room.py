@@ -1,0 +1,104 @@
+"""Owner-aware host room for a backup on a KV-sharded (page-interleaved) host pool.
+
+Under page-interleave KV sharding every host page has an owner class (page
+mod N), and a backup's host slots are drawn owner-cyclically: page ``j`` of a
+run that starts at class ``s`` needs a free host page of class
+``(s + j) mod N``. Freeing host room by a token count frees least-recently-used
+pages of whatever class they are, which may leave the run short of one class
+while evictable pages of that class remain. These functions decide by class
+instead: how many pages of each class a run needs, which classes are short,
+and whether evicting a host leaf (its pages' classes) frees anything of a short
+class.
+
+Pure functions of ints (no torch, no SGLang). Every CP rank holds the same
+host allocator state and the same tree, so every rank reaches the same
+decisions without asking the others.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from sglang_cp_hicache.validation import check_int, check_int_list
+
+__all__ = ["HostRoom", "class_counts_of", "cyclic_class_counts", "plan_host_room"]
+
+
+def cyclic_class_counts(start_class: int, pages: int, cp_size: int) -> list[int]:
+    """Pages of each class a cyclic run of ``pages`` pages from ``start_class``
+    draws (class ``c`` gets ``pages // N`` plus one if it is among the first
+    ``pages % N`` classes from ``start_class``)."""
+    check_int("cp_size", cp_size, 1)
+    check_int("start_class", start_class, 0, cp_size - 1)
+    check_int("pages", pages, 0)
+    extra = pages % cp_size
+    return [pages // cp_size + int((c - start_class) % cp_size < extra) for c in range(cp_size)]
+
+
+def class_counts_of(owners: Iterable[int], cp_size: int) -> list[int]:
+    """How many of ``owners`` (one owner class per page) fall in each class."""
+    check_int("cp_size", cp_size, 1)
+    counts = [0] * cp_size
+    for i, owner in enumerate(owners):
+        counts[check_int(f"owners[{i}]", owner, 0, cp_size - 1)] += 1
+    return counts
+
+
+@dataclass
+class HostRoom:
+    """The pages of each class a run still lacks (``shortfall``).
+
+    ``need``: pages of each class the run draws; ``free``: free host pages of
+    each class now. :meth:`helps` says whether freeing pages of the given
+    classes reduces the shortfall; :meth:`take` accounts for them.
+    """
+
+    need: list[int]
+    free: list[int]
+    shortfall: list[int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.need = check_int_list("need", self.need, minimum=0)
+        self.free = check_int_list("free", self.free, length=len(self.need), minimum=0)
+        if not self.need:
+            raise ValueError("need must have one entry per owner class, got none")
+        self.shortfall = [max(n - f, 0) for n, f in zip(self.need, self.free)]
+
+    @property
+    def satisfied(self) -> bool:
+        return not any(self.shortfall)
+
+    @property
+    def short_classes(self) -> list[int]:
+        return [c for c, short in enumerate(self.shortfall) if short]
+
+    def helps(self, freed: Sequence[int]) -> bool:
+        """True iff ``freed`` (pages of each class a leaf would free) holds a
+        page of a class the run is short of."""
+        freed = check_int_list("freed", freed, length=len(self.need), minimum=0)
+        return any(short and got for short, got in zip(self.shortfall, freed))
+
+    def take(self, freed: Sequence[int]) -> None:
+        """Account for ``freed`` pages of each class becoming free."""
+        freed = check_int_list("freed", freed, length=len(self.need), minimum=0)
+        self.free = [f + g for f, g in zip(self.free, freed)]
+        self.shortfall = [max(n - f, 0) for n, f in zip(self.need, self.free)]
+
+
+def plan_host_room(need: Sequence[int], free: Sequence[int], leaves: Sequence[Sequence[int]]) -> tuple[list[int], bool]:
+    """Which of ``leaves`` (each: pages of each class it holds, in eviction
+    order) to evict for a run needing ``need`` pages of each class with
+    ``free`` free: every leaf, in order, that holds a page of a class still
+    short, until none is short. Returns (indices of the leaves to evict,
+    whether the run then fits). A leaf that frees nothing of a short class is
+    never taken."""
+    room = HostRoom(list(need), list(free))
+    taken: list[int] = []
+    for i, leaf in enumerate(leaves):
+        if room.satisfied:
+            break
+        if room.helps(leaf):
+            room.take(leaf)
+            taken.append(i)
+    return taken, room.satisfied

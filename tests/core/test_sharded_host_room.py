@@ -1,0 +1,86 @@
+"""Owner-aware host room (``sglang_cp_hicache.sharded_host_room``): pure decisions on ints."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sglang_cp_hicache.sharded_host_room import HostRoom, class_counts_of, cyclic_class_counts, plan_host_room
+
+
+@given(n=st.integers(1, 9), data=st.data())
+def test_cyclic_counts_are_the_classes_a_cyclic_run_draws(n, data):
+    start = data.draw(st.integers(0, n - 1))
+    pages = data.draw(st.integers(0, 40))
+    assert cyclic_class_counts(start, pages, n) == class_counts_of([(start + j) % n for j in range(pages)], n)
+
+
+def test_the_finding_run_needs_two_of_class_0_and_one_of_class_1():
+    assert cyclic_class_counts(0, 3, 2) == [2, 1]
+    room = HostRoom([2, 1], [1, 1])
+    assert room.shortfall == [1, 0] and room.short_classes == [0] and not room.satisfied
+    assert not room.helps([0, 1])  # upstream's LRU page of class 1 frees nothing needed
+    assert room.helps([1, 0])
+    room.take([0, 1])
+    assert room.shortfall == [1, 0]
+    room.take([2, 0])
+    assert room.satisfied and room.free == [3, 2]
+
+
+def _leaves(n: int):
+    return st.lists(st.lists(st.integers(0, 3), min_size=n, max_size=n), max_size=12)
+
+
+@settings(max_examples=300, deadline=None)
+@given(n=st.integers(1, 6), data=st.data())
+def test_a_plan_takes_only_helpful_leaves_and_stops_when_the_run_fits(n, data):
+    need = data.draw(st.lists(st.integers(0, 5), min_size=n, max_size=n))
+    free = data.draw(st.lists(st.integers(0, 5), min_size=n, max_size=n))
+    leaves = data.draw(_leaves(n))
+    taken, fits = plan_host_room(need, free, leaves)
+    assert taken == sorted(set(taken))
+    # replay: each taken leaf held a page of a class short at its turn
+    room = HostRoom(need, free)
+    for i, leaf in enumerate(leaves):
+        if i in taken:
+            assert room.helps(leaf) and not room.satisfied
+            room.take(leaf)
+        elif not room.satisfied:
+            assert not room.helps(leaf)  # skipped: nothing of a short class
+    assert fits == room.satisfied
+    if fits and taken:
+        # the last leaf taken was needed: without it the run would not fit
+        without = HostRoom(need, free)
+        for i in taken[:-1]:
+            without.take(leaves[i])
+        assert not without.satisfied
+        assert all(i <= taken[-1] for i in taken)
+    if not fits:
+        # nothing left could help: every leaf not taken holds no page of a short class
+        assert all(not room.helps(leaf) for i, leaf in enumerate(leaves) if i not in taken)
+    # never more evicted of a class than it holds in total
+    assert all(f >= fr for f, fr in zip(room.free, free))
+
+
+def test_bad_arguments_are_refused_by_name():
+    with pytest.raises(ValueError, match="start_class must be <= 1"):
+        cyclic_class_counts(2, 3, 2)
+    with pytest.raises(ValueError, match="pages must be >= 0"):
+        cyclic_class_counts(0, -1, 2)
+    with pytest.raises(ValueError, match="cp_size must be >= 1"):
+        cyclic_class_counts(0, 1, 0)
+    with pytest.raises(ValueError, match="owners\\[1\\] must be <= 1"):
+        class_counts_of([0, 2], 2)
+    with pytest.raises(ValueError, match="free must have 2 entries, got 3"):
+        HostRoom([1, 1], [0, 0, 0])
+    with pytest.raises(ValueError, match="need\\[0\\] must be >= 0"):
+        HostRoom([-1, 1], [0, 0])
+    with pytest.raises(ValueError, match="need must have one entry per owner class"):
+        HostRoom([], [])
+    room = HostRoom([2, 1], [0, 0])
+    with pytest.raises(ValueError, match="freed must have 2 entries, got 1"):
+        room.take([1])
+    with pytest.raises(TypeError, match="freed\\[0\\] must be an int"):
+        room.helps([1.0, 0])
+    assert room.free == [0, 0] and room.shortfall == [2, 1]  # nothing changed
