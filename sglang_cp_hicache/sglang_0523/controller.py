@@ -44,6 +44,12 @@ class LibraryCopyController(HybridCacheController):
         # Bumped on every preparation, so start-up can prove this override is
         # what upstream's write and load paths reach.
         self.prepared_operations = 0
+        # Set by the strategy once the stack is built: the owner-aware host
+        # room (``.host_room``), the device frees from rotation phases
+        # (``.device_free``) and the kernels' warm-up report.
+        self.cp_host_room: Any = None
+        self.cp_device_frees: Any = None
+        self.cp_warmup: Any = None
 
     def _owned_host_rows(self, host_indices: torch.Tensor) -> torch.Tensor:
         """This rank's local host rows of ``host_indices`` (logical host slots,

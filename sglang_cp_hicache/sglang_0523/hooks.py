@@ -103,6 +103,12 @@ _GROUP = "sglang.srt.mem_cache.pool_host.group"
 _DECL = "sglang.srt.mem_cache.pool_host.host_pool_decl"
 _MEMPOOL = "sglang.srt.mem_cache.memory_pool"
 _PARAMS = "sglang.srt.mem_cache.cache_init_params"
+_URC = "sglang.srt.mem_cache.unified_radix_cache"
+_TREE = "sglang.srt.mem_cache.unified_cache.unified_tree_core"
+_TREE_IF = "sglang.srt.mem_cache.unified_cache.unified_tree_core_interface"
+_FULL = "sglang.srt.mem_cache.unified_cache.components.full"
+_COMP_BASE = "sglang.srt.mem_cache.unified_cache.components.base"
+_ALLOC_PI = "sglang.srt.mem_cache.allocator.page_interleave"
 _STEP_PARAMS = ("self", "transfers", "transfer_layer_id_max", "start_event", "on_layer_done")
 _BUILD_PARAMS = (
     "self", "cache", "kvcache", "params", "server_args", "load_cache_event", "storage_backend",
@@ -148,6 +154,14 @@ def _classes() -> tuple[Hook, ...]:
         cls(_PARAMS, "CacheInitParams", "reads the cache parameters upstream's DSA strategy reads"),
         cls("sglang.srt.arg_groups.fields.memory", "Memory", "reads the HiCache settings"),
         cls(_STORAGE, "PoolName", "looks up the kv and indexer host pools"),
+        cls(_URC, "UnifiedRadixCache", "makes owner-aware host room for its backups"),
+        cls(_TREE, "UnifiedTreeCore", "walks the host leaves and the rotation phases of nodes"),
+        cls(_TREE, "UnifiedTreeNode", "reads a node's rotation base, parent and FULL data"),
+        cls(_FULL, "FullComponent", "learns which node a device free comes from"),
+        cls(_COMP_BASE, "EvictLayer", "tells device evictions from host ones"),
+        cls(_COMP_BASE, "ComponentData", "reads a node's device locs and host slots"),
+        cls(_TREE_IF, "DriveHostEvictionResult", "collects one host leaf's frees as upstream's host eviction does"),
+        cls(_ALLOC_PI, "PageInterleavePoolAllocator", "frees evicted nodes' device pages into its class lists"),
         cls("sglang.srt.mem_cache.unified_cache.component_type", "ComponentType",
             "maps the FULL component to the KV host pool"),
         cls(_ASM, "register_stack_strategy", "registers its strategy ahead of upstream's", ("strategy",)),
@@ -202,6 +216,24 @@ def _seam() -> tuple[Hook, ...]:
              "runs each backup through the library's kernels"),
         Hook(_L2, "L2TransferEngine", "submit_host_to_device", "override", _STEP_PARAMS,
              "runs each layer's load through the library's kernels"),
+        Hook(_URC, "UnifiedRadixCache", "_execute_kv_backup", "replaced-on-instance",
+             ("self", "node_id", "device_value", "comp_xfers", "sidecar_xfers"),
+             "replaces each sharded cache's backup with one that makes owner-aware host room"),
+        Hook(_URC, "UnifiedRadixCache", "_apply_eviction_result", "private-helper", ("self", "result"),
+             "drains each host leaf it evicts as upstream's host eviction does"),
+        Hook(_TREE, "UnifiedTreeCore", "_evict_host_leaf", "private-helper",
+             ("self", "node", "tracker", "device_frees", "host_frees", "cache_actions"),
+             "evicts the host leaves that hold pages of a class a backup is short of"),
+        Hook(_FULL, "FullComponent", "evict_component", "replaced-on-instance",
+             ("self", "node", "device_frees", "host_frees", "cache_actions", "target"),
+             "remembers the rotation phase of each node whose device value it queues for freeing"),
+        Hook(_FULL, "FullComponent", "_ensure_eviction_strategy", "private-helper", ("self",),
+             "binds the eviction priority as upstream's host eviction does"),
+        Hook(_ALLOC_PI, "PageInterleavePoolAllocator", "free_segment", "replaced-on-instance",
+             ("self", "free_index", "start_pos"),
+             "frees an evicted node's pages from its rotation phase (no host read)"),
+        Hook(_ALLOC_PI, "PageInterleavePoolAllocator", "free", "replaced-on-instance", ("self", "free_index"),
+             "counts the frees that still read their locs on the host"),
         Hook(_L2, "L2TransferEngine", "_submission", "private-helper",
              ("self", "transfers", "stream", "transfer_key", "start_event"),
              "keeps upstream's streams, events, layout leases and index preparation"),
@@ -245,6 +277,27 @@ def _attributes() -> tuple[Hook, ...]:
         *_reads(_STORAGE, "PoolName", "KV INDEXER", "looks up the kv and indexer host pools"),
         *_reads("sglang.srt.mem_cache.unified_cache.component_type", "ComponentType", "FULL",
                 "maps the FULL component to the KV host pool"),
+        Hook(_HCC, "HybridCacheController", "write", "call",
+             ("self", "device_indices", "priority", "node_id", "extra_pools", "flush", "start_owner"),
+             "queues each backup exactly as upstream's _execute_kv_backup does"),
+        *_reads(_URC, "UnifiedRadixCache", "tree_core cache_controller host_memory_mode components is_write_back",
+                "makes host room and finds the FULL component"),
+        *_reads(_TREE, "UnifiedTreeCore", "rotation_phase_of evictable_host_leaves components_by_type",
+                "walks the host leaves in upstream's order and reads the rotation phases"),
+        *_reads(_TREE, "UnifiedTreeNode", "rotation_base parent id component",
+                "reads a node's chain rotation, parent and FULL data"),
+        *_reads(_FULL, "FullComponent", "session_ref_eviction_strategy", "orders host leaves as upstream does"),
+        *_reads(_COMP_BASE, "ComponentData", "value host_value", "reads a node's device locs and host slots"),
+        *_reads(_COMP_BASE, "EvictLayer", "DEVICE", "tells device evictions from host ones"),
+        *_reads(_TREE_IF, "DriveHostEvictionResult", "tracker device_frees host_frees cache_actions",
+                "collects one host leaf's frees"),
+        *_reads(_ALLOC_PI, "PageInterleavePoolAllocator", "class_free_page_counts class_free_pages "
+                "class_release_pages need_sort debug_mode page_size shard_size free_group debug_check_classes",
+                "reads the class counts and frees into the class lists as upstream's free does"),
+        *_reads(_PH_PI, "PageInterleaveHostPool", "_slots", "reads the host slots' free pages per owner class"),
+        *_reads(_PH_BASE, "HostKVCache", "shared_allocation_domain",
+                "refuses a shared host allocation domain (another backup branch upstream)"),
+        *_reads(_GROUP, "PoolEntry", "host_evict_fn", "refuses a host pool with its own eviction"),
     )
 
 

@@ -8,8 +8,12 @@ stacks built on upstream's KV-sharded DSA pool (``--enable-kv-cache-sharding``
 with HiCache on a DSA model); every other stack keeps upstream's strategies.
 
 ``SGLANG_CP_HICACHE_COPY`` picks the copy path: ``library`` (default) or
-``upstream`` (register nothing). ``SGLANG_PLUGINS`` (SGLang's allow-list)
-can leave the plugin out entirely.
+``upstream``: :class:`~.strategy.UpstreamDsaStrategy`, which builds upstream's
+own stack and only takes part in the CP ranks' start-up agreement, so that
+ranks started on different copy paths are refused on every rank instead of
+hanging (on another release, or one that changed a hooked name, ``upstream``
+registers nothing). ``SGLANG_PLUGINS`` (SGLang's allow-list) can leave the
+plugin out entirely (then that rank joins no agreement).
 
 SGLang only logs a plugin that raises, so nothing here refuses by raising:
 a supported release registers the strategy, whose ``build`` runs the start-up
@@ -80,8 +84,10 @@ def register() -> None:
         logger.error("sglang-cp-hicache: %s; KV-sharded DSA HiCache will refuse to start", exc)
         importlib.import_module(_ASSEMBLER).register_stack_strategy(_refusing_strategy(copy_path_from_env))
         return
-    if path == "upstream":
-        logger.info("sglang-cp-hicache: %s=upstream, SGLang keeps its own sharded copy path", COPY_ENV)
+    if path == "upstream" and version != SUPPORTED_SGLANG:
+        # Its build copies 0.5.23's upstream build: on any other release it
+        # could differ from upstream's own, so it stays out.
+        logger.info("sglang-cp-hicache: %s=upstream on sglang %s: nothing registered", COPY_ENV, version)
         return
     try:
         check_sglang_version(version)
@@ -100,10 +106,17 @@ def register() -> None:
         # Before importing the strategy module: it imports SGLang names at import.
         check_hooks()
     except HookMismatchError as exc:
+        if path == "upstream":
+            logger.warning("sglang-cp-hicache: %s=upstream: nothing registered (%s)", COPY_ENV, exc)
+            return
         logger.error("%s KV-sharded DSA HiCache will refuse to start.", exc)
         importlib.import_module(_ASSEMBLER).register_stack_strategy(_refusing_strategy(check_hooks))
         return
     from sglang_cp_hicache.sglang_0523.strategy import install_strategy
 
-    install_strategy()
+    install_strategy(path)
+    if path == "upstream":
+        logger.info("sglang-cp-hicache: %s=upstream, SGLang keeps its own sharded stack "
+                    "(this plugin only joins the CP ranks' start-up agreement)", COPY_ENV)
+        return
     logger.info("sglang-cp-hicache: library copy kernels registered for KV-sharded DSA HiCache")

@@ -2,8 +2,12 @@
 
 Every CP rank of the sharded stack decides alone from mirrored state: the
 logical device and host allocators, the owner of each page, which copies
-run. Ranks started with different page sizes, host layouts, pool sizes or
-copy kernels would diverge silently. When :class:`~.strategy.LibraryDsaStrategy`
+run, which host pages make room for a backup. Ranks started with different
+page sizes, host layouts, pool sizes, copy paths or copy kernels would
+diverge silently, and a library rank would wait in this all-gather for a
+rank that never joins it. So a rank on ``SGLANG_CP_HICACHE_COPY=upstream``
+joins it too (:class:`~.strategy.UpstreamDsaStrategy`) and a mixed
+deployment is refused on every rank. When :class:`~.strategy.LibraryDsaStrategy`
 builds, every rank calls :func:`agree_at_start_up` once, before the
 controller exists: one all-gather over the device pool's shard group (the
 group whose ``rank_in_group`` / ``world_size`` gave the pool its
@@ -26,10 +30,13 @@ from sglang_cp_hicache import settings
 from sglang_cp_hicache.agreement import RankView, gather_and_check
 from sglang_cp_hicache.kernels.transfer import select_backend
 
-__all__ = ["COPY_PATH", "SETTINGS_KEY", "agree_at_start_up", "start_up_view"]
+__all__ = ["COPY_KEY", "COPY_PATH", "SETTINGS_KEY", "agree_at_start_up", "start_up_view"]
 
-#: The copy path every rank that builds this strategy runs.
+#: The copy path of a rank that builds the library strategy (a rank on
+#: ``SGLANG_CP_HICACHE_COPY=upstream`` takes part as ``upstream``).
 COPY_PATH = "library"
+#: The view's entry for the copy path, named with the variable that sets it.
+COPY_KEY = f"copy_path ({settings.COPY.name})"
 #: The view's entry for this library's settings: "valid", or the error.
 SETTINGS_KEY = "SGLANG_CP_HICACHE_* settings"
 
@@ -42,10 +49,12 @@ def _settings_problem() -> Optional[str]:
     return None
 
 
-def start_up_view(kvcache: Any, host_pool_group: Any) -> RankView:
+def start_up_view(kvcache: Any, host_pool_group: Any, copy_path: str = COPY_PATH) -> RankView:
     """This rank's view: shard rank and size of the device pool, and every
     value the CP ranks must share (pool sizes in pages per rank, the host
-    pool's padding page included)."""
+    pool's padding page included; ``copy_path``: ``library`` or ``upstream``)."""
+    if copy_path not in settings.COPY.choices:
+        raise ValueError(f"copy_path must be one of {settings.COPY.choices}, got {copy_path!r}")
     page_size = int(kvcache.shard_spec.page_size)
     host = host_pool_group.anchor_entry.host_pool
     return RankView(
@@ -59,7 +68,7 @@ def start_up_view(kvcache: Any, host_pool_group: Any) -> RankView:
             # host slots): their sizes must be equal for their picks to be.
             "device_pages": int(kvcache.size) // page_size,
             "host_pages": int(host.size) // int(host.page_size),
-            "copy_path": COPY_PATH,
+            COPY_KEY: copy_path,
             "kernel_backend": select_backend(kvcache.device),
             SETTINGS_KEY: _settings_problem() or "valid",
         },
@@ -70,13 +79,14 @@ def agree_at_start_up(
     kvcache: Any,
     host_pool_group: Any,
     *,
+    copy_path: str = COPY_PATH,
     all_gather: Optional[Callable[[list, Any, Any], None]] = None,
 ) -> list[RankView]:
     """All-gather this rank's view over the pool's shard group and check it
     (:class:`~sglang_cp_hicache.agreement.CpAgreementError` on every rank,
     naming the disagreeing rank and value); then raise this rank's settings
     error, if any (every rank has the same one once they agree)."""
-    view = start_up_view(kvcache, host_pool_group)
+    view = start_up_view(kvcache, host_pool_group, copy_path)
     views = gather_and_check(view, kvcache.shard_group.cpu_group, all_gather=all_gather)
     if view.values[SETTINGS_KEY] != "valid":
         raise ValueError(view.values[SETTINGS_KEY])

@@ -8,7 +8,12 @@ pool (``PageInterleaveDSATokenToKVPool``) and builds what upstream's
 ``_DsaStrategy`` builds -- the same host pool group (``PageInterleaveHostPool``
 + ``DSAIndexerPoolHost``), the same controller arguments -- with
 :class:`~.controller.LibraryCopyController` in place of
-``HybridCacheController``. No upstream class or function is patched.
+``HybridCacheController``, and on the cache's instances the owner-aware
+host room for backups (:mod:`.host_room`) and device frees of evicted nodes
+from their rotation phase (:mod:`.device_free`). No upstream class or
+function is patched. :class:`UpstreamDsaStrategy` builds upstream's own
+stack for a rank on ``SGLANG_CP_HICACHE_COPY=upstream`` and only joins the
+start-up agreement, so ranks on different copy paths are refused.
 
 Start-up, all inside ``build`` (so a failure aborts the cache and the server
 refuses to start): every SGLang name the adapter depends on is present and
@@ -23,7 +28,8 @@ empty write and an empty load sent through upstream's own entry points
 ``l2_transfer_engine.submit_*``) reach this adapter's overrides. A seam that
 did not take -- a renamed private method upstream, another strategy or plugin
 that replaced ours -- is refused by name instead of silently falling back to
-upstream's copies.
+upstream's copies. Last, the four copy kernels are compiled (CUDA) or
+loaded (interpreter) for the stack's pools (:mod:`.warmup`).
 """
 
 from __future__ import annotations
@@ -34,8 +40,10 @@ from typing import Any
 import torch
 from sglang.srt.managers.cache_controller import CacheOperation
 from sglang.srt.mem_cache.hicache_storage import PoolName
+from sglang.srt.mem_cache.allocator.page_interleave import PageInterleavePoolAllocator
 from sglang.srt.mem_cache.hybrid_cache import hybrid_pool_assembler as assembler
 from sglang.srt.mem_cache.hybrid_cache.host_pool_config import prepare_host_pool_config
+from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController
 from sglang.srt.mem_cache.page_interleave_pool import PageInterleaveKVPoolMixin
 from sglang.srt.mem_cache.pool_host.dsa import DSAIndexerPoolHost
 from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
@@ -45,13 +53,18 @@ from sglang_cp_hicache.kernels._checks import HOST_LAYOUTS
 from sglang_cp_hicache.sglang_0523 import check_sglang_version
 from sglang_cp_hicache.sglang_0523.controller import LibraryCopyController
 from sglang_cp_hicache.sglang_0523.copy_engine import LibraryL2TransferEngine, kv_host_pool_of
+from sglang_cp_hicache.sglang_0523.device_free import PhaseKnownDeviceFrees
 from sglang_cp_hicache.sglang_0523.hooks import check_hooks
+from sglang_cp_hicache.sglang_0523.host_room import OwnerAwareHostRoom
 from sglang_cp_hicache.sglang_0523.startup import agree_at_start_up
+from sglang_cp_hicache.sglang_0523.warmup import warm_up_copies
 
 __all__ = [
     "LibraryDsaStrategy",
     "LibraryStackError",
+    "UpstreamDsaStrategy",
     "install_strategy",
+    "installed_copy_path",
     "strategy_installed",
     "uninstall_strategy",
     "verify_library_stack",
@@ -86,56 +99,114 @@ class LibraryDsaStrategy(assembler._DsaStrategy):
     ) -> assembler.StackBuildResult:
         check_sglang_version()
         check_hooks()
-        # Follows upstream _DsaStrategy.build (0.5.23) line for line; only the
-        # controller class and the start-up agreement differ.
-        config = prepare_host_pool_config(
-            decls=kvcache.host_pool_decls(),
-            full_layer_mapping={i: i for i in range(kvcache.layer_num)},
-            transfer_layer_id_max=kvcache.layer_num,
-            transfer_page_size=params.page_size,
-            packed_draft_device_pools=params.mtp_draft_device_pools,
-        )
-        host_pool_group = assembler.build_host_pool_group(config=config)
-        # Before anything a rank could refuse alone: every rank reaches the all-gather.
-        agree_at_start_up(kvcache, host_pool_group)
-        memory = get_memory()
-        cache_controller = LibraryCopyController(
-            params.token_to_kv_pool_allocator,
-            host_pool_group,
-            config.transfer_page_size,
-            params.tp_cache_group,
-            load_cache_event=load_cache_event,
-            attn_cp_group=params.attn_cp_cache_group,
-            attn_tp_group=params.attn_tp_cache_group,
-            pp_group=params.pp_cache_group,
-            write_policy=memory.hicache_write_policy,
-            io_backend=memory.hicache_io_backend,
-            storage_backend=storage_backend,
-            prefetch_threshold=prefetch_threshold,
-            model_name=model_name,
-            storage_backend_extra_config=storage_backend_extra_config,
-            transfer_layer_id_max=kvcache.layer_num,
+        result = _build_dsa_stack(
+            LibraryCopyController, "library", kvcache=kvcache, params=params, load_cache_event=load_cache_event,
+            storage_backend=storage_backend, storage_backend_extra_config=storage_backend_extra_config,
+            prefetch_threshold=prefetch_threshold, model_name=model_name,
             enable_storage_metrics=enable_storage_metrics,
-            host_memory_mode=memory.hicache_host_memory_mode,
-        )
-        result = assembler.StackBuildResult(
-            host_pool_group=host_pool_group,
-            cache_controller=cache_controller,
-            component_host_pools={
-                ComponentType.FULL: host_pool_group.get_pool(PoolName.KV),
-            },
-            sidecars=[c.decl.sidecar_spec() for c in config.pools if not c.decl.is_primary],
-            pools_desc=" + ".join(c.decl.pool_name.value.upper() for c in config.pools),
-            pool_declarations=tuple(c.decl for c in config.pools),
         )
         verify_library_stack(result, kvcache, params)
+        controller = result.cache_controller
+        layout = controller.cp_layout
+        # The tree-facing bookkeeping: owner-aware host room for backups, and
+        # device frees of evicted nodes from their rotation phase.
+        controller.cp_host_room = OwnerAwareHostRoom(cache, layout)
+        controller.cp_host_room.install()
+        controller.cp_device_frees = PhaseKnownDeviceFrees(cache, params.token_to_kv_pool_allocator, layout)
+        controller.cp_device_frees.install()
+        controller.cp_warmup = warm_up_copies(result.host_pool_group, layout.cp_rank, layout.cp_size)
         logger.info(
             "sglang-cp-hicache: library copy kernels on the sharded DSA HiCache path "
             "(cp_rank %d of %d, host layout %s)",
-            cache_controller.cp_layout.cp_rank, cache_controller.cp_layout.cp_size,
-            host_pool_group.layout,
+            layout.cp_rank, layout.cp_size, result.host_pool_group.layout,
         )
         return result
+
+
+class UpstreamDsaStrategy(assembler._DsaStrategy):
+    """Upstream's sharded DSA stack, for a rank on ``SGLANG_CP_HICACHE_COPY=upstream``.
+
+    It builds what upstream's ``_DsaStrategy`` builds (the same calls, the
+    same ``HybridCacheController``, nothing replaced) and takes part in the
+    CP ranks' start-up agreement at the point where the library's build does,
+    so a deployment whose ranks run different copy paths is refused on every
+    rank instead of leaving the library ranks waiting for a peer that never
+    joins the all-gather.
+    """
+
+    def matches(self, kvcache: Any, components: set) -> bool:
+        return isinstance(kvcache, PageInterleaveKVPoolMixin) and super().matches(kvcache, components)
+
+    def build(
+        self,
+        *,
+        cache,
+        kvcache,
+        params,
+        server_args,
+        load_cache_event,
+        storage_backend=None,
+        storage_backend_extra_config=None,
+        prefetch_threshold=256,
+        model_name=None,
+        enable_storage_metrics=False,
+    ) -> assembler.StackBuildResult:
+        return _build_dsa_stack(
+            HybridCacheController, "upstream", kvcache=kvcache, params=params, load_cache_event=load_cache_event,
+            storage_backend=storage_backend, storage_backend_extra_config=storage_backend_extra_config,
+            prefetch_threshold=prefetch_threshold, model_name=model_name,
+            enable_storage_metrics=enable_storage_metrics,
+        )
+
+
+def _build_dsa_stack(
+    controller_class: type, copy_path: str, *, kvcache: Any, params: Any, load_cache_event: Any,
+    storage_backend: Any, storage_backend_extra_config: Any, prefetch_threshold: int, model_name: Any,
+    enable_storage_metrics: bool,
+) -> assembler.StackBuildResult:
+    """Upstream ``_DsaStrategy.build`` (0.5.23) line for line, with
+    ``controller_class`` and the start-up agreement (after the host pools,
+    before the controller, whose construction makes process groups)."""
+    config = prepare_host_pool_config(
+        decls=kvcache.host_pool_decls(),
+        full_layer_mapping={i: i for i in range(kvcache.layer_num)},
+        transfer_layer_id_max=kvcache.layer_num,
+        transfer_page_size=params.page_size,
+        packed_draft_device_pools=params.mtp_draft_device_pools,
+    )
+    host_pool_group = assembler.build_host_pool_group(config=config)
+    # Before anything a rank could refuse alone: every rank reaches the all-gather.
+    agree_at_start_up(kvcache, host_pool_group, copy_path=copy_path)
+    memory = get_memory()
+    cache_controller = controller_class(
+        params.token_to_kv_pool_allocator,
+        host_pool_group,
+        config.transfer_page_size,
+        params.tp_cache_group,
+        load_cache_event=load_cache_event,
+        attn_cp_group=params.attn_cp_cache_group,
+        attn_tp_group=params.attn_tp_cache_group,
+        pp_group=params.pp_cache_group,
+        write_policy=memory.hicache_write_policy,
+        io_backend=memory.hicache_io_backend,
+        storage_backend=storage_backend,
+        prefetch_threshold=prefetch_threshold,
+        model_name=model_name,
+        storage_backend_extra_config=storage_backend_extra_config,
+        transfer_layer_id_max=kvcache.layer_num,
+        enable_storage_metrics=enable_storage_metrics,
+        host_memory_mode=memory.hicache_host_memory_mode,
+    )
+    return assembler.StackBuildResult(
+        host_pool_group=host_pool_group,
+        cache_controller=cache_controller,
+        component_host_pools={
+            ComponentType.FULL: host_pool_group.get_pool(PoolName.KV),
+        },
+        sidecars=[c.decl.sidecar_spec() for c in config.pools if not c.decl.is_primary],
+        pools_desc=" + ".join(c.decl.pool_name.value.upper() for c in config.pools),
+        pool_declarations=tuple(c.decl for c in config.pools),
+    )
 
 
 # ---- start-up check ---------------------------------------------------------
@@ -167,6 +238,13 @@ def _check_supported(result: Any, kvcache: Any, params: Any) -> None:
         _refuse(f"anchor host pool {type(group.anchor_entry.host_pool).__name__}")
     if kv_pool.dcp_size != 1:
         _refuse(f"decode context parallel (dcp_size={kv_pool.dcp_size})")
+    # The owner-aware host room replaces the branch of _execute_kv_backup
+    # that upstream takes without a shared host allocation domain.
+    if group.anchor_entry.host_pool.shared_allocation_domain is not None or group.anchor_entry.host_evict_fn is not None:
+        _refuse("a host pool in a shared allocation domain")
+    if not isinstance(params.token_to_kv_pool_allocator, PageInterleavePoolAllocator):
+        _refuse(f"device allocator {type(params.token_to_kv_pool_allocator).__name__} "
+                "(needs PageInterleavePoolAllocator)")
     layers = list(range(kvcache.layer_num))
     # The engine addresses host layer l with device layer l: both maps must be identity.
     if list(kv_pool._target_layer_indices) != layers or len(kv_pool.device_kv_buffers) != len(layers):
@@ -220,19 +298,31 @@ def verify_library_stack(result: Any, kvcache: Any, params: Any) -> None:
 
 # ---- registration -----------------------------------------------------------
 
-_strategy: LibraryDsaStrategy | None = None
+_strategy: LibraryDsaStrategy | UpstreamDsaStrategy | None = None
+_STRATEGY_FOR = {"library": LibraryDsaStrategy, "upstream": UpstreamDsaStrategy}
 
 
 def strategy_installed() -> bool:
-    """True while :class:`LibraryDsaStrategy` is first in SGLang's strategy list."""
+    """True while one of this adapter's strategies is first in SGLang's list."""
     return _strategy is not None and assembler._STRATEGIES[:1] == [_strategy]
 
 
-def install_strategy() -> LibraryDsaStrategy:
-    """Register the strategy (idempotent). Raises unless it ends up first."""
+def installed_copy_path() -> str | None:
+    """``library`` or ``upstream`` while :func:`strategy_installed`, else None."""
+    return ("library" if isinstance(_strategy, LibraryDsaStrategy) else "upstream") if strategy_installed() else None
+
+
+def install_strategy(copy_path: str = "library") -> LibraryDsaStrategy | UpstreamDsaStrategy:
+    """Register the strategy of ``copy_path`` (idempotent; replaces the other
+    one). Raises unless it ends up first."""
     global _strategy
+    if copy_path not in _STRATEGY_FOR:
+        raise ValueError(f"copy_path must be one of {tuple(_STRATEGY_FOR)}, got {copy_path!r}")
+    wanted = _STRATEGY_FOR[copy_path]
+    if _strategy is not None and type(_strategy) is not wanted:
+        uninstall_strategy()
     if _strategy is None or _strategy not in assembler._STRATEGIES:
-        _strategy = LibraryDsaStrategy()
+        _strategy = wanted()
         assembler.register_stack_strategy(_strategy)
     if not strategy_installed():
         raise LibraryStackError(
@@ -242,7 +332,7 @@ def install_strategy() -> LibraryDsaStrategy:
 
 
 def uninstall_strategy() -> None:
-    """Remove the strategy: later stacks use upstream's copy path."""
+    """Remove the strategy: later stacks are built by upstream's own strategies."""
     global _strategy
     if _strategy is not None and _strategy in assembler._STRATEGIES:
         assembler._STRATEGIES.remove(_strategy)

@@ -14,11 +14,15 @@ rank, over a gloo group of ``cp_size`` processes (the pool asserts
 ``shard_size > 1``, so there is no one-rank sharded stack).
 
 ``copy_path``: ``"upstream"`` builds upstream's stack (``owned_rows`` + the
-stock ops, emulated in :mod:`.cpu_0523`); ``"library"`` builds it through
-:class:`~sglang_cp_hicache.sglang_0523.strategy.LibraryDsaStrategy` (this
-library's kernels; the strategy is registered only for the build). A library
-build makes the start-up agreement's one all-gather over ``cp_group``, so
-every rank builds its library stacks in the same order.
+stock ops, emulated in :mod:`.cpu_0523`, and upstream's bookkeeping) through
+upstream's strategies alone, or with ``upstream_via_plugin`` through
+:class:`~sglang_cp_hicache.sglang_0523.strategy.UpstreamDsaStrategy` (the
+same stack; it joins the start-up agreement); ``"library"`` builds it
+through :class:`~sglang_cp_hicache.sglang_0523.strategy.LibraryDsaStrategy`
+(this library's kernels, host room and device frees). The strategy is
+registered only for the build. A build through either strategy makes the
+start-up agreement's one all-gather over ``cp_group``, so every rank builds
+those stacks in the same order.
 
 Sizes are per rank and in pages: ``device_pages`` allocatable physical pages
 (plus SGLang's padding page), ``host_pages`` allocatable host pages.
@@ -55,6 +59,10 @@ class ShardedStackConfig:
     host_layout: str = "layer_first"  # sharded DSA HiCache: layer_first or page_first
     write_policy: str = "write_through"
     copy_path: str = "upstream"
+    # copy_path "upstream" only: build through this plugin's UpstreamDsaStrategy
+    # (as a server with the plugin and SGLANG_CP_HICACHE_COPY=upstream does),
+    # which joins the start-up agreement; False: upstream's strategies alone.
+    upstream_via_plugin: bool = False
     kv_lora_rank: int = 512
     qk_rope_head_dim: int = 64
     index_head_dim: int = 128  # DSATokenToKVPool asserts 128
@@ -68,6 +76,8 @@ class ShardedStackConfig:
             raise ValueError(f"host_layout must be layer_first or page_first, got {self.host_layout!r}")
         if self.copy_path not in COPY_PATHS:
             raise ValueError(f"copy_path must be one of {COPY_PATHS}, got {self.copy_path!r}")
+        if self.upstream_via_plugin and self.copy_path != "upstream":
+            raise ValueError("upstream_via_plugin needs copy_path='upstream'")
 
     @property
     def kv_row_bytes(self) -> int:
@@ -137,16 +147,16 @@ def _shard_group(cp_group: torch.distributed.ProcessGroup, cp_rank: int, cp_size
     return cpu_0523.CpuShardGroup(world_size=cp_size, rank_in_group=cp_rank, cpu_group=cp_group, device_group=cp_group)
 
 
-def _create_cache(ctx: Any, copy_path: str) -> Any:
+def _create_cache(ctx: Any, config: ShardedStackConfig) -> Any:
     from sglang.srt.mem_cache.registry import create_tree_cache
 
     from sglang_cp_hicache.sglang_0523 import strategy
 
-    if copy_path == "upstream":
+    if config.copy_path == "upstream" and not config.upstream_via_plugin:
         if strategy.strategy_installed():
-            raise RuntimeError("copy_path='upstream' but the library strategy is registered in this process")
+            raise RuntimeError("copy_path='upstream' but a strategy of this plugin is registered in this process")
         return create_tree_cache(ctx)
-    strategy.install_strategy()
+    strategy.install_strategy(config.copy_path)
     try:
         return create_tree_cache(ctx)
     finally:
@@ -217,6 +227,6 @@ def build_sharded_rank_stack(
         enable_hierarchical_cache=True, disable_radix_cache=False, tp_worker=_TpWorkerStandIn(),
         model_config=None, tp_size=N, tp_rank=cp_rank, tp_group=cp_group, is_dsa=True,
     )
-    cache = _create_cache(ctx, config.copy_path)
+    cache = _create_cache(ctx, config)
     cpu_0523.register_stack_buffers(cache.cache_controller.mem_pool_host)
     return ShardedRankStack(config, cp_rank, server_args, kv_pool, allocator, cache, time.perf_counter() - start)

@@ -21,6 +21,25 @@ _C = list(range(20000, 20000 + 3 * P))
 _F = list(range(30000, 30000 + 2 * P))
 
 
+class _LogLines:
+    """INFO lines logged under ``name`` while open."""
+
+    def __init__(self, name: str) -> None:
+        import logging
+
+        self.lines: list[str] = []
+        self.logger = logging.getLogger(name)
+        self.level = self.logger.level
+        self.handler = logging.Handler()
+        self.handler.emit = lambda record: self.lines.append(record.getMessage())
+        self.logger.addHandler(self.handler)
+        self.logger.setLevel(logging.INFO)
+
+    def close(self) -> None:
+        self.logger.removeHandler(self.handler)
+        self.logger.setLevel(self.level)
+
+
 def _setup() -> None:
     from sglang_cp_hicache.testing.cpu_0523 import ensure_sglang_importable
 
@@ -127,6 +146,41 @@ def _path_locs(stack: Any, tokens: list[int]) -> dict[str, Any]:
     return {"tokens": pos, "device": cat(device), "host": cat(host)}
 
 
+def _same_nodes(a: dict, b: dict) -> bool:
+    import torch
+
+    return a.keys() == b.keys() and all(
+        all((x is None and y is None) or (x is not None and y is not None and torch.equal(x, y))
+            for x, y in zip(a[k], b[k]))
+        for k in a
+    )
+
+
+def _pool_facts(stack: Any) -> dict[str, Any]:
+    """What the warm-up must be given, read off the device pool and config."""
+    kv_layer, index_layer = stack.kv_pool.kv_buffer[0], stack.kv_pool.index_k_with_scale_buffer[0]
+    return {
+        "page_size": stack.config.page_size, "host_layout": stack.config.host_layout,
+        "num_layers": stack.config.num_layers, "kv_dim": int(kv_layer.shape[-1]), "kv_dtype": str(kv_layer.dtype),
+        "indexer_page_bytes": int(index_layer.shape[-1]), "device": str(kv_layer.device),
+    }
+
+
+def _recording_warmups() -> tuple[list, Any]:
+    """Record every ``kernels.transfer.warmup`` call (and let it run)."""
+    from sglang_cp_hicache.kernels import transfer
+
+    calls: list[dict[str, Any]] = []
+    real = transfer.warmup
+
+    def recorded(**kwargs: Any) -> Any:
+        calls.append({k: str(v) if k in ("kv_dtype", "device") else v for k, v in kwargs.items()})
+        return real(**kwargs)
+
+    transfer.warmup = recorded
+    return calls, real
+
+
 def differential(rank: int, world: int, *, layouts: tuple[str, ...]) -> dict[str, Any]:
     """Upstream vs library on identical requests, per host layout."""
     _setup()
@@ -142,20 +196,26 @@ def differential(rank: int, world: int, *, layouts: tuple[str, ...]) -> dict[str
             config = ShardedStackConfig(
                 cp_size=world, device_pages=10, host_pages=24, host_layout=host_layout, copy_path=copy_path
             )
-            stack = build_sharded_rank_stack(config, rank, cp_group=dist.group.WORLD)
+            calls, real_warmup = _recording_warmups()
+            logs = _LogLines("sglang_cp_hicache.sglang_0523")
+            try:
+                stack = build_sharded_rank_stack(config, rank, cp_group=dist.group.WORLD)
+            finally:
+                from sglang_cp_hicache.kernels import transfer as _transfer
+
+                _transfer.warmup = real_warmup
+                logs.close()
+            warmup = stack.controller.cp_warmup if copy_path == "library" else None
+            out.setdefault("warmups", {})[f"{host_layout}/{copy_path}"] = {
+                "calls": calls, "pools": _pool_facts(stack), "log": logs.lines,
+                "report": None if warmup is None else warmup.as_dict(),
+            }
             runs[copy_path] = (stack, _drive(stack))
         (up_stack, up), (lib_stack, lib) = runs["upstream"], runs["library"]
         layout = up_stack.layout
         from sglang_cp_hicache.kernels import transfer
 
         out["backend"] = transfer.select_backend(lib_stack.kv_pool.kv_buffer[0].device)
-
-        def same_nodes(a: dict, b: dict) -> bool:
-            return a.keys() == b.keys() and all(
-                all((x is None and y is None) or (x is not None and y is not None and torch.equal(x, y))
-                    for x, y in zip(a[k], b[k]))
-                for k in a
-            )
 
         host_owner_mismatch = [
             (len(key), _owners(layout, dev), _owners(layout, host))
@@ -181,8 +241,8 @@ def differential(rank: int, world: int, *, layouts: tuple[str, ...]) -> dict[str
         counters = lib["counters"]
         out[host_layout] = {
             "per_path": per_path,
-            "same_backed_up_nodes": same_nodes(up["backed_up"], lib["backed_up"]),
-            "same_restored_nodes": same_nodes(up["restored"], lib["restored"]),
+            "same_backed_up_nodes": _same_nodes(up["backed_up"], lib["backed_up"]),
+            "same_restored_nodes": _same_nodes(up["restored"], lib["restored"]),
             "host_bytes_equal": [torch.equal(a, b) for a, b in zip(up["host_after_backup"], lib["host_after_backup"])],
             "device_bytes_equal": [
                 torch.equal(a, b) for a, b in zip(up["device_after_restore"], lib["device_after_restore"])
@@ -225,14 +285,45 @@ def _sim_summary(engine: Any, records: list) -> dict[str, Any]:
         "digest": totals.tree_digest,
         "invariant_violations": totals.invariant_violations,
         "load_backs": totals.load_backs,
+        "host_evicted_nodes": totals.host_evicted_nodes,
         "copy_seconds": engine.copy_times.total_seconds,
         "copy_calls": engine.copy_times.submit_calls,
     }
 
 
+#: Simulator runs: name -> (copy path, host pages per rank). With 96 host
+#: pages the workload never evicts from the host, so both paths take the same
+#: decisions and only the copies differ; with 8 both evict host pages,
+#: upstream's host eviction loses backups (finding 1) and the library's
+#: owner-aware host room does not (and evicts only what a backup needs), so
+#: the trees differ. The corrupt run flips a byte in the first restored page.
+SIM_RUNS = {
+    "upstream": ("upstream", 96),
+    "library": ("library", 96),
+    "upstream-tight": ("upstream", 8),
+    "library-tight": ("library", 8),
+    "library-corrupt": ("library", 8),
+}
+
+
+def _count_backup_failures(cache: Any) -> list[int]:
+    """[backups made, backups that returned no host slots], counted at
+    ``_execute_kv_backup`` (upstream may give up before it calls write)."""
+    counts = [0, 0]
+    backup = cache._execute_kv_backup
+
+    def counted(*args: Any) -> Any:
+        out = backup(*args)
+        counts[out is None] += 1
+        return out
+
+    cache._execute_kv_backup = counted
+    return counts
+
+
 def simulate_both_paths(rank: int, world: int, *, num_requests: int) -> dict[str, Any]:
-    """The simulator's workload on both copy paths, in this one process;
-    then one library run with a flipped byte in the first restored page."""
+    """The simulator's workload on both copy paths (:data:`SIM_RUNS`), in
+    this one process."""
     _setup()
     import torch.distributed as dist
 
@@ -243,24 +334,24 @@ def simulate_both_paths(rank: int, world: int, *, num_requests: int) -> dict[str
 
     out: dict[str, Any] = {}
     requests = None
-    for copy_path in ("upstream", "library", "library-corrupt"):
-        config = ShardedStackConfig(
-            cp_size=world, device_pages=8, host_pages=12, copy_path=copy_path.split("-")[0]
-        )
+    for name, (copy_path, host_pages) in SIM_RUNS.items():
+        config = ShardedStackConfig(cp_size=world, device_pages=8, host_pages=host_pages, copy_path=copy_path)
         if requests is None:
             requests = synthetic_chat(num_requests, seed=5, max_tokens=(config.logical_pages - 1) * P)
         stack = build_sharded_rank_stack(config, rank, cp_group=dist.group.WORLD)
         engine = ShardedSimRankEngine(stack, content_seed=1)
+        backups = _count_backup_failures(stack.cache)
         stats_before = transfer.copy_stats()
         records = []
         for i, request in enumerate(requests):
-            if copy_path.endswith("corrupt") and records and records[-1].loaded_tokens == 0:
+            if name.endswith("corrupt") and records and records[-1].loaded_tokens == 0:
                 engine.corrupt_next_restore = True
                 engine.corrupt_part = "indexer" if rank % 2 else "kv"
             records.append(engine.serve(i, request.tokens))
         stats = transfer.copy_stats()
-        out[copy_path] = _sim_summary(engine, records)
-        out[copy_path]["library_kernel_calls"] = (
+        out[name] = _sim_summary(engine, records)
+        out[name]["backups"], out[name]["backup_failures"] = backups
+        out[name]["library_kernel_calls"] = (
             stats.kv_backup_calls + stats.kv_load_calls + stats.indexer_backup_calls + stats.indexer_load_calls
             - stats_before.kv_backup_calls - stats_before.kv_load_calls
             - stats_before.indexer_backup_calls - stats_before.indexer_load_calls
@@ -323,6 +414,9 @@ AGREEMENT_CASES: dict[str, dict[str, Any]] = {
     "settings": {"env": {"SGLANG_CP_HICACHE_DEBUG": "maybe"}},
     "duplicate_rank": {"cp_rank": 0},
     "settings_on_every_rank": {"env": {"SGLANG_CP_HICACHE_DEBUG": "maybe"}, "every_rank": True},
+    # SGLANG_CP_HICACHE_COPY=upstream on the last rank: the plugin's upstream strategy joins the agreement
+    "copy_path": {"config": {"copy_path": "upstream", "upstream_via_plugin": True}},
+    "upstream_on_every_rank": {"config": {"copy_path": "upstream", "upstream_via_plugin": True}, "every_rank": True},
 }
 
 
@@ -349,7 +443,8 @@ def agreement(rank: int, world: int) -> dict[str, Any]:
     try:
         for case, spec in AGREEMENT_CASES.items():
             odd = rank == world - 1 or spec.get("every_rank", False)
-            config = ShardedStackConfig(cp_size=world, copy_path="library", **(spec.get("config", {}) if odd else {}))
+            fields = {"cp_size": world, "copy_path": "library", **(spec.get("config", {}) if odd else {})}
+            config = ShardedStackConfig(**fields)
             env = spec.get("env", {}) if odd else {}
             saved = {k: os.environ.get(k) for k in env}
             os.environ.update(env)
@@ -375,71 +470,15 @@ def agreement(rank: int, world: int) -> dict[str, Any]:
 
 def two_rank_suite(rank: int, world: int, *, num_requests: int) -> dict[str, Any]:
     """Everything the two-rank tests need, in one launch (start-up dominates)."""
+    from tests.sglang_0523.scenarios_bookkeeping import finding_host_eviction, no_sync, upstream_untouched
+
     return {
+        "finding_host_eviction_library": finding_host_eviction(rank, world, copy_path="library"),
+        "no_sync": no_sync(rank, world),
+        "upstream_untouched": upstream_untouched(rank, world),
         "differential": differential(rank, world, layouts=("layer_first", "page_first")),
         "sim": simulate_both_paths(rank, world, num_requests=num_requests),
         "refusals": refusals(rank, world),
         "finding_host_eviction": finding_host_eviction(rank, world),
         "agreement": agreement(rank, world),
     }
-
-
-def finding_host_eviction(rank: int, world: int) -> dict[str, Any]:
-    """Upstream finding 1 (see docs/sglang-0.5.23.md): a write-through backup
-    evicts host pages sized in tokens against the min-class floor, once, and
-    then fails to allocate its owner-cyclic host slots although evictable host
-    pages of the short class remain. Four requests, CP 2."""
-    _setup()
-    import torch
-    import torch.distributed as dist
-    from sglang.srt.mem_cache.allocator.page_interleave import PageInterleavePoolAllocator
-    from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
-
-    from sglang_cp_hicache.sim.engine_0523 import ShardedSimRankEngine
-    from sglang_cp_hicache.testing.stack_0523 import ShardedStackConfig, build_sharded_rank_stack
-
-    a = list(range(1000, 1000 + 171))
-    b = a[:67] + list(range(2000, 2000 + 316))
-    c = list(range(3000, 3000 + 177))
-    d = c + list(range(4000, 4000 + 149))
-    stack = build_sharded_rank_stack(
-        ShardedStackConfig(cp_size=world, device_pages=6, host_pages=5), rank, cp_group=dist.group.WORLD
-    )
-    cache, slots = stack.cache, stack.kv_host._slots
-    layout = stack.layout
-    failures: list[dict[str, Any]] = []
-    backup = cache._execute_kv_backup
-
-    def host_only_pages_by_class() -> list[int]:
-        counts = [0] * world
-        todo = [cache.tree_core.root_node]
-        while todo:
-            node = todo.pop()
-            todo.extend(node.children.values())
-            data = node.component(ComponentType.FULL)
-            if node.parent is not None and data.value is None and data.host_value is not None and data.host_lock_ref == 0:
-                for owner in layout.owner_of(data.host_value[::P].to(torch.int64)).tolist():
-                    counts[owner] += 1
-        return counts
-
-    def watched_backup(node_id: Any, device_value: Any, *args: Any) -> Any:
-        free_before = slots.class_free_page_counts()
-        out = backup(node_id, device_value, *args)
-        if out is None:
-            pages = len(device_value) // P
-            start = cache.tree_core.rotation_phase_of(node_id) % world
-            failures.append({
-                "pages": pages,
-                "need_by_class": PageInterleavePoolAllocator._class_counts(start, pages, world),
-                "host_free_before": free_before,
-                "host_free_after": slots.class_free_page_counts(),
-                "evictable_host_pages_after": host_only_pages_by_class(),
-            })
-        return out
-
-    cache._execute_kv_backup = watched_backup
-    engine = ShardedSimRankEngine(stack)
-    for i, tokens in enumerate((a, b, c, d)):
-        engine.serve(i, tokens)
-    stack.close()
-    return {"failures": failures, "write_failures": engine._totals.write_failures}

@@ -11,7 +11,7 @@ from sglang.srt.mem_cache.hybrid_cache import hybrid_pool_assembler as assembler
 from sglang_cp_hicache.placement import CpPlacement
 from sglang_cp_hicache.sglang_0523 import ALLOW_ANY_ENV, SUPPORTED_SGLANG, check_sglang_version, plugin, strategy
 from sglang_cp_hicache.sglang_0523.copy_engine import LibraryL2TransferEngine
-from sglang_cp_hicache.sglang_0523.strategy import LibraryDsaStrategy, LibraryStackError
+from sglang_cp_hicache.sglang_0523.strategy import LibraryDsaStrategy, LibraryStackError, UpstreamDsaStrategy
 
 
 @pytest.fixture
@@ -73,11 +73,56 @@ def test_plugin_registers_the_strategy_first(strategies, monkeypatch):
     assert sum(isinstance(s, LibraryDsaStrategy) for s in strategies) == 1
 
 
-def test_copy_env_upstream_registers_nothing(strategies, monkeypatch):
+def test_copy_env_upstream_registers_the_upstream_strategy_that_only_agrees(strategies, monkeypatch):
+    """A rank on upstream's copy path still joins the start-up agreement (so a
+    mixed deployment is refused instead of hanging); its build is upstream's
+    own (test_upstream_stack_is_built_untouched checks the built stack)."""
     strategy.uninstall_strategy()
     monkeypatch.setenv(plugin.COPY_ENV, "upstream")
     plugin.register()
+    assert type(strategies[0]) is UpstreamDsaStrategy and strategy.installed_copy_path() == "upstream"
     assert not any(isinstance(s, LibraryDsaStrategy) for s in strategies)
+    plugin.register()  # idempotent
+    assert sum(isinstance(s, UpstreamDsaStrategy) for s in strategies) == 1
+    # switching the path in one process replaces it
+    monkeypatch.delenv(plugin.COPY_ENV)
+    plugin.register()
+    assert type(strategies[0]) is LibraryDsaStrategy and strategy.installed_copy_path() == "library"
+    assert not any(isinstance(s, UpstreamDsaStrategy) for s in strategies)
+
+
+def test_copy_env_upstream_on_another_release_registers_nothing(strategies, monkeypatch):
+    """The upstream strategy copies 0.5.23's build; elsewhere it stays out."""
+    strategy.uninstall_strategy()
+    before = list(strategies)
+    monkeypatch.setenv(plugin.COPY_ENV, "upstream")
+    monkeypatch.setenv(ALLOW_ANY_ENV, "1")
+    monkeypatch.setattr(sglang, "__version__", "0.5.24")
+    plugin.register()
+    assert strategies == before and strategy.installed_copy_path() is None
+
+
+def test_upstream_stack_is_built_untouched(two_ranks):
+    """Built through the plugin's upstream strategy: upstream's classes, no
+    method replaced on any instance, the same attributes as a stack built by
+    upstream's own strategy, and the same bytes, locs and tree for the same
+    requests."""
+    for rank, result in enumerate(two_ranks):
+        untouched = result["upstream_untouched"]
+        for path in ("upstream", "via_plugin"):
+            assert untouched[path]["types"] == {
+                "controller": "HybridCacheController", "engine": "L2TransferEngine",
+                "host_pool": "PageInterleaveHostPool",
+            }, (rank, path)
+            assert untouched[path]["replaced"] == [], (rank, path)
+        assert untouched["upstream"]["attributes"] == untouched["via_plugin"]["attributes"], rank
+        assert untouched["same_records"] and untouched["same_digest"], rank
+        assert untouched["host_bytes_equal"] == [True, True] and untouched["device_bytes_equal"], rank
+        assert untouched["same_nodes"], rank
+        # the library stack, built in the same process, does replace them
+        assert sorted(untouched["library_replaced"]) == [
+            "allocator.free", "allocator.free_segment", "cache._execute_kv_backup", "full.evict_component",
+        ], rank
 
 
 def test_a_misspelt_copy_env_refuses_to_start_instead_of_falling_back(strategies, monkeypatch):

@@ -238,3 +238,28 @@ def test_every_upstream_attribute_the_adapter_overwrites_is_registered():
                     {b.__name__ for b in bases} for h in HOOKS
                 ), f"{cls.__name__} overwrites {owner.__name__}.{name}, which HOOKS does not list"
     assert ("LibraryCopyController", "l2_transfer_engine") in replaced
+
+
+def test_every_attribute_the_adapter_sets_on_an_upstream_object_is_registered_as_replaced():
+    """``<obj>.<name> = ...`` where ``<obj>`` is not ``self`` and ``<name>``
+    is not an attribute the adapter's own classes define (``self.<name>``):
+    the adapter overwrites an attribute on an instance SGLang built (a cache,
+    a tree component, an allocator), which must be listed as
+    ``replaced-on-instance`` on some class."""
+    trees = _trees()
+    own = set().union(*(hooks._self_targets(tree) for tree in trees.values()))
+    replaced = []
+    for file, tree in trees.items():
+        for node in ast.walk(tree):
+            targets = node.targets if isinstance(node, ast.Assign) else (
+                [node.target] if isinstance(node, ast.AnnAssign) else []
+            )
+            for target in targets:
+                if isinstance(target, ast.Attribute) and not (
+                    isinstance(target.value, ast.Name) and target.value.id == "self"
+                ) and target.attr not in own:
+                    replaced.append((file, target.attr))
+    assert {("host_room.py", "_execute_kv_backup"), ("device_free.py", "evict_component"),
+            ("device_free.py", "free_segment"), ("device_free.py", "free")} <= set(replaced)
+    listed = {h.attribute for h in HOOKS if h.kind == "replaced-on-instance"}
+    assert sorted((f, n) for f, n in replaced if n not in listed) == []

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from sglang_cp_hicache import settings
 from sglang_cp_hicache.agreement import CpAgreementError, RankView, gather_and_check
-from sglang_cp_hicache.sglang_0523.startup import COPY_PATH, SETTINGS_KEY, agree_at_start_up, start_up_view
+from sglang_cp_hicache.sglang_0523.startup import COPY_KEY, COPY_PATH, SETTINGS_KEY, agree_at_start_up, start_up_view
 
 # ---- real stacks, two rank processes (tests/sglang_0523/scenarios.py::agreement) -----
 
@@ -31,6 +31,9 @@ REFUSED = {
     "'triton-interpret'; start every rank with the same kernel_backend",
     "duplicate_rank": "cp_rank 0 is claimed by group ranks 0 and 1; each rank of the CP group needs its own "
     "cp_rank in 0..1",
+    # a rank on SGLANG_CP_HICACHE_COPY=upstream among library ranks: refused on both, nobody waits
+    "copy_path": "CP ranks disagree on copy_path (SGLANG_CP_HICACHE_COPY): cp_rank 1 has 'upstream', "
+    "cp_rank 0 has 'library'; start every rank with the same copy_path (SGLANG_CP_HICACHE_COPY)",
     "settings": f"CP ranks disagree on {SETTINGS_KEY}: cp_rank 1 has \"SGLANG_CP_HICACHE_DEBUG='maybe' is not "
     "valid; use one of: 1, true, yes, on, 0, false, no, off (default 0)\", cp_rank 0 has 'valid'",
 }
@@ -38,6 +41,8 @@ REFUSED = {
 
 def test_agreeing_ranks_build_with_one_all_gather(two_ranks):
     assert [r["agreement"]["agree"] for r in two_ranks] == [("built", 1), ("built", 1)]
+    # upstream's stack on every rank (the plugin on SGLANG_CP_HICACHE_COPY=upstream) joins it too
+    assert [r["agreement"]["upstream_on_every_rank"] for r in two_ranks] == [("built", 1), ("built", 1)]
 
 
 @pytest.mark.parametrize("case", sorted(REFUSED))
@@ -113,12 +118,16 @@ def test_the_view_holds_every_value_the_ranks_share(valid_settings):
     view = start_up_view(*_stand_ins(2, None))
     assert (view.cp_rank, view.cp_size) == (2, 3)
     assert set(view.values) == {
-        "sglang", "page_size", "host_layout", "device_pages", "host_pages", "copy_path", "kernel_backend",
+        "sglang", "page_size", "host_layout", "device_pages", "host_pages", COPY_KEY, "kernel_backend",
         SETTINGS_KEY,
     }
     assert view.values["page_size"] == 64 and view.values["device_pages"] == 8
     assert view.values["host_pages"] == 17 and view.values["host_layout"] == "page_first"
-    assert view.values["copy_path"] == COPY_PATH == "library" and view.values[SETTINGS_KEY] == "valid"
+    assert view.values[COPY_KEY] == COPY_PATH == "library" and view.values[SETTINGS_KEY] == "valid"
+    assert COPY_KEY == "copy_path (SGLANG_CP_HICACHE_COPY)"
+    assert start_up_view(*_stand_ins(2, None), "upstream").values[COPY_KEY] == "upstream"
+    with pytest.raises(ValueError, match="copy_path must be one of \\('library', 'upstream'\\), got 'libary'"):
+        start_up_view(*_stand_ins(2, None), "libary")
     assert view.values["kernel_backend"] in ("reference", "triton-interpret")
 
 
@@ -149,13 +158,13 @@ def test_stand_in_pools_disagreeing_are_refused_on_every_rank(valid_settings, ca
 
 def test_a_rank_on_another_copy_path_is_refused_on_every_rank(valid_settings):
     """A view injected as a rank on another copy path would send it."""
-    message = "CP ranks disagree on copy_path: cp_rank 1 has 'upstream', cp_rank 0 has 'library'; " \
-              "start every rank with the same copy_path"
+    message = "CP ranks disagree on copy_path (SGLANG_CP_HICACHE_COPY): cp_rank 1 has 'upstream', " \
+              "cp_rank 0 has 'library'; start every rank with the same copy_path (SGLANG_CP_HICACHE_COPY)"
 
     def run(rank: int, pg: Any) -> None:
         view = start_up_view(*_stand_ins(rank, pg))
         if rank == 1:
-            view = replace(view, values={**view.values, "copy_path": "upstream"})
+            view = replace(view, values={**view.values, COPY_KEY: "upstream"})
         gather_and_check(view, pg, all_gather=_object_all_gather)
 
     assert _on_three_ranks("copy_path", run) == {0: message, 1: message, 2: message}

@@ -21,3 +21,23 @@ def test_finding_1_backup_fails_after_evicting_host_pages_of_the_wrong_owner(two
         assert after[0] < need[0] and after[1] >= need[1], rank
         # while host-only pages of class 0 were there to evict
         assert evictable[0] >= need[0] - after[0], rank
+
+
+def test_the_library_backs_up_every_node_of_finding_1_bit_exact_on_every_rank(two_ranks):
+    """The same requests on the library stack: its owner-aware host room
+    evicts only host leaves holding pages of the short class, so no backup
+    fails; what comes back from the host is exact; the ranks decide alike."""
+    library = [r["finding_host_eviction_library"] for r in two_ranks]
+    upstream = [r["finding_host_eviction"] for r in two_ranks]
+    for rank, (lib, up) in enumerate(zip(library, upstream)):
+        assert lib["write_failures"] == lib["write_failures_total"] == 0 and lib["failures"] == [], rank
+        room = lib["host_room"]
+        assert room["backups"] == len(lib["backups"]) and room["backups_short"] == 0, rank
+        assert room["leaves_skipped"] >= 1, rank  # a leaf of the class that was not short stayed
+        assert room["leaves_evicted"] >= 1, rank
+        assert [pages for _, pages in lib["backups"]][:4] == [2, 4, 2, 3], rank  # D's 3-page node too
+        assert up["write_failures_total"] >= 1 and len(lib["backups"]) > len(up["backups"]), rank
+        assert lib["corrupted_pages"] == 0 and lib["restored_pages_verified"] > 0, rank
+        assert lib["invariant_violations"] == [], rank
+    for key in ("digest", "backups", "host_room", "host_hit_tokens", "loaded_tokens"):
+        assert library[0][key] == library[1][key], key

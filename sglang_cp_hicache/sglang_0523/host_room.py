@@ -1,0 +1,142 @@
+"""Owner-aware host room for write-through backups on the sharded stack.
+
+SGLang 0.5.23's ``UnifiedRadixCache._execute_kv_backup`` makes host room
+with one ``evict_host(kv_tokens - available_size())``. Under KV sharding
+``available_size()`` is ``N * P * min(free host pages per owner class)`` and
+the backup's host slots are drawn owner-cyclically from the node's rotation
+phase, so the backup needs free pages of specific classes. One eviction
+sized in tokens frees least-recently-used host pages of whatever class; when
+none is of the short class the backup fails although evictable pages of
+that class remain, and the evicted pages are lost for nothing.
+
+:class:`OwnerAwareHostRoom` replaces ``_execute_kv_backup`` on the library
+stack's cache instance: it evicts host leaves in upstream's order (the
+FULL component's eviction priority, a heap that takes in a parent when it
+becomes a host leaf) but only those holding a page of a class the cyclic run
+is still short of (:class:`~sglang_cp_hicache.sharded_host_room.HostRoom`),
+until the run fits or no evictable leaf of a short class remains; then it
+queues the write exactly as upstream does (write-back stacks keep
+upstream's method: their host eviction first reclaims host copies that
+duplicate device pages). The decisions read only the
+host allocator's class counts, the tree and the host slots (CPU), which are
+the same on every CP rank: no collective.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
+from sglang.srt.mem_cache.unified_cache.unified_tree_core_interface import DriveHostEvictionResult
+
+from sglang_cp_hicache.placement import CpPlacement
+from sglang_cp_hicache.sharded_host_room import HostRoom, class_counts_of, cyclic_class_counts
+
+__all__ = ["HostRoomCounters", "OwnerAwareHostRoom"]
+
+_FULL = ComponentType.FULL
+
+
+@dataclass
+class HostRoomCounters:
+    """What the owner-aware host room did on this rank (the same on every rank)."""
+
+    backups: int = 0  # backups that went through it
+    backups_short: int = 0  # of which no cyclic run fitted even after evicting
+    leaves_evicted: int = 0  # host leaves evicted to make room
+    pages_evicted: int = 0  # logical host pages those leaves held
+    leaves_skipped: int = 0  # host leaves passed over: no page of a short class
+
+
+class OwnerAwareHostRoom:
+    """``_execute_kv_backup`` for one sharded ``UnifiedRadixCache``."""
+
+    def __init__(self, cache: Any, placement: CpPlacement) -> None:
+        if not isinstance(placement, CpPlacement):
+            raise TypeError(f"placement must be a CpPlacement, got {type(placement).__name__}")
+        self.cache = cache
+        self.placement = placement
+        self.counters = HostRoomCounters()
+        # Upstream's method, for a node without a rotation phase (no shard owner).
+        self._upstream_backup: Callable[..., Any] = cache._execute_kv_backup
+
+    def install(self) -> None:
+        """Replace ``_execute_kv_backup`` on the cache instance."""
+        self.cache._execute_kv_backup = self.execute_kv_backup
+
+    # ---- state (read at each call: a cache reset rebuilds the host slots) -----
+    def _host_slots(self) -> Any:
+        return self.cache.cache_controller.mem_pool_host.anchor_entry.host_pool._slots
+
+    def _leaf_classes(self, node: Any) -> list[int]:
+        host = node.component(_FULL).host_value
+        owners = self.placement.owner_of(host[:: self.placement.page_size].to(torch.int64))
+        return class_counts_of(owners.tolist(), self.placement.cp_size)
+
+    # ---- the replacement ---------------------------------------------------------
+    def execute_kv_backup(self, node_id: Any, device_value: torch.Tensor, comp_xfers: Any, sidecar_xfers: Any) -> Any:
+        """Upstream's ``_execute_kv_backup`` with owner-aware room making."""
+        cache = self.cache
+        start_owner = cache.tree_core.rotation_phase_of(node_id)
+        page_size = self.placement.page_size
+        # Write-back backs up on device eviction and first reclaims host
+        # copies that duplicate device pages (upstream's host eviction does
+        # that pass); that policy stays upstream's.
+        if start_owner is None or len(device_value) % page_size or cache.is_write_back:
+            return self._upstream_backup(node_id, device_value, comp_xfers, sidecar_xfers)
+        self.counters.backups += 1
+        if not self.make_room(start_owner % self.placement.cp_size, len(device_value) // page_size):
+            self.counters.backups_short += 1
+        # From here on line for line upstream's (0.5.23): the write fails
+        # (returns None) when no cyclic run fits.
+        aux_xfers = [x for xfers in comp_xfers.values() for x in xfers]
+        aux_xfers.extend(sidecar_xfers)
+        return cache.cache_controller.write(
+            device_value, node_id=node_id, extra_pools=aux_xfers or None, flush=False, start_owner=start_owner,
+        )
+
+    def make_room(self, start_class: int, pages: int) -> bool:
+        """Evict host leaves holding pages of the classes a cyclic run of
+        ``pages`` pages from ``start_class`` is short of; True iff it fits."""
+        room = HostRoom(
+            cyclic_class_counts(start_class, pages, self.placement.cp_size),
+            self._host_slots().class_free_page_counts(),
+        )
+        if room.satisfied or self.cache.host_memory_mode == "buffer_only":
+            return room.satisfied  # buffer_only: the tree holds no host values
+        tree = self.cache.tree_core
+        full = tree.components_by_type[_FULL]
+        full._ensure_eviction_strategy()
+        priority = full.session_ref_eviction_strategy
+        heap = [(priority(n), n) for n in tree.evictable_host_leaves]
+        heapq.heapify(heap)
+        while heap and not room.satisfied:
+            _, leaf = heapq.heappop(heap)
+            if leaf not in tree.evictable_host_leaves:
+                continue
+            freed = self._leaf_classes(leaf)
+            if not room.helps(freed):
+                self.counters.leaves_skipped += 1
+                continue
+            self._evict_host_leaf(leaf)
+            self.counters.leaves_evicted += 1
+            self.counters.pages_evicted += sum(freed)
+            parent: Optional[Any] = leaf.parent
+            if parent is not None and parent in tree.evictable_host_leaves:
+                heapq.heappush(heap, (priority(parent), parent))
+            # The allocator's counts, not the estimate: they are what the write sees.
+            room = HostRoom(room.need, self._host_slots().class_free_page_counts())
+        return room.satisfied
+
+    def _evict_host_leaf(self, leaf: Any) -> None:
+        """One host leaf, as upstream's host eviction evicts each, its frees
+        applied at once (the same frees in the same order as upstream's
+        batched drain, so the host free lists end up the same)."""
+        result = DriveHostEvictionResult()
+        self.cache.tree_core._evict_host_leaf(
+            leaf, result.tracker, result.device_frees, result.host_frees, cache_actions=result.cache_actions,
+        )
+        self.cache._apply_eviction_result(result)
