@@ -58,12 +58,14 @@ simulate:
 install-0523:
 	bash scripts/install-0523.sh
 
-# The CP cache state machine under the hypothesis dev profile with random
-# seeds, for SOAK_MINUTES minutes; prints every seed and step count.
+# Both releases' CP cache state machines under the hypothesis dev profile
+# with random seeds, SOAK_MINUTES minutes each (0.5.18 in .venv, 0.5.23 in
+# .venv-0523); prints every seed and step count.
 SOAK_MINUTES ?= 20
 .PHONY: soak
 soak:
-	$(PY) -m tests.sglang_0518.soak --minutes $(SOAK_MINUTES)
+	$(PY) -m tests.sglang_0518.soak --release 0.5.18 --minutes $(SOAK_MINUTES) --python $(PY)
+	$(PY) -m tests.sglang_0518.soak --release 0.5.23 --minutes $(SOAK_MINUTES) --python $(PY_0523)
 
 # The SGLang 0.5.23 suite (collected only under 0.5.23).
 .PHONY: test-0523

@@ -1,14 +1,16 @@
-"""Soak the CP cache state machine: random seeds for a given time.
+"""Soak the CP cache state machines: random seeds for a given time.
 
-    python -m tests.sglang_0518.soak --minutes 20      (``make soak``, SOAK_MINUTES=20)
+    python -m tests.sglang_0518.soak --release 0.5.18 --minutes 20
+    python -m tests.sglang_0518.soak --release 0.5.23 --minutes 20 --python .venv-0523/bin/python
 
-Runs ``tests/sglang_0518/test_state_machine.py`` under the hypothesis ``dev``
-profile again and again, each run in a fresh process with a new random seed
-and ``--examples`` examples, until the time is up (a run that started goes to
-its end). Prints every run's seed and step count and the totals; the first
-failing run stops the soak and prints the command that repeats it. Exit
-status 0 only when every run passed and, with ``--min-steps`` /
-``--min-seeds``, enough ran.
+``make soak`` runs both, SOAK_MINUTES each (0.5.18 under ``.venv``, 0.5.23
+under ``.venv-0523``). Each release's machine (:data:`RELEASES`) runs under
+the hypothesis ``dev`` profile again and again, each run in a fresh process
+with a new random seed and ``--examples`` examples, until the time is up (a
+run that started goes to its end). Prints every run's seed and step count
+and the totals; the first failing run stops the soak and prints the command
+that repeats it. Exit status 0 only when every run passed and, with
+``--min-steps`` / ``--min-seeds``, enough ran.
 """
 
 from __future__ import annotations
@@ -25,7 +27,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-TEST = "tests/sglang_0518/test_state_machine.py"
+#: release -> (state machine test, default hypothesis examples per run)
+RELEASES = {
+    "0.5.18": ("tests/sglang_0518/test_state_machine.py", 40),
+    "0.5.23": ("tests/sglang_0523/test_state_machine_0523.py", 40),
+}
+TEST = RELEASES["0.5.18"][0]
 
 
 @dataclass
@@ -36,57 +43,64 @@ class SoakRun:
     passed: bool
 
 
-def run_once(seed: int, examples: int, python: str) -> tuple[SoakRun, str]:
+def run_once(seed: int, examples: int, python: str, test: str = TEST) -> tuple[SoakRun, str]:
     """One pytest process; its step count comes from the test's report file."""
     with tempfile.TemporaryDirectory(prefix="cp-hicache-soak-") as tmp:
         report = os.path.join(tmp, "steps.jsonl")
         env = dict(os.environ, HYPOTHESIS_PROFILE="dev", STATE_MACHINE_EXAMPLES=str(examples),
                    STATE_MACHINE_REPORT=report)
-        cmd = [python, "-m", "pytest", TEST, "-q", "-s", "-p", "no:cacheprovider",
+        cmd = [python, "-m", "pytest", test, "-q", "-s", "-p", "no:cacheprovider",
                f"--hypothesis-seed={seed}"]
         start = time.monotonic()
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
         seconds = time.monotonic() - start
         lines = Path(report).read_text().splitlines() if os.path.exists(report) else []
-    steps = sum(json.loads(line)["steps"] for line in lines)
-    passed = proc.returncode == 0 and bool(lines) and all(json.loads(line)["passed"] for line in lines)
+    rows = [json.loads(line) for line in lines]
+    steps = sum(row["steps"] for row in rows)
+    passed = proc.returncode == 0 and bool(rows) and all(row["passed"] for row in rows)
     return SoakRun(seed, steps, seconds, passed), proc.stdout + proc.stderr
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--release", choices=sorted(RELEASES), default="0.5.18",
+                        help="whose state machine (the --python environment must have that SGLang)")
     parser.add_argument("--minutes", type=float, default=float(os.environ.get("SOAK_MINUTES", 20)))
-    parser.add_argument("--examples", type=int, default=int(os.environ.get("SOAK_EXAMPLES", 40)),
+    parser.add_argument("--examples", type=int, default=None,
                         help="hypothesis examples per run (each up to 300 steps)")
     parser.add_argument("--min-steps", type=int, default=int(os.environ.get("SOAK_MIN_STEPS", 0)))
     parser.add_argument("--min-seeds", type=int, default=int(os.environ.get("SOAK_MIN_SEEDS", 0)))
     parser.add_argument("--python", default=sys.executable)
     args = parser.parse_args(argv)
-    if not args.minutes > 0 or args.examples < 1:
+    test, default_examples = RELEASES[args.release]
+    examples = args.examples or int(os.environ.get("SOAK_EXAMPLES", default_examples))
+    if not args.minutes > 0 or examples < 1:
         parser.error("--minutes must be > 0 and --examples >= 1")
 
     deadline = time.monotonic() + args.minutes * 60
     rng = random.SystemRandom()
     runs: list[SoakRun] = []
-    print(f"soak: {TEST}, dev profile, {args.examples} examples per run, {args.minutes:g} min", flush=True)
+    tag = f"soak {args.release}"
+    print(f"{tag}: {test} ({args.python}), dev profile, {examples} examples per run, {args.minutes:g} min",
+          flush=True)
     while time.monotonic() < deadline:
         seed = rng.randrange(2**32)
-        run, output = run_once(seed, args.examples, args.python)
+        run, output = run_once(seed, examples, args.python, test)
         runs.append(run)
         state = "passed" if run.passed else "FAILED"
-        print(f"soak: seed {seed}: {run.steps} steps in {run.seconds:.0f} s, {state}", flush=True)
+        print(f"{tag}: seed {seed}: {run.steps} steps in {run.seconds:.0f} s, {state}", flush=True)
         if not run.passed:
             print(output[-8000:])
-            print(f"soak: repeat with: HYPOTHESIS_PROFILE=dev STATE_MACHINE_EXAMPLES={args.examples} "
-                  f"{args.python} -m pytest {TEST} -s --hypothesis-seed={seed}")
+            print(f"{tag}: repeat with: HYPOTHESIS_PROFILE=dev STATE_MACHINE_EXAMPLES={examples} "
+                  f"{args.python} -m pytest {test} -s --hypothesis-seed={seed}")
             break
     total = sum(r.steps for r in runs)
     failed = [r.seed for r in runs if not r.passed]
-    print(f"soak: {total} steps in {len(runs)} runs, seeds {[r.seed for r in runs]}; "
+    print(f"{tag}: {total} steps in {len(runs)} runs, seeds {[r.seed for r in runs]}; "
           f"{'failed: seed ' + str(failed) if failed else 'none failed'}")
     short = total < args.min_steps or len(runs) < args.min_seeds
     if short and not failed:
-        print(f"soak: fewer than --min-steps {args.min_steps} steps or --min-seeds {args.min_seeds} seeds")
+        print(f"{tag}: fewer than --min-steps {args.min_steps} steps or --min-seeds {args.min_seeds} seeds")
     return 1 if failed or short else 0
 
 

@@ -1,0 +1,134 @@
+"""A pool of long-lived rank processes on one gloo group, driven call by call.
+
+:func:`tests.sglang_0523.ranks.run_ranks` runs one function per rank to
+completion. A stateful test needs the ranks to stay up between steps: a
+:class:`RankPool` spawns ``world`` processes once (SGLang's runtime context
+is process-global, so each CP rank of the sharded stack needs its own
+process), each holding one object built from ``factory(rank, world)``, and
+:meth:`RankPool.call` sends every rank the same method call and returns the
+per-rank results in rank order. A rank that raises, or one that gives no
+answer within ``timeout_s`` (a peer stuck in a collective), breaks the pool:
+every process is ended and :class:`~tests.sglang_0523.ranks.RankError`
+carries each failing rank's traceback.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing
+import os
+import tempfile
+import traceback
+from multiprocessing.connection import Connection, wait
+from typing import Any, Callable
+
+from tests.sglang_0523.ranks import RankError
+
+__all__ = ["RankPool"]
+
+_STOP = "__stop__"
+
+
+def _serve(factory: Callable[[int, int], Any], rank: int, world: int, store: str, conn: Connection) -> None:
+    """A rank process: join the group, build the handler, answer calls until told to stop."""
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)  # the ranks share the machine's cores
+        dist.init_process_group(
+            "gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+            timeout=datetime.timedelta(seconds=60),
+        )
+        handler = factory(rank, world)
+        conn.send((True, None))
+    except BaseException:
+        conn.send((False, traceback.format_exc()))
+        return
+    while True:
+        try:
+            name, kwargs = conn.recv()
+        except EOFError:  # the parent is gone
+            return
+        if name == _STOP:
+            conn.send((True, None))
+            return
+        try:
+            conn.send((True, getattr(handler, name)(**kwargs)))
+        except BaseException:
+            conn.send((False, traceback.format_exc()))
+
+
+class RankPool:
+    """``world`` rank processes answering :meth:`call` in lockstep."""
+
+    def __init__(self, factory: Callable[[int, int], Any], world: int, *, timeout_s: float = 120.0) -> None:
+        self.world = world
+        self.timeout_s = timeout_s
+        self._dir = tempfile.TemporaryDirectory(prefix="cp-hicache-rank-pool-")
+        store = os.path.join(self._dir.name, "gloo-store")
+        ctx = multiprocessing.get_context("spawn")
+        self._conns: list[Connection] = []
+        self._procs = []
+        for rank in range(world):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_serve, args=(factory, rank, world, store, child), daemon=True)
+            proc.start()
+            child.close()
+            self._conns.append(parent)
+            self._procs.append(proc)
+        self._collect("start-up")
+
+    @property
+    def alive(self) -> bool:
+        return bool(self._procs) and all(p.is_alive() for p in self._procs)
+
+    def call(self, name: str, **kwargs: Any) -> list[Any]:
+        """``handler.name(**kwargs)`` on every rank; the results in rank order."""
+        if not self.alive:
+            raise RankError(f"the rank pool is closed; cannot call {name}")
+        for conn in self._conns:
+            conn.send((name, kwargs))
+        return self._collect(name)
+
+    def _collect(self, what: str) -> list[Any]:
+        results: dict[int, Any] = {}
+        failures: dict[int, str] = {}
+        pending = dict(enumerate(self._conns))
+        while pending:
+            ready = wait(list(pending.values()), timeout=self.timeout_s)
+            if not ready:
+                failures.update({r: f"no answer to {what} within {self.timeout_s} s" for r in pending})
+                break
+            for rank, conn in list(pending.items()):
+                if conn in ready:
+                    del pending[rank]
+                    try:
+                        ok, payload = conn.recv()
+                    except EOFError:
+                        ok, payload = False, f"rank process exited during {what}"
+                    (results if ok else failures)[rank] = payload
+            if failures:
+                break  # peers blocked in a collective would wait for the gloo timeout
+        if failures:
+            self.close()
+            raise RankError("\n".join(f"--- rank {r} ({what}) ---\n{tb}" for r, tb in sorted(failures.items())))
+        return [results[r] for r in range(self.world)]
+
+    def close(self) -> None:
+        """Stop every rank (politely if it still answers) and remove the store."""
+        for conn, proc in zip(self._conns, self._procs):
+            if proc.is_alive():
+                try:
+                    conn.send((_STOP, {}))
+                except OSError:
+                    pass
+        for proc in self._procs:
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.terminate()
+                proc.join()
+        for conn in self._conns:
+            conn.close()
+        self._procs, self._conns = [], []
+        self._dir.cleanup()
