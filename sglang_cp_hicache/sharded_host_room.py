@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from sglang_cp_hicache.validation import check_int, check_int_list
 
-__all__ = ["HostRoom", "class_counts_of", "cyclic_class_counts", "plan_host_room"]
+__all__ = ["HostRoom", "class_counts_of", "cyclic_class_counts", "plan_host_room", "reach_counts"]
 
 
 def cyclic_class_counts(start_class: int, pages: int, cp_size: int) -> list[int]:
@@ -43,6 +43,23 @@ def class_counts_of(owners: Iterable[int], cp_size: int) -> list[int]:
     for i, owner in enumerate(owners):
         counts[check_int(f"owners[{i}]", owner, 0, cp_size - 1)] += 1
     return counts
+
+
+def reach_counts(leaf: Sequence[int], ancestors: Sequence[tuple[Sequence[int], bool]]) -> list[int]:
+    """Pages of each class that evicting a host leaf is the way to: its own
+    (``leaf``) plus those of its ancestors, nearest first, as long as each can
+    be cleared (``ancestors``: (pages of each class, clearable) per ancestor;
+    clearable: host-only, unlocked, every descendant likewise, so evicting
+    leaves below it eventually makes it a leaf). A tree holds no child without
+    its parent: a host page of an inner node is freed only after every leaf
+    below it."""
+    total = check_int_list("leaf", leaf, minimum=0)
+    for i, (counts, clearable) in enumerate(ancestors):
+        counts = check_int_list(f"ancestors[{i}]", counts, length=len(total), minimum=0)
+        if not clearable:
+            break
+        total = [t + c for t, c in zip(total, counts)]
+    return total
 
 
 @dataclass

@@ -14,8 +14,12 @@ stack's cache instance: it evicts host leaves in upstream's order (the
 FULL component's eviction priority, a heap that takes in a parent when it
 becomes a host leaf) but only those holding a page of a class the cyclic run
 is still short of (:class:`~sglang_cp_hicache.sharded_host_room.HostRoom`),
-until the run fits or no evictable leaf of a short class remains; then it
-queues the write exactly as upstream does (write-back stacks keep
+until the run fits. If that is not enough, a second pass in the same order
+also evicts a leaf whose own pages are of other classes when it is the way
+to a host-only ancestor that holds a short class's page and can be cleared
+(:func:`~sglang_cp_hicache.sharded_host_room.reach_counts`): a tree holds no
+child without its parent, so such a page is freed only after every leaf
+below it. Then it queues the write exactly as upstream does (write-back stacks keep
 upstream's method: their host eviction first reclaims host copies that
 duplicate device pages). The decisions read only the
 host allocator's class counts, the tree and the host slots (CPU), which are
@@ -33,7 +37,7 @@ from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 from sglang.srt.mem_cache.unified_cache.unified_tree_core_interface import DriveHostEvictionResult
 
 from sglang_cp_hicache.placement import CpPlacement
-from sglang_cp_hicache.sharded_host_room import HostRoom, class_counts_of, cyclic_class_counts
+from sglang_cp_hicache.sharded_host_room import HostRoom, class_counts_of, cyclic_class_counts, reach_counts
 
 __all__ = ["HostRoomCounters", "OwnerAwareHostRoom"]
 
@@ -48,7 +52,8 @@ class HostRoomCounters:
     backups_short: int = 0  # of which no cyclic run fitted even after evicting
     leaves_evicted: int = 0  # host leaves evicted to make room
     pages_evicted: int = 0  # logical host pages those leaves held
-    leaves_skipped: int = 0  # host leaves passed over: no page of a short class
+    leaves_skipped: int = 0  # host leaves passed over: no page of a short class (first pass)
+    leaves_evicted_for_ancestors: int = 0  # of leaves_evicted: no short page of their own, on the way to one
 
 
 class OwnerAwareHostRoom:
@@ -71,7 +76,7 @@ class OwnerAwareHostRoom:
     def _host_slots(self) -> Any:
         return self.cache.cache_controller.mem_pool_host.anchor_entry.host_pool._slots
 
-    def _leaf_classes(self, node: Any) -> list[int]:
+    def _host_classes(self, node: Any) -> list[int]:
         host = node.component(_FULL).host_value
         owners = self.placement.owner_of(host[:: self.placement.page_size].to(torch.int64))
         return class_counts_of(owners.tolist(), self.placement.cp_size)
@@ -107,6 +112,16 @@ class OwnerAwareHostRoom:
         )
         if room.satisfied or self.cache.host_memory_mode == "buffer_only":
             return room.satisfied  # buffer_only: the tree holds no host values
+        for through_ancestors in (False, True):
+            room = self._evict_helpful_leaves(room, through_ancestors)
+            if room.satisfied:
+                break
+        return room.satisfied
+
+    def _evict_helpful_leaves(self, room: HostRoom, through_ancestors: bool) -> HostRoom:
+        """One pass over the host leaves in upstream's order, evicting those
+        that help (``through_ancestors``: by their own pages or the
+        clearable host-only ancestors they lead to)."""
         tree = self.cache.tree_core
         full = tree.components_by_type[_FULL]
         full._ensure_eviction_strategy()
@@ -117,10 +132,11 @@ class OwnerAwareHostRoom:
             _, leaf = heapq.heappop(heap)
             if leaf not in tree.evictable_host_leaves:
                 continue
-            freed = self._leaf_classes(leaf)
-            if not room.helps(freed):
-                self.counters.leaves_skipped += 1
+            freed = self._host_classes(leaf)
+            if not room.helps(self._reach(leaf, freed) if through_ancestors else freed):
+                self.counters.leaves_skipped += int(not through_ancestors)
                 continue
+            self.counters.leaves_evicted_for_ancestors += int(not room.helps(freed))
             self._evict_host_leaf(leaf)
             self.counters.leaves_evicted += 1
             self.counters.pages_evicted += sum(freed)
@@ -129,7 +145,25 @@ class OwnerAwareHostRoom:
                 heapq.heappush(heap, (priority(parent), parent))
             # The allocator's counts, not the estimate: they are what the write sees.
             room = HostRoom(room.need, self._host_slots().class_free_page_counts())
-        return room.satisfied
+        return room
+
+    def _reach(self, leaf: Any, freed: list[int]) -> list[int]:
+        """Pages of each class evicting ``leaf`` is the way to."""
+        ancestors = []
+        node = leaf.parent
+        while node is not None and node is not self.cache.tree_core.root_node and self._clearable(node):
+            ancestors.append((self._host_classes(node), True))
+            node = node.parent
+        return reach_counts(freed, ancestors)
+
+    def _clearable(self, node: Any) -> bool:
+        """Host-only, backed up, unlocked on both tiers, and every descendant
+        likewise: evicting host leaves below it makes it one."""
+        if not (node.evicted and node.backuped):
+            return False
+        if any(cd.lock_ref > 0 or cd.host_lock_ref > 0 for cd in node.component_data):
+            return False
+        return all(self._clearable(child) for child in node.children.values())
 
     def _evict_host_leaf(self, leaf: Any) -> None:
         """One host leaf, as upstream's host eviction evicts each, its frees

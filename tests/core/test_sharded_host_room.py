@@ -6,7 +6,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sglang_cp_hicache.sharded_host_room import HostRoom, class_counts_of, cyclic_class_counts, plan_host_room
+from sglang_cp_hicache.sharded_host_room import (
+    HostRoom,
+    class_counts_of,
+    cyclic_class_counts,
+    plan_host_room,
+    reach_counts,
+)
 
 
 @given(n=st.integers(1, 9), data=st.data())
@@ -63,6 +69,30 @@ def test_a_plan_takes_only_helpful_leaves_and_stops_when_the_run_fits(n, data):
     assert all(f >= fr for f, fr in zip(room.free, free))
 
 
+@given(n=st.integers(1, 5), data=st.data())
+def test_a_leaf_reaches_its_ancestors_up_to_the_first_that_cannot_be_cleared(n, data):
+    counts = st.lists(st.integers(0, 3), min_size=n, max_size=n)
+    leaf = data.draw(counts)
+    ancestors = data.draw(st.lists(st.tuples(counts, st.booleans()), max_size=5))
+    got = reach_counts(leaf, ancestors)
+    cleared = []
+    for c, ok in ancestors:
+        if not ok:
+            break
+        cleared.append(c)
+    assert got == [sum(col) for col in zip(leaf, *cleared)]
+
+
+def test_an_inner_page_of_the_short_class_is_reached_through_its_leaf():
+    """The class-0 page sits in the leaf's parent: the leaf alone does not
+    help, the leaf with its clearable parent does; a locked parent stops it."""
+    room = HostRoom([1, 0], [0, 3])
+    leaf, parent = [0, 2], [1, 0]
+    assert not room.helps(leaf)
+    assert room.helps(reach_counts(leaf, [(parent, True)]))
+    assert not room.helps(reach_counts(leaf, [(parent, False), ([5, 0], True)]))
+
+
 def test_bad_arguments_are_refused_by_name():
     with pytest.raises(ValueError, match="start_class must be <= 1"):
         cyclic_class_counts(2, 3, 2)
@@ -84,3 +114,5 @@ def test_bad_arguments_are_refused_by_name():
     with pytest.raises(TypeError, match="freed\\[0\\] must be an int"):
         room.helps([1.0, 0])
     assert room.free == [0, 0] and room.shortfall == [2, 1]  # nothing changed
+    with pytest.raises(ValueError, match="ancestors\\[0\\] must have 2 entries, got 1"):
+        reach_counts([0, 1], [([1], True)])
