@@ -6,8 +6,9 @@ state every rank holds (the host ledger, the CPU page mirror, the allocator
 mirror), so ranks need no vote to agree. The one thing a rank cannot know
 about the others is a LOCAL failure: a host allocation that failed where the
 ledger said it fits, a copy that raised, a device allocation that failed
-where the allocator's mirror said it fits. Each rank remembers its first
-such failure since the last step and folds it into the two ready-ack counts
+where the allocator's mirror said it fits. Each rank remembers its
+failures since the last step (per direction: where the first one is, how bad
+the worst one is) and folds them into the two ready-ack counts
 SGLang already MIN-reduces (write acks, load acks). After the reduce every
 rank sees the same failure and takes the same writes / load-backs back
 before any of their acks is consumed.
@@ -29,6 +30,10 @@ The two words, each compared as one int64 by MIN (high fields win)::
   unconsumed load-back is taken back anyway, so nothing is lost.
 * A rank with any failure reports 0 for both counts, so a step with a
   failure anywhere consumes no ack (the survivors' acks go next step).
+
+A rank keeps one failure per direction: the earliest sequence number of its
+failures and the worst of their votes (``FAILED`` wins over an earlier
+``REFUSED``), with the error of the first ``FAILED``.
 """
 
 from __future__ import annotations
@@ -86,8 +91,21 @@ class StepExchange:
     load: GroupOutcome
 
 
+def _merge(old: Optional[LocalFailure], new: LocalFailure) -> LocalFailure:
+    """One rank's failures in one direction since the last step, as one:
+    the earliest sequence number (the cut: everything from it on goes), the
+    worst vote (a copy that raised must make every rank raise even after an
+    earlier mere refusal) and the first error of that vote (the cause every
+    rank's raise chains)."""
+    if old is None:
+        return new
+    vote = min(old.vote, new.vote)
+    errors = [f.error for f in (old, new) if f.vote == vote and f.error is not None]
+    return LocalFailure(vote, min(old.seq, new.seq), errors[0] if errors else None)
+
+
 class StepStatus:
-    """This rank's first local write and load-back failures since the last step."""
+    """This rank's local write and load-back failures since the last step."""
 
     WORDS = 2  # SGLang's two ready-ack counts, with the status folded in
 
@@ -96,12 +114,10 @@ class StepStatus:
         self.load: Optional[LocalFailure] = None
 
     def fail_write(self, vote: Vote, seq: int, error: Optional[BaseException] = None) -> None:
-        if self.write is None or seq < self.write.seq:
-            self.write = LocalFailure(vote, seq, error)
+        self.write = _merge(self.write, LocalFailure(vote, seq, error))
 
     def fail_load(self, vote: Vote, seq: int, error: Optional[BaseException] = None) -> None:
-        if self.load is None or seq < self.load.seq:
-            self.load = LocalFailure(vote, seq, error)
+        self.load = _merge(self.load, LocalFailure(vote, seq, error))
 
     def words(self, write_acks: int, load_acks: int, first_inflight_write_seq: Optional[int]) -> list[int]:
         """The two words this rank puts into the step's MIN all-reduce.
