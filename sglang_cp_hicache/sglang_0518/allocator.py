@@ -116,6 +116,20 @@ class CpSharedPagedTokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
     def commit(self, checkpoint: AllocatorCheckpoint) -> None:
         self._lanes.commit(checkpoint)
 
+    @property
+    def rr_cursor(self) -> int:
+        """Where the next allocation's round-robin starts (identical on every rank)."""
+        return self._lanes._rr_cursor
+
+    def rewind_rr_cursor(self, cursor: int) -> None:
+        """Put the round-robin back where it was before a step's load-backs:
+        a step that raised frees what they and the requests built on them
+        allocated, and a rank that allocated differently in that step (its
+        own allocation failed) must pick lanes like every other rank again."""
+        if not isinstance(cursor, int) or not 0 <= cursor < self.cp_size:
+            raise ValueError(f"cursor must be an int in [0, {self.cp_size}), got {cursor!r}")
+        self._lanes._rr_cursor = cursor
+
     # ---- paged extend/decode for the scheduler ----------------------------
     def alloc_extend(
         self,

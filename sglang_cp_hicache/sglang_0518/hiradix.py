@@ -125,6 +125,9 @@ class CpHiRadixCache(
         self._write_seq = 0
         self._load_seq = 0
         self._step_status = StepStatus()
+        # Pages per owner lane that the other ranks took for load-backs this
+        # rank failed to allocate, until the step's all-reduce takes them back.
+        self._load_shadow = [0] * self.cp_layout.cp_size
         self._warned_device_page_read = False
         super().__init__(params, server_args)
         self.evictable_host_leaves = NoHostLeafSet()  # the ordered index replaces SGLang's set
@@ -216,6 +219,7 @@ class CpHiRadixCache(
         self._inflight_loads = []
         self._inflight_writes = {}
         self._step_status = StepStatus()
+        self._load_shadow = [0] * self.cp_layout.cp_size
         if self._ledger is not None:
             self._ledger = HostSlotLedger(list(self._ledger.capacity))
 

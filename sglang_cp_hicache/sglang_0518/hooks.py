@@ -32,6 +32,7 @@ import functools
 import importlib
 import inspect
 import textwrap
+import threading
 from dataclasses import dataclass
 from typing import Any, Literal, Optional
 
@@ -426,12 +427,18 @@ def find_problem(hook: Hook) -> Optional[str]:
     return None
 
 
+#: CP ranks run as threads of one process build their caches at once; the
+#: source parsing behind the check is not safe to run concurrently in CPython.
+_CHECK_LOCK = threading.Lock()
+
+
 def check_hooks(hooks: tuple[Hook, ...] = HOOKS) -> None:
     """Raise :class:`HookMismatchError` naming the first hook that is missing
     or changed in the installed SGLang."""
-    for hook in hooks:
-        problem = find_problem(hook)
-        if problem is not None:
-            import sglang
+    with _CHECK_LOCK:
+        for hook in hooks:
+            problem = find_problem(hook)
+            if problem is not None:
+                import sglang
 
-            raise HookMismatchError(hook, problem, getattr(sglang, "__version__", "(unknown)"))
+                raise HookMismatchError(hook, problem, getattr(sglang, "__version__", "(unknown)"))

@@ -5,7 +5,12 @@ Thresholds and quotas use logical lengths (``host_len``). Pages come from
 the owner lanes of the allocator, which is identical on every rank, so every
 rank decides the same; a rank whose allocation or copy fails anyway records
 it for the step's all-reduce (:mod:`.step_protocol`), which takes the
-load-backs back on every rank.
+load-backs back on every rank. Until then it keeps deciding as the others:
+a copy that could not be prepared or started leaves the pages and tree edits
+in place (only the bytes are missing); an allocation that failed is recorded
+as if it had succeeded (same lock, same sizes, nodes left evicted here) and
+its pages are counted as taken for the step's later load-back decisions, so
+this rank evicts exactly what the others evict.
 """
 
 from __future__ import annotations
@@ -32,23 +37,28 @@ __all__ = ["LoadBackMixin", "LoadBackRecord"]
 
 @dataclass
 class LoadBackRecord:
-    """A load-back whose ack has not been consumed yet."""
+    """A load-back whose ack has not been consumed yet. ``load`` is None on
+    a rank whose device allocation failed: it records the load-back every
+    other rank made (same nodes, locks and sizes) without restoring it."""
 
     seq: int
     last_node: TreeNode
-    nodes: list
-    device_locs: torch.Tensor
-    pages: torch.Tensor  # CPU mirror of device_locs
+    ancestor: TreeNode  # the on-device node the restored chain hangs from
+    tokens: int  # logical tokens restored (on every rank)
+    rr_cursor: int  # the allocator's round-robin cursor before the load-back
+    load: Optional[PendingLoad]
 
 
 @dataclass
 class _Attempt:
     """One ``load_back`` call in progress: the chain whose host copies are
-    protected, and the loads queued for it."""
+    protected, the load queued for it, or the allocation that failed here."""
 
     last_hit_node: TreeNode
-    protected: list = field(default_factory=list)
-    queued: list[PendingLoad] = field(default_factory=list)
+    rr_cursor: int
+    chain: list = field(default_factory=list)
+    queued: Optional[PendingLoad] = None
+    failed_seq: Optional[int] = None  # this rank's allocation failed (every other rank's did not)
 
 
 class LoadBackMixin:
@@ -56,7 +66,7 @@ class LoadBackMixin:
 
     def load_back(self, node: TreeNode, mem_quota: Optional[int] = None) -> Optional[torch.Tensor]:
         start = time.perf_counter()
-        attempt = _Attempt(node)
+        attempt = _Attempt(node, self.token_to_kv_pool_allocator.rr_cursor)
         try:
             outcome = cp_load_back(
                 node,
@@ -68,13 +78,16 @@ class LoadBackMixin:
                 evict_device=lambda num_tokens: self._evict_for_attempt(attempt),
             )
         finally:
-            for n in attempt.protected:
+            for n in attempt.chain:
                 n.release_host()
+        if attempt.failed_seq is not None:
+            self._commit_failed_load_back(attempt)
+            return None
         if outcome is None:
-            if attempt.protected:
+            if attempt.chain:
                 logger.warning(
                     "load_back: failed to load %d logical tokens for node %d even after "
-                    "eviction; %s", sum(n.host_len for n in attempt.protected), node.id,
+                    "eviction; %s", sum(n.host_len for n in attempt.chain), node.id,
                     self.available_and_evictable_str().strip(),
                 )
             return None
@@ -84,12 +97,12 @@ class LoadBackMixin:
     def _load_chain(self, attempt: _Attempt, chain: list) -> Optional[torch.Tensor]:
         """Allocate (owner-preserving) and queue the restore of ``chain``;
         the device locs, or None when it does not fit or failed here."""
-        if not attempt.protected:
+        if not attempt.chain:
             for n in chain:
                 n.protect_host()
-            attempt.protected.extend(chain)
-        if self._step_status.load is not None:
-            return None  # this rank already failed this step: no further allocation
+            attempt.chain.extend(chain)
+        if attempt.failed_seq is not None:
+            return None  # the others restored it at the first try: nothing more to decide
         metadata = [n.cp_hicache for n in chain]
         # The allocator is identical on every rank: its lanes decide for all.
         if not self._lanes_fit(metadata):
@@ -103,30 +116,38 @@ class LoadBackMixin:
                 raise RuntimeError("owner-preserving allocation failed although every lane had room")
         except Exception as exc:  # the group hears of it at the step's all-reduce
             self._step_status.fail_load(Vote.FAILED, seq, exc)
+            attempt.failed_seq = seq
+            # Every other rank holds these pages now: count them as taken here
+            # too, so this rank's later load-backs and evictions decide alike.
+            for owner in page_owners_of(metadata, self.page_size):
+                self._load_shadow[owner] += 1
             return None
+        if pending.error is not None:  # pages taken, copy missing: the others' state, no data
+            self._step_status.fail_load(Vote.FAILED, seq, pending.error)
         pending.keep()
-        attempt.queued.append(pending)
+        attempt.queued = pending
         return pending.plan.device_locs
 
     def _evict_for_attempt(self, attempt: _Attempt) -> int:
-        if self._step_status.load is not None:
-            return 0  # failed locally: evicting here alone would split the trees
-        return self._evict_device_for_lanes(attempt.protected)
+        if attempt.failed_seq is not None:
+            return 0  # every other rank restored at the first try, without evicting
+        return self._evict_device_for_lanes(attempt.chain)
 
     def _commit_load_back(self, attempt: _Attempt, outcome: LoadBackOutcome, start: float) -> None:
         """The restored nodes get their device pages (and CPU mirrors); the
         load-back is in flight until its ack is consumed."""
         last_hit_node = attempt.last_hit_node
-        pages = attempt.queued[-1].plan.allocation.pages
+        pages = attempt.queued.plan.allocation.pages
         offset = 0
         for n in outcome.nodes:  # the CPU mirror of each restored node's new value
             num_pages = n.host_len // self.page_size
             n.cp_pages = pages[offset : offset + num_pages]
             offset += num_pages
         self.ongoing_load_back[last_hit_node.id] = last_hit_node
-        self._inflight_loads.append(
-            LoadBackRecord(self._load_seq - 1, last_hit_node, outcome.nodes, outcome.device_locs, pages)
-        )
+        self._inflight_loads.append(LoadBackRecord(
+            self._load_seq - 1, last_hit_node, outcome.nodes[0].parent, outcome.host_hit_len,
+            attempt.rr_cursor, attempt.queued,
+        ))
         for n in outcome.nodes:
             self._record_store_event(n, medium=StorageMedium.GPU)
         self.evictable_size_ += outcome.host_hit_len
@@ -136,14 +157,35 @@ class LoadBackMixin:
         if self.metrics_collector is not None:
             self.metrics_collector.observe_load_back_duration(time.perf_counter() - start)
 
+    def _commit_failed_load_back(self, attempt: _Attempt) -> None:
+        """What every other rank's successful load-back did, without the
+        restore: in flight under the same sequence number, the same lock,
+        the same sizes. The nodes stay evicted on this rank (requests of this
+        step miss them here); the step's all-reduce takes it back everywhere."""
+        last_hit_node = attempt.last_hit_node
+        tokens = sum(n.host_len for n in attempt.chain)
+        self.ongoing_load_back[last_hit_node.id] = last_hit_node
+        self._inflight_loads.append(LoadBackRecord(
+            attempt.failed_seq, last_hit_node, attempt.chain[0].parent, tokens, attempt.rr_cursor, None,
+        ))
+        self.evictable_size_ += tokens
+        self.inc_lock_ref(last_hit_node)
+        self.cp_counters.load_backs += 1
+        self.cp_counters.load_back_tokens += tokens
+
+    def _free_lane_pages(self) -> list[int]:
+        """Free pages per owner lane as every rank sees them: a rank whose
+        allocation failed this step counts the pages the others took."""
+        lanes = self.token_to_kv_pool_allocator.lane_available_pages()
+        return [a - s for a, s in zip(lanes, self._load_shadow)]
+
     def _lanes_fit(self, metadata: list) -> bool:
         """Whether every owner lane has the pages a restore of ``metadata``
         needs (the allocator mirror, identical on every rank)."""
         need = [0] * self.cp_layout.cp_size
         for owner in page_owners_of(metadata, self.page_size):
             need[owner] += 1
-        lanes = self.token_to_kv_pool_allocator.lane_available_pages()
-        return all(n <= a for n, a in zip(need, lanes))
+        return all(n <= a for n, a in zip(need, self._free_lane_pages()))
 
     def _evict_device_for_lanes(self, chain: list) -> int:
         """Evict device nodes (LRU, as upstream) until every owner lane the
@@ -156,8 +198,7 @@ class LoadBackMixin:
             need[o] += 1
         evicted = 0
         while True:
-            lanes = self.token_to_kv_pool_allocator.lane_available_pages()
-            short = sum(max(0, n - a) for n, a in zip(need, lanes))
+            short = sum(max(0, n - a) for n, a in zip(need, self._free_lane_pages()))
             if short == 0:
                 return evicted
             got = self.evict(EvictParams(num_tokens=short * self.page_size)).num_tokens_evicted
@@ -188,7 +229,7 @@ class LoadBackMixin:
         """Device tokens load-back may take: what is free now, less the
         request's own new tokens (page-rounded) and one page of slack for the
         partially filled page it will extend. Without a request: all of it."""
-        available = self.token_to_kv_pool_allocator.available_size()
+        available = sum(self._free_lane_pages()) * self.page_size
         req = params.req
         if req is None:
             return available

@@ -4,10 +4,14 @@ ready acks, with this rank's step status folded into the two count words.
 Every decision the cache takes is identical on every rank; what a rank
 cannot know about the others is a local failure (a host allocation short, a
 copy that raised, a device allocation that failed). Each rank folds its
-first failure since the last step into the ack counts (:mod:`.step_status`);
+failures since the last step into the ack counts (:mod:`.step_status`);
 after the reduce every rank takes back the same writes and load-backs,
-before any ack is consumed, and raises on a copy failure. No collective of
-its own, and none wider than SGLang's.
+before any ack is consumed. A step that raises (a copy or allocation
+failed somewhere) takes back every write and load-back whose ack is not
+consumed, with what the step built on the restored nodes, so each rank is
+as it was before them; a refused host allocation alone takes back the
+writes from the first refused one on, quietly. No collective of its own,
+and none wider than SGLang's.
 """
 
 from __future__ import annotations
@@ -15,10 +19,10 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-from sglang.srt.disaggregation.kv_events import StorageMedium
+from sglang.srt.mem_cache.radix_cache import TreeNode
 
 from sglang_cp_hicache.sglang_0518.load_back import LoadBackRecord
-from sglang_cp_hicache.sglang_0518.step_status import GroupOutcome, Vote
+from sglang_cp_hicache.sglang_0518.step_status import Vote
 from sglang_cp_hicache.sglang_0518.transfer_adapter import WriteState
 from sglang_cp_hicache.sglang_0518.write_through import InflightWrite
 
@@ -89,19 +93,29 @@ class StepProtocolMixin:
         write, load = step.write, step.load
         if write.ok and load.ok:
             return out
-        if not write.ok:
-            self._take_back_writes(write, self._first_inflight_write_seq())
-        if not load.ok:
+        first = self._first_inflight_write_seq()
+        if Vote.FAILED in (write.vote, load.vote):
+            # Every rank raises: every write and load-back whose ack is not
+            # consumed goes, so each rank is as it was before them.
+            self._take_back_writes(0, first)
             self._take_back_loads()
-        if write.vote == Vote.FAILED or load.vote == Vote.FAILED:
-            mine = mine_write if write.vote == Vote.FAILED else mine_load
-            error = mine.error if mine is not None else None
+            error = self._own_error(mine_write, mine_load)
             what = "backup" if write.vote == Vote.FAILED else "load-back"
             raise CpHiCacheTransferError(
-                f"CP HiCache {what} failed on a CP rank; rolled back on every rank "
-                f"(this rank: {error!r})"
+                f"CP HiCache {what} failed on a CP rank; every rank took back every write and "
+                f"load-back in flight (this rank: {error!r})"
             ) from error
+        if not write.ok:  # REFUSED: from the first refused write on, quietly
+            self._take_back_writes(write.cut, first)
+        if not load.ok:
+            self._take_back_loads()
         return out
+
+    @staticmethod
+    def _own_error(mine_write, mine_load) -> Optional[BaseException]:
+        """This rank's own copy or allocation error (the raise's cause), if any."""
+        errors = [f.error for f in (mine_write, mine_load) if f is not None and f.vote == Vote.FAILED]
+        return next((e for e in errors if e is not None), None)
 
     def _first_inflight_write_seq(self) -> Optional[int]:
         """Sequence number of the oldest write whose ack is not consumed
@@ -109,10 +123,12 @@ class StepProtocolMixin:
         return min((r.seq for r in self._inflight_writes.values()), default=None)
 
     # ---- taking writes back ----------------------------------------------------
-    def _take_back_writes(self, outcome: GroupOutcome, first_seq: int) -> None:
-        """Undo every in-flight write from the first failed one on (newest
+    def _take_back_writes(self, cut: int, first_seq: Optional[int]) -> None:
+        """Undo every in-flight write from position ``cut`` on (newest
         first): later writes may be children of it."""
-        doomed = [(a, r) for a, r in self._inflight_writes.items() if r.seq - first_seq >= outcome.cut]
+        if first_seq is None:
+            return
+        doomed = [(a, r) for a, r in self._inflight_writes.items() if r.seq - first_seq >= cut]
         for ack_id, record in reversed(doomed):
             del self._inflight_writes[ack_id]
             self._undo_write(ack_id, record)
@@ -134,32 +150,80 @@ class StepProtocolMixin:
 
     # ---- taking load-backs back -------------------------------------------------
     def _take_back_loads(self) -> None:
-        """Undo every load-back whose ack has not been consumed: a failed
-        load may share a merged copy (and its ack) with the others."""
+        """Undo every load-back whose ack has not been consumed (a failed
+        load may share a merged copy, and its ack, with the others), newest
+        first, with everything the step built on the restored nodes."""
         records, self._inflight_loads = self._inflight_loads, []
         queue = self.cache_controller.ack_load_queue
         for ack in queue:
             ack.finish_event.synchronize()
         queue.clear()
+        # Loads queued but not started (their batch was dropped) go too: a
+        # later start would copy into pages freed here.
+        self.cp_transfer.take_back_loads([r.load for r in records if r.load is not None])
         for record in reversed(records):
             if record.last_node.id in self.ongoing_load_back:
                 self._undo_load_back(record)
+        allocator = self.token_to_kv_pool_allocator
+        if records:
+            allocator.rewind_rr_cursor(records[0].rr_cursor)
+        self._load_shadow = [0] * self.cp_layout.cp_size
         # A rank whose allocation failed never took the pages the others just
         # freed: the free SETS agree, the lists may not. Sorting every free
         # list makes the allocators identical again.
-        self.token_to_kv_pool_allocator.merge_and_sort_free()
+        allocator.merge_and_sort_free()
 
     def _undo_load_back(self, record: LoadBackRecord) -> None:
+        """Evict the restored nodes again -- every piece of them, since a
+        request may have split them -- after removing what the step built
+        below them (new leaves, recomputed nodes): an evicted node keeps no
+        node on the device below it. The same nodes on every rank (the tree
+        is the same); each frees the pages it holds through its mirror."""
         self.ongoing_load_back.pop(record.last_node.id, None)
         self.dec_lock_ref(record.last_node)
-        for n in reversed(record.nodes):
-            self.evictable_size_ -= len(n.value)
-            self._record_remove_event(n, medium=StorageMedium.GPU)
-            n.value = None
-            n.cp_pages = None
-            self._update_leaf_status(n)
-            self._update_host_leaf_status(n)
-            self._update_leaf_status(n.parent)
-        self.token_to_kv_pool_allocator.free_mirrored(record.pages)
+        if record.load is None:  # the sizes this rank counted without restoring
+            self.evictable_size_ -= record.tokens
+        pieces = self._restored_pieces(record)
+        ids = {id(p) for p in pieces}
+        for piece in pieces:  # deepest first
+            for child in list(piece.children.values()):
+                if id(child) not in ids:
+                    self._remove_built_on(child)
+        for piece in pieces:
+            if not piece.evicted:
+                self._evict_backuped(piece)
         self.cp_counters.load_backs -= 1
-        self.cp_counters.load_back_tokens -= int(record.device_locs.numel())
+        self.cp_counters.load_back_tokens -= record.tokens
+
+    def _restored_pieces(self, record: LoadBackRecord) -> list:
+        """The nodes now holding the restored chain, deepest first: from the
+        last restored node up to the node it hangs from (a split puts the
+        new prefix node between them; the split node keeps the suffix)."""
+        pieces, node = [], record.last_node
+        while node is not record.ancestor:
+            if node is None or node is self.root_node:
+                raise RuntimeError(
+                    f"load-back of node {record.last_node.id} no longer hangs from its ancestor"
+                )
+            pieces.append(node)
+            node = node.parent
+        return pieces
+
+    def _remove_built_on(self, top: TreeNode) -> None:
+        """Take off the device every node at or below ``top`` that is on it
+        (all built after the load-back: nothing below an evicted node is on
+        the device), children first: backed-up ones are evicted, the others
+        deleted; their pages go back to the allocator."""
+        order, stack = [], [top]
+        while stack:
+            n = stack.pop()
+            if not n.evicted:
+                order.append(n)
+                stack.extend(n.children.values())
+        for n in reversed(order):
+            if n.write_through_pending_id is not None:
+                raise RuntimeError(f"node {n.id} still has a write in flight at a load take-back")
+            if n.backuped:
+                self._evict_backuped(n)
+            else:
+                self._evict_regular(n)

@@ -20,7 +20,8 @@ A write can be taken back at every step through its handle,
 only once its owner-preserving allocation succeeded (a failed one is rolled
 back inside :meth:`CpTransferAdapter.queue_load`); after that the cache
 takes load-backs back as a whole at the step's all-reduce (it drains the
-load acks and evicts the restored nodes again).
+load acks, drops the loads queued but not started, and evicts the restored
+nodes again).
 """
 
 from __future__ import annotations
@@ -137,12 +138,15 @@ class PendingWrite:
 
 @dataclass(eq=False)
 class PendingLoad:
-    """One queued (not yet submitted) restore of a node chain."""
+    """One restore of a node chain whose pages are taken: its copy queued
+    (``op``), or -- when preparing the copy raised on this rank -- nothing
+    queued and the ``error`` kept for the step's all-reduce."""
 
     adapter: "CpTransferAdapter"
     plan: CpLoadPlan
-    op: CacheOperation
+    op: Optional[CacheOperation]
     checkpoint: AllocatorCheckpoint
+    error: Optional[BaseException] = None
     closed: bool = False
 
     def keep(self) -> None:
@@ -176,11 +180,11 @@ class CpTransferAdapter:
         self.stats.zero_owned_writes += sign * int(plan.num_host_slots == 0)
         self.stats.backup_slots += sign * plan.num_host_slots
 
-    def _count_load(self, plan: CpLoadPlan) -> None:
+    def _count_load(self, plan: CpLoadPlan, sign: int) -> None:
         n = int(plan.host_locs.numel())
-        self.stats.loads += 1
-        self.stats.zero_owned_loads += int(n == 0)
-        self.stats.load_slots += n
+        self.stats.loads += sign
+        self.stats.zero_owned_loads += sign * int(n == 0)
+        self.stats.load_slots += sign * n
 
     # ---- writes ------------------------------------------------------------
     def plan_write(
@@ -200,16 +204,25 @@ class CpTransferAdapter:
         plan = plan_write(self.layout, pages, device_locs, host_pool.alloc, host_pool.free, trusted=True)
         if isinstance(plan, HiCacheWriteFailure):
             return plan
-        host = _to_copy_engine(plan.host_locs, self._device)
-        pool_transfers = ctrl._resolve_pool_transfers_allocation(
-            extra_pools, alloc_host=True, kv_device_indices=device_locs, kv_host_indices=host
-        )
-        if pool_transfers is None and extra_pools:
-            if host.numel():
-                host_pool.free(plan.host_locs)
-            return HiCacheWriteFailure(required_host_slots=plan.num_host_slots)
-        op = CacheOperation(host, device_locs, node_id, priority, pool_transfers=pool_transfers or None)
+        try:
+            host = _to_copy_engine(plan.host_locs, self._device)
+            pool_transfers = ctrl._resolve_pool_transfers_allocation(
+                extra_pools, alloc_host=True, kv_device_indices=device_locs, kv_host_indices=host
+            )
+            if pool_transfers is None and extra_pools:
+                self._free_host(plan)
+                return HiCacheWriteFailure(required_host_slots=plan.num_host_slots)
+            op = CacheOperation(host, device_locs, node_id, priority, pool_transfers=pool_transfers or None)
+        except BaseException:
+            # No handle exists yet to free the slots later: free them now, or
+            # this rank's pool stays short of what the ledger says it has.
+            self._free_host(plan)
+            raise
         return PendingWrite(self, plan, op)
+
+    def _free_host(self, plan: CpWritePlan) -> None:
+        if plan.host_locs.numel():
+            self.controller.mem_pool_host.free(plan.host_locs)
 
     def placeholder_write(
         self, device_locs: torch.Tensor, pages: torch.Tensor, node_id: int = -1, extra_pools=None
@@ -231,27 +244,48 @@ class CpTransferAdapter:
     ) -> Optional[PendingLoad]:
         """Owner-preserving allocation for a node chain; queues this rank's
         pages (an empty op if none). None, with nothing changed, when the
-        device allocator cannot give every owner lane its pages."""
-        ctrl = self.controller
+        device allocator cannot give every owner lane its pages (and the
+        allocator's own error, with nothing changed, when it raised). Once
+        the pages are taken they stay: if preparing the copy raises, the load
+        comes back with ``error`` set and nothing queued, so this rank's
+        allocator stays that of every other rank and only the copy is missing."""
         checkpoint = self.allocator.checkpoint()
         try:
             plan = plan_load(self.layout, metadata, self.allocator)
-            pool_transfers = None
-            if plan is not None:
-                host = _to_copy_engine(plan.host_locs, self._device)
-                pool_transfers = ctrl._resolve_pool_transfers_allocation(
-                    extra_pools, alloc_host=False, kv_device_indices=plan.device_locs, kv_host_indices=host
-                )
         except BaseException:
             self.allocator.rollback(checkpoint)
             raise
-        if plan is None or (pool_transfers is None and extra_pools):
+        if plan is None:
             self.allocator.rollback(checkpoint)
             return None
-        op = CacheOperation(host, plan.device_locs, node_id, priority, pool_transfers=pool_transfers or None)
-        ctrl.load_queue.append(op)
-        self._count_load(plan)
+        try:
+            op = self._load_operation(plan, node_id, priority, extra_pools)
+        except Exception as exc:  # reported to every rank at the step's all-reduce
+            self._count_load(plan, +1)
+            return PendingLoad(self, plan, None, checkpoint, error=exc)
+        if op is None:
+            self.allocator.rollback(checkpoint)
+            return None
+        self.controller.load_queue.append(op)
+        self._count_load(plan, +1)
         return PendingLoad(self, plan, op, checkpoint)
+
+    def _load_operation(self, plan: CpLoadPlan, node_id: int, priority: Optional[int], extra_pools):
+        """The copy of one planned restore, or None when an extra pool has no room."""
+        host = _to_copy_engine(plan.host_locs, self._device)
+        pool_transfers = self.controller._resolve_pool_transfers_allocation(
+            extra_pools, alloc_host=False, kv_device_indices=plan.device_locs, kv_host_indices=host
+        )
+        if pool_transfers is None and extra_pools:
+            return None
+        return CacheOperation(host, plan.device_locs, node_id, priority, pool_transfers=pool_transfers or None)
+
+    def take_back_loads(self, loads: Sequence[PendingLoad]) -> None:
+        """Forget loads the step took back: drops every load queued but not
+        started (all of them are taken back together) and their counts."""
+        self.controller.load_queue.clear()
+        for load in loads:
+            self._count_load(load.plan, -1)
 
     def start_loading(self) -> StartedLoads:
         """Submit every queued load. Never raises: a failure is returned in

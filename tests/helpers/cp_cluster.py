@@ -244,6 +244,17 @@ class CpCluster:
 
         return run
 
+    def insert_resident(self, tokens: list[int]) -> None:
+        """Insert ``tokens`` on every rank without backing them up (yet): a
+        later hit backs them up."""
+        for c in self.caches:
+            c.write_through_threshold = 10**9
+        try:
+            self.insert(tokens)
+        finally:
+            for c in self.caches:
+                c.write_through_threshold = 1
+
     def step(self) -> None:
         self.each(lambda s: (s.cache.writing_check(), s.cache.loading_check()))
 
@@ -274,6 +285,20 @@ class CpCluster:
             return (m.device_indices, vals, m.host_hit_length)
 
         return run
+
+    @staticmethod
+    def start_load_back(stack, tokens: list[int], *, start: bool = True, mem_quota: Optional[int] = None) -> int:
+        """What a scheduler does on one rank for a request whose prefix is on
+        host: the load-back, then (unless its batch is dropped) starting the
+        copies; no all-reduce. Returns the tokens it restored."""
+        c = stack.cache
+        m = c.match_prefix(MatchPrefixParams(key=RadixKey(tokens)))
+        locs, _ = c.init_load_back(InitLoadBackParams(
+            best_match_node=m.last_host_node, host_hit_length=m.host_hit_length, mem_quota=mem_quota,
+        ))
+        if start:
+            c.ready_to_load_host_cache()
+        return int(locs.numel())
 
     def device_locs(self, tokens: list[int]) -> list[torch.Tensor]:
         return [c.match_prefix(MatchPrefixParams(key=RadixKey(tokens))).device_indices for c in self.caches]
