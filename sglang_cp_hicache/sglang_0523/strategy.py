@@ -240,7 +240,8 @@ def _check_supported(result: Any, kvcache: Any, params: Any) -> None:
         _refuse(f"decode context parallel (dcp_size={kv_pool.dcp_size})")
     # The owner-aware host room replaces the branch of _execute_kv_backup
     # that upstream takes without a shared host allocation domain.
-    if group.anchor_entry.host_pool.shared_allocation_domain is not None or group.anchor_entry.host_evict_fn is not None:
+    anchor = group.anchor_entry
+    if anchor.host_pool.shared_allocation_domain is not None or anchor.host_evict_fn is not None:
         _refuse("a host pool in a shared allocation domain")
     if not isinstance(params.token_to_kv_pool_allocator, PageInterleavePoolAllocator):
         _refuse(f"device allocator {type(params.token_to_kv_pool_allocator).__name__} "

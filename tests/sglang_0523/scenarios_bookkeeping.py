@@ -78,7 +78,8 @@ class _Driver:
         last = match.last_device_node
         if match.host_hit_length > 0:  # load-back
             self.host_hits += int(match.host_hit_length)
-            request = _LoadBackRequest(f"r{index}", match.last_device_node, cache.rotation_base_of(match.best_match_node))
+            base = cache.rotation_base_of(match.best_match_node)
+            request = _LoadBackRequest(f"r{index}", match.last_device_node, base)
             loaded, last = cache.init_load_back(InitLoadBackParams(
                 best_match_node=match.best_match_node, host_hit_length=int(match.host_hit_length), req=request,
             ))
