@@ -7,89 +7,25 @@ copy methods on the host pool and controller INSTANCES of a CP cache
 attributes of upstream's pools, nodes and params. Each of those is one
 :class:`Hook` in :data:`HOOKS`, read from SGLang :data:`READ_FROM`.
 
-:func:`check_hooks` resolves every hook in the installed SGLang and raises
-:class:`HookMismatchError` naming the FIRST one that is missing or whose
-parameters changed, so a release that renamed one refuses to build the CP
-cache by name instead of failing in the middle of a request. Parameter
-names are compared exactly (``self`` included for methods): a new optional
-parameter of an overridden method is one SGLang may start passing.
-
-Resolution: ``module`` is imported; ``owner`` (if any) is a class in it; the
-attribute is found on the owner's MRO (methods, properties, class
-attributes, enum members) or, for instance attributes (the controller's
-queues, a node's fields), declared in an SGLang class of the MRO
-(annotations, dataclass fields) or assigned as ``self.<name>`` in its
-source. Classes come first in :data:`HOOKS`, so a missing class is named as
-the class, not as a later hook on it.
+:func:`check_hooks` checks them all in the installed SGLang and refuses,
+naming the first one that is missing or changed
+(:mod:`sglang_cp_hicache.hook_registry` says how entries resolve).
 
 Importing this module does not import SGLang.
 """
 
 from __future__ import annotations
 
-import ast
-import functools
-import importlib
-import inspect
-import textwrap
-import threading
-from dataclasses import dataclass
-from typing import Any, Literal, Optional
+from typing import Optional
 
+from sglang_cp_hicache import hook_registry
+from sglang_cp_hicache.hook_registry import KINDS, Hook, HookMismatchError, Kind, find_problem
 from sglang_cp_hicache.sglang_0518 import SUPPORTED_SGLANG
 
 __all__ = ["HOOKS", "KINDS", "READ_FROM", "Hook", "HookMismatchError", "check_hooks", "find_problem"]
 
 #: The SGLang release every hook below was read from.
 READ_FROM = SUPPORTED_SGLANG
-
-Kind = Literal["override", "replaced-on-instance", "private-helper", "attribute", "call"]
-KINDS: tuple[str, ...] = ("override", "replaced-on-instance", "private-helper", "attribute", "call")
-
-
-@dataclass(frozen=True)
-class Hook:
-    """One SGLang name the adapter depends on.
-
-    ``kind``: ``override`` -- a method the adapter's subclass replaces (SGLang
-    calls it with ``params``); ``replaced-on-instance`` -- a method or
-    attribute the adapter overwrites on each instance after upstream's
-    ``__init__``; ``private-helper`` -- a private method the adapter calls;
-    ``attribute`` -- a class, value, field or queue the adapter reads or edits
-    in place; ``call`` -- a public function, method or class the adapter
-    calls. ``params``: the exact parameter names, or None where nothing is
-    called (or the adapter never calls it with arguments).
-    """
-
-    module: str
-    owner: Optional[str]
-    attribute: str
-    kind: Kind
-    params: Optional[tuple[str, ...]]
-    why: str
-
-    def __post_init__(self) -> None:
-        if self.kind not in KINDS:
-            raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
-
-    @property
-    def name(self) -> str:
-        owner = f"{self.owner}." if self.owner else ""
-        return f"{self.module}.{owner}{self.attribute}"
-
-
-class HookMismatchError(RuntimeError):
-    """The installed SGLang lacks or changed a name the adapter depends on."""
-
-    def __init__(self, hook: Hook, problem: str, installed: str) -> None:
-        self.hook = hook
-        what = "missing" if problem.startswith(("is missing", "cannot be imported")) else "changed"
-        super().__init__(
-            f"SGLang {READ_FROM} hook {what}: {hook.name} ({hook.kind}; the CP cache {hook.why}); "
-            f"in the installed sglang {installed} it {problem}. "
-            f"This adapter was written against sglang {READ_FROM}."
-        )
-
 
 _HRC = "sglang.srt.mem_cache.hiradix_cache"
 _RC = "sglang.srt.mem_cache.radix_cache"
@@ -357,88 +293,7 @@ def _attributes() -> tuple[Hook, ...]:
 HOOKS: tuple[Hook, ...] = _classes() + _overrides() + _instance_replacements() + _private_helpers() + _calls() + _attributes()
 
 
-# ---- resolution ---------------------------------------------------------------
-
-
-def _self_targets(tree: ast.AST) -> set[str]:
-    """Names assigned as ``self.<name>`` anywhere in ``tree``."""
-    names = set()
-    for node in ast.walk(tree):
-        targets = node.targets if isinstance(node, ast.Assign) else (
-            [node.target] if isinstance(node, (ast.AnnAssign, ast.AugAssign)) else []
-        )
-        for target in targets:
-            for sub in ast.walk(target):
-                if isinstance(sub, ast.Attribute) and isinstance(sub.value, ast.Name) and sub.value.id == "self":
-                    names.add(sub.attr)
-    return names
-
-
-@functools.lru_cache(maxsize=None)
-def _instance_attributes(cls: type) -> frozenset[str]:
-    """Instance attributes the SGLang classes of ``cls``'s MRO declare
-    (annotations, dataclass fields) or assign as ``self.<name>``."""
-    names: set[str] = set()
-    for klass in cls.__mro__:
-        if not klass.__module__.startswith("sglang"):
-            continue
-        names.update(vars(klass).get("__annotations__", {}))
-        names.update(getattr(klass, "__dataclass_fields__", {}))
-        try:
-            names.update(_self_targets(ast.parse(textwrap.dedent(inspect.getsource(klass)))))
-        except (OSError, TypeError, SyntaxError):
-            pass  # no source (built-in / generated): its declarations above still count
-    return frozenset(names)
-
-
-def _target(hook: Hook) -> tuple[Any, Optional[str]]:
-    """(the resolved object or None, the problem or None)."""
-    try:
-        module = importlib.import_module(hook.module)
-    except ImportError as exc:
-        return None, f"cannot be imported ({exc})"
-    if hook.owner is None:
-        if not hasattr(module, hook.attribute):
-            return None, f"is missing: module {hook.module} has no {hook.attribute}"
-        return getattr(module, hook.attribute), None
-    owner = getattr(module, hook.owner, None)
-    if not isinstance(owner, type):
-        return None, f"is missing: module {hook.module} has no class {hook.owner}"
-    if any(hook.attribute in vars(klass) for klass in owner.__mro__):
-        return getattr(owner, hook.attribute), None
-    if hook.attribute in _instance_attributes(owner):
-        return None, None  # an instance attribute: nothing to call
-    return None, f"is missing: {hook.owner} no longer has {hook.attribute}"
-
-
-def find_problem(hook: Hook) -> Optional[str]:
-    """What is wrong with ``hook`` in the installed SGLang, or None."""
-    target, problem = _target(hook)
-    if problem is not None or hook.params is None:
-        return problem
-    if not callable(target):
-        return f"is no longer callable (found {type(target).__name__})"
-    try:
-        found = tuple(inspect.signature(target).parameters)
-    except (TypeError, ValueError):
-        return "has no inspectable signature"
-    if found != hook.params:
-        return f"changed its parameters: expected {list(hook.params)}, found {list(found)}"
-    return None
-
-
-#: CP ranks run as threads of one process build their caches at once; the
-#: source parsing behind the check is not safe to run concurrently in CPython.
-_CHECK_LOCK = threading.Lock()
-
-
 def check_hooks(hooks: tuple[Hook, ...] = HOOKS) -> None:
     """Raise :class:`HookMismatchError` naming the first hook that is missing
     or changed in the installed SGLang."""
-    with _CHECK_LOCK:
-        for hook in hooks:
-            problem = find_problem(hook)
-            if problem is not None:
-                import sglang
-
-                raise HookMismatchError(hook, problem, getattr(sglang, "__version__", "(unknown)"))
+    hook_registry.check_hooks(hooks, READ_FROM, '')

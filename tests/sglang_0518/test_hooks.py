@@ -16,6 +16,7 @@ import types
 
 import pytest
 
+from sglang_cp_hicache import hook_registry
 from sglang_cp_hicache.sglang_0518 import hooks, plugin
 from sglang_cp_hicache.sglang_0518.allocator import CpSharedPagedTokenToKVPoolAllocator
 from sglang_cp_hicache.sglang_0518.hiradix import CpHiRadixCache
@@ -73,9 +74,9 @@ def _remove(monkeypatch: pytest.MonkeyPatch, hook: Hook) -> None:
         if klass.__module__.startswith("sglang") and hook.attribute in vars(klass):
             monkeypatch.delattr(klass, hook.attribute)
     # An instance attribute: a release whose classes no longer assign it.
-    scan = hooks._instance_attributes
+    scan = hook_registry._instance_attributes
     monkeypatch.setattr(
-        hooks, "_instance_attributes", lambda cls: scan(cls) - {hook.attribute} if cls is owner else scan(cls)
+        hook_registry, "_instance_attributes", lambda cls: scan(cls) - {hook.attribute} if cls is owner else scan(cls)
     )
 
 
@@ -87,7 +88,8 @@ def test_a_missing_hook_refuses_by_name(hook, monkeypatch):
     assert err.value.hook is hook
     message = str(err.value)
     what = "changed" if hook.attribute == "__init__" else "missing"  # object.__init__ is left
-    assert message.startswith(f"SGLang 0.5.18 hook {what}: {hook.name} ({hook.kind}; the CP cache {hook.why})")
+    assert message.startswith(f"SGLang 0.5.18 hook {what}: {hook.name} ({hook.kind}) ")
+    assert f"; the adapter needs it because it {hook.why}. " in message
     assert message.endswith("This adapter was written against sglang 0.5.18.")
 
 

@@ -15,6 +15,7 @@ import re
 import pytest
 from sglang.srt.mem_cache.hybrid_cache import hybrid_pool_assembler as assembler
 
+from sglang_cp_hicache import hook_registry
 from sglang_cp_hicache.sglang_0523 import hooks, plugin, strategy
 from sglang_cp_hicache.sglang_0523.hooks import HOOKS, Hook, HookMismatchError, check_hooks, find_problem
 
@@ -63,9 +64,9 @@ def _remove(monkeypatch: pytest.MonkeyPatch, hook: Hook) -> None:
         if klass.__module__.startswith("sglang") and hook.attribute in vars(klass):
             monkeypatch.delattr(klass, hook.attribute)
     # An instance attribute: a release whose classes no longer assign it.
-    scan = hooks._instance_attributes
+    scan = hook_registry._instance_attributes
     monkeypatch.setattr(
-        hooks, "_instance_attributes", lambda cls: scan(cls) - {hook.attribute} if cls is owner else scan(cls)
+        hook_registry, "_instance_attributes", lambda cls: scan(cls) - {hook.attribute} if cls is owner else scan(cls)
     )
 
 
@@ -146,7 +147,7 @@ def _defined_by_adapter(trees: dict[str, ast.AST]) -> set[str]:
                 names.add(node.name)
             elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
                 names.add(node.id)
-        names |= hooks._self_targets(tree)
+        names |= hook_registry.self_targets(tree)
     return names
 
 
@@ -229,8 +230,8 @@ def test_every_upstream_attribute_the_adapter_overwrites_is_registered():
         bases = [k for k in cls.__mro__[1:] if k.__module__.startswith("sglang")]
         if not bases:
             continue
-        for name in hooks._self_targets(ast.parse(inspect.getsource(cls))):
-            owner = next((b for b in bases if name in vars(b) or name in hooks._instance_attributes(b)), None)
+        for name in hook_registry.self_targets(ast.parse(inspect.getsource(cls))):
+            owner = next((b for b in bases if name in vars(b) or name in hook_registry._instance_attributes(b)), None)
             if owner is not None:
                 replaced.append((cls.__name__, name))
                 assert any(
@@ -247,7 +248,7 @@ def test_every_attribute_the_adapter_sets_on_an_upstream_object_is_registered_as
     a tree component, an allocator), which must be listed as
     ``replaced-on-instance`` on some class."""
     trees = _trees()
-    own = set().union(*(hooks._self_targets(tree) for tree in trees.values()))
+    own = set().union(*(hook_registry.self_targets(tree) for tree in trees.values()))
     replaced = []
     for file, tree in trees.items():
         for node in ast.walk(tree):

@@ -1,0 +1,170 @@
+"""The shape of an adapter's hook registry and how it is checked (both releases).
+
+Each adapter lists every SGLang name it depends on -- methods it overrides,
+attributes it replaces on live instances, private helpers it calls, classes,
+fields and queues it reads or edits in place, public functions it calls with
+named arguments -- as :class:`Hook` entries in its own ``hooks`` module, read
+from one SGLang release. :func:`check_hooks` resolves every entry in the
+installed SGLang and raises :class:`HookMismatchError` naming the FIRST one
+that is missing or whose parameter names changed, so a release that renamed
+one refuses to start by name instead of failing in the middle of a request.
+Parameter names are compared exactly (``self`` included for methods): a new
+optional parameter of an overridden method is one SGLang may start passing.
+
+Resolution: ``module`` is imported; ``owner`` (if any) is a class in it; the
+attribute is found on the owner's MRO (methods, properties, class
+attributes, enum members) or, for instance attributes (queues, node fields),
+declared in an SGLang class of the MRO (annotations, dataclass or msgspec
+fields) or assigned as ``self.<name>`` in its source. Registries list
+classes first, so a missing class is named as the class, not as a later
+hook on it.
+
+Importing this module imports no SGLang; checking does.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import importlib
+import inspect
+import sys
+import textwrap
+import threading
+from dataclasses import dataclass
+from typing import Any, Literal, Optional
+
+__all__ = ["KINDS", "Hook", "HookMismatchError", "Kind", "check_hooks", "find_problem", "self_targets"]
+
+Kind = Literal["override", "replaced-on-instance", "private-helper", "attribute", "call"]
+KINDS: tuple[str, ...] = ("override", "replaced-on-instance", "private-helper", "attribute", "call")
+
+
+@dataclass(frozen=True)
+class Hook:
+    """One SGLang name an adapter depends on.
+
+    ``kind``: ``override`` -- a method the adapter's subclass replaces (SGLang
+    calls it with ``params``); ``replaced-on-instance`` -- a method or
+    attribute the adapter overwrites on each instance after upstream's
+    ``__init__``; ``private-helper`` -- a private method or function the
+    adapter calls; ``attribute`` -- a class, value, field or queue the adapter
+    reads or edits in place; ``call`` -- a public function, method or class
+    the adapter calls with arguments it names. ``params``: the exact
+    parameter names, or None where nothing is called with arguments.
+    ``why`` completes "the adapter needs it because it ...".
+    """
+
+    module: str
+    owner: Optional[str]
+    attribute: str
+    kind: Kind
+    params: Optional[tuple[str, ...]]
+    why: str
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
+
+    @property
+    def name(self) -> str:
+        owner = f"{self.owner}." if self.owner else ""
+        return f"{self.module}.{owner}{self.attribute}"
+
+
+class HookMismatchError(RuntimeError):
+    """The installed SGLang lacks or changed a name an adapter depends on."""
+
+    def __init__(self, hook: Hook, problem: str, installed: str, read_from: str, remedy: str = "") -> None:
+        self.hook = hook
+        what = "missing" if problem.startswith(("is missing", "cannot be imported")) else "changed"
+        super().__init__(
+            f"SGLang {read_from} hook {what}: {hook.name} ({hook.kind}) {problem} in the installed "
+            f"sglang {installed}; the adapter needs it because it {hook.why}. "
+            f"This adapter was written against sglang {read_from}.{' ' + remedy if remedy else ''}"
+        )
+
+
+def self_targets(tree: ast.AST) -> set[str]:
+    """Names assigned as ``self.<name>`` anywhere in ``tree``."""
+    names = set()
+    for node in ast.walk(tree):
+        targets = node.targets if isinstance(node, ast.Assign) else (
+            [node.target] if isinstance(node, (ast.AnnAssign, ast.AugAssign)) else []
+        )
+        for target in targets:
+            for sub in ast.walk(target):
+                if isinstance(sub, ast.Attribute) and isinstance(sub.value, ast.Name) and sub.value.id == "self":
+                    names.add(sub.attr)
+    return names
+
+
+@functools.lru_cache(maxsize=None)
+def _instance_attributes(cls: type) -> frozenset[str]:
+    """Instance attributes the SGLang classes of ``cls``'s MRO declare
+    (annotations, dataclass / msgspec fields) or assign as ``self.<name>``."""
+    names: set[str] = set()
+    for klass in cls.__mro__:
+        if not klass.__module__.startswith("sglang"):
+            continue
+        names.update(vars(klass).get("__annotations__", {}))
+        names.update(getattr(klass, "__struct_fields__", ()))
+        names.update(getattr(klass, "__dataclass_fields__", {}))
+        try:
+            names.update(self_targets(ast.parse(textwrap.dedent(inspect.getsource(klass)))))
+        except (OSError, TypeError, SyntaxError):
+            pass  # no source (built-in / generated): its declarations above still count
+    return frozenset(names)
+
+
+def _target(hook: Hook) -> tuple[Any, Optional[str]]:
+    """(the resolved object or None, the problem or None)."""
+    try:
+        module = importlib.import_module(hook.module)
+    except ImportError as exc:
+        return None, f"cannot be imported ({exc})"
+    if hook.owner is None:
+        if not hasattr(module, hook.attribute):
+            return None, f"is missing: module {hook.module} has no {hook.attribute}"
+        return getattr(module, hook.attribute), None
+    owner = getattr(module, hook.owner, None)
+    if not isinstance(owner, type):
+        return None, f"is missing: module {hook.module} has no class {hook.owner}"
+    if any(hook.attribute in vars(klass) for klass in owner.__mro__):
+        return getattr(owner, hook.attribute), None
+    if hook.attribute in _instance_attributes(owner):
+        return None, None  # an instance attribute: nothing to call
+    return None, f"is missing: {hook.owner} no longer has {hook.attribute}"
+
+
+def find_problem(hook: Hook) -> Optional[str]:
+    """What is wrong with ``hook`` in the installed SGLang, or None."""
+    target, problem = _target(hook)
+    if problem is not None or hook.params is None:
+        return problem
+    if hook.kind in ("override", "private-helper") and not callable(target):
+        return f"is no longer callable (found {type(target).__name__})"
+    try:
+        found = tuple(inspect.signature(target).parameters)
+    except (TypeError, ValueError):
+        return "has no inspectable signature"
+    if found != hook.params:
+        return f"changed its parameters: expected {list(hook.params)}, found {list(found)}"
+    return None
+
+
+#: CP ranks run as threads of one process build their caches at once; the
+#: source parsing behind the check is not safe to run concurrently in CPython.
+_CHECK_LOCK = threading.Lock()
+
+
+def check_hooks(hooks: tuple[Hook, ...], read_from: str, remedy: str = "") -> None:
+    """Raise :class:`HookMismatchError` naming the first of ``hooks`` that is
+    missing or changed in the installed SGLang (read from ``read_from``)."""
+    with _CHECK_LOCK:
+        for hook in hooks:
+            problem = find_problem(hook)
+            if problem is not None:
+                # Resolving the hooks imported SGLang (if it is installed at all).
+                installed = getattr(sys.modules.get("sglang"), "__version__", "(unknown)")
+                raise HookMismatchError(hook, problem, installed, read_from, remedy)
