@@ -33,7 +33,7 @@ class CpHiCacheNodeMetadata:
             reason about every other rank's host usage (consistent host
             eviction) and re-allocate pages with the same owners on load-back.
 
-    ``layout`` (keyword only, not stored) is the rank's layout when the
+    ``placement`` (keyword only, not stored) is the rank's placement when the
     caller knows it; with ``token_owners`` it adds the cross checks: owners
     in ``[0, cp_size)``, one owner per page (a node starts on a page
     boundary), and ``owned_positions`` exactly the positions this rank owns.
@@ -44,12 +44,12 @@ class CpHiCacheNodeMetadata:
     host_indices: torch.Tensor
     token_owners: Optional[torch.Tensor] = None
     _: KW_ONLY
-    layout: InitVar[Optional[CpPlacement]] = None
+    placement: InitVar[Optional[CpPlacement]] = None
 
-    def __post_init__(self, layout: Optional[CpPlacement]) -> None:
+    def __post_init__(self, placement: Optional[CpPlacement]) -> None:
         check_int("logical_len", self.logical_len, 0)
-        if layout is not None and not isinstance(layout, CpPlacement):
-            raise TypeError(f"layout must be a CpPlacement, got {type(layout).__name__}")
+        if placement is not None and not isinstance(placement, CpPlacement):
+            raise TypeError(f"placement must be a CpPlacement, got {type(placement).__name__}")
         positions = check_cpu_int64("owned_positions", self.owned_positions)
         hosts = check_cpu_int64("host_indices", self.host_indices)
         owners = None if self.token_owners is None else check_cpu_int64("token_owners", self.token_owners)
@@ -73,7 +73,7 @@ class CpHiCacheNodeMetadata:
             if torch.unique(hosts).numel() != hosts.numel():
                 raise ValueError("host_indices must not hold a host slot twice")
         if owners is not None:
-            _check_owners(owners, self.logical_len, positions, layout)
+            _check_owners(owners, self.logical_len, positions, placement)
         self.owned_positions, self.host_indices, self.token_owners = positions, hosts, owners
 
     @classmethod
@@ -143,7 +143,7 @@ def _check_owners(
     owners: torch.Tensor,
     logical_len: int,
     positions: torch.Tensor,
-    layout: Optional[CpPlacement],
+    placement: Optional[CpPlacement],
 ) -> None:
     if owners.numel() != logical_len:
         raise ValueError(
@@ -153,18 +153,18 @@ def _check_owners(
         return
     if int(owners.min()) < 0:
         raise ValueError("token_owners must be non-negative")
-    if layout is None:
+    if placement is None:
         return
-    if int(owners.max()) >= layout.cp_size:
-        raise ValueError(f"token_owners must be in [0, cp_size={layout.cp_size}), got {int(owners.max())}")
-    P = layout.page_size
+    if int(owners.max()) >= placement.cp_size:
+        raise ValueError(f"token_owners must be in [0, cp_size={placement.cp_size}), got {int(owners.max())}")
+    P = placement.page_size
     page_first = torch.div(torch.arange(logical_len), P, rounding_mode="floor") * P
     if not torch.equal(owners, owners[page_first]):
         raise ValueError(f"token_owners must be constant within each page of page_size={P}")
-    mine = torch.nonzero(owners == layout.cp_rank).reshape(-1)
+    mine = torch.nonzero(owners == placement.cp_rank).reshape(-1)
     if not torch.equal(mine, positions):
         raise ValueError(
             f"owned_positions must be exactly the positions whose token_owners entry is "
-            f"cp_rank={layout.cp_rank} ({mine.numel()} of them), got {positions.numel()} "
+            f"cp_rank={placement.cp_rank} ({mine.numel()} of them), got {positions.numel()} "
             "positions that differ"
         )

@@ -111,11 +111,11 @@ def check_pages(pages: object) -> torch.Tensor:
     return pages
 
 
-def page_owner_tokens(layout: CpPlacement, pages: torch.Tensor) -> list[int]:
+def page_owner_tokens(placement: CpPlacement, pages: torch.Tensor) -> list[int]:
     """Tokens each rank owns in a node whose (trusted, CPU) pages are ``pages``:
     the ledger's charge for backing the node up. Plain Python: nodes are a
     handful of pages and this runs once per write."""
-    P, N = layout.page_size, layout.cp_size
+    P, N = placement.page_size, placement.cp_size
     counts = [0] * N
     for page in pages.tolist():
         counts[page_owner(page, N)] += P
@@ -123,7 +123,7 @@ def page_owner_tokens(layout: CpPlacement, pages: torch.Tensor) -> list[int]:
 
 
 def plan_write(
-    layout: CpPlacement,
+    placement: CpPlacement,
     pages: torch.Tensor,
     device_locs: torch.Tensor,
     host_alloc: Callable[[int], Optional[torch.Tensor]],
@@ -145,7 +145,7 @@ def plan_write(
     if not trusted:
         pages = check_pages(pages)
     check_1d_int_tensor("device_locs", device_locs)
-    P, N, rank = layout.page_size, layout.cp_size, layout.cp_rank
+    P, N, rank = placement.page_size, placement.cp_size, placement.cp_rank
     page_list = pages.tolist()
     if device_locs.numel() != len(page_list) * P:
         raise ValueError(
@@ -176,15 +176,15 @@ def plan_write(
 
 
 def placeholder_write_plan(
-    layout: CpPlacement, pages: torch.Tensor, device_locs: torch.Tensor
+    placement: CpPlacement, pages: torch.Tensor, device_locs: torch.Tensor
 ) -> CpWritePlan:
     """The plan of a write this rank could not take host slots for: every
     owner recorded, no slots. It keeps the node (and the ledger) as on every
     other rank until the step's all-reduce takes the write back everywhere."""
     pages = check_pages(pages)
-    owners = page_owner(pages, layout.cp_size)
+    owners = page_owner(pages, placement.cp_size)
     metadata = CpHiCacheNodeMetadata._trusted(
-        int(device_locs.numel()), _EMPTY, _EMPTY, owners.repeat_interleave(layout.page_size)
+        int(device_locs.numel()), _EMPTY, _EMPTY, owners.repeat_interleave(placement.page_size)
     )
     return CpWritePlan(metadata=metadata, device_locs=device_locs)
 
@@ -207,7 +207,7 @@ def page_owners_of(metadata: Sequence[CpHiCacheNodeMetadata], page_size: int) ->
 
 
 def plan_load(
-    layout: CpPlacement,
+    placement: CpPlacement,
     metadata: Sequence[CpHiCacheNodeMetadata],
     device_allocator: OwnerPreservingAllocator,
 ) -> Optional[CpLoadPlan]:
@@ -216,7 +216,7 @@ def plan_load(
     None (nothing allocated) when the allocator cannot satisfy every owner
     lane; the allocator is identical on every rank, so all ranks agree.
     """
-    owners = page_owners_of(metadata, layout.page_size)
+    owners = page_owners_of(metadata, placement.page_size)
     allocation = device_allocator.alloc_with_owners_mirrored(owners)
     if allocation is None:
         return None

@@ -104,10 +104,10 @@ P4 = CpPlacement(4, 2, 1)  # page_size 4, 2 ranks, rank 1
 OWNERS = [0] * 4 + [1] * 4 + [1] * 4  # three pages: rank 0, 1, 1
 
 
-def owned_meta(positions, hosts, owners=OWNERS, layout=P4):
+def owned_meta(positions, hosts, owners=OWNERS, placement=P4):
     return CpHiCacheNodeMetadata(
         len(owners), torch.tensor(positions, dtype=torch.int64), torch.tensor(hosts, dtype=torch.int64),
-        torch.tensor(owners), layout=layout,
+        torch.tensor(owners), placement=placement,
     )
 
 
@@ -136,8 +136,8 @@ def test_inconsistent_metadata_raises(positions, hosts, owners, name):
         expect_named_error(name, owned_meta, positions, hosts, owners)
 
 
-def test_metadata_layout_must_be_a_layout():
-    expect_named_error("layout", owned_meta, list(range(4, 12)), list(range(8)), OWNERS, (4, 2, 1))
+def test_metadata_placement_must_be_a_placement():
+    expect_named_error("placement", owned_meta, list(range(4, 12)), list(range(8)), OWNERS, (4, 2, 1))
 
 
 @given(
@@ -155,22 +155,22 @@ def test_metadata_owner_cross_checks(cp_size, page_size, page_owners, rank, flip
     owners = torch.tensor([o % cp_size for o in page_owners]).repeat_interleave(page_size)
     mine = torch.nonzero(owners == lay.cp_rank).reshape(-1)
     hosts = torch.arange(100, 100 + mine.numel())
-    CpHiCacheNodeMetadata(owners.numel(), mine, hosts, owners, layout=lay)
+    CpHiCacheNodeMetadata(owners.numel(), mine, hosts, owners, placement=lay)
     # One token moves to or away from this rank.
     bad = owners.clone()
     i = flip % bad.numel()
     bad[i] = (lay.cp_rank + 1) % (cp_size + 1) if int(bad[i]) == lay.cp_rank else lay.cp_rank
     # With one-token pages the owners stay page-constant; the owned positions differ.
     name = "token_owners" if page_size > 1 or int(bad[i]) == cp_size else "owned_positions"
-    expect_named_error(name, CpHiCacheNodeMetadata, owners.numel(), mine, hosts, bad, layout=lay)
+    expect_named_error(name, CpHiCacheNodeMetadata, owners.numel(), mine, hosts, bad, placement=lay)
     past = owners.clone()
     past[i] = cp_size  # one past the last rank
-    expect_named_error("token_owners", CpHiCacheNodeMetadata, owners.numel(), mine, hosts, past, layout=lay)
+    expect_named_error("token_owners", CpHiCacheNodeMetadata, owners.numel(), mine, hosts, past, placement=lay)
     if mine.numel():
         j = flip % mine.numel()
         keep = torch.cat([mine[:j], mine[j + 1:]])
         expect_named_error("owned_positions", CpHiCacheNodeMetadata, owners.numel(), keep,
-                           hosts[:-1], owners, layout=lay)
+                           hosts[:-1], owners, placement=lay)
 
 
 @pytest.mark.parametrize("cp_size", [1, 0, -1, True, 2.0, None])

@@ -219,7 +219,7 @@ class CpCacheMachine(RuleBasedStateMachine):
                         # Still valid: distinct host slots, one owner per page, and
                         # exactly the positions this rank owns.
                         CpHiCacheNodeMetadata(meta.logical_len, meta.owned_positions, meta.host_indices,
-                                              meta.token_owners, layout=lay)
+                                              meta.token_owners, placement=lay)
                         host_slots += meta.num_host_slots
                     if child.value is not None:
                         pages = (child.value[::P] // P).tolist()
