@@ -2,7 +2,8 @@
 values, meaning -- in one place.
 
 A value is read when it is used (not at import), trimmed and lower-cased; an
-empty value means the default. A value outside the valid ones raises
+empty value means the default. A free-form setting (no ``choices``, e.g. a
+directory) is trimmed only, never lower-cased. A value outside the valid ones raises
 ``ValueError`` naming the variable and listing the valid values: a misspelt
 setting never falls back silently. Both adapters call :func:`check_all` when
 a cache is built, so a bad value stops start-up rather than a later copy.
@@ -22,6 +23,7 @@ __all__ = [
     "COPY",
     "DEBUG",
     "HOST_BALANCE",
+    "L3_DIR",
     "SETTINGS",
     "Setting",
     "check_all",
@@ -36,7 +38,8 @@ _FALSE = ("0", "false", "no", "off")
 
 @dataclass(frozen=True)
 class Setting:
-    """One environment variable: ``choices`` are its valid (lower-case) values."""
+    """One environment variable: ``choices`` are its valid (lower-case)
+    values; empty ``choices``: any text (a path), kept as written."""
 
     name: str
     default: str
@@ -46,6 +49,10 @@ class Setting:
     @property
     def is_flag(self) -> bool:
         return self.choices == _TRUE + _FALSE
+
+    @property
+    def is_free_form(self) -> bool:
+        return not self.choices
 
 
 COPY = Setting(
@@ -79,8 +86,17 @@ ALLOW_ANY_SGLANG = Setting(
     "against (0.5.18 / 0.5.23); the start-up hook check still runs.",
 )
 
+L3_DIR = Setting(
+    "SGLANG_CP_HICACHE_L3_DIR",
+    "",
+    (),
+    "SGLang 0.5.18: directory of the L3 (storage) tier of a CP cache; empty: "
+    "no L3. Every rank names one shared directory; pages are keyed by content "
+    "and namespace, so deployments of any CP size share it.",
+)
+
 #: Every setting, in the order the table shows them.
-SETTINGS: tuple[Setting, ...] = (COPY, HOST_BALANCE, DEBUG, ALLOW_ANY_SGLANG)
+SETTINGS: tuple[Setting, ...] = (COPY, HOST_BALANCE, DEBUG, ALLOW_ANY_SGLANG, L3_DIR)
 
 
 def read(setting: Setting, environ: Optional[Mapping[str, str]] = None) -> str:
@@ -88,6 +104,8 @@ def read(setting: Setting, environ: Optional[Mapping[str, str]] = None) -> str:
     the variable and its valid values."""
     env = os.environ if environ is None else environ
     raw = env.get(setting.name, "")
+    if setting.is_free_form:  # a path: case matters
+        return raw.strip() or setting.default
     value = raw.strip().lower() or setting.default
     if value not in setting.choices:
         raise ValueError(
@@ -117,6 +135,6 @@ def describe(environ: Optional[Mapping[str, str]] = None) -> str:
             now = read(s, environ)
         except ValueError:
             now = "INVALID: " + (os.environ if environ is None else environ).get(s.name, "")
-        valid = "0/1, true/false, yes/no, on/off" if s.is_flag else "|".join(s.choices)
+        valid = "0/1, true/false, yes/no, on/off" if s.is_flag else "|".join(s.choices) or "any text"
         lines.append(f"{s.name}={now}  (valid: {valid}; default {s.default})\n    {s.meaning}")
     return "\n".join(lines)

@@ -22,9 +22,10 @@ def host_balance_policy() -> str:
 def check_cp_hicache_server_args(server_args, *, cp_shared_kv: bool) -> None:
     """Refuse settings CP shared KV HiCache cannot honour, naming both sides.
 
-    * ``hicache_storage_backend`` (L3): host pages are per-rank shards with
-      rank-local slot numbers; a shared L3 keyed by token hashes would mix
-      ranks' shards. Host-only (L2) is supported.
+    * ``hicache_storage_backend`` (SGLang's own L3): host pages are per-rank
+      shards with rank-local slot numbers, and SGLang's backends key objects
+      by writer rank; the library's own L3 (``SGLANG_CP_HICACHE_L3_DIR``)
+      keys pages by content and has each owner write and read its own.
     * ``hicache_write_policy='write_back'``: eviction would have to stage
       writes with a cross-rank decision inside device eviction.
     """
@@ -35,7 +36,8 @@ def check_cp_hicache_server_args(server_args, *, cp_shared_kv: bool) -> None:
         raise ValueError(
             "CP shared KV (sglang-cp-hicache) does not support "
             f"hicache_storage_backend={backend!r}: host-only CP HiCache. "
-            "Unset --hicache-storage-backend or disable CP shared KV."
+            "Unset --hicache-storage-backend or disable CP shared KV; for an L3 "
+            f"tier under CP set {settings.L3_DIR.name} to a shared directory."
         )
     policy = getattr(server_args, "hicache_write_policy", "write_through")
     if policy == "write_back":

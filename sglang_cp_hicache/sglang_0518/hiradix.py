@@ -24,7 +24,8 @@ Switched on by constructing :class:`CpHiRadixCache` with this library's
 The class is assembled from one mixin per concern: :mod:`.write_through`
 (write-through, the CPU page mirror), :mod:`.step_protocol` (the step's
 all-reduce and the take-backs), :mod:`.host_tier` (ledger, host leaves, host
-eviction, lane reclaim), :mod:`.load_back` (load-back and its quota) and
+eviction, lane reclaim), :mod:`.load_back` (load-back and its quota),
+:mod:`.l3_cache` (the L3 tier when ``SGLANG_CP_HICACHE_L3_DIR`` is set) and
 :mod:`.upstream_0518` (``match_prefix``, ``_split_node``, ``insert`` and the
 device eviction bodies carried over from 0.5.18, each saying what differs).
 This module builds the cache and keeps what SGLang asks of it at start-up.
@@ -51,6 +52,8 @@ from sglang_cp_hicache.sglang_0518.checks import HOST_BALANCE_ENV, check_cp_hica
 from sglang_cp_hicache.sglang_0518.hooks import check_hooks
 from sglang_cp_hicache.sglang_0518.host_copies import cp_copies_installed, install_cp_copies
 from sglang_cp_hicache.sglang_0518.host_tier import HostTierMixin, NoHostLeafSet
+from sglang_cp_hicache.sglang_0518.l3_cache import L3CacheMixin
+from sglang_cp_hicache.sglang_0518.l3_tier import tier_for
 from sglang_cp_hicache.sglang_0518.load_back import LoadBackMixin
 from sglang_cp_hicache.sglang_0518.step_protocol import CpHiCacheTransferError, StepProtocolMixin
 from sglang_cp_hicache.sglang_0518.step_status import StepStatus, Vote
@@ -95,6 +98,7 @@ class CpHiCacheCounters:
 
 
 class CpHiRadixCache(
+    L3CacheMixin,
     WriteThroughMixin, StepProtocolMixin, HostTierMixin, LoadBackMixin, Upstream0518Mixin, HiRadixCache
 ):
     """HiRadixCache whose host tier is CP-sharded (see module docstring)."""
@@ -129,12 +133,16 @@ class CpHiRadixCache(
         # rank failed to allocate, until the step's all-reduce takes them back.
         self._load_shadow = [0] * self.cp_layout.cp_size
         self._warned_device_page_read = False
+        self.cp_l3 = None
+        self._l3_pending: list = []
         super().__init__(params, server_args)
         self.evictable_host_leaves = NoHostLeafSet()  # the ordered index replaces SGLang's set
         self.cp_copy_targets = install_cp_copies(self.cache_controller, self.cp_layout)
         if not cp_copies_installed(self.cp_copy_targets):
             raise RuntimeError("CP copies did not take on this cache's host pools; refusing to start")
         self.cp_transfer = CpTransferAdapter(self.cache_controller, self.cp_layout, allocator)
+        model_id = getattr(server_args, "served_model_name", None) or getattr(server_args, "model_path", None)
+        self.cp_l3 = tier_for(self, settings.read(settings.L3_DIR), model_id)
         self._ledger = self._agree_with_peers()
         # New pages go preferably to the ranks holding the fewest host slots.
         allocator.set_lane_bias(lambda: self._ledger.used)
@@ -182,6 +190,9 @@ class CpHiRadixCache(
             HOST_BALANCE_ENV: self.cp_host_balance,
             "copy_backend": transfer.select_backend(device),
             "copy_path": "library",
+            # L3 on or off, and its namespaces: a rank reading another
+            # namespace would miss where the others hit.
+            "l3": self.cp_l3.describe() if self.cp_l3 is not None else "off",
         })
         try:
             gather_and_check(view, self._cp_group())
@@ -220,6 +231,7 @@ class CpHiRadixCache(
         self._inflight_writes = {}
         self._step_status = StepStatus()
         self._load_shadow = [0] * self.cp_layout.cp_size
+        self._l3_pending = []  # the host pool was cleared with the tree
         if self._ledger is not None:
             self._ledger = HostSlotLedger(list(self._ledger.capacity))
 

@@ -77,16 +77,23 @@ class StepProtocolMixin:
         ``step_status``); every rank then takes back the same failed writes
         and load-backs before any ack is consumed. ``counts``: write acks,
         then load acks, then SGLang's storage counts (passed through).
-        Returns the counts every rank may consume."""
+        Pending L3 prefetches ride as extra words and are settled first
+        (:mod:`.l3_cache`). Returns the counts every rank may consume."""
         n = len(counts)
         write_acks, load_acks = counts[0], counts[1] if n > 1 else 0
         # Only a failed write needs the oldest in-flight one (its cut's origin).
         first = self._first_inflight_write_seq() if self._step_status.write is not None else None
+        # One word per pending L3 prefetch (the same count on every rank):
+        # this rank's usable prefix; the MIN is what every rank restores.
+        l3_words = self._l3_local_words()
         vec = torch.tensor(
-            [*self._step_status.words(write_acks, load_acks, first), *counts[2:]], dtype=torch.int64
+            [*self._step_status.words(write_acks, load_acks, first), *counts[2:], *l3_words], dtype=torch.int64
         )
         self._all_reduce(vec, torch.distributed.ReduceOp.MIN)
         reduced = vec.tolist()
+        cut = len(reduced) - len(l3_words)
+        reduced, l3_agreed = reduced[:cut], reduced[cut:]
+        self._l3_commit(l3_agreed)
         step = self._step_status.read(reduced)
         mine_write, mine_load = self._step_status.clear()
         out = [step.write_acks, step.load_acks, *reduced[2:]][: max(n, 1)]

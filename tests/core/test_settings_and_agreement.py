@@ -18,7 +18,7 @@ def test_every_setting_has_its_default_when_unset_or_empty(setting):
     assert settings.read(setting, {setting.name: "  "}) == setting.default
 
 
-@pytest.mark.parametrize("setting", settings.SETTINGS, ids=lambda s: s.name)
+@pytest.mark.parametrize("setting", [s for s in settings.SETTINGS if s.choices], ids=lambda s: s.name)
 def test_an_unknown_value_is_refused_with_the_valid_ones(setting):
     with pytest.raises(ValueError) as err:
         settings.read(setting, {setting.name: "libary"})
@@ -31,6 +31,19 @@ def test_values_are_trimmed_and_case_insensitive():
     assert settings.read(settings.COPY, {settings.COPY.name: " Upstream "}) == "upstream"
     assert settings.enabled(settings.DEBUG, {settings.DEBUG.name: "ON"})
     assert not settings.enabled(settings.DEBUG, {settings.DEBUG.name: "0"})
+
+
+def test_a_free_form_setting_is_trimmed_and_keeps_its_case():
+    free = [s for s in settings.SETTINGS if s.is_free_form]
+    assert free == [settings.L3_DIR]  # every other setting has choices: a typo is refused
+    assert not settings.L3_DIR.is_flag
+    env = {settings.L3_DIR.name: "  /Data/L3 Dir/ "}
+    assert settings.read(settings.L3_DIR, env) == "/Data/L3 Dir/"
+    assert settings.check_all(env)[settings.L3_DIR.name] == "/Data/L3 Dir/"
+    assert settings.read(settings.L3_DIR, {}) == ""
+    assert "any text" in settings.describe({})
+    with pytest.raises(TypeError, match="SGLANG_CP_HICACHE_L3_DIR"):
+        settings.enabled(settings.L3_DIR, {})
 
 
 def test_check_all_reads_every_setting_and_stops_at_a_bad_one():

@@ -59,6 +59,7 @@ def test_agreeing_ranks_start_after_one_all_gather_and_no_all_reduce(monkeypatch
         HOST_BALANCE_ENV: "exact",
         "copy_backend": select_backend("cpu"),
         "copy_path": "library",
+        "l3": "off",
     }
     assert {r: (v.cp_size, v.values) for r, v in views.items()} == {0: (2, expected), 1: (2, expected)}
 

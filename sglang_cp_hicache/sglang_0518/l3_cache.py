@@ -1,0 +1,232 @@
+"""L3 in the CP cache's step: write a node's owned pages once its host
+backup is final, restore a chain from L3 as host-only nodes.
+
+No collective of its own, no L3 membership state:
+
+* Write: when a node's write-through ack is consumed (every rank consumes
+  the same acks, and only acks of writes no rank took back), each rank
+  stores the pages of the node it owns, on the scheduler thread. A failed
+  put leaves that page absent (objects are renamed into place whole) or,
+  if anything is left, refused by its envelope; no rank records "in L3", so
+  nothing can disagree: a later prefetch decides from what each owner finds.
+* Prefetch (:meth:`L3CacheMixin.l3_prefetch`, called alike on every rank
+  for a request whose match ends before its whole pages do): the owners of
+  the pages to restore are chosen from the host ledger (identical on every
+  rank); each rank takes host slots for its own pages, fetches and verifies
+  them, copies them into its host pool and records its local usable prefix.
+  That value rides the step's MIN all-reduce (:mod:`.step_protocol`, one
+  word per pending prefetch, the same count on every rank); after it every
+  rank inserts a host-only node of exactly the agreed pages, frees its slots
+  past it, and the normal load-back restores the node to the device. A local
+  failure (host allocation, I/O, a raised copy) is a local usable prefix of
+  0, so the group restores nothing of that chain.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from sglang.srt.disaggregation.kv_events import StorageMedium
+from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
+from sglang.srt.mem_cache.radix_cache import RadixKey, TreeNode
+
+from sglang_cp_hicache.policy_0518.metadata import CpHiCacheNodeMetadata
+from sglang_cp_hicache.policy_0518.node_state import set_host_state
+from sglang_cp_hicache.sglang_0518.l3_tier import L3Tier, balanced_owners
+from sglang_cp_hicache.sglang_0518.tree_node import CpTreeNode
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["L3CacheMixin", "L3Prefetch"]
+
+_EMPTY = torch.empty((0,), dtype=torch.int64)
+
+
+@dataclass
+class L3Prefetch:
+    """A chain looked up in L3, waiting for the step's MIN. Identical on
+    every rank except ``slots`` (this rank's host slots, one per token of
+    its own pages, chain order) and ``usable`` (its local usable prefix)."""
+
+    anchor: TreeNode  # the backed-up node (or root) the chain hangs from
+    key: RadixKey  # the chain's tokens (whole pages)
+    owners: list[int]
+    need: list[int]  # ledger charge, tokens per rank
+    slots: Optional[torch.Tensor]
+    usable: int
+
+
+def _path_tokens(node: TreeNode) -> list[int]:
+    """Token ids from the root to the end of ``node``."""
+    parts = []
+    while node is not None and node.parent is not None:
+        parts.append(list(node.key.token_ids[: len(node.key)]))
+        node = node.parent
+    return [t for part in reversed(parts) for t in part]
+
+
+def _plain(key: RadixKey) -> bool:
+    """Keys L3 handles: plain token ids. An ``extra_key`` (e.g. a LoRA) or a
+    cache salt may change the bytes or the namespace, and bigram keys hash
+    differently: those stay out of L3."""
+    return key.extra_key is None and key.cache_salt is None and not key.is_bigram
+
+
+class L3CacheMixin:
+    """L3 write and prefetch, for :class:`CpHiRadixCache` (``cp_l3`` None: off)."""
+
+    cp_l3: Optional[L3Tier]
+
+    # ---- host -> L3 ------------------------------------------------------------
+    def _finish_write_through_ack(self, ack_id: int, *, release_lock: bool) -> None:
+        if self.cp_l3 is not None and ack_id in self.ongoing_write_through:
+            _, _, publish_nodes = self.ongoing_write_through[ack_id]
+            for node in publish_nodes:
+                self._l3_store_node(node)
+        super()._finish_write_through_ack(ack_id, release_lock=release_lock)
+
+    def _l3_store_node(self, node: TreeNode) -> None:
+        """Store this rank's pages of ``node`` (its host copy is final)."""
+        meta = node.cp_hicache
+        if meta is None or not _plain(node.key) or meta.token_owners is None:
+            return
+        P = self.page_size
+        tokens = _path_tokens(node)
+        first = (len(tokens) - meta.logical_len) // P
+        try:
+            hashes = self.cp_l3.page_hashes(tokens)[first:]
+            owners = meta.token_owners[::P].tolist()
+            slots = meta.host_indices[::P].tolist()
+            self.cp_l3.store_pages(hashes, owners, slots)
+        except Exception:  # L3 is a cache: a failed write is a later miss, never an error
+            logger.exception("cp-hicache L3: storing node %d failed on cp_rank %d", node.id, self.cp_layout.cp_rank)
+            self.cp_l3.counters.write_failures += sum(o == self.cp_layout.cp_rank for o in meta.token_owners[::P].tolist())
+
+    # ---- L3 -> host: before the MIN ------------------------------------------------
+    def l3_prefetch(self, key: RadixKey) -> int:
+        """Look the pages of ``key`` past its cached prefix up in L3 (call it
+        alike on every rank). Returns the pages looked up (the same on every
+        rank; 0: nothing to do); the step's all-reduce decides how many of
+        them every rank restores."""
+        found = self._l3_lookup_target(key)
+        if found is None:
+            return 0
+        anchor, chain = found
+        P, N = self.page_size, self.cp_layout.cp_size
+        owners = balanced_owners(self._ledger.used, len(chain) // P, P)
+        need = [owners.count(r) * P for r in range(N)]
+        anchor.protect_host()  # the chain's parent stays until the MIN
+        try:
+            if not self._ledger.fits(need):
+                self._evict_host_for(self._ledger.shortfall(need))
+        finally:
+            anchor.release_host()
+        if not self._ledger.fits(need):  # identical on every rank
+            return 0
+        self._ledger.charge(need)
+        anchor.protect_host()
+        slots, usable = self._l3_fetch_into_host(anchor, chain, owners)
+        self._l3_pending.append(L3Prefetch(anchor, chain, owners, need, slots, usable))
+        self.cp_l3.counters.prefetches += 1
+        return len(owners)
+
+    def _l3_lookup_target(self, key: RadixKey):
+        """(anchor, chain key) of a prefetch, or None: the whole pages of
+        ``key`` past the cached prefix, when that prefix ends at a node whose
+        host copy is final (or the root) and no prefetch hangs there yet."""
+        if self.cp_l3 is None or self.is_eagle or not _plain(key):
+            return None
+        match = self.match_prefix(MatchPrefixParams(key=key))
+        anchor = match.last_host_node
+        matched = len(match.device_indices) + match.host_hit_length
+        if len(_path_tokens(anchor)) != matched:
+            return None  # the deepest matched node has no final host copy yet
+        if anchor is not self.root_node and (not anchor.backuped or anchor.write_through_pending_id is not None):
+            return None
+        if any(p.anchor is anchor for p in self._l3_pending):
+            return None
+        whole = (len(key) - matched) // self.page_size * self.page_size
+        if whole <= 0:
+            return None
+        return anchor, key[matched : matched + whole]
+
+    def _l3_fetch_into_host(self, anchor: TreeNode, chain: RadixKey, owners: list[int]):
+        """This rank's host slots for its own pages and its local usable
+        prefix; a local failure of any kind makes the prefix 0."""
+        P, rank = self.page_size, self.cp_layout.cp_rank
+        mine = [i for i, o in enumerate(owners) if o == rank]
+        slots = None
+        try:
+            slots = self.cache_controller.mem_pool_host.alloc(len(mine) * P) if mine else _EMPTY
+            if slots is None:
+                logger.warning("cp-hicache L3: host pool short on cp_rank %d (ledger said it fits)", rank)
+                return None, 0
+            slots = slots.to("cpu", torch.int64).reshape(-1)
+            tokens = _path_tokens(anchor) + list(chain.token_ids[: len(chain)])
+            hashes = self.cp_l3.page_hashes(tokens)[-len(owners):]
+            fetched = self.cp_l3.fetch_pages(hashes, owners)
+            for j, index in enumerate(mine):
+                if index >= fetched.usable:
+                    break
+                kv, idx = fetched.pages[index]
+                self.cp_l3.fill_host(int(slots[j * P]), kv, idx)
+            return slots, fetched.usable
+        except Exception:  # the group hears of it as a usable prefix of 0
+            logger.exception("cp-hicache L3: prefetch failed on cp_rank %d", rank)
+            return slots, 0
+
+    # ---- L3 -> host: after the MIN ----------------------------------------------------
+    def _l3_local_words(self) -> list[int]:
+        return [p.usable for p in self._l3_pending]
+
+    def _l3_commit(self, agreed: list[int]) -> None:
+        """Insert what the group agreed on, free the rest (every rank alike)."""
+        pending, self._l3_pending = self._l3_pending, []
+        if len(agreed) != len(pending):
+            raise RuntimeError(f"L3: {len(agreed)} agreed values for {len(pending)} pending prefetches")
+        for p, pages in zip(pending, agreed):
+            p.anchor.release_host()
+            if not self._l3_can_hang(p):
+                pages = 0
+            self._l3_settle(p, pages)
+
+    def _l3_can_hang(self, p: L3Prefetch) -> bool:
+        anchor = p.anchor
+        if anchor is not self.root_node and (anchor.parent is None or not anchor.backuped):
+            return False
+        return p.key.child_key(self.page_size) not in anchor.children
+
+    def _l3_settle(self, p: L3Prefetch, pages: int) -> None:
+        P, rank = self.page_size, self.cp_layout.cp_rank
+        mine = [i for i, o in enumerate(p.owners) if o == rank]
+        kept = sum(1 for i in mine if i < pages)
+        if p.slots is not None and p.slots.numel() > kept * P:
+            self.cache_controller.mem_pool_host.free(p.slots[kept * P :])
+        keep_need = [p.owners[:pages].count(r) * P for r in range(self.cp_layout.cp_size)]
+        self._ledger.release([a - b for a, b in zip(p.need, keep_need)])
+        if pages == 0:
+            return
+        owned = torch.tensor(mine[:kept], dtype=torch.int64)
+        positions = (owned[:, None] * P + torch.arange(P)).reshape(-1) if kept else _EMPTY
+        token_owners = torch.tensor(p.owners[:pages], dtype=torch.int64).repeat_interleave(P)
+        meta = CpHiCacheNodeMetadata._trusted(pages * P, positions, p.slots[: kept * P], token_owners)
+        self._l3_insert_host_node(p.anchor, p.key[: pages * P], meta)
+        self.cp_l3.counters.restored_pages += kept
+
+    def _l3_insert_host_node(self, anchor: TreeNode, key: RadixKey, meta: CpHiCacheNodeMetadata) -> None:
+        """A host-only node under ``anchor``, as upstream's ``_insert_helper_host``
+        builds one, with the CP host state instead of ``host_value``."""
+        node = CpTreeNode(priority=anchor.priority)
+        node.parent = anchor
+        node.key = key
+        node.value = None
+        set_host_state(node, meta)
+        anchor.children[key.child_key(self.page_size)] = node
+        self._update_host_leaf_status(node)
+        self._update_leaf_status(anchor)
+        self._update_host_leaf_status(anchor)
+        self._record_store_event(node, medium=StorageMedium.CPU)
+        self.cp_l3.counters.restored_nodes += 1

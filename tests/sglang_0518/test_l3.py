@@ -1,0 +1,273 @@
+"""L3 of the 0.5.18 CP cache, real SGLang stacks, threaded ranks on gloo.
+
+* CP 4 writes a directory; CP 2 and CP 1 read it back bit-exact (KV and
+  indexer, checked against the content every token must have: the readers'
+  device pools never held it);
+* each rank writes exactly its own pages;
+* a deleted / truncated / bit-flipped object of one page (KV or indexer):
+  every rank restores the same shorter prefix, no page is wrong;
+* a failed put (or one that raises) on one rank: no error, every rank stays
+  alike, a later read stops at the first missing page;
+* a fetch that raises on one rank, another model's namespace: nothing
+  restored anywhere, every host slot and ledger charge given back;
+* an unusable directory stops start-up, naming the setting.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from sglang.srt.mem_cache.radix_cache import RadixKey
+
+from sglang_cp_hicache import settings
+from sglang_cp_hicache.l3.keys import page_key
+from sglang_cp_hicache.sglang_0518.l3_tier import balanced_owners, tier_for
+from sglang_cp_hicache.testing.stack_0518 import CpStackConfig
+
+from tests.helpers.cp_cluster import CpCluster
+from tests.helpers.rank_snapshot import rank_state, shared_view
+
+P = 64
+PAGES = 5
+TOKENS = list(range(1000, 1000 + PAGES * P))
+
+
+def cluster(n: int) -> CpCluster:
+    return CpCluster(CpStackConfig(cp_size=n, device_pages=8, host_pages=10), threaded=True, timeout_s=30)
+
+
+def write_with_cp4(directory: Path, monkeypatch, tokens=TOKENS, *, setup=None) -> CpCluster:
+    """CP 4 prefills ``tokens``: write-through, then L3 once the ack is consumed."""
+    monkeypatch.setenv(settings.L3_DIR.name, str(directory))
+    cl = cluster(4)
+    if setup is not None:
+        setup(cl)
+    cl.insert(tokens)
+    cl.step()
+    return cl
+
+
+def read_back(cl: CpCluster, tokens=TOKENS) -> list[int]:
+    """Prefetch from L3 on every rank, the step's all-reduce, the load-back;
+    returns the device tokens each rank then holds for ``tokens``."""
+    looked_up = cl.each(lambda s: s.cache.l3_prefetch(RadixKey(tokens)))
+    assert len(set(looked_up)) == 1
+    cl.step()
+    cl.load_back(tokens)
+    return [int(locs.numel()) for locs in cl.device_locs(tokens)]
+
+
+def assert_alike(cl: CpCluster) -> None:
+    views = [shared_view(rank_state(s)) for s in cl.stacks]
+    assert all(v == views[0] for v in views[1:])
+    for s in cl.stacks:  # the ledger mirrors each rank's host pool exactly
+        host = s.cache.cache_controller.mem_pool_host
+        used = host.size - host.available_size()
+        assert s.cache.host_slot_ledger.used[s.cp_rank] == used
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory):
+    """One directory written by CP 4, shared by the read tests."""
+    directory = tmp_path_factory.mktemp("l3")
+    mp = pytest.MonkeyPatch()
+    try:
+        cl = write_with_cp4(directory, mp)
+        counters = [c.cp_l3.counters for c in cl.caches]
+        owners = [int(o) for o in _node_owners(cl.caches[0])]
+        assert_alike(cl)
+        cl.close()
+    finally:
+        mp.undo()
+    return directory, counters, owners
+
+
+def _node_owners(cache):
+    node = next(iter(cache.root_node.children.values()))
+    assert len(node.key) == PAGES * P
+    return node.cp_hicache.token_owners[::P].tolist()
+
+
+def test_each_cp4_rank_writes_exactly_its_own_pages(written):
+    directory, counters, owners = written
+    assert [c.written_pages for c in counters] == [owners.count(r) for r in range(4)]
+    assert all(c.write_failures == 0 for c in counters)
+    objects = sorted(directory.rglob("*.bin"))
+    assert len(objects) == 2 * PAGES  # KV + indexer per page, no rank suffix, nothing twice
+    assert not list(directory.rglob("*.tmp*"))
+
+
+@pytest.mark.parametrize("n", [2, 1])
+def test_cp4_writes_cp_n_reads_bit_exact(written, n, monkeypatch):
+    directory, _, _ = written
+    monkeypatch.setenv(settings.L3_DIR.name, str(directory))
+    cl = cluster(n)
+    try:
+        assert cl.device_locs(TOKENS)[0].numel() == 0  # nothing cached: only L3 can supply it
+        assert read_back(cl) == [PAGES * P] * n
+        assert cl.check(TOKENS) == {}
+        assert sum(c.cp_l3.counters.restored_pages for c in cl.caches) == PAGES
+        assert all(c.cp_l3.counters.rejected_pages == 0 for c in cl.caches)
+        assert_alike(cl)
+    finally:
+        cl.close()
+
+
+def _damage(path: Path, how: str) -> None:
+    data = path.read_bytes()
+    if how == "delete":
+        path.unlink()
+    elif how == "truncate":
+        path.write_bytes(data[: len(data) - 7])
+    else:  # one payload bit
+        flipped = bytearray(data)
+        flipped[len(data) - 100] ^= 0x10
+        path.write_bytes(bytes(flipped))
+
+
+@pytest.mark.parametrize("pool", ["kv", "indexer"])
+@pytest.mark.parametrize("how", ["delete", "truncate", "flip"])
+def test_a_damaged_object_on_one_rank_gives_every_rank_the_same_shorter_prefix(
+    written, tmp_path, monkeypatch, how, pool
+):
+    source, _, _ = written
+    directory = tmp_path / "l3"
+    for f in source.rglob("*.bin"):  # a copy: the shared directory stays whole
+        (directory / f.parent.name).mkdir(parents=True, exist_ok=True)
+        (directory / f.parent.name / f.name).write_bytes(f.read_bytes())
+    monkeypatch.setenv(settings.L3_DIR.name, str(directory))
+    cl = cluster(2)
+    try:
+        bad = 3
+        assert balanced_owners([0, 0], PAGES, P)[bad] == 1  # the damaged page is rank 1's
+        tier = cl.caches[0].cp_l3
+        ns = tier.kv_ns if pool == "kv" else tier.indexer_ns
+        _damage(tier.store.path_of(page_key(tier.page_hashes(TOKENS)[bad], ns)), how)
+        assert read_back(cl) == [bad * P, bad * P]
+        assert cl.check(TOKENS) == {}  # every restored token right, on every rank
+        assert cl.caches[1].cp_l3.counters.rejected_pages == 1
+        assert cl.caches[0].cp_l3.counters.rejected_pages == 0  # rank 0 never reads rank 1's pages
+        assert_alike(cl)
+    finally:
+        cl.close()
+
+
+@pytest.mark.parametrize("failure", ["returns False", "raises"])
+def test_a_failed_put_on_one_rank_keeps_every_rank_alike(tmp_path, monkeypatch, failure):
+    def break_rank_2(cl):
+        store = cl.caches[2].cp_l3.store
+        if failure == "returns False":
+            store.put = lambda keys, blobs: [False] * len(keys)
+        else:
+            def put(keys, blobs):
+                raise OSError("disk full (injected)")
+            store.put = put
+
+    cl = write_with_cp4(tmp_path, monkeypatch, setup=break_rank_2)
+    try:
+        owners = _node_owners(cl.caches[0])
+        assert cl.caches[2].cp_l3.counters.write_failures == owners.count(2) > 0
+        assert cl.caches[2].cp_l3.counters.written_pages == 0
+        assert_alike(cl)  # the host tier is untouched by L3 failures
+        assert cl.check(TOKENS) == {}
+    finally:
+        cl.close()
+    reader = cluster(1)
+    try:
+        first_missing = owners.index(2)
+        assert read_back(reader) == [first_missing * P]
+        assert reader.check(TOKENS) == {}
+    finally:
+        reader.close()
+
+
+def test_a_fetch_that_raises_on_one_rank_restores_nothing_anywhere(written, monkeypatch):
+    directory, _, _ = written
+    monkeypatch.setenv(settings.L3_DIR.name, str(directory))
+    cl = cluster(2)
+    try:
+        def get(keys):
+            raise OSError("I/O error (injected)")
+        cl.caches[1].cp_l3.store.get = get
+        assert read_back(cl) == [0, 0]
+        assert all(not c.root_node.children for c in cl.caches)
+        assert [c.host_slot_ledger.used for c in cl.caches] == [[0, 0], [0, 0]]
+        assert_alike(cl)
+    finally:
+        cl.close()
+
+
+def test_another_models_namespace_in_the_same_directory_misses(written, monkeypatch):
+    directory, _, _ = written
+    monkeypatch.setenv(settings.L3_DIR.name, str(directory))
+    cl = cluster(2)
+    try:
+        for c in cl.caches:
+            c.cp_l3 = tier_for(c, str(directory), model_id="another-model")
+        assert read_back(cl) == [0, 0]
+        assert all(not c.root_node.children for c in cl.caches)
+        assert all(c.cp_l3.counters.restored_pages == 0 for c in cl.caches)
+        assert_alike(cl)
+    finally:
+        cl.close()
+
+
+def test_an_unusable_directory_stops_start_up_naming_the_setting(tmp_path, monkeypatch):
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("x")
+    monkeypatch.setenv(settings.L3_DIR.name, str(not_a_dir))
+    with pytest.raises(ValueError, match="SGLANG_CP_HICACHE_L3_DIR.*unusable"):
+        cluster(2)
+
+
+def test_l3_off_by_default(monkeypatch):
+    monkeypatch.delenv(settings.L3_DIR.name, raising=False)
+    cl = cluster(2)
+    try:
+        assert all(c.cp_l3 is None for c in cl.caches)
+        assert cl.each(lambda s: s.cache.l3_prefetch(RadixKey(TOKENS))) == [0, 0]
+    finally:
+        cl.close()
+
+
+def test_ranks_that_disagree_on_l3_refuse_to_start(tmp_path, monkeypatch):
+    """One rank without L3 would miss where the others hit: every rank
+    refuses at the start-up agreement, naming it."""
+    from sglang_cp_hicache.agreement import CpAgreementError
+    from tests.helpers.cp_cluster import RankSetup, build_each_rank, building_rank
+
+    monkeypatch.setenv(settings.L3_DIR.name, str(tmp_path))
+    real_read = settings.read
+    monkeypatch.setattr(
+        settings, "read",
+        lambda s, environ=None: "" if s is settings.L3_DIR and building_rank() == 1 else real_read(s, environ),
+    )
+    outcomes = build_each_rank(CpStackConfig(cp_size=2, device_pages=8, host_pages=10), lambda r: RankSetup(r))
+    assert all(isinstance(o, CpAgreementError) for o in outcomes), outcomes
+    assert all("disagree on l3" in str(o) and "'off'" in str(o) for o in outcomes)
+
+
+def test_a_write_taken_back_at_the_step_reaches_l3_on_no_rank(tmp_path, monkeypatch):
+    """Rank 1's host allocation comes up short: the step takes the write back
+    on every rank before its ack is consumed, so no rank stores a page; the
+    retry backs the node up and every rank stores its pages."""
+    from tests.helpers.rank_snapshot import FailOn
+
+    def short_on_rank_1(cl):
+        host = cl.caches[1].cache_controller.mem_pool_host
+        host.alloc = FailOn(host.alloc)
+
+    cl = write_with_cp4(tmp_path, monkeypatch, setup=short_on_rank_1)
+    try:
+        assert cl.caches[1].cache_controller.mem_pool_host.alloc.fired
+        assert all(c.cp_counters.write_failures == 1 for c in cl.caches)
+        assert all(c.cp_l3.counters.written_pages == 0 for c in cl.caches)
+        assert not list(tmp_path.rglob("*.bin"))
+        cl.insert(TOKENS)  # the hit backs the node up again
+        cl.step()
+        assert sum(c.cp_l3.counters.written_pages for c in cl.caches) == PAGES
+        assert len(list(tmp_path.rglob("*.bin"))) == 2 * PAGES
+        assert_alike(cl)
+    finally:
+        cl.close()
