@@ -24,6 +24,15 @@ tests pin that) and checks owner preservation as an invariant.
 or ``"library"`` (this library's kernels through the 0.5.23 adapter). The CPU
 time spent preparing indices and copying (``_move_write_operation``,
 ``_move_op_indices``, the engine's ``submit_*``) is measured per rank.
+
+The tree's bookkeeping is counted by wrappers put on the built stack's
+instances around whatever each holds (upstream's method, or the library's
+replacement), so both copy paths are measured alike and behave as without
+them: node backups and those refused (the cache's ``_execute_kv_backup``
+returning None), device evictions (the FULL component's ``evict_component``
+on a node with a device value, with the tokens it reports freed) and host
+reads of device locs (the allocator's ``free`` called with locs outside a
+free group: upstream's splits them by owner with ``torch.unique`` and masks).
 """
 
 from __future__ import annotations
@@ -31,7 +40,7 @@ from __future__ import annotations
 import hashlib
 import time
 from array import array
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Callable, Optional
 
 import torch
@@ -39,6 +48,7 @@ from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams, InsertPar
 from sglang.srt.mem_cache.common import evict_from_tree_cache
 from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
+from sglang.srt.mem_cache.unified_cache.components.base import EvictLayer
 
 from sglang_cp_hicache.sim.engine_base import NewPages, PrefixHit, RankEngineBase, RequestInFlight
 from sglang_cp_hicache.sim.records import EngineTotals
@@ -110,6 +120,7 @@ class ShardedSimRankEngine(RankEngineBase):
         self._totals = EngineTotals()
         self._time_copy_path()
         self._count_transfers()
+        self._count_bookkeeping()
 
     # ---- instrumentation (instance attributes shadow the bound methods) ------
     def _owned_tokens(self, logical: torch.Tensor) -> int:
@@ -155,8 +166,7 @@ class ShardedSimRankEngine(RankEngineBase):
 
         def counted_write(device_indices: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
             host = write(device_indices, *args, **kwargs)
-            if host is None:
-                t.write_failures += 1
+            if host is None:  # counted where the backup gives up (_count_bookkeeping)
                 return host
             owned = self._owned_tokens(host)
             t.write_backups += 1
@@ -181,6 +191,54 @@ class ShardedSimRankEngine(RankEngineBase):
             return free_host(indices)
 
         ctrl.write, ctrl.load, anchor.free = counted_write, counted_load, counted_free
+
+    def _count_bookkeeping(self) -> None:
+        """Refused backups, device evictions and host reads of device locs,
+        counted by wrappers on the built stack's instances around whatever
+        method each holds (upstream's, or the library's replacement): the
+        same measurement on both copy paths, no behaviour changed."""
+        cache, allocator, t = self.cache, self.allocator, self._totals
+        backup = cache._execute_kv_backup
+        full = cache.components[_FULL]
+        evict, free = full.evict_component, allocator.free
+
+        def counted_backup(*args: Any, **kwargs: Any) -> Any:
+            # Upstream gives up before calling write when one evict_host frees
+            # too little: counting here, not at write, sees that refusal too.
+            host = backup(*args, **kwargs)
+            t.backups_attempted += 1
+            t.write_failures += int(host is None)
+            return host
+
+        def counted_evict(node: Any, device_frees: dict, host_frees: dict, cache_actions: list,
+                          target: EvictLayer = EvictLayer.DEVICE) -> tuple[int, int]:
+            had_value = node.component(_FULL).value is not None
+            freed, host_freed = evict(node, device_frees, host_frees, cache_actions, target=target)
+            if had_value and EvictLayer.DEVICE in target:
+                t.device_evictions += 1
+                t.device_eviction_tokens += int(freed)
+            return freed, host_freed
+
+        def counted_free(free_index: torch.Tensor) -> Any:
+            # Upstream's free splits the locs with torch.unique and boolean
+            # masks (a device-to-host sync on a GPU) unless a free group defers it.
+            if free_index.numel() and allocator.free_group is None:
+                t.device_index_host_reads += 1
+            return free(free_index)
+
+        cache._execute_kv_backup, full.evict_component, allocator.free = counted_backup, counted_evict, counted_free
+
+    def _library_counters(self, totals: EngineTotals) -> None:
+        """The library stack's own counters (absent on upstream's)."""
+        ctrl = self.cache.cache_controller
+        host_room, device_frees = getattr(ctrl, "cp_host_room", None), getattr(ctrl, "cp_device_frees", None)
+        warmup = getattr(ctrl, "cp_warmup", None)
+        if host_room is not None:
+            totals.host_room = asdict(host_room.counters)
+        if device_frees is not None:
+            totals.device_frees = asdict(device_frees.counters)
+        if warmup is not None:
+            totals.warmup = {"backend": warmup.backend, "seconds": float(warmup.seconds)}
 
     # ---- SGLang calls -------------------------------------------------------
     def _reserve_tokens(self, new_tokens: int) -> int:
@@ -277,12 +335,18 @@ class ShardedSimRankEngine(RankEngineBase):
                 )
             )
             if result.rotation_tail_declined:  # the request keeps its own pages: free them
-                self.allocator.free(locs[prefix_len:key_len])
+                self._free_request_locs(locs[prefix_len:key_len])
             else:
                 # The tree freed what it already held (between prev_prefix_len and its match).
                 request.record.duplicate_tokens_freed = max(int(result.prefix_len) - prefix_len, 0)
         if request.padded_len > max(key_len, prefix_len):
-            self.allocator.free(locs[max(key_len, prefix_len) :])
+            self._free_request_locs(locs[max(key_len, prefix_len) :])
+
+    def _free_request_locs(self, locs: torch.Tensor) -> None:
+        """The scheduler's free of pages the request alone holds (the same
+        call on both copy paths)."""
+        self._totals.request_free_reads += int(locs.numel() > 0 and self.allocator.free_group is None)
+        self.allocator.free(locs)
 
     def _release(self, hit: PrefixHit) -> None:
         self.cache.unlock(hit.lock)
@@ -349,14 +413,10 @@ class ShardedSimRankEngine(RankEngineBase):
         return out
 
     def totals(self) -> EngineTotals:
-        t = self._totals
         slots = self.cache.cache_controller.mem_pool_host.anchor_entry.host_pool._slots
-        return EngineTotals(
-            backup_tokens=t.backup_tokens, backup_slots=t.backup_slots, write_backups=t.write_backups,
-            write_failures=t.write_failures, host_evicted_slots=t.host_evicted_slots,
-            host_evicted_nodes=t.host_evicted_nodes, load_backs=t.load_backs,
-            load_back_tokens=t.load_back_tokens, load_slots=t.load_slots,
-            zero_owned_writes=t.zero_owned_writes, zero_owned_loads=t.zero_owned_loads,
-            host_slot_capacity=slots.size // self.cp_size,
+        totals = replace(
+            self._totals, host_slot_capacity=slots.size // self.cp_size,
             tree_digest=self.tree_digest(), invariant_violations=self.invariant_violations(),
         )
+        self._library_counters(totals)
+        return totals

@@ -59,7 +59,7 @@ class EngineTotals:
     backup_tokens: int = 0  # logical tokens of the nodes backed up
     backup_slots: int = 0  # physical host slots written by this rank
     write_backups: int = 0  # nodes backed up
-    write_failures: int = 0
+    write_failures: int = 0  # node backups refused (0.5.23: the cache's _execute_kv_backup returned None)
     host_evicted_slots: int = 0  # physical, this rank
     host_evicted_nodes: int = 0
     load_backs: int = 0
@@ -72,6 +72,16 @@ class EngineTotals:
     uneven_picks: int = 0  # CP allocator: pages placed off balance (nothing to reclaim)
     host_balance: str = ""  # CP cache: SGLANG_CP_HICACHE_HOST_BALANCE policy (exact | greedy)
     host_slot_capacity: int = 0  # physical, this rank
+    # 0.5.23 (both copy paths, counted the same way on each):
+    backups_attempted: int = 0  # calls of the cache's _execute_kv_backup
+    device_evictions: int = 0  # tree nodes whose device value was evicted (FULL component)
+    device_eviction_tokens: int = 0  # tokens those evictions freed, as SGLang's component reports them
+    device_index_host_reads: int = 0  # allocator.free calls that read device locs on the host
+    request_free_reads: int = 0  # of those, the simulated scheduler's frees of a request's own pages
+    # 0.5.23 library stack only (empty on upstream's): the controller's counters.
+    host_room: dict[str, int] = field(default_factory=dict)  # owner-aware host room
+    device_frees: dict[str, int] = field(default_factory=dict)  # from_phase / read_back
+    warmup: dict[str, Any] = field(default_factory=dict)  # kernels warmed up at build: backend, seconds
     tree_digest: str = ""
     invariant_violations: list[str] = field(default_factory=list)
 

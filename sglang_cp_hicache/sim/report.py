@@ -114,6 +114,7 @@ def summarize(
         **_agreement_fields(reports, rank0),
         **_cpu_fields(reports),
         **_copy_fields(reports),
+        **(_bookkeeping_fields(reports, rank0) if config.sglang_version == "0.5.23" else {}),
         "series": {
             "host_slots_per_rank": [[rec.host_slots for rec in r.records] for r in reports],
             "device_hit_tokens": [rec.device_hit_tokens for rec in rank0.records],
@@ -221,6 +222,35 @@ def _copy_fields(reports: list[RankReport]) -> dict[str, Any]:
         "indexer_pages_verified": sum(r.indexer_pages_verified for r in reports),
         "copy_path_cpu_seconds_per_rank": [r.copy_path_cpu for r in reports],
         "device_page_reads_per_rank": [r.totals.device_page_reads for r in reports],
+    }
+
+
+def _bookkeeping_fields(reports: list[RankReport], rank0: RankReport) -> dict[str, Any]:
+    """0.5.23: what the tree's bookkeeping did, counted alike on both copy
+    paths. Backups, hits and evictions are decisions every rank takes alike
+    (the totals are rank 0's); each rank reads its own device locs, so those
+    reads add up over ranks. The library stack's own counters per rank."""
+    t = [r.totals for r in reports]
+    library = {}
+    if rank0.totals.host_room:
+        library = {
+            "host_room": rank0.totals.host_room,
+            "host_room_per_rank": [x.host_room for x in t],
+            "device_frees_per_rank": [x.device_frees for x in t],
+            "warmup_per_rank": [x.warmup for x in t],
+        }
+    return {
+        "backups_attempted": rank0.totals.backups_attempted,
+        "write_failures_per_rank": [x.write_failures for x in t],
+        "host_hit_tokens_per_rank": [sum(rec.host_hit_tokens for rec in r.records) for r in reports],
+        "device_evictions": rank0.totals.device_evictions,
+        "device_evictions_per_rank": [x.device_evictions for x in t],
+        "device_eviction_tokens": rank0.totals.device_eviction_tokens,
+        "device_eviction_tokens_per_rank": [x.device_eviction_tokens for x in t],
+        "device_index_host_reads": sum(x.device_index_host_reads for x in t),
+        "device_index_host_reads_per_rank": [x.device_index_host_reads for x in t],
+        "request_free_reads_per_rank": [x.request_free_reads for x in t],
+        **library,
     }
 
 

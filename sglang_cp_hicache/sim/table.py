@@ -4,7 +4,7 @@ the summary :func:`.report.summarize` builds."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from sglang_cp_hicache.sim.report import CACHE_CPU_GOAL, CPU_GOAL, NOTHING_VERIFIED, mean
 
@@ -72,7 +72,48 @@ def _per_rank_rows(summary: dict[str, Any], nc: dict[str, Any]) -> list[str]:
         row("    in all-reduces", summary["collective_cpu_seconds_per_rank"], nc.get("collective_cpu_seconds")),
         row("  writing/checking KV", summary["content_cpu_seconds_per_rank"], nc.get("content_cpu_seconds")),
         row("startup s (import+build)", summary["startup_seconds_per_rank"], nc.get("startup_seconds")),
+        *_bookkeeping_rows(summary, row),
     ]
+
+
+def _bookkeeping_rows(summary: dict[str, Any], row: Callable[..., str]) -> list[str]:
+    """0.5.23: refused backups, host hits, device evictions and host reads of
+    device locs, counted alike on both copy paths."""
+    if "device_evictions_per_rank" not in summary:
+        return []
+    return [
+        row("node backups refused", summary["write_failures_per_rank"]),
+        row("host hit tokens", summary["host_hit_tokens_per_rank"]),
+        row("device evictions (nodes)", summary["device_evictions_per_rank"]),
+        row("  tokens they freed", summary["device_eviction_tokens_per_rank"]),
+        row("host reads of device locs", summary["device_index_host_reads_per_rank"]),
+        row("  freeing request pages", summary["request_free_reads_per_rank"]),
+    ]
+
+
+def _library_lines(summary: dict[str, Any]) -> list[str]:
+    """0.5.23 library stack: its host room, device frees and warm-up."""
+    room = summary.get("host_room")
+    if not room:
+        return []
+    frees = summary["device_frees_per_rank"]
+    warm = [w for w in summary["warmup_per_rank"] if w]
+    backends = "/".join(sorted({w["backend"] for w in warm})) or "none"
+    return [
+        f"library host room (every rank): {room['backups']} backups, {room['backups_short']} short; "
+        f"{room['leaves_evicted']} host leaves evicted ({room['leaves_evicted_for_ancestors']} on the way to "
+        f"an ancestor, {room['pages_evicted']} pages), {room['leaves_skipped']} passed over",
+        f"library device frees: from the rotation phase {_ranks_text([f.get('from_phase') for f in frees])}, "
+        f"through upstream's free {_ranks_text([f.get('read_back') for f in frees])}; kernels warmed up at "
+        f"build: {backends}, at most {_fmt(max((w['seconds'] for w in warm), default=None))} s a rank",
+    ]
+
+
+def _ranks_text(values: list[Any]) -> str:
+    """``v on every rank``, or the values rank by rank."""
+    if values and all(v == values[0] for v in values):
+        return f"{_fmt(values[0])} on every rank"
+    return "[" + ", ".join(_fmt(v) for v in values) + "] by rank"
 
 
 def _totals_lines(summary: dict[str, Any], nc: dict[str, Any]) -> list[str]:
@@ -90,6 +131,20 @@ def _totals_lines(summary: dict[str, Any], nc: dict[str, Any]) -> list[str]:
         + (f"; non-CP verified {nc['verified_pages']}, corrupted {nc['corrupted_pages']}" if nc else ""),
         f"ranks agree (tree digest + acks, all_gather): {'yes' if summary['ranks_agree'] else 'NO'}",
         _copies_line(summary["copies"]),
+        *_bookkeeping_line(summary),
+        *_library_lines(summary),
+    ]
+
+
+def _bookkeeping_line(summary: dict[str, Any]) -> list[str]:
+    if "device_evictions" not in summary:
+        return []
+    return [
+        f"bookkeeping: node backups {summary['backups_attempted']}, refused {summary['write_failures']}; "
+        f"device evictions {summary['device_evictions']} nodes ({summary['device_eviction_tokens']} tokens)",
+        f"host reads of device locs (allocator.free outside a free group: a sync each on a GPU): "
+        f"{summary['device_index_host_reads']} over all ranks, "
+        f"{sum(summary['request_free_reads_per_rank'])} of them freeing request pages",
     ]
 
 

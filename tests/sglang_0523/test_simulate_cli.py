@@ -35,3 +35,72 @@ def test_compare_non_cp_is_refused_on_0523():
         capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 2 and "--compare-non-cp needs --sglang 0.5.18" in proc.stderr
+
+
+#: A host-pressured workload: 8 host pages per rank fill after a few requests,
+#: so every later backup needs host room. Upstream's one evict_host sized in
+#: tokens refuses a backup here; the library's owner-aware host room does not.
+_TIGHT = ("--cp-size", "2", "--device-pages", "8", "--host-pages", "8", "--requests", "60")
+_PER_RANK = ("write_failures_per_rank", "host_hit_tokens_per_rank", "device_evictions_per_rank",
+             "device_eviction_tokens_per_rank", "device_index_host_reads_per_rank", "request_free_reads_per_rank")
+_TOTALS = ("backups_attempted", "write_failures", "host_hit_tokens", "device_evictions", "device_eviction_tokens",
+           "device_index_host_reads")
+_HOST_ROOM = ("backups", "backups_short", "leaves_evicted", "leaves_evicted_for_ancestors", "pages_evicted",
+              "leaves_skipped")
+
+
+def _count(value):
+    return type(value) is int and value >= 0
+
+
+def _run_tight(tmp_path, copy_path):
+    out = tmp_path / f"{copy_path}.json"
+    proc = subprocess.run(
+        sim_command(*_TIGHT, "--copy", copy_path, "--json", str(out)),
+        cwd=ROOT, env=sim_env(), capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    s = json.loads(out.read_text())
+    assert s["copy_path"] == copy_path and s["ranks_agree"] and s["corrupted_pages"] == 0
+    for key in _TOTALS:
+        assert _count(s[key]), (copy_path, key, s[key])
+    for key in _PER_RANK:
+        assert len(s[key]) == 2 and all(_count(v) for v in s[key]), (copy_path, key, s[key])
+        if key != "device_index_host_reads_per_rank" and key != "request_free_reads_per_rank":
+            assert s[key][0] == s[key][1], (copy_path, key)  # every rank takes the same decisions
+    assert s["write_failures"] == s["write_failures_per_rank"][0]
+    assert s["host_hit_tokens"] == s["host_hit_tokens_per_rank"][0]
+    assert s["device_index_host_reads"] == sum(s["device_index_host_reads_per_rank"])
+    assert s["device_evictions"] > 0 and s["device_eviction_tokens"] >= s["device_evictions"] * 64
+    for row in ("node backups refused", "host hit tokens", "device evictions (nodes)", "host reads of device locs"):
+        assert row in proc.stdout, (copy_path, row)
+    return s, proc.stdout
+
+
+def test_bookkeeping_counters_on_a_tight_host_upstream_loses_backups_and_reads_locs(tmp_path):
+    up, up_text = _run_tight(tmp_path, "upstream")
+    lib, lib_text = _run_tight(tmp_path, "library")
+    # upstream's stack carries none of the library's counters
+    assert not {"host_room", "device_frees_per_rank", "warmup_per_rank"} & up.keys()
+    assert "library host room" not in up_text and "library host room" in lib_text
+    # upstream frees every evicted node through free (a host read each), plus the request pages
+    for r in range(2):
+        assert up["device_index_host_reads_per_rank"][r] >= (
+            up["device_evictions_per_rank"][r] + up["request_free_reads_per_rank"][r]
+        ), r
+    # the findings: upstream refuses backups and reads device locs on eviction; the library neither
+    assert up["write_failures"] > 0 and lib["write_failures"] == 0, (up["write_failures"], lib["write_failures"])
+    assert lib["device_index_host_reads"] < up["device_index_host_reads"]
+    assert lib["backups_attempted"] > 0 and lib["host_hit_tokens"] > 0
+    room = lib["host_room"]
+    assert set(room) == set(_HOST_ROOM) and all(_count(room[k]) for k in _HOST_ROOM)
+    assert lib["host_room_per_rank"] == [room, room]
+    assert room["backups"] == lib["backups_attempted"] and room["backups_short"] == 0
+    assert room["leaves_evicted"] > 0  # the host was under pressure
+    for r, frees in enumerate(lib["device_frees_per_rank"]):
+        # every device eviction freed from its rotation phase, nothing read back...
+        assert frees["from_phase"] == lib["device_evictions_per_rank"][r] > 0, r
+        # ...and the library's own count of upstream frees is the simulator's
+        assert frees["read_back"] == lib["device_index_host_reads_per_rank"][r], r
+    for warm in lib["warmup_per_rank"]:
+        assert isinstance(warm["backend"], str) and warm["seconds"] >= 0.0
