@@ -12,14 +12,17 @@ No collective of its own, no L3 membership state:
 * Prefetch (:meth:`L3CacheMixin.l3_prefetch`, called alike on every rank
   for a request whose match ends before its whole pages do): the owners of
   the pages to restore are chosen from the host ledger (identical on every
-  rank); each rank takes host slots for its own pages, fetches and verifies
-  them, copies them into its host pool and records its local usable prefix.
-  That value rides the step's MIN all-reduce (:mod:`.step_protocol`, one
-  word per pending prefetch, the same count on every rank); after it every
-  rank inserts a host-only node of exactly the agreed pages, frees its slots
-  past it, and the normal load-back restores the node to the device. A local
-  failure (host allocation, I/O, a raised copy) is a local usable prefix of
-  0, so the group restores nothing of that chain.
+  rank). Query: each rank checks which of its own pages exist; its present
+  prefix rides the step's MIN all-reduce (:mod:`.step_protocol`, one word
+  per pending prefetch, the same count on every rank) -- nothing is
+  allocated or evicted for a miss. Fetch: for the agreed pages every rank
+  takes host room (the ledger decides alike), takes host slots for its own
+  pages, fetches and verifies them, copies them into its host pools and
+  records its local usable prefix, which rides the next step's MIN; then
+  every rank inserts a host-only node of exactly the agreed pages and frees
+  its slots past it, and the normal load-back restores the node to the
+  device. A local failure (host allocation, I/O, a raised copy) is a local
+  prefix of 0, so the group restores nothing of that chain.
 """
 
 from __future__ import annotations
@@ -47,16 +50,20 @@ _EMPTY = torch.empty((0,), dtype=torch.int64)
 
 @dataclass
 class L3Prefetch:
-    """A chain looked up in L3, waiting for the step's MIN. Identical on
-    every rank except ``slots`` (this rank's host slots, one per token of
-    its own pages, chain order) and ``usable`` (its local usable prefix)."""
+    """A chain looked up in L3, waiting for the step's MIN: first its
+    ``query`` (which own pages exist), then its ``fetch`` (host slots taken,
+    own pages verified and copied). Identical on every rank except ``slots``
+    (this rank's host slots, one per token of its own pages, chain order)
+    and ``usable`` (its local usable prefix)."""
 
+    stage: str  # "query" or "fetch"
     anchor: TreeNode  # the backed-up node (or root) the chain hangs from
     key: RadixKey  # the chain's tokens (whole pages)
+    hashes: list[str]
     owners: list[int]
-    need: list[int]  # ledger charge, tokens per rank
-    slots: Optional[torch.Tensor]
     usable: int
+    need: Optional[list[int]] = None  # ledger charge, tokens per rank (fetch)
+    slots: Optional[torch.Tensor] = None
 
 
 def _path_tokens(node: TreeNode) -> list[int]:
@@ -105,33 +112,32 @@ class L3CacheMixin:
             logger.exception("cp-hicache L3: storing node %d failed on cp_rank %d", node.id, self.cp_layout.cp_rank)
             self.cp_l3.counters.write_failures += sum(o == self.cp_layout.cp_rank for o in meta.token_owners[::P].tolist())
 
-    # ---- L3 -> host: before the MIN ------------------------------------------------
+    # ---- L3 -> host: the query ----------------------------------------------------
     def l3_prefetch(self, key: RadixKey) -> int:
         """Look the pages of ``key`` past its cached prefix up in L3 (call it
         alike on every rank). Returns the pages looked up (the same on every
-        rank; 0: nothing to do); the step's all-reduce decides how many of
-        them every rank restores."""
+        rank; 0: nothing to do). Two step all-reduces follow: the first
+        agrees on the pages present on their owners (nothing allocated or
+        evicted before), the second on the pages fetched and verified; then
+        a host-only node of exactly those pages is in the tree."""
         found = self._l3_lookup_target(key)
         if found is None:
             return 0
         anchor, chain = found
-        P, N = self.page_size, self.cp_layout.cp_size
-        owners = balanced_owners(self._ledger.used, len(chain) // P, P)
-        need = [owners.count(r) * P for r in range(N)]
-        anchor.protect_host()  # the chain's parent stays until the MIN
+        P = self.page_size
+        tokens = _path_tokens(anchor) + list(chain.token_ids[: len(chain)])
+        num_pages = len(chain) // P
+        owners = balanced_owners(self._ledger.used, num_pages, P)
+        usable, hashes = 0, []
         try:
-            if not self._ledger.fits(need):
-                self._evict_host_for(self._ledger.shortfall(need))
-        finally:
-            anchor.release_host()
-        if not self._ledger.fits(need):  # identical on every rank
-            return 0
-        self._ledger.charge(need)
-        anchor.protect_host()
-        slots, usable = self._l3_fetch_into_host(anchor, chain, owners)
-        self._l3_pending.append(L3Prefetch(anchor, chain, owners, need, slots, usable))
+            hashes = self.cp_l3.page_hashes(tokens)[-num_pages:]
+            usable = self.cp_l3.query_pages(hashes, owners)
+        except Exception:  # the group hears of it as a present prefix of 0
+            logger.exception("cp-hicache L3: query failed on cp_rank %d", self.cp_layout.cp_rank)
+        anchor.protect_host()  # the chain's parent stays until the chain is settled
+        self._l3_pending.append(L3Prefetch("query", anchor, chain, hashes, owners, usable))
         self.cp_l3.counters.prefetches += 1
-        return len(owners)
+        return num_pages
 
     def _l3_lookup_target(self, key: RadixKey):
         """(anchor, chain key) of a prefetch, or None: the whole pages of
@@ -153,7 +159,47 @@ class L3CacheMixin:
             return None
         return anchor, key[matched : matched + whole]
 
-    def _l3_fetch_into_host(self, anchor: TreeNode, chain: RadixKey, owners: list[int]):
+    # ---- the step's MIN ---------------------------------------------------------------
+    def _l3_local_words(self) -> list[int]:
+        return [p.usable for p in self._l3_pending]
+
+    def _l3_commit(self, agreed: list[int]) -> None:
+        """Act on what the group agreed, every rank alike: a query agreed on
+        ``n`` present pages becomes the fetch of those ``n``; a fetch agreed
+        on ``n`` verified pages becomes a host-only node of ``n`` pages."""
+        pending, self._l3_pending = self._l3_pending, []
+        if len(agreed) != len(pending):
+            raise RuntimeError(f"L3: {len(agreed)} agreed values for {len(pending)} pending prefetches")
+        for p, pages in zip(pending, agreed):
+            if not self._l3_can_hang(p):
+                pages = 0
+            if p.stage == "query" and pages > 0 and self._l3_start_fetch(p, pages):
+                continue  # the anchor stays protected for the fetch
+            p.anchor.release_host()
+            if p.stage == "fetch":
+                self._l3_settle(p, pages)
+
+    # ---- L3 -> host: the fetch ----------------------------------------------------------
+    def _l3_start_fetch(self, query: L3Prefetch, pages: int) -> bool:
+        """Take host room for the ``pages`` agreed present (the ledger decides
+        alike on every rank; False: no room), fetch, verify and copy this
+        rank's own pages; the fetch waits for the next step's MIN."""
+        P, N = self.page_size, self.cp_layout.cp_size
+        owners = query.owners[:pages]
+        need = [owners.count(r) * P for r in range(N)]
+        if not self._ledger.fits(need):
+            self._evict_host_for(self._ledger.shortfall(need))
+        if not self._ledger.fits(need):  # identical on every rank
+            return False
+        self._ledger.charge(need)
+        hashes = query.hashes[:pages]
+        slots, usable = self._l3_fetch_into_host(hashes, owners)
+        self._l3_pending.append(
+            L3Prefetch("fetch", query.anchor, query.key[: pages * P], hashes, owners, usable, need, slots)
+        )
+        return True
+
+    def _l3_fetch_into_host(self, hashes: list[str], owners: list[int]):
         """This rank's host slots for its own pages and its local usable
         prefix; a local failure of any kind makes the prefix 0."""
         P, rank = self.page_size, self.cp_layout.cp_rank
@@ -165,8 +211,6 @@ class L3CacheMixin:
                 logger.warning("cp-hicache L3: host pool short on cp_rank %d (ledger said it fits)", rank)
                 return None, 0
             slots = slots.to("cpu", torch.int64).reshape(-1)
-            tokens = _path_tokens(anchor) + list(chain.token_ids[: len(chain)])
-            hashes = self.cp_l3.page_hashes(tokens)[-len(owners):]
             fetched = self.cp_l3.fetch_pages(hashes, owners)
             for j, index in enumerate(mine):
                 if index >= fetched.usable:
@@ -175,23 +219,8 @@ class L3CacheMixin:
                 self.cp_l3.fill_host(int(slots[j * P]), kv, idx)
             return slots, fetched.usable
         except Exception:  # the group hears of it as a usable prefix of 0
-            logger.exception("cp-hicache L3: prefetch failed on cp_rank %d", rank)
+            logger.exception("cp-hicache L3: fetch failed on cp_rank %d", rank)
             return slots, 0
-
-    # ---- L3 -> host: after the MIN ----------------------------------------------------
-    def _l3_local_words(self) -> list[int]:
-        return [p.usable for p in self._l3_pending]
-
-    def _l3_commit(self, agreed: list[int]) -> None:
-        """Insert what the group agreed on, free the rest (every rank alike)."""
-        pending, self._l3_pending = self._l3_pending, []
-        if len(agreed) != len(pending):
-            raise RuntimeError(f"L3: {len(agreed)} agreed values for {len(pending)} pending prefetches")
-        for p, pages in zip(pending, agreed):
-            p.anchor.release_host()
-            if not self._l3_can_hang(p):
-                pages = 0
-            self._l3_settle(p, pages)
 
     def _l3_can_hang(self, p: L3Prefetch) -> bool:
         anchor = p.anchor

@@ -22,6 +22,7 @@ import torch
 from sglang.srt.mem_cache.utils import get_hash_str
 
 from sglang_cp_hicache.l3 import FilePageStore, L3Namespace, PageStore, fetch_owned, read_plan, store_owned
+from sglang_cp_hicache.l3.consensus import local_usable_pages
 from sglang_cp_hicache.l3.keys import page_keys
 from sglang_cp_hicache.l3.plan import write_plan
 from sglang_cp_hicache.placement import CpPlacement
@@ -158,6 +159,19 @@ class L3Tier:
         return whole
 
     # ---- L3 -> host ------------------------------------------------------------
+    def query_pages(self, hashes: list[str], owners: list[int]) -> int:
+        """This rank's local present prefix of a chain: the first own page
+        whose KV or indexer object is absent (unverified: the fetch checks)."""
+        rank, N = self.layout.cp_rank, self.layout.cp_size
+        plans = [
+            read_plan(page_keys(hashes, ns), owners, N, rank) for ns in (self.kv_ns, self.indexer_ns)
+        ]
+        indices = plans[0].page_indices
+        if not indices:
+            return len(hashes)
+        present = [all(pair) for pair in zip(*(self.store.exists(list(p.keys)) for p in plans))]
+        return local_usable_pages(indices, present, len(hashes))
+
     def fetch_pages(self, hashes: list[str], owners: list[int]) -> L3Fetched:
         """Fetch and verify this rank's pages of a chain (KV and indexer);
         its local usable prefix is the first own page missing or refused in

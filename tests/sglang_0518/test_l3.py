@@ -49,11 +49,13 @@ def write_with_cp4(directory: Path, monkeypatch, tokens=TOKENS, *, setup=None) -
 
 
 def read_back(cl: CpCluster, tokens=TOKENS) -> list[int]:
-    """Prefetch from L3 on every rank, the step's all-reduce, the load-back;
+    """Prefetch from L3 on every rank, the two step all-reduces, the load-back;
     returns the device tokens each rank then holds for ``tokens``."""
     looked_up = cl.each(lambda s: s.cache.l3_prefetch(RadixKey(tokens)))
     assert len(set(looked_up)) == 1
-    cl.step()
+    cl.step()  # the query's MIN: which pages exist on their owners
+    cl.step()  # the fetch's MIN: which pages verified; the node is inserted
+    assert all(not c._l3_pending for c in cl.caches)
     cl.load_back(tokens)
     return [int(locs.numel()) for locs in cl.device_locs(tokens)]
 
@@ -146,8 +148,11 @@ def test_a_damaged_object_on_one_rank_gives_every_rank_the_same_shorter_prefix(
         _damage(tier.store.path_of(page_key(tier.page_hashes(TOKENS)[bad], ns)), how)
         assert read_back(cl) == [bad * P, bad * P]
         assert cl.check(TOKENS) == {}  # every restored token right, on every rank
-        assert cl.caches[1].cp_l3.counters.rejected_pages == 1
+        # A deleted object stops the query (nothing past it is fetched); a
+        # damaged one is fetched and refused by its owner alone.
+        assert cl.caches[1].cp_l3.counters.rejected_pages == (0 if how == "delete" else 1)
         assert cl.caches[0].cp_l3.counters.rejected_pages == 0  # rank 0 never reads rank 1's pages
+        assert sum(c.cp_l3.counters.restored_pages for c in cl.caches) == bad
         assert_alike(cl)
     finally:
         cl.close()
@@ -182,14 +187,15 @@ def test_a_failed_put_on_one_rank_keeps_every_rank_alike(tmp_path, monkeypatch, 
         reader.close()
 
 
-def test_a_fetch_that_raises_on_one_rank_restores_nothing_anywhere(written, monkeypatch):
+@pytest.mark.parametrize("method", ["exists", "get"])  # the query's, the fetch's
+def test_a_store_call_that_raises_on_one_rank_restores_nothing_anywhere(written, monkeypatch, method):
     directory, _, _ = written
     monkeypatch.setenv(settings.L3_DIR.name, str(directory))
     cl = cluster(2)
     try:
-        def get(keys):
+        def broken(keys):
             raise OSError("I/O error (injected)")
-        cl.caches[1].cp_l3.store.get = get
+        setattr(cl.caches[1].cp_l3.store, method, broken)
         assert read_back(cl) == [0, 0]
         assert all(not c.root_node.children for c in cl.caches)
         assert [c.host_slot_ledger.used for c in cl.caches] == [[0, 0], [0, 0]]
@@ -268,6 +274,37 @@ def test_a_write_taken_back_at_the_step_reaches_l3_on_no_rank(tmp_path, monkeypa
         cl.step()
         assert sum(c.cp_l3.counters.written_pages for c in cl.caches) == PAGES
         assert len(list(tmp_path.rglob("*.bin"))) == 2 * PAGES
+        assert_alike(cl)
+    finally:
+        cl.close()
+
+
+def test_a_miss_takes_no_host_room_and_a_hit_evicts_host_leaves_for_its_pages(tmp_path, monkeypatch):
+    """Host pools full: a chain L3 does not hold allocates and evicts nothing
+    on any rank (the query's MIN comes first); a chain it holds evicts host
+    leaves for its pages, alike on every rank, and is restored bit-exact."""
+    monkeypatch.setenv(settings.L3_DIR.name, str(tmp_path))
+    cl = cluster(2)
+    try:
+        cl.insert(TOKENS)  # backed up and written to L3, then gone from device and host
+        cl.evict_device(PAGES * P)
+        cl.evict_host(10 * P)
+        assert all(not c.root_node.children for c in cl.caches)
+        others = [list(range(50_000 * (i + 1), 50_000 * (i + 1) + PAGES * P)) for i in range(4)]
+        for tokens in others:  # 20 pages: both host pools full
+            cl.insert(tokens)
+            cl.evict_device(PAGES * P)
+        assert [c.host_slot_ledger.used for c in cl.caches] == [[10 * P, 10 * P]] * 2
+        never_written = list(range(900_000, 900_000 + PAGES * P))
+        before = [rank_state(s) for s in cl.stacks]
+        assert read_back(cl, never_written) == [0, 0]
+        assert [rank_state(s) for s in cl.stacks] == before
+        assert sum(c.cp_l3.counters.fetched_pages for c in cl.caches) == 0
+
+        evicted = [c.cp_counters.host_evicted_nodes for c in cl.caches]
+        assert read_back(cl, TOKENS) == [PAGES * P, PAGES * P]
+        assert cl.check(TOKENS) == {}
+        assert [c.cp_counters.host_evicted_nodes - e for c, e in zip(cl.caches, evicted)] == [2, 2]
         assert_alike(cl)
     finally:
         cl.close()
