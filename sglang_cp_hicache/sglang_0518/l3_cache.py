@@ -109,8 +109,9 @@ class L3CacheMixin:
             slots = meta.host_indices[::P].tolist()
             self.cp_l3.store_pages(hashes, owners, slots)
         except Exception:  # L3 is a cache: a failed write is a later miss, never an error
-            logger.exception("cp-hicache L3: storing node %d failed on cp_rank %d", node.id, self.cp_layout.cp_rank)
-            self.cp_l3.counters.write_failures += sum(o == self.cp_layout.cp_rank for o in meta.token_owners[::P].tolist())
+            rank = self.cp_layout.cp_rank
+            logger.exception("cp-hicache L3: storing node %d failed on cp_rank %d", node.id, rank)
+            self.cp_l3.counters.write_failures += sum(o == rank for o in meta.token_owners[::P].tolist())
 
     # ---- L3 -> host: the query ----------------------------------------------------
     def l3_prefetch(self, key: RadixKey) -> int:
