@@ -10,7 +10,7 @@ A tree node's device locs are one owner-cyclic run of whole pages starting
 at the node's rotation phase (the allocator draws them so, a load-back
 allocates them from the host pages' classes, and inserts that would break
 the rotation are declined). So the pages per class follow from host ints,
-and :func:`~sglang_cp_hicache.sharded_device_free.cyclic_pages_by_class`
+and :func:`~sglang_cp_hicache.policy_0523.device_free.cyclic_pages_by_class`
 splits the run with fixed-shape device work. :class:`PhaseKnownDeviceFrees`
 wires that in on the library stack's instances:
 
@@ -40,7 +40,7 @@ from sglang.srt.mem_cache.unified_cache.components.base import EvictLayer
 
 from sglang_cp_hicache import settings
 from sglang_cp_hicache.placement import CpPlacement
-from sglang_cp_hicache.sharded_device_free import cyclic_pages_by_class
+from sglang_cp_hicache.policy_0523.device_free import cyclic_pages_by_class
 
 __all__ = ["DeviceFreeCounters", "PhaseKnownDeviceFrees", "free_cyclic_run"]
 

@@ -13,11 +13,11 @@ that class remain, and the evicted pages are lost for nothing.
 stack's cache instance: it evicts host leaves in upstream's order (the
 FULL component's eviction priority, a heap that takes in a parent when it
 becomes a host leaf) but only those holding a page of a class the cyclic run
-is still short of (:class:`~sglang_cp_hicache.sharded_host_room.HostRoom`),
+is still short of (:class:`~sglang_cp_hicache.policy_0523.host_room.HostRoom`),
 until the run fits. If that is not enough, a second pass in the same order
 also evicts a leaf whose own pages are of other classes when it is the way
 to a host-only ancestor that holds a short class's page and can be cleared
-(:func:`~sglang_cp_hicache.sharded_host_room.reach_counts`): a tree holds no
+(:func:`~sglang_cp_hicache.policy_0523.host_room.reach_counts`): a tree holds no
 child without its parent, so such a page is freed only after every leaf
 below it. Then it queues the write exactly as upstream does (write-back stacks keep
 upstream's method: their host eviction first reclaims host copies that
@@ -37,7 +37,7 @@ from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 from sglang.srt.mem_cache.unified_cache.unified_tree_core_interface import DriveHostEvictionResult
 
 from sglang_cp_hicache.placement import CpPlacement
-from sglang_cp_hicache.sharded_host_room import HostRoom, class_counts_of, cyclic_class_counts, reach_counts
+from sglang_cp_hicache.policy_0523.host_room import HostRoom, class_counts_of, cyclic_class_counts, reach_counts
 
 __all__ = ["HostRoomCounters", "OwnerAwareHostRoom"]
 

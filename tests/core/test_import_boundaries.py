@@ -1,6 +1,6 @@
 """Rooms by audience, every import pointing down:
 
-    sim  ->  testing  ->  sglang_0518, sglang_0523  ->  kernels, policy_0518  ->  core
+    sim  ->  testing  ->  sglang_0518, sglang_0523  ->  kernels, policy_0518, policy_0523  ->  core
 
 * core (``sglang_cp_hicache/*.py``) imports nothing of the package above it,
   and never sglang or triton at import; ``policy_0518`` (torch only) imports
@@ -23,15 +23,16 @@ PKG = "sglang_cp_hicache"
 ALLOWED = {
     "core": set(),
     "policy_0518": set(),
+    "policy_0523": set(),
     "kernels": set(),
     "sglang_0518": {"kernels", "policy_0518"},
-    "sglang_0523": {"kernels"},
-    "testing": {"kernels", "policy_0518", "sglang_0518", "sglang_0523"},
-    "sim": {"kernels", "policy_0518", "sglang_0518", "sglang_0523", "testing"},
+    "sglang_0523": {"kernels", "policy_0523"},
+    "testing": {"kernels", "policy_0518", "policy_0523", "sglang_0518", "sglang_0523"},
+    "sim": {"kernels", "policy_0518", "policy_0523", "sglang_0518", "sglang_0523", "testing"},
     "cli": {"sim"},
 }
-PRODUCTION = {"core", "policy_0518", "kernels", "sglang_0518", "sglang_0523"}
-TORCH_ONLY = ("core", "policy_0518", "kernels")
+PRODUCTION = {"core", "policy_0518", "policy_0523", "kernels", "sglang_0518", "sglang_0523"}
+TORCH_ONLY = ("core", "policy_0518", "policy_0523", "kernels")
 
 
 def room_of_file(path: pathlib.Path) -> str:

@@ -1,5 +1,5 @@
 """Splitting a freed cyclic run by owner class without reading it
-(``sglang_cp_hicache.sharded_device_free``): equal to ``unique`` + one mask
+(``sglang_cp_hicache.policy_0523.device_free``): equal to ``unique`` + one mask
 per class, as SGLang 0.5.23's ``PageInterleavePoolAllocator.free`` computes it."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sglang_cp_hicache.sharded_device_free import cyclic_pages_by_class
+from sglang_cp_hicache.policy_0523.device_free import cyclic_pages_by_class
 
 
 def _upstream_split(locs: torch.Tensor, page_size: int, n: int) -> list[torch.Tensor]:

@@ -1,4 +1,4 @@
-"""Owner-aware host room (``sglang_cp_hicache.sharded_host_room``): pure decisions on ints."""
+"""Owner-aware host room (``sglang_cp_hicache.policy_0523.host_room``): pure decisions on ints."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sglang_cp_hicache.sharded_host_room import (
+from sglang_cp_hicache.policy_0523.host_room import (
     HostRoom,
     class_counts_of,
     cyclic_class_counts,

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from sglang_cp_hicache.sharded_host_room import cyclic_class_counts
+from sglang_cp_hicache.policy_0523.host_room import cyclic_class_counts
 from sglang_cp_hicache.validation import check_1d_int_tensor, check_int
 
 __all__ = ["cyclic_pages_by_class"]
