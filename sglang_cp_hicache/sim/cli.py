@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import os
 import sys
 from typing import Any, Optional, Sequence, Union
 
@@ -151,6 +152,12 @@ def _add_output_flags(p: argparse.ArgumentParser) -> None:
                         "pool (a TP deployment of an MLA model: replicated KV, the same per-step ack "
                         "all-reduce over N ranks); 'single' runs one process with no group "
                         f"(default {_DEFAULTS.non_cp_group})")
+    p.add_argument("--l3", metavar="DIR", default=None,
+                   help="SGLang 0.5.18 only: give the CP ranks this library's file L3 tier in DIR (created "
+                        "if missing; SGLANG_CP_HICACHE_L3_DIR in each rank). Pages are keyed by content, so "
+                        "runs of any --cp-size share DIR: each rank writes the pages it owns once their "
+                        "write-through completes, and every request first looks its uncached pages up in "
+                        "L3. With --compare-non-cp the non-CP baseline runs without L3")
 
 
 def _add_limit_flags(p: argparse.ArgumentParser) -> None:
@@ -272,12 +279,31 @@ def _prepare(
         requests, workload = _workload(args, config)
     except (TraceError, ValueError) as exc:
         return _error(str(exc), 2)
+    problem = _l3_problem(config.l3_dir)  # last: only a run that will start creates DIR
+    if problem is not None:
+        return _error(problem, 2)
     return config, failure, requests, workload
+
+
+def _l3_problem(directory: Optional[str]) -> Optional[str]:
+    """Why --l3's directory is unusable (None if it is, or there is none):
+    created if missing and proven writable, as each rank's cache will."""
+    if directory is None:
+        return None
+    from sglang_cp_hicache.l3.store import FilePageStore
+
+    try:
+        FilePageStore(directory)
+    except (TypeError, ValueError) as exc:
+        return f"--l3 {directory}: not a usable L3 directory: {exc}"
+    return None
 
 
 def _version_problem(version: str, args: argparse.Namespace) -> Optional[str]:
     if version not in SGLANG_VERSIONS:
         return f"the installed SGLang is {version}; the simulator drives {' and '.join(SGLANG_VERSIONS)}"
+    if version == "0.5.23" and args.l3 is not None:  # a flag conflict, whichever SGLang is installed
+        return "--l3 needs --sglang 0.5.18: the L3 tier is not wired into SGLang 0.5.23's sharded stack yet"
     if version != installed_sglang():
         return (f"--sglang {version}, but this environment has SGLang {installed_sglang()} "
                 "(0.5.18 and 0.5.23 live in separate venvs: .venv and .venv-0523)")
@@ -297,6 +323,7 @@ def _config(args: argparse.Namespace, version: str) -> SimConfig:
         grace_s=min(_DEFAULTS.grace_s, args.collective_timeout),
         startup_timeout_s=args.startup_timeout,
         sglang_version=version, copy_path=args.copy,
+        l3_dir=os.path.abspath(args.l3) if args.l3 is not None else None,
     )
 
 

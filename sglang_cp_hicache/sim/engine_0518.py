@@ -46,6 +46,15 @@ __all__ = ["SimRankEngine"]
 _EMPTY = torch.empty((0,), dtype=torch.int64)
 
 
+def _depth(node: Any) -> int:
+    """Tokens on the path from the root to ``node`` (the root: 0)."""
+    n = 0
+    while node is not None and node.parent is not None:
+        n += len(node.key)
+        node = node.parent
+    return n
+
+
 class SimRankEngine(RankEngineBase):
     """Drives one rank's :class:`CpRankStack` (CP or plain) request by request."""
 
@@ -61,6 +70,15 @@ class SimRankEngine(RankEngineBase):
         self._plain_writes = 0
         self._plain_loads = 0
         self._count_backups()
+        # L3 (CP with SGLANG_CP_HICACHE_L3_DIR set): the content keys of the
+        # last token of every page whose host copy came from L3 and has not
+        # been loaded to the device since; a page's content key names its
+        # whole prefix, so it identifies the page in any later request.
+        self.l3 = getattr(self.cache, "cp_l3", None) if self.cp_mode else None
+        self._l3_page_keys: set[int] = set()
+        self._l3_spans: list[tuple[int, int]] = []
+        if self.l3 is not None:
+            self._record_l3_nodes()
 
     # ---- instrumentation --------------------------------------------------
     def _count_backups(self) -> None:
@@ -107,6 +125,47 @@ class SimRankEngine(RankEngineBase):
 
         ctrl.evict_host, ctrl.write, ctrl.load = counted_evict_host, counted_write, counted_load
 
+    def _record_l3_nodes(self) -> None:
+        """Note (start, length) in tokens of every host-only node the cache
+        inserts from L3, without changing what it does."""
+        cache = self.cache
+        insert = cache._l3_insert_host_node
+
+        def recorded(anchor: Any, key: Any, meta: Any) -> None:
+            insert(anchor, key, meta)
+            self._l3_spans.append((_depth(anchor), len(key)))
+
+        cache._l3_insert_host_node = recorded
+
+    def _l3_prefetch(self, request: RequestInFlight) -> None:
+        """The serving integration's part: look the request's pages past its
+        cached prefix up in L3, alike on every rank, then the two scheduler
+        steps whose MINs settle the query and the fetch."""
+        self._l3_spans.clear()
+        if self.cache.l3_prefetch(RadixKey(request.tokens)) == 0:
+            return
+        self._check_events()
+        self._check_events()
+        P = self.page_size
+        for start, length in self._l3_spans:
+            ends = request.keys[start + P - 1 : start + length : P]
+            self._l3_page_keys.update(ends.tolist())
+
+    def _check_prefix(self, record: Any, prefix: torch.Tensor, loaded: torch.Tensor, keys: torch.Tensor) -> None:
+        super()._check_prefix(record, prefix, loaded, keys)
+        if not self._l3_page_keys or self.restored_good_pages.numel() == 0:
+            return
+        P = self.page_size
+        ends = keys[self.restored_good_pages * P + P - 1].tolist()
+        from_l3 = [k for k in ends if k in self._l3_page_keys]
+        self._l3_page_keys.difference_update(from_l3)  # counted at its first load
+        record.l3_pages_verified = len(from_l3)
+
+    def _write(self, locs: torch.Tensor, keys: torch.Tensor) -> None:
+        super()._write(locs, keys)
+        if self._l3_page_keys:  # recomputed: a later host copy of these pages is not L3's
+            self._l3_page_keys.difference_update(keys.tolist())
+
     # ---- SGLang calls -------------------------------------------------------
     def _make_room(self, num_tokens: int) -> int:
         """``evict_from_tree_cache``: evict only the shortfall."""
@@ -132,6 +191,8 @@ class SimRankEngine(RankEngineBase):
     # ---- one request: the steps RankEngineBase.serve runs ----------------------
     def _match_and_load(self, request: RequestInFlight) -> PrefixHit:
         cache, record = self.cache, request.record
+        if self.l3 is not None:
+            self._l3_prefetch(request)
         match = cache.match_prefix(MatchPrefixParams(key=RadixKey(request.tokens)))
         device_locs = match.device_indices.to(torch.int64)
         record.device_hit_tokens = int(device_locs.numel())
@@ -274,6 +335,7 @@ class SimRankEngine(RankEngineBase):
             totals.backup_slots, totals.load_slots = s.backup_slots, s.load_slots
             totals.zero_owned_writes, totals.zero_owned_loads = s.zero_owned_writes, s.zero_owned_loads
             self.acks.writes_queued, self.acks.loads_queued = s.writes, s.loads
+            self._l3_totals(totals)
         else:
             totals.write_backups = self._plain_writes
             totals.backup_slots = self._backup_tokens
@@ -283,3 +345,12 @@ class SimRankEngine(RankEngineBase):
             totals.load_slots = self._plain_load_back_tokens
             self.acks.writes_queued, self.acks.loads_queued = self._plain_writes, self._plain_loads
         return totals
+
+    def _l3_totals(self, totals: EngineTotals) -> None:
+        if self.l3 is None:
+            return
+        c = self.l3.counters
+        totals.l3_enabled = True
+        totals.l3_written_pages = c.written_pages
+        totals.l3_hit_tokens = c.restored_pages * self.page_size
+        totals.l3_rejected_objects = c.rejected_pages

@@ -19,6 +19,8 @@ from sglang_cp_hicache.sim.records import AckCounts, RequestRecord
 
 __all__ = ["NewPages", "PrefixHit", "RankEngineBase", "RequestInFlight"]
 
+_EMPTY_PAGES = torch.empty((0,), dtype=torch.int64)
+
 
 @dataclass
 class RequestInFlight:
@@ -82,6 +84,8 @@ class RankEngineBase:
         # restored page this rank owns.
         self.corrupt_next_restore = False
         self.corrupt_part = "kv"
+        # Prefix page indices the last _verify found owned, just restored and intact.
+        self.restored_good_pages = _EMPTY_PAGES
 
     # ---- one request --------------------------------------------------------
     def serve(self, index: int, tokens: Sequence[int]) -> RequestRecord:
@@ -192,6 +196,7 @@ class RankEngineBase:
     def _verify(self, locs: torch.Tensor, keys: torch.Tensor, restored_from: int) -> tuple[int, int, int]:
         """(owned pages checked, of which restored, corrupted) over ``locs``
         (page-aligned); tokens at ``>= restored_from`` were just loaded back."""
+        self.restored_good_pages = _EMPTY_PAGES
         if locs.numel() == 0:
             return 0, 0, 0
         P = self.page_size
@@ -205,6 +210,9 @@ class RankEngineBase:
         pages = torch.unique(page_of_token)
         bad_pages = torch.unique(page_of_token[bad])
         restored = int((pages * P >= restored_from).sum())
+        # Owned, just restored and bit-exact: what an L3 count may claim.
+        good = pages[(pages * P >= restored_from) & ~torch.isin(pages, bad_pages)]
+        self.restored_good_pages = good
         self.indexer_pages_verified += int(pages.numel())
         return int(pages.numel()), restored, int(bad_pages.numel())
 

@@ -35,6 +35,7 @@ class RequestRecord:
     verified_pages: int = 0  # owned prefix pages checked byte by byte (this rank)
     restored_pages_verified: int = 0  # of those, pages that load-back just restored
     corrupted_pages: int = 0
+    l3_pages_verified: int = 0  # of the restored ones, pages whose host copy came from L3 (first load)
     host_slots: int = 0  # physical host slots in use after the request (this rank)
     skipped: bool = False  # did not fit on the device even after eviction
 
@@ -72,6 +73,11 @@ class EngineTotals:
     uneven_picks: int = 0  # CP allocator: pages placed off balance (nothing to reclaim)
     host_balance: str = ""  # CP cache: SGLANG_CP_HICACHE_HOST_BALANCE policy (exact | greedy)
     host_slot_capacity: int = 0  # physical, this rank
+    # 0.5.18 CP with --l3 (the cache's cp_l3 counters; all 0 without L3):
+    l3_enabled: bool = False
+    l3_written_pages: int = 0  # own pages this rank stored (KV + indexer objects both)
+    l3_hit_tokens: int = 0  # own tokens this rank put into its host pool from L3
+    l3_rejected_objects: int = 0  # own objects found but refused (checksum, length, namespace)
     # 0.5.23 (both copy paths, counted the same way on each):
     backups_attempted: int = 0  # calls of the cache's _execute_kv_backup
     device_evictions: int = 0  # tree nodes whose device value was evicted (FULL component)

@@ -115,6 +115,7 @@ def summarize(
         **_cpu_fields(reports),
         **_copy_fields(reports),
         **(_bookkeeping_fields(reports, rank0) if config.sglang_version == "0.5.23" else {}),
+        **(_l3_fields(config, reports) if config.l3_dir is not None else {}),
         "series": {
             "host_slots_per_rank": [[rec.host_slots for rec in r.records] for r in reports],
             "device_hit_tokens": [rec.device_hit_tokens for rec in rank0.records],
@@ -222,6 +223,25 @@ def _copy_fields(reports: list[RankReport]) -> dict[str, Any]:
         "indexer_pages_verified": sum(r.indexer_pages_verified for r in reports),
         "copy_path_cpu_seconds_per_rank": [r.copy_path_cpu for r in reports],
         "device_page_reads_per_rank": [r.totals.device_page_reads for r in reports],
+    }
+
+
+def _l3_fields(config: SimConfig, reports: list[RankReport]) -> dict[str, Any]:
+    """--l3: what each rank wrote to and restored from L3 (own pages, so
+    the totals are sums), and how many restored pages the content check
+    verified. The non-CP baseline runs without L3."""
+    t = [r.totals for r in reports]
+    verified = [sum(rec.l3_pages_verified for rec in r.records) for r in reports]
+    return {
+        "l3_dir": config.l3_dir,
+        "l3_written_pages": sum(x.l3_written_pages for x in t),
+        "l3_written_pages_per_rank": [x.l3_written_pages for x in t],
+        "l3_hit_tokens": sum(x.l3_hit_tokens for x in t),
+        "l3_hit_tokens_per_rank": [x.l3_hit_tokens for x in t],
+        "l3_pages_verified": sum(verified),
+        "l3_pages_verified_per_rank": verified,
+        "l3_rejected_objects": sum(x.l3_rejected_objects for x in t),
+        "l3_rejected_objects_per_rank": [x.l3_rejected_objects for x in t],
     }
 
 

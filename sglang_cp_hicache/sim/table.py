@@ -73,6 +73,20 @@ def _per_rank_rows(summary: dict[str, Any], nc: dict[str, Any]) -> list[str]:
         row("  writing/checking KV", summary["content_cpu_seconds_per_rank"], nc.get("content_cpu_seconds")),
         row("startup s (import+build)", summary["startup_seconds_per_rank"], nc.get("startup_seconds")),
         *_bookkeeping_rows(summary, row),
+        *_l3_rows(summary, row),
+    ]
+
+
+def _l3_rows(summary: dict[str, Any], row: Callable[..., str]) -> list[str]:
+    """--l3: each rank's own pages written to and restored from L3 (the
+    non-CP baseline runs without L3)."""
+    if "l3_written_pages_per_rank" not in summary:
+        return []
+    return [
+        row("L3 pages written", summary["l3_written_pages_per_rank"]),
+        row("L3 hit tokens (restored)", summary["l3_hit_tokens_per_rank"]),
+        row("L3 pages verified", summary["l3_pages_verified_per_rank"]),
+        row("L3 objects rejected", summary["l3_rejected_objects_per_rank"]),
     ]
 
 
@@ -130,6 +144,7 @@ def _totals_lines(summary: dict[str, Any], nc: dict[str, Any]) -> list[str]:
         f"corrupted: {summary['corrupted_pages']}; indexer pages verified: {summary['indexer_pages_verified']}"
         + (f"; non-CP verified {nc['verified_pages']}, corrupted {nc['corrupted_pages']}" if nc else ""),
         f"ranks agree (tree digest + acks, all_gather): {'yes' if summary['ranks_agree'] else 'NO'}",
+        *_l3_line(summary),
         _copies_line(summary["copies"]),
         *_bookkeeping_line(summary),
         *_library_lines(summary),
@@ -145,6 +160,16 @@ def _bookkeeping_line(summary: dict[str, Any]) -> list[str]:
         f"host reads of device locs (allocator.free outside a free group: a sync each on a GPU): "
         f"{summary['device_index_host_reads']} over all ranks, "
         f"{sum(summary['request_free_reads_per_rank'])} of them freeing request pages",
+    ]
+
+
+def _l3_line(summary: dict[str, Any]) -> list[str]:
+    if "l3_dir" not in summary:
+        return []
+    return [
+        f"L3 ({summary['l3_dir']}; CP ranks only): {summary['l3_written_pages']} pages written, "
+        f"{summary['l3_hit_tokens']} tokens restored, {summary['l3_pages_verified']} restored pages verified "
+        f"bit-exact, {summary['l3_rejected_objects']} objects rejected"
     ]
 
 

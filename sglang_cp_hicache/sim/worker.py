@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass
 from datetime import timedelta
 from typing import Any, Optional
 
+from sglang_cp_hicache import settings
 from sglang_cp_hicache.sim.config import FAIL_ENV, FailureInjection, RankSpec
 from sglang_cp_hicache.sim.lifetime import EXIT_LAUNCHER_GONE, die_with_launcher
 from sglang_cp_hicache.sim.records import Progress, RankFailure, RankReport, RequestRecord
@@ -83,6 +84,11 @@ def _agreement(engine_digest: str, acks: tuple, cp_size: int) -> dict[str, Any]:
 
     gathered: list[Any] = [None] * cp_size
     dist.all_gather_object(gathered, (engine_digest, acks))
+    return _agreement_of(gathered)
+
+
+def _agreement_of(gathered: list[Any]) -> dict[str, Any]:
+    """The verdict over every rank's (tree digest, ack counts)."""
     digests = [g[0] for g in gathered]
     ack_rows = [list(g[1]) for g in gathered]
     return {
@@ -111,6 +117,10 @@ def _build_0518(spec: RankSpec, group: Any) -> tuple[Any, Any]:
     from sglang_cp_hicache.testing.stack_0518 import CpStackConfig, build_cp_rank_stack
 
     cfg = spec.config
+    # Set before the cache is built, which reads it; empty (off) for the
+    # non-CP baseline and without --l3, whatever the launcher's environment says.
+    l3_dir = cfg.l3_dir if spec.cp_mode and cfg.l3_dir is not None else ""
+    os.environ[settings.L3_DIR.name] = l3_dir
     if spec.cp_mode:
         stack_config = CpStackConfig(
             cp_size=cfg.cp_size, page_size=cfg.page_size, num_layers=cfg.num_layers,
@@ -236,6 +246,8 @@ def _serve_all(spec: RankSpec, channel: Any, step_ref: list[Optional[int]]) -> R
 
         agreement = _agreement(totals.tree_digest, engine.acks.as_tuple(), setup.world)
         dist.destroy_process_group()
+    else:  # a lone process (CP 1, or the single non-CP baseline) agrees with itself
+        agreement = _agreement_of([(totals.tree_digest, engine.acks.as_tuple())])
     setup.stack.close()
     return RankReport(
         rank=spec.rank,
