@@ -1,7 +1,6 @@
 """The settings module (every variable, unknown values refused with the
 valid ones) and the start-up agreement check (each kind of mismatch named)."""
 
-import pickle
 import threading
 
 import pytest
@@ -10,6 +9,8 @@ import torch.distributed as dist
 
 from sglang_cp_hicache import settings
 from sglang_cp_hicache.agreement import CpAgreementError, RankView, check_agreement, gather_and_check
+
+from tests.helpers.gloo_gather import object_all_gather
 
 
 @pytest.mark.parametrize("setting", settings.SETTINGS, ids=lambda s: s.name)
@@ -153,25 +154,6 @@ def test_a_lone_rank_without_a_group_checks_only_itself():
         gather_and_check(RankView(4, 4, {}), None)
 
 
-def _object_all_gather(pg):
-    """all_gather_object over a bare gloo ProcessGroup (one per thread)."""
-
-    def gather(output, obj, group):
-        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
-        n = group.size()
-        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(n)]
-        group.allgather([sizes], [torch.tensor([data.numel()])]).wait()
-        width = max(int(s) for s in sizes)
-        padded = torch.zeros(width, dtype=torch.uint8)
-        padded[: data.numel()] = data
-        chunks = [torch.zeros(width, dtype=torch.uint8) for _ in range(n)]
-        group.allgather([chunks], [padded]).wait()
-        for i in range(n):
-            output[i] = pickle.loads(bytes(chunks[i][: int(sizes[i])].tolist()))
-
-    return gather
-
-
 @pytest.mark.parametrize("case", ["agree", "policy", "duplicate_rank"])
 def test_every_rank_of_a_real_group_gets_the_same_verdict(case):
     """Three ranks as threads on a real gloo group, one all-gather each."""
@@ -183,7 +165,7 @@ def test_every_rank_of_a_real_group_gets_the_same_verdict(case):
         cp_rank = 0 if (case == "duplicate_rank" and r == 2) else r
         view = RankView(cp_rank, 3, {"policy": "greedy" if (case == "policy" and r == 2) else "exact"})
         try:
-            gather_and_check(view, pg, all_gather=_object_all_gather(pg))
+            gather_and_check(view, pg, all_gather=object_all_gather)
             results[r] = "ok"
         except CpAgreementError as exc:
             results[r] = str(exc)

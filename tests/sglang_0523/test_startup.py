@@ -18,6 +18,8 @@ from sglang_cp_hicache import settings
 from sglang_cp_hicache.agreement import CpAgreementError, RankView, gather_and_check
 from sglang_cp_hicache.sglang_0523.startup import COPY_KEY, COPY_PATH, SETTINGS_KEY, agree_at_start_up, start_up_view
 
+from tests.helpers.gloo_gather import object_all_gather
+
 # ---- real stacks, two rank processes (tests/sglang_0523/scenarios.py::agreement) -----
 
 REFUSED = {
@@ -62,21 +64,6 @@ def test_a_bad_setting_on_every_rank_is_raised_after_they_agree(two_ranks):
 
 
 # ---- views built from stand-in pools, three ranks as threads on a gloo group ---------
-
-
-def _object_all_gather(output: list, obj: Any, group: Any) -> None:
-    """``all_gather_object`` over a bare gloo ProcessGroup."""
-    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
-    n = group.size()
-    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(n)]
-    group.allgather([sizes], [torch.tensor([data.numel()])]).wait()
-    width = max(int(s) for s in sizes)
-    padded = torch.zeros(width, dtype=torch.uint8)
-    padded[: data.numel()] = data
-    chunks = [torch.zeros(width, dtype=torch.uint8) for _ in range(n)]
-    group.allgather([chunks], [padded]).wait()
-    for i in range(n):
-        output[i] = pickle.loads(bytes(chunks[i][: int(sizes[i])].tolist()))
 
 
 def _stand_ins(rank: int, group: Any, *, cp_size: int = 3, page_size: int = 64) -> tuple[Any, Any]:
@@ -150,7 +137,7 @@ def test_stand_in_pools_disagreeing_are_refused_on_every_rank(valid_settings, ca
             cp_size=4 if (odd and case == "cp_size") else 3,
             page_size=32 if (odd and case == "page_size") else 64,
         )
-        views = agree_at_start_up(kvcache, group, all_gather=_object_all_gather)
+        views = agree_at_start_up(kvcache, group, all_gather=object_all_gather)
         assert [v.cp_rank for v in views] == [0, 1, 2]
 
     assert _on_three_ranks(case, run) == {0: message, 1: message, 2: message}
@@ -165,7 +152,7 @@ def test_a_rank_on_another_copy_path_is_refused_on_every_rank(valid_settings):
         view = start_up_view(*_stand_ins(rank, pg))
         if rank == 1:
             view = replace(view, values={**view.values, COPY_KEY: "upstream"})
-        gather_and_check(view, pg, all_gather=_object_all_gather)
+        gather_and_check(view, pg, all_gather=object_all_gather)
 
     assert _on_three_ranks("copy_path", run) == {0: message, 1: message, 2: message}
 
