@@ -25,6 +25,7 @@ __all__ = [
     "HOST_BALANCE",
     "L3_DIR",
     "SETTINGS",
+    "SGLANG_FILE_DIR",
     "Setting",
     "check_all",
     "describe",
@@ -90,13 +91,22 @@ L3_DIR = Setting(
     "SGLANG_CP_HICACHE_L3_DIR",
     "",
     (),
-    "SGLang 0.5.18: directory of the L3 (storage) tier of a CP cache; empty: "
-    "no L3. Every rank names one shared directory; pages are keyed by content "
-    "and namespace, so deployments of any CP size share it.",
+    "Directory of the L3 (storage) tier of a CP cache; empty: the directory "
+    "SGLang's file backend would use when --hicache-storage-backend file is "
+    "passed, else no L3. Every rank names one shared directory; pages are "
+    "keyed by content and namespace, so deployments of any CP size share it.",
+)
+SGLANG_FILE_DIR = Setting(
+    "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR",
+    "",
+    (),
+    "SGLang's own variable, read by the library only under CP with "
+    "--hicache-storage-backend file: the L3 directory when "
+    "SGLANG_CP_HICACHE_L3_DIR is empty (as SGLang's file backend uses it).",
 )
 
 #: Every setting, in the order the table shows them.
-SETTINGS: tuple[Setting, ...] = (COPY, HOST_BALANCE, DEBUG, ALLOW_ANY_SGLANG, L3_DIR)
+SETTINGS: tuple[Setting, ...] = (COPY, HOST_BALANCE, DEBUG, ALLOW_ANY_SGLANG, L3_DIR, SGLANG_FILE_DIR)
 
 
 def read(setting: Setting, environ: Optional[Mapping[str, str]] = None) -> str:
