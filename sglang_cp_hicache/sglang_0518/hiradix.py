@@ -25,7 +25,9 @@ The class is assembled from one mixin per concern: :mod:`.write_through`
 (write-through, the CPU page mirror), :mod:`.step_protocol` (the step's
 all-reduce and the take-backs), :mod:`.host_tier` (ledger, host leaves, host
 eviction, lane reclaim), :mod:`.load_back` (load-back and its quota),
-:mod:`.l3_cache` (the L3 tier when ``SGLANG_CP_HICACHE_L3_DIR`` is set) and
+:mod:`.l3_cache` (the L3 tier: ``--hicache-storage-backend file`` or
+``SGLANG_CP_HICACHE_L3_DIR``), :mod:`.l3_requests` (SGLang's scheduler
+prefetch calls, served by that tier) and
 :mod:`.upstream_0518` (``match_prefix``, ``_split_node``, ``insert`` and the
 device eviction bodies carried over from 0.5.18, each saying what differs).
 This module builds the cache and keeps what SGLang asks of it at start-up.
@@ -48,11 +50,14 @@ from sglang_cp_hicache.kernels import transfer
 from sglang_cp_hicache.policy_0518.host_eviction import HostLeafIndex, HostSlotLedger
 from sglang_cp_hicache.sglang_0518 import check_sglang_version
 from sglang_cp_hicache.sglang_0518.allocator import CpSharedPagedTokenToKVPoolAllocator
-from sglang_cp_hicache.sglang_0518.checks import HOST_BALANCE_ENV, check_cp_hicache_server_args, host_balance_policy
+from sglang_cp_hicache.sglang_0518.checks import (
+    HOST_BALANCE_ENV, check_cp_hicache_server_args, host_balance_policy, storage_location,
+)
 from sglang_cp_hicache.sglang_0518.hooks import check_hooks
 from sglang_cp_hicache.sglang_0518.host_copies import cp_copies_installed, install_cp_copies
 from sglang_cp_hicache.sglang_0518.host_tier import HostTierMixin, NoHostLeafSet
 from sglang_cp_hicache.sglang_0518.l3_cache import L3CacheMixin
+from sglang_cp_hicache.sglang_0518.l3_requests import L3RequestsMixin, source_label
 from sglang_cp_hicache.sglang_0518.l3_tier import tier_for
 from sglang_cp_hicache.sglang_0518.load_back import LoadBackMixin
 from sglang_cp_hicache.sglang_0518.step_protocol import CpHiCacheTransferError, StepProtocolMixin
@@ -97,8 +102,31 @@ class CpHiCacheCounters:
     lane_reclaim_tokens: int = 0  # device tokens evicted to keep host shares even
 
 
+class _WithoutStorage:
+    """``server_args`` as the base cache must see them (SGLang's are
+    read-only once resolved): without the storage flag. With it SGLang builds
+    its own storage controller, threads and backend, which CP nodes
+    (``host_value`` None, rank-local host slots) cannot feed. The scheduler
+    keeps the real ones, so it still prefetches -- served by this cache's L3."""
+
+    hicache_storage_backend = None
+    hicache_storage_backend_extra_config = None
+
+    def __init__(self, server_args) -> None:
+        self._server_args = server_args
+
+    def __getattr__(self, name: str):
+        return getattr(self._server_args, name)
+
+
+def _without_storage(server_args):
+    if getattr(server_args, "hicache_storage_backend", None) is None:
+        return server_args
+    return _WithoutStorage(server_args)
+
+
 class CpHiRadixCache(
-    L3CacheMixin,
+    L3RequestsMixin, L3CacheMixin,
     WriteThroughMixin, StepProtocolMixin, HostTierMixin, LoadBackMixin, Upstream0518Mixin, HiRadixCache
 ):
     """HiRadixCache whose host tier is CP-sharded (see module docstring)."""
@@ -114,6 +142,7 @@ class CpHiRadixCache(
                 f"CpSharedPagedTokenToKVPoolAllocator, got {type(allocator).__name__}"
             )
         check_cp_hicache_server_args(server_args, cp_shared_kv=True)
+        location = storage_location(server_args)
         self.cp_host_balance = host_balance_policy()
         if not isinstance(allocator.get_kvcache(), DSATokenToKVPool):
             raise TypeError(
@@ -135,15 +164,18 @@ class CpHiRadixCache(
         self._warned_device_page_read = False
         self.cp_l3 = None
         self._l3_pending: list = []
-        super().__init__(params, server_args)
+        self._l3_waiting: dict = {}
+        super().__init__(params, _without_storage(server_args))
         self.evictable_host_leaves = NoHostLeafSet()  # the ordered index replaces SGLang's set
         self.cp_copy_targets = install_cp_copies(self.cache_controller, self.cp_layout)
         if not cp_copies_installed(self.cp_copy_targets):
             raise RuntimeError("CP copies did not take on this cache's host pools; refusing to start")
         self.cp_transfer = CpTransferAdapter(self.cache_controller, self.cp_layout, allocator)
         model_id = getattr(server_args, "served_model_name", None) or getattr(server_args, "model_path", None)
-        self.cp_l3 = tier_for(self, settings.read(settings.L3_DIR), model_id)
+        self.cp_l3 = tier_for(self, location.directory, model_id, source=source_label(location))
+        self.cp_l3_location = location
         self._ledger = self._agree_with_peers()
+        self._log_l3_start()
         # New pages go preferably to the ranks holding the fewest host slots.
         allocator.set_lane_bias(lambda: self._ledger.used)
         # ...and when the least loaded rank has no free device page, one is
@@ -232,6 +264,7 @@ class CpHiRadixCache(
         self._step_status = StepStatus()
         self._load_shadow = [0] * self.cp_layout.cp_size
         self._l3_pending = []  # the host pool was cleared with the tree
+        self._l3_waiting = {}
         if self._ledger is not None:
             self._ledger = HostSlotLedger(list(self._ledger.capacity))
 

@@ -43,9 +43,24 @@ from sglang_cp_hicache.sglang_0518.tree_node import CpTreeNode
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["L3CacheMixin", "L3Prefetch"]
+__all__ = ["L3CacheMixin", "L3Prefetch", "L3Ticket"]
 
 _EMPTY = torch.empty((0,), dtype=torch.int64)
+
+
+@dataclass
+class L3Ticket:
+    """The requests waiting on one prefetch (SGLang's scheduler holds them
+    until it settles). ``asker``: the request that started it (the restored
+    tokens are counted as its storage hit); ``rids``: every request still
+    waiting. ``dropped``: every waiting request was aborted -- the prefetch
+    then votes 0 in the next MIN, so every rank restores nothing of it."""
+
+    asker: str
+    rids: set[str]
+    dropped: bool = False
+    settled: bool = False
+    loaded_tokens: int = 0
 
 
 @dataclass
@@ -64,6 +79,7 @@ class L3Prefetch:
     usable: int
     need: Optional[list[int]] = None  # ledger charge, tokens per rank (fetch)
     slots: Optional[torch.Tensor] = None
+    ticket: Optional[L3Ticket] = None  # the scheduler's requests waiting on it (None: a direct call)
 
 
 def _path_tokens(node: TreeNode) -> list[int]:
@@ -114,13 +130,14 @@ class L3CacheMixin:
             self.cp_l3.counters.write_failures += sum(o == rank for o in meta.token_owners[::P].tolist())
 
     # ---- L3 -> host: the query ----------------------------------------------------
-    def l3_prefetch(self, key: RadixKey) -> int:
+    def l3_prefetch(self, key: RadixKey, ticket: Optional[L3Ticket] = None) -> int:
         """Look the pages of ``key`` past its cached prefix up in L3 (call it
         alike on every rank). Returns the pages looked up (the same on every
         rank; 0: nothing to do). Two step all-reduces follow: the first
         agrees on the pages present on their owners (nothing allocated or
         evicted before), the second on the pages fetched and verified; then
-        a host-only node of exactly those pages is in the tree."""
+        a host-only node of exactly those pages is in the tree. ``ticket``:
+        the scheduler's requests waiting on it, settled with the result."""
         found = self._l3_lookup_target(key)
         if found is None:
             return 0
@@ -136,7 +153,7 @@ class L3CacheMixin:
         except Exception:  # the group hears of it as a present prefix of 0
             logger.exception("cp-hicache L3: query failed on cp_rank %d", self.cp_layout.cp_rank)
         anchor.protect_host()  # the chain's parent stays until the chain is settled
-        self._l3_pending.append(L3Prefetch("query", anchor, chain, hashes, owners, usable))
+        self._l3_pending.append(L3Prefetch("query", anchor, chain, hashes, owners, usable, ticket=ticket))
         self.cp_l3.counters.prefetches += 1
         return num_pages
 
@@ -162,7 +179,9 @@ class L3CacheMixin:
 
     # ---- the step's MIN ---------------------------------------------------------------
     def _l3_local_words(self) -> list[int]:
-        return [p.usable for p in self._l3_pending]
+        # A prefetch every waiting request of which was aborted votes 0: the
+        # MIN then drops it on every rank alike, whichever rank saw the abort.
+        return [0 if p.ticket is not None and p.ticket.dropped else p.usable for p in self._l3_pending]
 
     def _l3_commit(self, agreed: list[int]) -> None:
         """Act on what the group agreed, every rank alike: a query agreed on
@@ -177,8 +196,19 @@ class L3CacheMixin:
             if p.stage == "query" and pages > 0 and self._l3_start_fetch(p, pages):
                 continue  # the anchor stays protected for the fetch
             p.anchor.release_host()
-            if p.stage == "fetch":
-                self._l3_settle(p, pages)
+            restored = self._l3_settle(p, pages) if p.stage == "fetch" else 0
+            if p.ticket is not None:
+                self._l3_settle_ticket(p.ticket, restored)
+
+    def _l3_settle_ticket(self, ticket: L3Ticket, restored_tokens: int) -> None:
+        """The waiting requests may go on (the same step on every rank)."""
+        ticket.settled = True
+        ticket.loaded_tokens = restored_tokens
+        for rid in ticket.rids:
+            if self._l3_waiting.get(rid) is ticket:
+                del self._l3_waiting[rid]
+        if ticket.asker in ticket.rids and restored_tokens > 0:
+            self.prefetch_loaded_tokens_by_reqid[ticket.asker] = restored_tokens
 
     # ---- L3 -> host: the fetch ----------------------------------------------------------
     def _l3_start_fetch(self, query: L3Prefetch, pages: int) -> bool:
@@ -196,7 +226,9 @@ class L3CacheMixin:
         hashes = query.hashes[:pages]
         slots, usable = self._l3_fetch_into_host(hashes, owners)
         self._l3_pending.append(
-            L3Prefetch("fetch", query.anchor, query.key[: pages * P], hashes, owners, usable, need, slots)
+            L3Prefetch(
+                "fetch", query.anchor, query.key[: pages * P], hashes, owners, usable, need, slots, query.ticket
+            )
         )
         return True
 
@@ -229,7 +261,9 @@ class L3CacheMixin:
             return False
         return p.key.child_key(self.page_size) not in anchor.children
 
-    def _l3_settle(self, p: L3Prefetch, pages: int) -> None:
+    def _l3_settle(self, p: L3Prefetch, pages: int) -> int:
+        """Free this rank's slots and the ledger charge past the agreed
+        ``pages`` and insert the host-only node of those; returns its tokens."""
         P, rank = self.page_size, self.cp_layout.cp_rank
         mine = [i for i, o in enumerate(p.owners) if o == rank]
         kept = sum(1 for i in mine if i < pages)
@@ -238,13 +272,14 @@ class L3CacheMixin:
         keep_need = [p.owners[:pages].count(r) * P for r in range(self.cp_layout.cp_size)]
         self._ledger.release([a - b for a, b in zip(p.need, keep_need)])
         if pages == 0:
-            return
+            return 0
         owned = torch.tensor(mine[:kept], dtype=torch.int64)
         positions = (owned[:, None] * P + torch.arange(P)).reshape(-1) if kept else _EMPTY
         token_owners = torch.tensor(p.owners[:pages], dtype=torch.int64).repeat_interleave(P)
         meta = CpHiCacheNodeMetadata._trusted(pages * P, positions, p.slots[: kept * P], token_owners)
         self._l3_insert_host_node(p.anchor, p.key[: pages * P], meta)
         self.cp_l3.counters.restored_pages += kept
+        return pages * P
 
     def _l3_insert_host_node(self, anchor: TreeNode, key: RadixKey, meta: CpHiCacheNodeMetadata) -> None:
         """A host-only node under ``anchor``, as upstream's ``_insert_helper_host``

@@ -110,13 +110,17 @@ class L3Tier:
         self.counters = L3Counters()
 
     @classmethod
-    def open(cls, directory: str, layout: CpPlacement, kv_host: Any, indexer_host: Any, **kwargs) -> "L3Tier":
+    def open(
+        cls, directory: str, layout: CpPlacement, kv_host: Any, indexer_host: Any, *,
+        source: str = "SGLANG_CP_HICACHE_L3_DIR", **kwargs,
+    ) -> "L3Tier":
         """An L3 on a :class:`FilePageStore` at ``directory`` (created and
-        proven writable now: a bad directory stops start-up)."""
+        proven writable now: a bad directory stops start-up, naming
+        ``source``, the setting or flag that chose it)."""
         try:
             store = FilePageStore(directory)
         except ValueError as exc:
-            raise ValueError(f"SGLANG_CP_HICACHE_L3_DIR: L3 directory unusable: {exc}") from exc
+            raise ValueError(f"{source}: L3 directory unusable: {exc}") from exc
         return cls(store, layout, kv_host, indexer_host, **kwargs)
 
     def describe(self) -> str:
@@ -196,8 +200,11 @@ class L3Tier:
         )
 
 
-def tier_for(cache: Any, directory: Optional[str], model_id: Optional[str] = None) -> Optional[L3Tier]:
-    """The L3 tier of a CP cache (None when ``directory`` is empty)."""
+def tier_for(
+    cache: Any, directory: Optional[str], model_id: Optional[str] = None, *, source: str = "SGLANG_CP_HICACHE_L3_DIR"
+) -> Optional[L3Tier]:
+    """The L3 tier of a CP cache (None when ``directory`` is empty);
+    ``source``: what chose the directory, named if it is unusable."""
     if not directory:
         return None
     targets = cache.cp_copy_targets
@@ -207,5 +214,5 @@ def tier_for(cache: Any, directory: Optional[str], model_id: Optional[str] = Non
         raise ValueError("L3 needs a model id (server_args.served_model_name or model_path)")
     return L3Tier.open(
         directory, cache.cp_layout, targets.kv_host_pool, targets.indexer_host_pool,
-        model_id=model, layer_start=int(getattr(device_pool, "start_layer", 0) or 0),
+        model_id=model, layer_start=int(getattr(device_pool, "start_layer", 0) or 0), source=source,
     )

@@ -38,6 +38,9 @@ class CpStackConfig:
     dtype: torch.dtype = torch.bfloat16
     cp_mode: bool = True  # False: plain HiRadixCache over a plain allocator (comparison)
     device: str = "cpu"  # where the KV pools live ("cuda" on a GPU machine)
+    # --hicache-storage-backend and its extra config (JSON), as a server passes them
+    storage_backend: Optional[str] = None
+    storage_extra_config: Optional[str] = None
 
     def __post_init__(self) -> None:
         for name in ("cp_size", "page_size", "num_layers", "device_pages", "host_pages"):
@@ -101,6 +104,8 @@ def build_cp_rank_stack(
         hicache_ratio=config.hicache_ratio(),
         hicache_write_policy=config.write_policy,
         device=config.device,
+        hicache_storage_backend=config.storage_backend,
+        hicache_storage_backend_extra_config=config.storage_extra_config,
     )
     env.publish_server_args(server_args)
     kv_pool = _make_kv_pool(config)

@@ -243,11 +243,14 @@ def test_ranks_that_disagree_on_l3_refuse_to_start(tmp_path, monkeypatch):
     from sglang_cp_hicache.agreement import CpAgreementError
     from tests.helpers.cp_cluster import RankSetup, build_each_rank, building_rank
 
+    from sglang_cp_hicache.l3.location import L3Location
+    from sglang_cp_hicache.sglang_0518 import hiradix
+
     monkeypatch.setenv(settings.L3_DIR.name, str(tmp_path))
-    real_read = settings.read
+    real_location = hiradix.storage_location
     monkeypatch.setattr(
-        settings, "read",
-        lambda s, environ=None: "" if s is settings.L3_DIR and building_rank() == 1 else real_read(s, environ),
+        hiradix, "storage_location",
+        lambda args: L3Location(None, False, "off") if building_rank() == 1 else real_location(args),
     )
     outcomes = build_each_rank(CpStackConfig(cp_size=2, device_pages=8, host_pages=10), lambda r: RankSetup(r))
     assert all(isinstance(o, CpAgreementError) for o in outcomes), outcomes

@@ -93,16 +93,19 @@ def test_storage_backend_is_refused_naming_both_settings():
                                                      hicache_write_policy="write_back"), cp_shared_kv=True)
 
 
-def test_cache_construction_refuses_storage_backend(monkeypatch):
+def test_cache_construction_refuses_a_storage_backend_it_cannot_serve(monkeypatch):
+    """Only ``file`` is served (by the library's own L3); any other backend
+    is refused at construction, naming the flag."""
     from sglang_cp_hicache.testing import env
 
     real = env.make_cpu_server_args
 
     def with_storage(**kw):
-        return real(hicache_storage_backend="file", **kw)
+        kw["hicache_storage_backend"] = "mooncake"
+        return real(**kw)
 
     monkeypatch.setattr(env, "make_cpu_server_args", with_storage)
-    with pytest.raises(ValueError, match="hicache_storage_backend"):
+    with pytest.raises(ValueError, match="hicache_storage_backend='mooncake'.*--hicache-storage-backend"):
         build_cp_rank_stack(CpStackConfig(cp_size=2), 0)
 
 

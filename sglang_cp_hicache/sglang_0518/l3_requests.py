@@ -1,0 +1,170 @@
+"""SGLang 0.5.18's scheduler-side storage calls, served by the CP cache's L3.
+
+With ``--hicache-storage-backend file`` SGLang's scheduler prefetches for
+every arriving request and holds it while the prefetch runs:
+
+* ``_prefetch_kvcache`` (on arrival, after matching) calls
+  :meth:`prefetch_from_storage` with the deepest node whose host copy is
+  final and the whole-page tokens past the match;
+* ``get_new_batch_prefill`` skips a waiting request until
+  :meth:`check_prefetch_progress` says True, then takes
+  ``pop_prefetch_loaded_tokens`` (upstream's, unchanged) as its storage hit;
+* aborts call :meth:`release_aborted_request`.
+
+Here a prefetch is the cache's own L3 protocol (:mod:`.l3_cache`: the query
+MIN, then the fetch MIN, then a host-only node), so a request waits two
+steps at most, and the state after each MIN is identical on every rank:
+every rank releases the same requests in the same step. An aborted
+request's prefetch is not taken out of the pending list (its word rides the
+step's MIN, the same count on every rank): it votes 0, so the MIN drops it
+on every rank alike -- slots, ledger charge and the anchor's protection
+given back when it settles -- even on a rank that has not seen the abort.
+
+SGLang's own storage controller, threads and backends are never built (the
+base cache is built without the flag): attaching or detaching a storage
+backend at runtime is refused.
+"""
+
+from __future__ import annotations
+
+import logging
+from array import array
+from typing import List, Optional, Sequence
+
+from sglang.srt.mem_cache.radix_cache import RadixKey, TreeNode
+
+from sglang_cp_hicache.l3.location import L3Location
+from sglang_cp_hicache.settings import SGLANG_FILE_DIR
+from sglang_cp_hicache.sglang_0518.l3_cache import L3Ticket, _path_tokens
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["L3RequestsMixin", "source_label"]
+
+_REFUSE_RUNTIME = (
+    "CP shared KV (sglang-cp-hicache): attaching or detaching a HiCache storage backend at runtime is "
+    "not supported; start the server with --hicache-storage-backend file (the library serves L3 itself)"
+)
+
+
+def _same_kind(prefix: list[int], tokens: Sequence[int]) -> Sequence[int]:
+    """``prefix + tokens`` as the container ``tokens`` is: the scheduler's
+    keys hold ``array('q')`` and RadixKey refuses to match a list against an
+    array, so a node restored from L3 must hold what the requests hold."""
+    if isinstance(tokens, array):
+        return array(tokens.typecode, prefix) + tokens
+    return prefix + list(tokens)
+
+
+def source_label(location: L3Location) -> str:
+    """What chose the L3 directory, as a user would look for it."""
+    flag = "--hicache-storage-backend file"
+    return {
+        "file_storage_path": f"{flag}, file_storage_path of --hicache-storage-backend-extra-config",
+        "default": f"{flag}, SGLang's default directory",
+        SGLANG_FILE_DIR.name: f"{flag}, {SGLANG_FILE_DIR.name}",
+    }.get(location.source, location.source)
+
+
+class L3RequestsMixin:
+    """The scheduler's prefetch calls, for :class:`CpHiRadixCache`."""
+
+    # ---- start-up ---------------------------------------------------------------
+    def _log_l3_start(self) -> None:
+        """One line per rank: where L3 lives, what chose it, its namespaces."""
+        location, rank = self.cp_l3_location, self.cp_layout.cp_rank
+        if self.cp_l3 is None:
+            return
+        logger.info(
+            "cp-hicache L3 on cp_rank %d/%d: directory %s (from %s), %s, scheduler prefetch %s",
+            rank, self.cp_layout.cp_size, location.directory, source_label(location), self.cp_l3.describe(),
+            "on" if location.scheduler_driven else "off",
+        )
+        if not location.scheduler_driven:
+            logger.warning(
+                "cp-hicache L3 on cp_rank %d: set by %s alone; a server's scheduler writes L3 but never "
+                "prefetches from it without --hicache-storage-backend file", rank, location.source,
+            )
+
+    # ---- arrival --------------------------------------------------------------------
+    def prefetch_from_storage(
+        self,
+        req_id: str,
+        last_host_node: TreeNode,
+        new_input_tokens: List[int],
+        last_hash: Optional[str] = None,
+        prefix_keys: Optional[List[str]] = None,
+    ) -> None:
+        """Start (or join) the L3 prefetch of the whole pages of
+        ``new_input_tokens`` below ``last_host_node`` for request ``req_id``
+        (the scheduler calls it alike on every rank). Hashes come from the
+        token ids, so ``last_hash`` / ``prefix_keys`` are not needed."""
+        if self.cp_l3 is None or req_id in self._l3_waiting:
+            return  # a retracted request re-queued keeps its wait
+        whole = len(new_input_tokens) // self.page_size * self.page_size
+        if whole == 0:
+            return
+        joined = self._l3_join(req_id, last_host_node, new_input_tokens[: self.page_size])
+        if joined:
+            return
+        key = RadixKey(
+            _same_kind(_path_tokens(last_host_node), new_input_tokens[:whole]),
+            extra_key=last_host_node.key.extra_key,
+            is_bigram=self.is_eagle,
+            cache_salt=last_host_node.key.cache_salt,
+        )
+        ticket = L3Ticket(asker=req_id, rids={req_id})
+        if self.l3_prefetch(key, ticket) > 0:
+            self._l3_waiting[req_id] = ticket
+
+    def _l3_join(self, req_id: str, anchor: TreeNode, first_page: List[int]) -> bool:
+        """Wait on a prefetch already pending below ``anchor`` for the same
+        first page (two requests with one prefix arrive together): only one
+        chain can hang there."""
+        for p in self._l3_pending:
+            ticket = p.ticket
+            if p.anchor is not anchor or ticket is None or ticket.dropped:
+                continue
+            if list(p.key.token_ids[: self.page_size]) != list(first_page):
+                continue
+            ticket.rids.add(req_id)
+            self._l3_waiting[req_id] = ticket
+            return True
+        return False
+
+    # ---- the waiting queue ----------------------------------------------------------
+    def check_prefetch_progress(self, req_id: str) -> bool:
+        """True once ``req_id``'s prefetch settled (restored or missed) or it
+        has none; False while it waits for the step's MIN."""
+        return req_id not in self._l3_waiting
+
+    # ---- aborts -----------------------------------------------------------------------
+    def release_aborted_request(self, rid: str) -> None:
+        """Forget an aborted request's storage hit and its wait; a prefetch no
+        request waits on any more votes 0 at the next MIN and is dropped
+        there on every rank (nothing is taken out of the pending list here)."""
+        self.prefetch_loaded_tokens_by_reqid.pop(rid, None)
+        ticket = self._l3_waiting.pop(rid, None)
+        if ticket is None:
+            return
+        ticket.rids.discard(rid)
+        if not ticket.rids:
+            ticket.dropped = True
+
+    # ---- runtime attach / detach: refused ----------------------------------------------
+    def attach_storage_backend(
+        self,
+        storage_backend: str,
+        storage_backend_extra_config_json: Optional[str] = None,
+        served_model_name: Optional[str] = None,
+        hicache_storage_prefetch_policy: Optional[str] = None,
+        hicache_write_policy: Optional[str] = None,
+    ) -> tuple[bool, str]:
+        logger.warning("%s (asked: %r)", _REFUSE_RUNTIME, storage_backend)
+        return False, _REFUSE_RUNTIME
+
+    def detach_storage_backend(self) -> tuple[bool, str]:
+        if self.cp_l3 is None:
+            return True, "no HiCache storage backend is attached"
+        logger.warning("%s", _REFUSE_RUNTIME)
+        return False, _REFUSE_RUNTIME

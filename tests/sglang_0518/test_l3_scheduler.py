@@ -1,0 +1,309 @@
+"""L3 through SGLang 0.5.18's own Scheduler code, threaded ranks on gloo.
+
+``--hicache-storage-backend file`` on a CP cache: the real, unbound
+``Scheduler._prefetch_kvcache`` runs on real ``Req`` objects of every rank,
+and each step runs the waiting-queue slice of ``get_new_batch_prefill``
+(``check_hicache_events``, then per request ``check_prefetch_progress`` /
+``pop_prefetch_loaded_tokens`` / ``init_next_round_input``; pinned against
+the installed source below). CP 4 writes, CP 2 reads bit-exact; aborts in
+either protocol stage leak nothing on any rank, even when one rank alone
+saw the abort; requests with one prefix wait on one prefetch.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import json
+import logging
+import sys
+import types
+from array import array
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from sglang_cp_hicache import settings
+from sglang_cp_hicache.testing.stack_0518 import CpStackConfig, build_cp_rank_stack
+
+from tests.helpers.cp_cluster import CpCluster
+from tests.helpers.rank_snapshot import rank_state, shared_view
+
+# The scheduler module imports a web stack and helpers the CPU harness does not
+# install; the methods under test use none of them (import-only stand-ins).
+for _top, _subs in (("setproctitle", ()), ("einops", ()), ("uvicorn", ()), ("fastapi", ("responses",))):
+    if _top in sys.modules or importlib.util.find_spec(_top) is not None:
+        continue
+    for _name in (_top, *(f"{_top}.{sub}" for sub in _subs)):
+        _stub = types.ModuleType(_name)
+        _stub.__path__ = []
+        _stub.__getattr__ = lambda attr: type(attr, (), {})
+        sys.modules[_name] = _stub
+
+from sglang.srt.managers.schedule_batch import Req  # noqa: E402
+from sglang.srt.managers.scheduler import Scheduler  # noqa: E402
+from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
+
+P = 64
+PAGES = 5
+TOKENS = list(range(1000, 1000 + PAGES * P))
+# The scheduler's keys hold array('q'), and so do the nodes restored for them.
+AS_SERVED = array("q", TOKENS)
+
+
+@pytest.fixture(autouse=True)
+def _only_the_flag(monkeypatch):
+    """The directory comes from the flag's extra config alone."""
+    monkeypatch.delenv(settings.L3_DIR.name, raising=False)
+    monkeypatch.delenv(settings.SGLANG_FILE_DIR.name, raising=False)
+
+
+def config(n: int, directory: Path, backend: str = "file") -> CpStackConfig:
+    return CpStackConfig(
+        cp_size=n, device_pages=8, host_pages=10, storage_backend=backend,
+        storage_extra_config=json.dumps({"file_storage_path": str(directory)}),
+    )
+
+
+def cluster(n: int, directory: Path) -> CpCluster:
+    return CpCluster(config(n, directory), threaded=True, timeout_s=30)
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory):
+    """A directory CP 4 wrote through the flag (write-through, then L3)."""
+    directory = tmp_path_factory.mktemp("l3")
+    mp = pytest.MonkeyPatch()
+    mp.delenv(settings.L3_DIR.name, raising=False)
+    mp.delenv(settings.SGLANG_FILE_DIR.name, raising=False)
+    try:
+        cl = cluster(4, directory)
+        try:
+            cl.insert(TOKENS)
+            cl.step()
+            assert sum(c.cp_l3.counters.written_pages for c in cl.caches) == PAGES
+        finally:
+            cl.close()
+    finally:
+        mp.undo()
+    assert len(list(directory.rglob("*.bin"))) == 2 * PAGES
+    return directory
+
+
+# ---- the scheduler's calls -----------------------------------------------------------
+
+
+def request(rid: str, tokens=TOKENS) -> Req:
+    # One token past the pages: the scheduler matches at most input_len - 1.
+    return Req(rid, "", array("q", [*tokens, 7]), SamplingParams(max_new_tokens=1))
+
+
+def scheduler(stack) -> SimpleNamespace:
+    """What ``_prefetch_kvcache`` reads of its scheduler."""
+    return SimpleNamespace(enable_hicache_storage=True, tree_cache=stack.cache)
+
+
+def arrive(cl: CpCluster, rids: list[str], tokens=TOKENS) -> list[dict]:
+    """Each rank's scheduler takes the requests in (SGLang's own code)."""
+    def run(s):
+        reqs = {rid: request(rid, tokens) for rid in rids}
+        for req in reqs.values():
+            Scheduler._prefetch_kvcache(scheduler(s), req)
+        return reqs
+    return cl.each(run)
+
+
+def waiting_pass(cl: CpCluster, queues: list[dict]) -> list[list[str]]:
+    """One step of ``get_new_batch_prefill``'s waiting-queue slice on every
+    rank; returns the requests each rank would stage."""
+    def run(s):
+        cache, queue = s.cache, queues[s.cp_rank]
+        cache.check_hicache_events()
+        staged = []
+        for req in queue.values():
+            if not cache.check_prefetch_progress(req.rid):
+                continue
+            loaded = cache.pop_prefetch_loaded_tokens(req.rid)
+            if loaded > 0:
+                req.storage_hit_length = loaded
+            req.init_next_round_input(cache)
+            staged.append(req.rid)
+        return staged
+    return cl.each(run)
+
+
+def test_the_waiting_queue_slice_is_the_installed_schedulers():
+    source = inspect.getsource(Scheduler._get_new_batch_prefill_raw)
+    steps = [
+        "self.tree_cache.check_hicache_events()",
+        "prefetch_done = self.tree_cache.check_prefetch_progress(req.rid)",
+        "loaded_tokens = self.tree_cache.pop_prefetch_loaded_tokens(req.rid)",
+        "req.storage_hit_length = loaded_tokens",
+        "req.init_next_round_input(self.tree_cache)",
+    ]
+    positions = [source.index(step) for step in steps]
+    assert positions == sorted(positions)
+    assert "self.enable_hicache_storage = server_args.hicache_storage_backend is not None" in inspect.getsource(
+        Scheduler.__init__
+    ) or "hicache_storage_backend is not None" in inspect.getsource(Scheduler)
+
+
+def assert_alike(cl: CpCluster) -> None:
+    views = [shared_view(rank_state(s)) for s in cl.stacks]
+    assert all(v == views[0] for v in views[1:])
+    for s in cl.stacks:
+        host = s.cache.cache_controller.mem_pool_host
+        assert s.cache.host_slot_ledger.used[s.cp_rank] == host.size - host.available_size()
+
+
+def assert_nothing_held(cl: CpCluster) -> None:
+    for c in cl.caches:
+        assert not c._l3_pending and not c._l3_waiting and not c.prefetch_loaded_tokens_by_reqid
+        assert c.root_node.host_ref_counter == 0
+        host = c.cache_controller.mem_pool_host
+        assert host.available_size() == host.size
+        assert c.host_slot_ledger.used == [0] * cl.config.cp_size
+    assert_alike(cl)
+
+
+# ---- reads ---------------------------------------------------------------------------
+
+
+def test_cp4_writes_cp2_reads_bit_exact_through_the_scheduler(written):
+    cl = cluster(2, written)
+    try:
+        assert all(c.cp_l3 is not None and c.enable_storage is False for c in cl.caches)
+        queues = arrive(cl, ["a"])
+        assert all(c._l3_waiting.keys() == {"a"} for c in cl.caches)
+        assert waiting_pass(cl, queues) == [[], []]  # the query's MIN: still waiting
+        assert waiting_pass(cl, queues) == [["a"], ["a"]]  # the fetch's MIN: restored
+        for q in queues:
+            req = q["a"]
+            assert req.storage_hit_length == PAGES * P
+            assert req.host_hit_length == PAGES * P and len(req.prefix_indices) == 0
+        assert cl.each(lambda s: s.cache.pop_prefetch_loaded_tokens("a")) == [0, 0]  # popped once
+        cl.load_back(AS_SERVED)
+        assert [int(t.numel()) for t in cl.device_locs(AS_SERVED)] == [PAGES * P] * 2
+        assert cl.check(AS_SERVED) == {}  # every token's KV and indexer bytes, on every rank
+        assert sum(c.cp_l3.counters.restored_pages for c in cl.caches) == PAGES
+        assert_alike(cl)
+    finally:
+        cl.close()
+
+
+def test_a_miss_releases_the_request_after_the_query(tmp_path):
+    cl = cluster(2, tmp_path)
+    try:
+        queues = arrive(cl, ["m"], tokens=list(range(5000, 5000 + 3 * P)))
+        assert waiting_pass(cl, queues) == [["m"], ["m"]]
+        assert all(q["m"].storage_hit_length == 0 for q in queues)
+        assert_nothing_held(cl)
+    finally:
+        cl.close()
+
+
+def test_requests_with_one_prefix_wait_on_one_prefetch(written):
+    cl = cluster(2, written)
+    try:
+        queues = arrive(cl, ["a", "b"])
+        assert all(len(c._l3_pending) == 1 for c in cl.caches)
+        assert waiting_pass(cl, queues) == [[], []]
+        assert waiting_pass(cl, queues) == [["a", "b"], ["a", "b"]]
+        for q in queues:  # the asker counts the storage hit; both find the pages on host
+            assert (q["a"].storage_hit_length, q["b"].storage_hit_length) == (PAGES * P, 0)
+            assert q["b"].host_hit_length == PAGES * P
+        arrive(cl, ["a"])  # arriving again (a retraction): nothing new to fetch
+        assert all(not c._l3_pending for c in cl.caches)
+        assert_alike(cl)
+    finally:
+        cl.close()
+
+
+# ---- aborts ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("passes_before", [0, 1])  # during the query, during the fetch
+@pytest.mark.parametrize("seen_by", ["every rank", "rank 1 only"])
+def test_an_aborted_prefetch_is_dropped_alike_and_leaks_nothing(written, passes_before, seen_by):
+    cl = cluster(2, written)
+    try:
+        queues = arrive(cl, ["x"])
+        for _ in range(passes_before):
+            assert waiting_pass(cl, queues) == [[], []]
+        if passes_before:  # the fetch holds host slots and a ledger charge now
+            assert all(sum(c.host_slot_ledger.used) == PAGES * P for c in cl.caches)
+        ranks = [0, 1] if seen_by == "every rank" else [1]
+        cl.each(lambda s: s.cache.release_aborted_request("x") if s.cp_rank in ranks else None)
+        for q, rank in zip(queues, range(2)):
+            if rank in ranks:
+                q.pop("x")
+        staged = waiting_pass(cl, queues)  # the MIN drops it on every rank
+        assert staged == [[] if r in ranks else ["x"] for r in range(2)]
+        for q in queues:
+            if "x" in q:
+                assert q["x"].storage_hit_length == 0 and q["x"].host_hit_length == 0
+        cl.each(lambda s: s.cache.release_aborted_request("x"))  # the late rank's abort
+        assert_nothing_held(cl)
+        assert all(not c.root_node.children for c in cl.caches)
+        # Nothing left behind blocks the chain: a new request restores it bit-exact.
+        queues = arrive(cl, ["y"])
+        waiting_pass(cl, queues)
+        assert waiting_pass(cl, queues) == [["y"], ["y"]]
+        cl.load_back(AS_SERVED)
+        assert cl.check(AS_SERVED) == {}
+        assert_alike(cl)
+    finally:
+        cl.close()
+
+
+# ---- start-up and runtime storage control ------------------------------------------------
+
+
+def test_the_flag_logs_one_line_per_rank_and_builds_no_sglang_storage(tmp_path, caplog):
+    with caplog.at_level(logging.INFO, logger="sglang_cp_hicache.sglang_0518.l3_requests"):
+        cl = cluster(2, tmp_path)
+    try:
+        lines = [r.getMessage() for r in caplog.records if "cp-hicache L3 on cp_rank" in r.getMessage()]
+        assert len(lines) == 2 and all(str(tmp_path) in line and "file_storage_path" in line for line in lines)
+        assert all("scheduler prefetch on" in line and "kv:" in line for line in lines)
+        assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+        for c in cl.caches:
+            assert c.enable_storage is False and getattr(c.cache_controller, "storage_backend", None) is None
+    finally:
+        cl.close()
+
+
+def test_the_setting_alone_warns_that_the_scheduler_will_not_prefetch(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv(settings.L3_DIR.name, str(tmp_path))
+    with caplog.at_level(logging.INFO, logger="sglang_cp_hicache.sglang_0518.l3_requests"):
+        cl = CpCluster(CpStackConfig(cp_size=2, device_pages=8, host_pages=10), threaded=True, timeout_s=30)
+    try:
+        warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert len(warnings) == 2 and all("--hicache-storage-backend file" in w for w in warnings)
+    finally:
+        cl.close()
+
+
+def test_another_backend_is_refused_naming_the_flag(tmp_path):
+    with pytest.raises(ValueError, match="hicache_storage_backend='mooncake'.*--hicache-storage-backend"):
+        build_cp_rank_stack(config(1, tmp_path, backend="mooncake"), 0)
+
+
+def test_an_unusable_directory_from_the_flag_names_it(tmp_path):
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("x")
+    with pytest.raises(ValueError, match="file_storage_path.*L3 directory unusable"):
+        build_cp_rank_stack(config(1, not_a_dir), 0)
+
+
+def test_runtime_attach_and_detach_are_refused(tmp_path):
+    stack = build_cp_rank_stack(config(1, tmp_path), 0)
+    try:
+        ok, msg = stack.cache.attach_storage_backend("file")
+        assert not ok and "not supported" in msg
+        ok, msg = stack.cache.detach_storage_backend()
+        assert not ok and "not supported" in msg
+        assert stack.cache.cp_l3 is not None
+    finally:
+        stack.close()
