@@ -50,6 +50,8 @@ class LibraryCopyController(HybridCacheController):
         self.cp_host_room: Any = None
         self.cp_device_frees: Any = None
         self.cp_warmup: Any = None
+        # The L3 driver (``.l3_cache``) when L3 is on, else None.
+        self.cp_l3: Any = None
 
     def _owned_host_rows(self, host_indices: torch.Tensor) -> torch.Tensor:
         """This rank's local host rows of ``host_indices`` (logical host slots,

@@ -47,6 +47,12 @@ _TREE_IF = "sglang.srt.mem_cache.unified_cache.unified_tree_core_interface"
 _FULL = "sglang.srt.mem_cache.unified_cache.components.full"
 _COMP_BASE = "sglang.srt.mem_cache.unified_cache.components.base"
 _ALLOC_PI = "sglang.srt.mem_cache.allocator.page_interleave"
+_RES = "sglang.srt.arg_groups.resolution_hooks"
+_MOB = "sglang.srt.arg_groups.model_override_base"
+_KSH = "sglang.srt.arg_groups.kv_shard_hook"
+_BPC = "sglang.srt.mem_cache.base_prefix_cache"
+_RADIX = "sglang.srt.mem_cache.radix_cache"
+_MC_UTILS = "sglang.srt.mem_cache.utils"
 _STEP_PARAMS = ("self", "transfers", "transfer_layer_id_max", "start_event", "on_layer_done")
 _BUILD_PARAMS = (
     "self", "cache", "kvcache", "params", "server_args", "load_cache_event", "storage_backend",
@@ -222,7 +228,7 @@ def _attributes() -> tuple[Hook, ...]:
                 "makes host room and finds the FULL component"),
         *_reads(_TREE, "UnifiedTreeCore", "rotation_phase_of evictable_host_leaves components_by_type root_node",
                 "walks the host leaves in upstream's order and reads the rotation phases"),
-        *_reads(_TREE, "UnifiedTreeNode", "rotation_base parent id component evicted backuped children "
+        *_reads(_TREE, "UnifiedTreeNode", "parent id component evicted backuped children "
                 "component_data", "reads a node's chain rotation, place in the tree, tiers and locks"),
         *_reads(_FULL, "FullComponent", "session_ref_eviction_strategy", "orders host leaves as upstream does"),
         *_reads(_COMP_BASE, "ComponentData", "value host_value lock_ref host_lock_ref",
@@ -240,8 +246,80 @@ def _attributes() -> tuple[Hook, ...]:
     )
 
 
+def _l3() -> tuple[Hook, ...]:
+    """The library's L3: the lifted storage refusal, the scheduler's storage
+    calls served on the cache instance, the pools' page bytes."""
+    urc = "replaced-on-instance"
+    return (
+        Hook(_RES, None, "register_resolution_hook", "call", ("name",),
+             "lifts the storage refusal of handle_kv_cache_sharding for the library's L3"),
+        Hook(_RES, None, "_OVERRIDABLE_HOOKS", "attribute", None,
+             "wraps handle_kv_cache_sharding, which must stay an overridable step"),
+        Hook(_KSH, None, "handle_kv_cache_sharding", "call", ("server_args", "gpu_mem"),
+             "runs upstream's sharding step with the storage backend hidden for its refusal only"),
+        Hook(_MOB, None, "resolving_view", "call", ("server_args",), "reads the resolving flags"),
+        Hook("sglang.srt.arg_groups.overrides", None, "declare_resolution", "call", ("server_args", "source", "fields"),
+             "declares the storage backend unset for the sharding step and back to the user's value after it"),
+        Hook(_MOB, None, "record_of", "call", ("view",), "finds the record under a resolution view"),
+        Hook(_MOB, None, "ResolvingConfig", "attribute", None, "tells a view from a record"),
+        Hook(_MOB, None, "ResolvedView", "attribute", None, "tells a view from a record"),
+        Hook(_MC_UTILS, None, "get_hash_str", "call", ("token_ids", "prior_hash", "page_size"),
+             "keys L3 pages by SGLang's page hash chain"),
+        Hook(_RADIX, None, "RadixKey", "attribute", None, "builds the chain key of a restored node"),
+        *_reads(_RADIX, "RadixKey", "token_ids extra_key cache_salt is_bigram",
+                "keeps keys with an extra key, a cache salt or bigrams out of L3"),
+        Hook(_URC, "UnifiedRadixCache", "prefetch_from_storage", urc, (
+            "self", "request", "last_host_node_id", "new_input_tokens", "last_hash", "prefix_keys",
+            "matched_prefix_tokens", "extra_key", "cache_salt", "storage_hit_end"),
+             "serves the scheduler's L3 lookup of an arriving request with the library's protocol"),
+        Hook(_URC, "UnifiedRadixCache", "check_prefetch_progress", urc, ("self", "request"),
+             "holds a request while its L3 lookup is pending"),
+        Hook(_URC, "UnifiedRadixCache", "release_aborted_request", urc, ("self", "request"),
+             "reports no span for an aborted request's lookup"),
+        Hook(_URC, "UnifiedRadixCache", "check_hicache_events", urc, ("self",),
+             "settles the pending L3 lookups after each step's MIN"),
+        Hook(_URC, "UnifiedRadixCache", "_sync_hicache_ready_counts", urc, ("self",),
+             "puts the pending lookups' words on the ready-ack all-reduce"),
+        Hook(_URC, "UnifiedRadixCache", "_all_reduce", urc, ("self", "data", "tp_reduce_op"),
+             "carries the lookup words in the ready-ack MIN"),
+        Hook(_URC, "UnifiedRadixCache", "_finish_write_through_ack", urc, ("self", "ack_id"),
+             "writes each rank's own pages of a node to L3 once its host copy is final"),
+        Hook(_URC, "UnifiedRadixCache", "_all_reduce_attn_groups", "private-helper", ("self", "tensor", "op"),
+             "agrees on the lookup words when the ready-ack sync did not run"),
+        Hook(_URC, "UnifiedRadixCache", "inc_host_lock_ref", "call", ("self", "node_id"),
+             "keeps a lookup's anchor on the host"),
+        Hook(_URC, "UnifiedRadixCache", "dec_host_lock_ref", "call", ("self", "node_id", "params"),
+             "releases a lookup's anchor"),
+        *_reads(_URC, "UnifiedRadixCache", "ongoing_write_through prefetch_loaded_tokens_by_reqid "
+                "prefetch_loaded_storage_start_by_reqid prefetch_threshold",
+                "finds a write ack's nodes and reports restored spans to the scheduler"),
+        *_reads(_URC, "_OngoingWriteThrough", "publish_node_ids", "stores every node a write ack publishes"),
+        Hook(_TREE, "UnifiedTreeCore", "insert_host", "call", ("self", "node_id", "key", "host_value", "hash_value"),
+             "inserts the agreed pages as one host-only node"),
+        Hook(_TREE, "UnifiedTreeCore", "node_by_id", "call", ("self", "node_id"), "resolves node ids"),
+        *_reads(_TREE, "UnifiedTreeCore", "is_eagle", "keeps bigram keys out of L3"),
+        *_reads(_TREE, "UnifiedTreeNode", "key write_through_pending_id",
+                "hangs a chain only under a node whose host copy is final"),
+        Hook(_TREE, "UnifiedTreeNode", "rotation_base", "replaced-on-instance", None,
+             "reads a node's chain rotation and stamps the chain's base on a node inserted from L3"),
+        *_reads(_BPC, "InsertResult", "inserted_host_node host_insert_dropped", "finds the inserted host node"),
+        Hook(_BPC, "IncLockRefResult", "to_dec_params", "call", ("self",), "keeps the anchor lock's release"),
+        Hook(_ALLOC_PI, "PageInterleavePoolAllocator", "least_full_class", "call", ("self",),
+             "starts a restored chain from the root on the least-full host class"),
+        Hook(_GROUP, "HostPoolGroup", "alloc", "call", ("self", "need_size", "pool", "reclaim", "start_owner"),
+             "takes logical host slots of the chain's owners"),
+        Hook(_GROUP, "HostPoolGroup", "free", "call", ("self", "indices", "pool"),
+             "gives back the slots past the agreed pages"),
+        *_reads(_PH_MLA, "MLATokenToKVPoolHost", "get_data_page set_from_flat_data_page kv_cache_dim layout",
+                "reads and writes one page's KV bytes at its local row"),
+        *_reads(_PH_DSA, "DSAIndexerPoolHost", "get_data_page set_from_flat_data_page indexer_page_stride_size",
+                "reads and writes one page's indexer bytes at its local row"),
+        *_reads(_MEMPOOL, "KVCache", "start_layer", "puts the absolute layer range in the namespace"),
+    )
+
+
 #: Every hook, classes first (see the module doc).
-HOOKS: tuple[Hook, ...] = _classes() + _seam() + _attributes()
+HOOKS: tuple[Hook, ...] = _classes() + _seam() + _attributes() + _l3()
 
 
 def check_hooks(hooks: tuple[Hook, ...] = HOOKS) -> None:

@@ -7,6 +7,10 @@ which registers :class:`~.strategy.LibraryDsaStrategy`. It changes only
 stacks built on upstream's KV-sharded DSA pool (``--enable-kv-cache-sharding``
 with HiCache on a DSA model); every other stack keeps upstream's strategies.
 
+With the library copy path it also lifts upstream's refusal of
+``--hicache-storage-backend file`` under KV sharding: the library serves that
+tier itself (:mod:`.l3_resolution`, :mod:`.l3_cache`).
+
 ``SGLANG_CP_HICACHE_COPY`` picks the copy path: ``library`` (default) or
 ``upstream``: :class:`~.strategy.UpstreamDsaStrategy`, which builds upstream's
 own stack and only takes part in the CP ranks' start-up agreement, so that
@@ -115,6 +119,11 @@ def register() -> None:
     from sglang_cp_hicache.sglang_0523.strategy import install_strategy
 
     install_strategy(path)
+    if path == "library":
+        # --hicache-storage-backend file under KV sharding: the library's L3.
+        from sglang_cp_hicache.sglang_0523.l3_resolution import register_storage_lift
+
+        register_storage_lift()
     if path == "upstream":
         logger.info("sglang-cp-hicache: %s=upstream, SGLang keeps its own sharded stack "
                     "(this plugin only joins the CP ranks' start-up agreement)", COPY_ENV)

@@ -30,7 +30,7 @@ from sglang_cp_hicache import settings
 from sglang_cp_hicache.agreement import RankView, gather_and_check
 from sglang_cp_hicache.kernels.transfer import select_backend
 
-__all__ = ["COPY_KEY", "COPY_PATH", "SETTINGS_KEY", "agree_at_start_up", "start_up_view"]
+__all__ = ["COPY_KEY", "COPY_PATH", "L3_KEY", "SETTINGS_KEY", "agree_at_start_up", "start_up_view"]
 
 #: The copy path of a rank that builds the library strategy (a rank on
 #: ``SGLANG_CP_HICACHE_COPY=upstream`` takes part as ``upstream``).
@@ -39,6 +39,9 @@ COPY_PATH = "library"
 COPY_KEY = f"copy_path ({settings.COPY.name})"
 #: The view's entry for this library's settings: "valid", or the error.
 SETTINGS_KEY = "SGLANG_CP_HICACHE_* settings"
+#: The view's entry for the L3 tier when it is on: both namespace digests (a
+#: rank without L3, or with another model, dtype or layout, is refused).
+L3_KEY = "l3 (--hicache-storage-backend file / SGLANG_CP_HICACHE_L3_DIR)"
 
 
 def _settings_problem() -> Optional[str]:
@@ -49,7 +52,7 @@ def _settings_problem() -> Optional[str]:
     return None
 
 
-def start_up_view(kvcache: Any, host_pool_group: Any, copy_path: str = COPY_PATH) -> RankView:
+def start_up_view(kvcache: Any, host_pool_group: Any, copy_path: str = COPY_PATH, l3: str = "off") -> RankView:
     """This rank's view: shard rank and size of the device pool, and every
     value the CP ranks must share (pool sizes in pages per rank, the host
     pool's padding page included; ``copy_path``: ``library`` or ``upstream``)."""
@@ -71,6 +74,8 @@ def start_up_view(kvcache: Any, host_pool_group: Any, copy_path: str = COPY_PATH
             COPY_KEY: copy_path,
             "kernel_backend": select_backend(kvcache.device),
             SETTINGS_KEY: _settings_problem() or "valid",
+            # Only with L3 on: a rank without it reads as None and is named.
+            **({} if l3 == "off" else {L3_KEY: l3}),
         },
     )
 
@@ -80,13 +85,14 @@ def agree_at_start_up(
     host_pool_group: Any,
     *,
     copy_path: str = COPY_PATH,
+    l3: str = "off",
     all_gather: Optional[Callable[[list, Any, Any], None]] = None,
 ) -> list[RankView]:
     """All-gather this rank's view over the pool's shard group and check it
     (:class:`~sglang_cp_hicache.agreement.CpAgreementError` on every rank,
     naming the disagreeing rank and value); then raise this rank's settings
     error, if any (every rank has the same one once they agree)."""
-    view = start_up_view(kvcache, host_pool_group, copy_path)
+    view = start_up_view(kvcache, host_pool_group, copy_path, l3)
     views = gather_and_check(view, kvcache.shard_group.cpu_group, all_gather=all_gather)
     if view.values[SETTINGS_KEY] != "valid":
         raise ValueError(view.values[SETTINGS_KEY])

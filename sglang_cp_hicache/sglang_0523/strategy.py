@@ -35,7 +35,7 @@ loaded (interpreter) for the stack's pools (:mod:`.warmup`).
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Callable, Optional
 
 import torch
 from sglang.srt.managers.cache_controller import CacheOperation
@@ -50,11 +50,13 @@ from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 from sglang.srt.runtime_context import get_memory
 
 from sglang_cp_hicache.kernels._checks import HOST_LAYOUTS
+from sglang_cp_hicache.l3.location import l3_location
 from sglang_cp_hicache.sglang_0523 import check_sglang_version
 from sglang_cp_hicache.sglang_0523.controller import LibraryCopyController
 from sglang_cp_hicache.sglang_0523.copy_engine import LibraryL2TransferEngine, kv_host_pool_of
 from sglang_cp_hicache.sglang_0523.device_free import PhaseKnownDeviceFrees
 from sglang_cp_hicache.sglang_0523.hooks import check_hooks
+from sglang_cp_hicache.sglang_0523.l3_attach import L3Opening, install_l3, open_l3
 from sglang_cp_hicache.sglang_0523.host_room import OwnerAwareHostRoom
 from sglang_cp_hicache.sglang_0523.startup import agree_at_start_up
 from sglang_cp_hicache.sglang_0523.warmup import warm_up_copies
@@ -99,11 +101,24 @@ class LibraryDsaStrategy(assembler._DsaStrategy):
     ) -> assembler.StackBuildResult:
         check_sglang_version()
         check_hooks()
+        # The library serves L3 itself (SGLang's storage controller stays off:
+        # it would key objects by rank and read rank-local rows as logical
+        # slots); any backend but ``file`` is refused here, naming the flag.
+        location = l3_location(storage_backend, storage_backend_extra_config)
+        model_id = model_name or getattr(server_args, "served_model_name", None) or getattr(
+            server_args, "model_path", None)
+        opened: list[L3Opening] = []
+
+        def open_rank_l3(host_pool_group: Any) -> L3Opening:
+            opened.append(open_l3(location, host_pool_group, model_id=model_id,
+                                  layer_start=int(getattr(kvcache, "start_layer", 0) or 0)))
+            return opened[-1]
+
         result = _build_dsa_stack(
             LibraryCopyController, "library", kvcache=kvcache, params=params, load_cache_event=load_cache_event,
-            storage_backend=storage_backend, storage_backend_extra_config=storage_backend_extra_config,
+            storage_backend=None, storage_backend_extra_config=None,
             prefetch_threshold=prefetch_threshold, model_name=model_name,
-            enable_storage_metrics=enable_storage_metrics,
+            enable_storage_metrics=enable_storage_metrics, l3_opener=open_rank_l3,
         )
         verify_library_stack(result, kvcache, params)
         controller = result.cache_controller
@@ -115,6 +130,9 @@ class LibraryDsaStrategy(assembler._DsaStrategy):
         controller.cp_device_frees = PhaseKnownDeviceFrees(cache, params.token_to_kv_pool_allocator, layout)
         controller.cp_device_frees.install()
         controller.cp_warmup = warm_up_copies(result.host_pool_group, layout.cp_rank, layout.cp_size)
+        controller.cp_l3 = None
+        if opened and opened[0].tier is not None:
+            controller.cp_l3 = install_l3(cache, opened[0].tier, location)
         logger.info(
             "sglang-cp-hicache: library copy kernels on the sharded DSA HiCache path "
             "(cp_rank %d of %d, host layout %s)",
@@ -162,11 +180,13 @@ class UpstreamDsaStrategy(assembler._DsaStrategy):
 def _build_dsa_stack(
     controller_class: type, copy_path: str, *, kvcache: Any, params: Any, load_cache_event: Any,
     storage_backend: Any, storage_backend_extra_config: Any, prefetch_threshold: int, model_name: Any,
-    enable_storage_metrics: bool,
+    enable_storage_metrics: bool, l3_opener: Optional[Callable[[Any], L3Opening]] = None,
 ) -> assembler.StackBuildResult:
     """Upstream ``_DsaStrategy.build`` (0.5.23) line for line, with
     ``controller_class`` and the start-up agreement (after the host pools,
-    before the controller, whose construction makes process groups)."""
+    before the controller, whose construction makes process groups); with
+    ``l3_opener`` the rank's L3 is opened first and joins the agreement,
+    and an unusable L3 is raised once the ranks agree."""
     config = prepare_host_pool_config(
         decls=kvcache.host_pool_decls(),
         full_layer_mapping={i: i for i in range(kvcache.layer_num)},
@@ -176,7 +196,10 @@ def _build_dsa_stack(
     )
     host_pool_group = assembler.build_host_pool_group(config=config)
     # Before anything a rank could refuse alone: every rank reaches the all-gather.
-    agree_at_start_up(kvcache, host_pool_group, copy_path=copy_path)
+    l3 = l3_opener(host_pool_group) if l3_opener is not None else None
+    agree_at_start_up(kvcache, host_pool_group, copy_path=copy_path, l3=l3.view if l3 is not None else "off")
+    if l3 is not None and l3.error is not None:
+        raise ValueError(str(l3.error)) from l3.error
     memory = get_memory()
     cache_controller = controller_class(
         params.token_to_kv_pool_allocator,

@@ -153,7 +153,7 @@ def _add_output_flags(p: argparse.ArgumentParser) -> None:
                         "all-reduce over N ranks); 'single' runs one process with no group "
                         f"(default {_DEFAULTS.non_cp_group})")
     p.add_argument("--l3", metavar="DIR", default=None,
-                   help="SGLang 0.5.18 only: give the CP ranks this library's file L3 tier in DIR (created "
+                   help="give the CP ranks this library's file L3 tier in DIR (0.5.23: --copy library; created "
                         "if missing; SGLANG_CP_HICACHE_L3_DIR in each rank). Pages are keyed by content, so "
                         "runs of any --cp-size share DIR: each rank writes the pages it owns once their "
                         "write-through completes, and every request first looks its uncached pages up in "
@@ -302,8 +302,9 @@ def _l3_problem(directory: Optional[str]) -> Optional[str]:
 def _version_problem(version: str, args: argparse.Namespace) -> Optional[str]:
     if version not in SGLANG_VERSIONS:
         return f"the installed SGLang is {version}; the simulator drives {' and '.join(SGLANG_VERSIONS)}"
-    if version == "0.5.23" and args.l3 is not None:  # a flag conflict, whichever SGLang is installed
-        return "--l3 needs --sglang 0.5.18: the L3 tier is not wired into SGLang 0.5.23's sharded stack yet"
+    if version == "0.5.23" and args.l3 is not None and args.copy != "library":  # a flag conflict
+        return ("--l3 needs --copy library on --sglang 0.5.23: upstream's sharded stack refuses storage "
+                "under KV sharding")
     if version != installed_sglang():
         return (f"--sglang {version}, but this environment has SGLang {installed_sglang()} "
                 "(0.5.18 and 0.5.23 live in separate venvs: .venv and .venv-0523)")

@@ -99,8 +99,9 @@ class SimConfig:
     non_cp_group: str = "tp"
     sglang_version: str = "0.5.18"  # which SGLang's stack the ranks build
     copy_path: str = "library"  # 0.5.23 only: whose copies the sharded pool runs
-    # 0.5.18 CP ranks only: the L3 directory (SGLANG_CP_HICACHE_L3_DIR in each
-    # rank process); None: no L3. The non-CP baseline never uses it.
+    # CP ranks only: the L3 directory (SGLANG_CP_HICACHE_L3_DIR in each rank
+    # process; 0.5.23: the library copy path); None: no L3. The non-CP
+    # baseline never uses it.
     l3_dir: Optional[str] = None
 
     def __post_init__(self) -> None:
@@ -113,8 +114,9 @@ class SimConfig:
                              "(its CP copies are this library's)")
         if self.sglang_version == "0.5.23" and self.cp_size < 2:
             raise ValueError("SGLang 0.5.23's sharded pool needs cp_size >= 2")
-        if self.l3_dir is not None and self.sglang_version != "0.5.18":
-            raise ValueError("l3_dir needs SGLang 0.5.18: the L3 tier is not wired into the 0.5.23 stack yet")
+        if self.l3_dir is not None and self.sglang_version == "0.5.23" and self.copy_path != "library":
+            raise ValueError("l3_dir needs copy_path 'library' on SGLang 0.5.23: upstream's sharded stack "
+                             "refuses storage under KV sharding")
         if self.non_cp_group not in NON_CP_GROUPS:
             raise ValueError(f"non_cp_group must be one of {NON_CP_GROUPS}, got {self.non_cp_group!r}")
         check_seconds("collective_timeout_s", self.collective_timeout_s)

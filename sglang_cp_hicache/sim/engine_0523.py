@@ -44,7 +44,12 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any, Callable, Optional
 
 import torch
-from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams, InsertParams, MatchPrefixParams
+from sglang.srt.mem_cache.base_prefix_cache import (
+    CacheRequestHandle,
+    InitLoadBackParams,
+    InsertParams,
+    MatchPrefixParams,
+)
 from sglang.srt.mem_cache.common import evict_from_tree_cache
 from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
@@ -121,6 +126,12 @@ class ShardedSimRankEngine(RankEngineBase):
         self._time_copy_path()
         self._count_transfers()
         self._count_bookkeeping()
+        # L3 (the library stack with SGLANG_CP_HICACHE_L3_DIR set): the
+        # content keys of the last token of every page whose host copy came
+        # from L3 and was not loaded to the device since; a page's content key
+        # names its whole prefix, so it identifies the page in any request.
+        self.l3 = getattr(self.cache.cache_controller, "cp_l3", None)
+        self._l3_page_keys: set[int] = set()
 
     # ---- instrumentation (instance attributes shadow the bound methods) ------
     def _owned_tokens(self, logical: torch.Tensor) -> int:
@@ -240,6 +251,58 @@ class ShardedSimRankEngine(RankEngineBase):
         if warmup is not None:
             totals.warmup = {"backend": warmup.backend, "seconds": float(warmup.seconds)}
 
+    # ---- L3: the scheduler's storage calls ----------------------------------------
+    def _l3_prefetch(self, request: RequestInFlight) -> None:
+        """What SGLang's scheduler does for an arriving request with a storage
+        backend on (``_prefetch_kvcache``, then ``check_prefetch_progress``
+        each step until it is True, then ``pop_prefetch_loaded_span``), alike
+        on every rank: look the pages past the matched prefix up in L3."""
+        cache, P = self.cache, self.page_size
+        match = cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", request.tokens))))
+        matched = int(match.device_prefix_len) + int(match.host_hit_length)
+        limit = len(request.tokens) - 1  # the scheduler matches at most input_len - 1 tokens
+        if limit <= matched:
+            return
+        handle = CacheRequestHandle(f"sim-{request.record.index}", 0)
+        anchor = match.last_host_node
+        cache.prefetch_from_storage(
+            handle, anchor, request.tokens[matched:limit], cache.get_last_hash_value(anchor), None,
+            matched_prefix_tokens=request.tokens[:matched],
+        )
+        for _ in range(3):  # a lookup settles in two steps (query, fetch)
+            if cache.check_prefetch_progress(handle):
+                break
+            self._check_events()
+        else:
+            raise RuntimeError(f"L3 lookup of request {request.record.index} still pending after 3 steps")
+        tokens, start = cache.pop_prefetch_loaded_span(handle)
+        if tokens:
+            self._l3_page_keys.update(request.keys[start + P - 1 : start + tokens : P].tolist())
+
+    def _check_prefix(self, record: Any, prefix: torch.Tensor, loaded: torch.Tensor, keys: torch.Tensor) -> None:
+        super()._check_prefix(record, prefix, loaded, keys)
+        if not self._l3_page_keys or self.restored_good_pages.numel() == 0:
+            return
+        P = self.page_size
+        ends = keys[self.restored_good_pages * P + P - 1].tolist()
+        from_l3 = [k for k in ends if k in self._l3_page_keys]
+        self._l3_page_keys.difference_update(from_l3)  # counted at its first load
+        record.l3_pages_verified = len(from_l3)
+
+    def _write(self, locs: torch.Tensor, keys: torch.Tensor) -> None:
+        super()._write(locs, keys)
+        if self._l3_page_keys:  # recomputed: a later host copy of these pages is not L3's
+            self._l3_page_keys.difference_update(keys.tolist())
+
+    def _l3_totals(self, totals: EngineTotals) -> None:
+        if self.l3 is None:
+            return
+        c = self.l3.counters
+        totals.l3_enabled = True
+        totals.l3_written_pages = c.written_pages
+        totals.l3_hit_tokens = c.restored_pages * self.page_size
+        totals.l3_rejected_objects = c.rejected_pages
+
     # ---- SGLang calls -------------------------------------------------------
     def _reserve_tokens(self, new_tokens: int) -> int:
         # alloc_extend's conservative demand: one spare page per owner class.
@@ -275,6 +338,8 @@ class ShardedSimRankEngine(RankEngineBase):
     # ---- one request: the steps RankEngineBase.serve runs ----------------------
     def _match_and_load(self, request: RequestInFlight) -> PrefixHit:
         cache, record = self.cache, request.record
+        if self.l3 is not None:
+            self._l3_prefetch(request)
         match = cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", request.tokens))))
         record.device_hit_tokens = int(match.device_prefix_len)
         record.host_hit_tokens = int(match.host_hit_length)
@@ -419,4 +484,5 @@ class ShardedSimRankEngine(RankEngineBase):
             tree_digest=self.tree_digest(), invariant_violations=self.invariant_violations(),
         )
         self._library_counters(totals)
+        self._l3_totals(totals)
         return totals

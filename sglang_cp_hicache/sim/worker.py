@@ -150,6 +150,9 @@ def _build_0523(spec: RankSpec, group: Any) -> tuple[Any, Any]:
     from sglang_cp_hicache.testing.stack_0523 import ShardedStackConfig, build_sharded_rank_stack
 
     cfg = spec.config
+    # Read when the library strategy builds the stack (upstream's copy path
+    # has no L3); empty (off) without --l3, whatever the launcher's environment says.
+    os.environ[settings.L3_DIR.name] = cfg.l3_dir if cfg.l3_dir is not None else ""
     stack = build_sharded_rank_stack(
         ShardedStackConfig(
             cp_size=cfg.cp_size, page_size=cfg.page_size, num_layers=cfg.num_layers,

@@ -91,9 +91,9 @@ def test_unusable_l3_directory_is_refused_before_any_rank(tmp_path):
     assert not_a_dir.read_text() == "x"
 
 
-def test_l3_refused_with_sglang_0523(tmp_path):
+def test_l3_refused_with_sglang_0523_upstream_copies(tmp_path):
     directory = tmp_path / "l3"
-    proc, _ = simulate("--sglang", "0.5.23", "--l3", str(directory), timeout=60)
+    proc, _ = simulate("--sglang", "0.5.23", "--copy", "upstream", "--l3", str(directory), timeout=60)
     assert proc.returncode == 2
-    assert "--l3 needs --sglang 0.5.18" in proc.stderr
+    assert "--l3 needs --copy library on --sglang 0.5.23" in proc.stderr
     assert not directory.exists()
