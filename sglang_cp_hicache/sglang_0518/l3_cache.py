@@ -210,6 +210,24 @@ class L3CacheMixin:
         if ticket.asker in ticket.rids and restored_tokens > 0:
             self.prefetch_loaded_tokens_by_reqid[ticket.asker] = restored_tokens
 
+    def _l3_abandon(self, error: BaseException) -> None:
+        """The step's all-reduce failed: give back what this rank holds for
+        every pending prefetch (anchor protection, host slots, ledger
+        charge), insert nothing, release the waiting requests; logged."""
+        pending, self._l3_pending = self._l3_pending, []
+        logger.error(
+            "cp-hicache L3: the step all-reduce failed on cp_rank %d with %d prefetch(es) pending (%s); "
+            "none is inserted, their host slots and ledger charges are given back: %r",
+            self.cp_layout.cp_rank, len(pending), ", ".join(f"{p.stage} of {len(p.hashes)} pages" for p in pending),
+            error,
+        )
+        for p in pending:
+            p.anchor.release_host()
+            if p.stage == "fetch":
+                self._l3_settle(p, 0)
+            if p.ticket is not None:
+                self._l3_settle_ticket(p.ticket, 0)
+
     # ---- L3 -> host: the fetch ----------------------------------------------------------
     def _l3_start_fetch(self, query: L3Prefetch, pages: int) -> bool:
         """Take host room for the ``pages`` agreed present (the ledger decides
