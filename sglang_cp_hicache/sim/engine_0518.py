@@ -44,6 +44,8 @@ from sglang_cp_hicache.testing.stack_0518 import CpRankStack
 __all__ = ["SimRankEngine"]
 
 _EMPTY = torch.empty((0,), dtype=torch.int64)
+#: Steps a prefetch takes to settle: the query's MIN, then the fetch's.
+_L3_MAX_STEPS = 2
 
 
 def _depth(node: Any) -> int:
@@ -70,13 +72,17 @@ class SimRankEngine(RankEngineBase):
         self._plain_writes = 0
         self._plain_loads = 0
         self._count_backups()
-        # L3 (CP with SGLANG_CP_HICACHE_L3_DIR set): the content keys of the
+        # L3 (CP with an L3 directory): the content keys of the
         # last token of every page whose host copy came from L3 and has not
         # been loaded to the device since; a page's content key names its
         # whole prefix, so it identifies the page in any later request.
         self.l3 = getattr(self.cache, "cp_l3", None) if self.cp_mode else None
         self._l3_page_keys: set[int] = set()
         self._l3_spans: list[tuple[int, int]] = []
+        # What the scheduler's pop_prefetch_loaded_tokens reported, and the
+        # tokens of the nodes L3 inserted: equal, or the run reports it.
+        self._l3_storage_hit_tokens = 0
+        self._l3_inserted_tokens = 0
         if self.l3 is not None:
             self._record_l3_nodes()
 
@@ -138,16 +144,32 @@ class SimRankEngine(RankEngineBase):
         cache._l3_insert_host_node = recorded
 
     def _l3_prefetch(self, request: RequestInFlight) -> None:
-        """The serving integration's part: look the request's pages past its
-        cached prefix up in L3, alike on every rank, then the two scheduler
-        steps whose MINs settle the query and the fetch."""
+        """L3 as SGLang's scheduler drives it with ``--hicache-storage-backend
+        file``, alike on every rank: on arrival ``_prefetch_kvcache`` matches
+        and calls ``prefetch_from_storage`` with the deepest node whose host
+        copy is final and the tokens past the match; the waiting queue then
+        skips the request each step (one ``check_hicache_events``, whose MINs
+        settle the query and then the fetch) until ``check_prefetch_progress``
+        says True, and takes ``pop_prefetch_loaded_tokens`` as its storage hit."""
+        cache = self.cache
         self._l3_spans.clear()
-        if self.cache.l3_prefetch(RadixKey(request.tokens)) == 0:
+        match = cache.match_prefix(MatchPrefixParams(key=RadixKey(request.tokens)))
+        anchor = match.last_host_node
+        if not (cache.is_backuped(anchor) or cache.is_root(anchor)):
             return
-        self._check_events()
-        self._check_events()
+        matched = int(match.device_indices.numel()) + int(match.host_hit_length)
+        rid = f"sim-{request.record.index}"
+        cache.prefetch_from_storage(rid, anchor, request.tokens[matched:], cache.get_last_hash_value(anchor), None)
+        steps = 0
+        while not cache.check_prefetch_progress(rid):
+            if steps == _L3_MAX_STEPS:
+                raise RuntimeError(f"L3 prefetch of request {request.record.index} not settled after {steps} steps")
+            self._check_events()
+            steps += 1
+        self._l3_storage_hit_tokens += cache.pop_prefetch_loaded_tokens(rid)
         P = self.page_size
         for start, length in self._l3_spans:
+            self._l3_inserted_tokens += length
             ends = request.keys[start + P - 1 : start + length : P]
             self._l3_page_keys.update(ends.tolist())
 
@@ -310,6 +332,10 @@ class SimRankEngine(RankEngineBase):
         locked = [n.id for n in nodes if n.lock_ref != 0]
         if locked:
             out.append(f"nodes still locked: {locked[:8]}")
+        if self._l3_storage_hit_tokens != self._l3_inserted_tokens:
+            out.append(f"L3 storage hits reported {self._l3_storage_hit_tokens} != inserted {self._l3_inserted_tokens}")
+        if self.l3 is not None and (self.cache._l3_pending or self.cache._l3_waiting):
+            out.append(f"L3 prefetches left: {len(self.cache._l3_pending)} pending, {len(self.cache._l3_waiting)} waiting")
         ctrl = self.cache.cache_controller
         if ctrl.ack_write_queue or ctrl.ack_load_queue:
             out.append(f"unconsumed acks: {len(ctrl.ack_write_queue)} write, {len(ctrl.ack_load_queue)} load")
