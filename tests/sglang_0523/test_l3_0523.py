@@ -1,0 +1,276 @@
+"""The library's L3 on SGLang 0.5.23's KV-sharded stack.
+
+Multi-rank results come from :func:`tests.sglang_0523.l3_scenarios.l3_suite`
+(4 rank processes: CP 4 and CP 3 write, CP 2 reads, faults); the resolution
+hook and the scheduler-call surface are checked in this process against
+SGLang's own code.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from tests.sglang_0523 import l3_scenarios
+
+SCHEDULER = "managers/scheduler.py"
+
+
+@pytest.fixture(scope="module")
+def l3_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    from tests.sglang_0523.ranks import run_ranks
+
+    workdir = tmp_path_factory.mktemp("l3-0523")
+    return run_ranks(l3_scenarios.l3_suite, 4, str(workdir), timeout_s=400, l3_root=str(workdir))
+
+
+def _alike(runs: list[dict[str, Any]], where: str) -> None:
+    """The ranks of one deployment took the same decisions and leaked nothing."""
+    assert len({r["digest"] for r in runs}) == 1, where
+    assert len({tuple(r["acks"]) for r in runs}) == 1, where
+    assert len({tuple(map(tuple, r["records"])) for r in runs}) == 1, where
+    for rank, run in enumerate(runs):
+        assert run["invariant_violations"] == [], (where, rank)
+        assert run["corrupted_pages"] == 0, (where, rank)
+        c = run["counters"]
+        assert (c["prefetches"], c["restored_nodes"], c["restored_tokens"]) == (
+            runs[0]["counters"]["prefetches"], runs[0]["counters"]["restored_nodes"],
+            runs[0]["counters"]["restored_tokens"]), (where, rank)
+
+
+def _runs(l3_ranks: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
+    return [r[name] for r in l3_ranks if name in r]
+
+
+# ---- writes ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name,world", [("cp4_write", 4), ("cp3_write", 3)])
+def test_each_rank_writes_exactly_its_own_pages(l3_ranks, name, world):
+    runs = _runs(l3_ranks, name)
+    assert len(runs) == world
+    _alike(runs, name)
+    kv, idx = (part.split(":")[1] for part in runs[0]["namespaces"].split("|"))
+    calls = [r["store_calls"] for r in runs]
+    assert len({len(c) for c in calls}) == 1 and len(calls[0]) > 0, name  # every rank stores every node
+    for i in range(len(calls[0])):
+        hashes, owners, _ = calls[0][i]
+        assert all(c[i][:2] == (hashes, owners) for c in calls), (name, i)  # the same node, the same owners
+        for rank, c in enumerate(calls):
+            mine = {f"{h}_{d}" for h, o in zip(hashes, owners) if o == rank for d in (kv, idx)}
+            assert sorted(c[i][2]) == sorted(mine), (name, i, rank)  # exactly its own pages, KV + indexer
+    for rank, run in enumerate(runs):
+        assert len(run["written_keys"]) == 2 * run["counters"]["written_pages"] > 0, (name, rank)
+        assert run["counters"]["write_failures"] == 0, (name, rank)
+    keys = [set(r["written_keys"]) for r in runs]
+    files = set(l3_ranks[0]["files"]["d4" if world == 4 else "d3"])
+    assert files == {f"{k}.bin" for k in set().union(*keys)}
+    # about 1/N of the pages per rank
+    total = sum(r["counters"]["written_pages"] for r in runs)
+    for r in runs:
+        assert 0.5 / world < r["counters"]["written_pages"] / total < 1.5 / world, name
+    assert all(r["surface"] == {k: True for k in r["surface"]} for r in runs)
+
+
+# ---- cross-topology reads --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["cp4_to_cp2", "cp3_to_cp2"])
+def test_cp2_restores_what_another_cp_size_wrote_bit_exact(l3_ranks, name):
+    runs = _runs(l3_ranks, name)
+    assert len(runs) == 2
+    _alike(runs, name)
+    for rank, run in enumerate(runs):
+        c = run["counters"]
+        assert c["restored_nodes"] > 0 and c["restored_pages"] > 0, (name, rank)
+        assert run["l3_hit_tokens"] == 64 * c["restored_pages"], (name, rank)
+        assert run["l3_pages_verified"] > 0, (name, rank)  # restored from L3 and checked on the device
+        assert c["rejected_pages"] == 0, (name, rank)
+    # the namespaces do not depend on the CP size
+    assert runs[0]["namespaces"] == _runs(l3_ranks, "cp4_write")[0]["namespaces"]
+
+
+# ---- faults ----------------------------------------------------------------------------
+
+
+def test_damaged_objects_are_refused_and_every_rank_restores_the_same_shorter_prefix(l3_ranks):
+    # (this run also aborts every third request right after its lookup was issued)
+    runs, clean = _runs(l3_ranks, "damaged_read"), _runs(l3_ranks, "cp4_to_cp2")
+    _alike(runs, "damaged")
+    assert runs[0]["aborted_lookups"] == runs[1]["aborted_lookups"] > 0
+    assert set(l3_ranks[0]["damaged"]) == {"deleted", "truncated", "flipped"}
+    assert sum(r["counters"]["rejected_pages"] for r in runs) >= 1  # truncated / flipped found and refused
+    assert sum(r["counters"]["restored_pages"] for r in runs) < sum(r["counters"]["restored_pages"] for r in clean)
+
+
+def test_a_fetch_that_raises_on_one_rank_restores_nothing_anywhere_and_leaks_nothing(l3_ranks):
+    runs = _runs(l3_ranks, "fetch_raises")
+    _alike(runs, "fetch")
+    for run in runs:
+        c = run["counters"]
+        assert c["prefetches"] > 0 and c["restored_nodes"] == 0 and c["restored_pages"] == 0
+        assert run["l3_hit_tokens"] == 0
+    assert runs[0]["counters"]["fetched_pages"] > 0  # rank 0 fetched its pages; the MIN said no
+
+
+def test_a_put_that_fails_or_raises_on_one_rank_keeps_the_ranks_alike(l3_ranks):
+    runs = _runs(l3_ranks, "put_fails")
+    _alike(runs, "put")
+    assert runs[1]["counters"]["written_pages"] == 0 and runs[1]["counters"]["write_failures"] > 0
+    assert runs[0]["counters"]["written_pages"] > 0 and runs[0]["counters"]["write_failures"] == 0
+    # a later read finds rank 0's pages only: a chain stops at its first page rank 1 owns
+    later = _runs(l3_ranks, "after_put_fails")
+    _alike(later, "after put")
+    assert all(r["counters"]["rejected_pages"] == 0 for r in later)
+
+
+def test_another_models_objects_are_a_miss(l3_ranks):
+    runs = _runs(l3_ranks, "other_model")
+    _alike(runs, "other model")
+    for run in runs:
+        c = run["counters"]
+        assert c["prefetches"] > 0 and c["restored_pages"] == 0 and c["rejected_pages"] == 0
+    assert runs[0]["namespaces"] != _runs(l3_ranks, "cp4_to_cp2")[0]["namespaces"]
+
+
+def test_an_unusable_l3_directory_stops_start_up_on_every_rank(l3_ranks):
+    for message in _runs(l3_ranks, "unusable"):
+        assert "SGLANG_CP_HICACHE_L3_DIR: L3 directory unusable" in message
+        assert "a-file" in message and "is not a directory" in message
+
+
+# ---- the lifted refusal (SGLang's own resolution step) ------------------------------------
+
+
+class _PastTheStorageCheck(Exception):
+    """Raised where the step reads the model config, right after its storage check."""
+
+
+def _record(backend: str) -> SimpleNamespace:
+    """The fields handle_kv_cache_sharding reads up to its storage check, as a
+    PD-prefill DSA server with --enable-kv-cache-sharding would have them."""
+    return SimpleNamespace(
+        enable_kv_cache_sharding=True, device="cpu", disaggregation_mode="prefill", speculative_algorithm=None,
+        dllm_algorithm=None, radix_cache_backend=None, disable_radix_cache=False,
+        enable_unified_cache_external_linker=False, enable_streaming_session=False,
+        enable_session_radix_cache=False, enable_flexkv=False, enable_unified_memory=False, dcp_size=1,
+        enable_hierarchical_cache=True, hicache_storage_backend=backend, hicache_storage_backend_extra_config=None,
+    )
+
+
+@pytest.fixture
+def resolution(monkeypatch):
+    from sglang_cp_hicache.testing.cpu_0523 import ensure_sglang_importable
+
+    ensure_sglang_importable()
+    from sglang.srt.arg_groups import kv_shard_hook, resolution_hooks
+
+    from sglang_cp_hicache.sglang_0523 import l3_resolution, strategy
+
+    def past(server_args: Any) -> Any:
+        raise _PastTheStorageCheck()
+
+    monkeypatch.setattr(kv_shard_hook, "model_config_of", past)
+    monkeypatch.setattr(resolution_hooks, "_HOOKS", {})
+    monkeypatch.setattr(l3_resolution, "_registered", False)
+    monkeypatch.setenv("SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND", "python")
+    monkeypatch.delenv("SGLANG_CP_HICACHE_L3_DIR", raising=False)
+    yield SimpleNamespace(step=kv_shard_hook.handle_kv_cache_sharding, run=resolution_hooks.run_hook,
+                          hooks=resolution_hooks, lift=l3_resolution, strategy=strategy)
+    strategy.uninstall_strategy()
+
+
+REFUSAL = "supports HiCache host offload but not --hicache-storage-backend yet"
+
+
+def test_upstream_refuses_storage_under_sharding_without_the_hook(resolution):
+    with pytest.raises(ValueError, match=REFUSAL):
+        resolution.run(resolution.step, _record("file"))
+
+
+@pytest.mark.parametrize("copy_path,backend,lifted", [
+    ("library", "file", True),
+    ("library", "mooncake", False),  # a backend the library does not serve keeps upstream's refusal
+    ("upstream", "file", False),  # upstream's copy path keeps upstream's refusal
+    (None, "file", False),  # no strategy of this plugin (e.g. SGLANG_PLUGINS left it out)
+])
+def test_the_hook_lifts_the_refusal_only_for_the_library_stack(resolution, copy_path, backend, lifted):
+    if copy_path is not None:
+        resolution.strategy.install_strategy(copy_path)
+    resolution.lift.register_storage_lift()
+    record = _record(backend)
+    if lifted:
+        with pytest.raises(_PastTheStorageCheck):
+            resolution.run(resolution.step, record)
+    else:
+        with pytest.raises(ValueError, match=REFUSAL):
+            resolution.run(resolution.step, record)
+    from sglang.srt.arg_groups.model_override_base import resolving_view
+
+    # every later step (and the published config) reads the flag as given
+    assert resolving_view(record).hicache_storage_backend == backend
+    assert record.hicache_storage_backend == backend
+
+
+@pytest.mark.parametrize("copy_path,registered", [("library", True), ("upstream", False)])
+def test_the_plugin_registers_the_lift_only_on_the_library_copy_path(resolution, monkeypatch, copy_path, registered):
+    from sglang_cp_hicache.sglang_0523 import plugin
+
+    monkeypatch.setenv("SGLANG_CP_HICACHE_COPY", copy_path)
+    plugin.register()
+    hooks = resolution.hooks._HOOKS.get(resolution.lift.STEP, [])
+    assert (resolution.lift.lift_storage_refusal in hooks) is registered
+
+
+# ---- the scheduler's storage calls -------------------------------------------------------------
+
+#: Every storage-related name SGLang 0.5.23's scheduler reads on its tree
+#: cache, and who serves it on the library stack.
+SERVED = {
+    # the library's driver, on the cache instance
+    "prefetch_from_storage": "driver", "check_prefetch_progress": "driver",
+    # upstream's methods over state the driver keeps in upstream's own fields
+    "pop_prefetch_loaded_span": "upstream", "finish_storage_prefetch_admission": "upstream",
+    "discard_storage_prefetch_accounting": "upstream", "storage_prefetch_retries": "upstream",
+    "hicache_storage_pass_prefix_keys": "upstream", "get_prefix_hash_values": "upstream",
+    "get_last_hash_value": "upstream", "is_backuped": "upstream", "is_root": "upstream",
+    "waiting_storage_span": "upstream",  # buffer mode only (None in cache mode)
+    "bind_prefetch_ticket": "upstream",  # pipeline parallelism only
+    # the admin API: SGLang's own backend (refused under sharding by SGLang itself)
+    "attach_storage_backend": "admin", "detach_storage_backend": "admin", "clear_storage_backend": "admin",
+}
+
+
+def _scheduler_storage_names() -> set[str]:
+    import sglang
+
+    root = Path(sglang.__file__).parent / "srt" / "managers"
+    names = set()
+    for path in [root / "scheduler.py", root / "schedule_policy.py", *sorted((root / "scheduler_components").glob("*.py"))]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, (ast.Attribute, ast.Name)):
+                owner = node.value.attr if isinstance(node.value, ast.Attribute) else node.value.id
+                if owner == "tree_cache" and re.search(r"prefetch|storage|hash|backuped|is_root", node.attr):
+                    names.add(node.attr)
+    return names
+
+
+def test_every_storage_call_of_the_scheduler_is_accounted_for():
+    assert _scheduler_storage_names() == set(SERVED)
+
+
+def test_an_aborted_request_reaches_the_driver_through_finish():
+    from sglang_cp_hicache.testing.cpu_0523 import ensure_sglang_importable
+
+    ensure_sglang_importable()
+    from sglang.srt.mem_cache.base_prefix_cache import BasePrefixCache
+
+    # the scheduler's _release_aborted_request calls finish(handle, ABORT),
+    # which calls self.release_aborted_request: the instance's (the driver's)
+    source = ast.unparse(ast.parse(__import__("inspect").getsource(BasePrefixCache.finish).strip()))
+    assert "self.release_aborted_request(handle)" in source
