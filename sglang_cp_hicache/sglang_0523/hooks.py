@@ -284,6 +284,8 @@ def _l3() -> tuple[Hook, ...]:
              "carries the lookup words in the ready-ack MIN"),
         Hook(_URC, "UnifiedRadixCache", "_finish_write_through_ack", urc, ("self", "ack_id"),
              "writes each rank's own pages of a node to L3 once its host copy is final"),
+        Hook(_URC, "UnifiedRadixCache", "reset", urc, ("self",),
+             "drops the pending L3 lookups with the tree and host pools a flush clears"),
         Hook(_URC, "UnifiedRadixCache", "_all_reduce_attn_groups", "private-helper", ("self", "tensor", "op"),
              "agrees on the lookup words when the ready-ack sync did not run"),
         Hook(_URC, "UnifiedRadixCache", "inc_host_lock_ref", "call", ("self", "node_id"),

@@ -117,7 +117,8 @@ class L3Driver:
 
     # ---- installation --------------------------------------------------------
     _REPLACED = ("prefetch_from_storage", "check_prefetch_progress", "release_aborted_request",
-                 "check_hicache_events", "_sync_hicache_ready_counts", "_all_reduce", "_finish_write_through_ack")
+                 "check_hicache_events", "_sync_hicache_ready_counts", "_all_reduce", "_finish_write_through_ack",
+                 "reset")
 
     def install(self) -> None:
         """Shadow the cache's methods on the instance (upstream's are kept and called)."""
@@ -128,6 +129,14 @@ class L3Driver:
     @property
     def counters(self) -> Any:
         return self.tier.counters
+
+    def reset(self) -> None:
+        """A cache reset (flush, alike on every rank) clears the tree and the
+        host pools: pending lookups go with them (their anchor locks and host
+        slots no longer exist)."""
+        self._upstream["reset"]()
+        self.pending = []
+        self._riding = _Riding()
 
     # ---- host -> L3 --------------------------------------------------------------
     def _finish_write_through_ack(self, ack_id: int) -> None:

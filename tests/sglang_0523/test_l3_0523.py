@@ -274,3 +274,59 @@ def test_an_aborted_request_reaches_the_driver_through_finish():
     # which calls self.release_aborted_request: the instance's (the driver's)
     source = ast.unparse(ast.parse(__import__("inspect").getsource(BasePrefixCache.finish).strip()))
     assert "self.release_aborted_request(handle)" in source
+
+
+# ---- the driver's step protocol, on stand-ins -------------------------------------------------
+
+
+def _driver_on_stand_ins(seen: list):
+    import torch
+
+    from sglang_cp_hicache.placement import CpPlacement
+    from sglang_cp_hicache.sglang_0523.l3_cache import L3Driver, L3Lookup
+    from sglang_cp_hicache.sglang_0523.l3_tier import L3Counters
+
+    cache = SimpleNamespace()
+
+    def all_reduce(data, op):  # the group's MIN: another rank holds [4, 1, 9, 9]
+        seen.append(data.clone())
+        data.copy_(torch.minimum(data, torch.tensor([4, 1, 9, 9][: data.numel()], dtype=data.dtype)))
+
+    def sync():
+        counts = torch.tensor([7, 2], dtype=torch.int64)
+        cache._all_reduce(counts, torch.distributed.ReduceOp.MIN)
+        return counts.tolist()
+
+    cache._all_reduce, cache._sync_hicache_ready_counts = all_reduce, sync
+    for name in ("prefetch_from_storage", "check_prefetch_progress", "release_aborted_request",
+                 "check_hicache_events", "_finish_write_through_ack", "reset"):
+        setattr(cache, name, lambda *a, **k: seen.append(("upstream", a)))
+    tier = SimpleNamespace(layout=CpPlacement(64, 2, 0), counters=L3Counters(), page_size=64)
+    driver = L3Driver(cache, tier)
+    driver.install()
+
+    def lookup(usable):
+        return L3Lookup("query", object(), 1, None, None, [], 0, 0, [], 0, usable)
+
+    return driver, cache, lookup
+
+
+def test_the_lookup_words_ride_the_ready_ack_all_reduce():
+    seen: list = []
+    driver, cache, lookup = _driver_on_stand_ins(seen)
+    driver.pending = [lookup(3), lookup(8)]
+    assert cache._sync_hicache_ready_counts() == [4, 1]  # upstream's own words, reduced as before
+    assert len(seen) == 1 and seen[0].tolist() == [7, 2, 3, 8]  # one all-reduce, two more words
+    assert driver._riding.agreed == [3, 8]
+    # no pending lookup: upstream's tensor, untouched
+    seen.clear()
+    driver.pending = []
+    assert cache._sync_hicache_ready_counts() == [4, 1] and seen[0].tolist() == [7, 2]
+
+
+def test_a_reset_drops_the_pending_lookups():
+    seen: list = []
+    driver, cache, lookup = _driver_on_stand_ins(seen)
+    driver.pending = [lookup(1)]
+    cache.reset()
+    assert driver.pending == [] and ("upstream", ()) in seen

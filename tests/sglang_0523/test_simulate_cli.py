@@ -37,6 +37,34 @@ def test_compare_non_cp_is_refused_on_0523():
     assert proc.returncode == 2 and "--compare-non-cp needs --sglang 0.5.18" in proc.stderr
 
 
+def test_simulate_with_l3_writes_own_pages_and_restores_them_bit_exact(tmp_path):
+    out, directory = tmp_path / "l3.json", tmp_path / "l3"
+    proc = subprocess.run(
+        sim_command("--cp-size", "2", "--device-pages", "16", "--host-pages", "24", "--requests", "40",
+                    "--l3", str(directory), "--json", str(out)),
+        cwd=ROOT, env=sim_env(), capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    s = json.loads(out.read_text())
+    assert s["ranks_agree"] and s["corrupted_pages"] == 0
+    written = s["l3_written_pages_per_rank"]
+    assert len(written) == 2 and min(written) > 0 and s["l3_written_pages"] == sum(written)
+    assert len(list(directory.rglob("*.bin"))) <= 2 * s["l3_written_pages"]  # KV + indexer per page
+    # the workload revisits chains the host evicted: they come back from L3, checked on the device
+    assert s["l3_hit_tokens"] > 0 and s["l3_pages_verified"] > 0 and s["l3_rejected_objects"] == 0
+    assert "L3 pages verified" in proc.stdout
+
+
+def test_l3_is_refused_on_upstreams_copy_path(tmp_path):
+    directory = tmp_path / "l3"
+    proc = subprocess.run(
+        sim_command("--cp-size", "2", "--copy", "upstream", "--l3", str(directory)), cwd=ROOT, env=sim_env(),
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 2 and "--l3 needs --copy library on --sglang 0.5.23" in proc.stderr
+    assert not directory.exists()
+
+
 #: A host-pressured workload: 8 host pages per rank fill after a few requests,
 #: so every later backup needs host room. Upstream's one evict_host sized in
 #: tokens refuses a backup here; the library's owner-aware host room does not.
