@@ -330,3 +330,25 @@ def test_a_reset_drops_the_pending_lookups():
     driver.pending = [lookup(1)]
     cache.reset()
     assert driver.pending == [] and ("upstream", ()) in seen
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+def test_an_identically_configured_0518_deployment_has_the_same_namespaces(layout):
+    """Same model, dtype, row format, page size, layers and host layout: the
+    0.5.23 adapter computes the 0.5.18 adapter's namespaces (and both key
+    pages by SGLang's page hash), so either reads what the other wrote."""
+    import torch
+
+    from sglang_cp_hicache.testing.cpu_0523 import ensure_sglang_importable
+
+    ensure_sglang_importable()
+    from sglang_cp_hicache.sglang_0518.l3_tier import _namespaces as namespaces_0518
+    from sglang_cp_hicache.sglang_0523.l3_tier import namespaces as namespaces_0523
+
+    kv = SimpleNamespace(page_size=64, kv_buffer=torch.empty(0, dtype=torch.float8_e4m3fn), kv_cache_dim=656,
+                         layer_num=61, layout=layout)
+    indexer = SimpleNamespace(index_k_with_scale_buffer=torch.empty(0, dtype=torch.uint8),
+                              indexer_page_stride_size=132 * 64, layer_num=61)
+    ours = namespaces_0523("deepseek-ai/DeepSeek-V3.2", kv, indexer, 0)
+    assert ours == namespaces_0518("deepseek-ai/DeepSeek-V3.2", kv, indexer, 0)
+    assert [ns.digest() for ns in ours] == [ns.digest() for ns in namespaces_0518("deepseek-ai/DeepSeek-V3.2", kv, indexer, 0)]
