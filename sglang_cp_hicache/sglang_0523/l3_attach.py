@@ -25,7 +25,11 @@ from sglang_cp_hicache.sglang_0523.copy_engine import kv_host_pool_of
 from sglang_cp_hicache.sglang_0523.l3_cache import L3Driver
 from sglang_cp_hicache.sglang_0523.l3_tier import L3Tier
 
-__all__ = ["L3Opening", "install_l3", "open_l3"]
+__all__ = ["L3Opening", "check_served_here", "install_l3", "open_l3", "served_here"]
+
+#: The stores this adapter opens (the 0.5.23 adapter reads and writes the
+#: library's file store only).
+SERVED_BACKENDS = ("file",)
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +44,21 @@ class L3Opening:
     tier: Optional[L3Tier] = None
     view: str = "off"
     error: Optional[Exception] = None
+
+
+def served_here(location: L3Location) -> bool:
+    """Whether this adapter serves the store ``location`` names."""
+    return getattr(location, "backend", "file") in SERVED_BACKENDS
+
+
+def check_served_here(location: L3Location) -> None:
+    """Refuse, naming the flag, a store this adapter does not serve (rather
+    than running without the L3 the user asked for)."""
+    if not served_here(location):
+        raise ValueError(
+            f"--hicache-storage-backend {getattr(location, 'backend', None)!r} is not served by "
+            f"sglang-cp-hicache's SGLang 0.5.23 adapter: use one of {', '.join(SERVED_BACKENDS)}"
+        )
 
 
 def _source_text(location: L3Location) -> str:

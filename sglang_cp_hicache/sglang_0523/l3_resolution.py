@@ -29,6 +29,7 @@ from sglang.srt.arg_groups.overrides import declare_resolution
 from sglang.srt.arg_groups.resolution_hooks import register_resolution_hook
 
 from sglang_cp_hicache.l3.location import l3_location
+from sglang_cp_hicache.sglang_0523.l3_attach import served_here
 from sglang_cp_hicache.sglang_0523.strategy import installed_copy_path
 
 __all__ = ["STEP", "library_serves_storage", "lift_storage_refusal", "register_storage_lift"]
@@ -47,10 +48,10 @@ def library_serves_storage(cfg: Any) -> bool:
     if cfg.hicache_storage_backend is None or installed_copy_path() != "library":
         return False
     try:
-        l3_location(cfg.hicache_storage_backend, cfg.hicache_storage_backend_extra_config)
+        location = l3_location(cfg.hicache_storage_backend, cfg.hicache_storage_backend_extra_config)
     except ValueError:
         return False
-    return True
+    return served_here(location)
 
 
 def lift_storage_refusal(server_args: Any, previous: Callable[[Any], None]) -> None:

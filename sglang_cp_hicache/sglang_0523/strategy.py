@@ -56,7 +56,7 @@ from sglang_cp_hicache.sglang_0523.controller import LibraryCopyController
 from sglang_cp_hicache.sglang_0523.copy_engine import LibraryL2TransferEngine, kv_host_pool_of
 from sglang_cp_hicache.sglang_0523.device_free import PhaseKnownDeviceFrees
 from sglang_cp_hicache.sglang_0523.hooks import check_hooks
-from sglang_cp_hicache.sglang_0523.l3_attach import L3Opening, install_l3, open_l3
+from sglang_cp_hicache.sglang_0523.l3_attach import L3Opening, check_served_here, install_l3, open_l3
 from sglang_cp_hicache.sglang_0523.host_room import OwnerAwareHostRoom
 from sglang_cp_hicache.sglang_0523.startup import agree_at_start_up
 from sglang_cp_hicache.sglang_0523.warmup import warm_up_copies
@@ -105,6 +105,7 @@ class LibraryDsaStrategy(assembler._DsaStrategy):
         # it would key objects by rank and read rank-local rows as logical
         # slots); any backend but ``file`` is refused here, naming the flag.
         location = l3_location(storage_backend, storage_backend_extra_config)
+        check_served_here(location)
         model_id = model_name or getattr(server_args, "served_model_name", None) or getattr(
             server_args, "model_path", None)
         opened: list[L3Opening] = []

@@ -352,3 +352,17 @@ def test_an_identically_configured_0518_deployment_has_the_same_namespaces(layou
     ours = namespaces_0523("deepseek-ai/DeepSeek-V3.2", kv, indexer, 0)
     assert ours == namespaces_0518("deepseek-ai/DeepSeek-V3.2", kv, indexer, 0)
     assert [ns.digest() for ns in ours] == [ns.digest() for ns in namespaces_0518("deepseek-ai/DeepSeek-V3.2", kv, indexer, 0)]
+
+
+def test_a_store_this_adapter_does_not_serve_is_refused_naming_the_flag():
+    from sglang_cp_hicache.testing.cpu_0523 import ensure_sglang_importable
+
+    ensure_sglang_importable()
+    from sglang_cp_hicache.l3.location import l3_location
+    from sglang_cp_hicache.sglang_0523.l3_attach import check_served_here, served_here
+
+    assert served_here(l3_location("file", {"file_storage_path": "/x"}))
+    other = SimpleNamespace(directory=None, scheduler_driven=True, source="extra config", backend="mooncake")
+    assert not served_here(other)
+    with pytest.raises(ValueError, match="--hicache-storage-backend 'mooncake' is not served"):
+        check_served_here(other)
