@@ -1,11 +1,13 @@
 """Rooms by audience, every import pointing down:
 
-    sim  ->  testing  ->  sglang_0518, sglang_0523  ->  kernels, policy_0518, policy_0523  ->  core
+    sim  ->  testing  ->  sglang_0518, sglang_0523  ->  kernels, policy_0518, policy_0523, l3_backends  ->  core
 
 * core (``sglang_cp_hicache/*.py``) imports nothing of the package above it,
   and never sglang or triton at import; ``policy_0518`` (torch only) imports
   only core;
 * kernels import only core (never sglang);
+* ``l3_backends`` (page stores on third-party systems) imports only core,
+  never sglang; core never imports it;
 * each adapter imports only its own SGLang release, never the harness, the
   simulator or the tests (production code);
 * the harness never imports the simulator; nothing in the package imports tests.
@@ -25,14 +27,15 @@ ALLOWED = {
     "policy_0518": set(),
     "policy_0523": set(),
     "kernels": set(),
-    "sglang_0518": {"kernels", "policy_0518"},
-    "sglang_0523": {"kernels", "policy_0523"},
-    "testing": {"kernels", "policy_0518", "policy_0523", "sglang_0518", "sglang_0523"},
-    "sim": {"kernels", "policy_0518", "policy_0523", "sglang_0518", "sglang_0523", "testing"},
+    "l3_backends": set(),
+    "sglang_0518": {"kernels", "policy_0518", "l3_backends"},
+    "sglang_0523": {"kernels", "policy_0523", "l3_backends"},
+    "testing": {"kernels", "policy_0518", "policy_0523", "l3_backends", "sglang_0518", "sglang_0523"},
+    "sim": {"kernels", "policy_0518", "policy_0523", "l3_backends", "sglang_0518", "sglang_0523", "testing"},
     "cli": {"sim"},
 }
-PRODUCTION = {"core", "policy_0518", "policy_0523", "kernels", "sglang_0518", "sglang_0523"}
-TORCH_ONLY = ("core", "policy_0518", "policy_0523", "kernels")
+PRODUCTION = {"core", "policy_0518", "policy_0523", "kernels", "l3_backends", "sglang_0518", "sglang_0523"}
+TORCH_ONLY = ("core", "policy_0518", "policy_0523", "kernels", "l3_backends")
 
 
 def room_of_file(path: pathlib.Path) -> str:
@@ -108,7 +111,8 @@ def test_the_checker_catches_each_kind_of_upward_import(tmp_path, monkeypatch):
         "from tests.helpers import cp_cluster\n"
     )
     core = tmp_path / PKG / "placement.py"
-    core.write_text("from sglang_cp_hicache.kernels import transfer\nimport sglang.srt\n")
+    core.write_text("from sglang_cp_hicache.kernels import transfer\nimport sglang.srt\n"
+                    "from sglang_cp_hicache.l3_backends import open_page_store\n")
     policy = tmp_path / PKG / "policy_0518"
     policy.mkdir()
     (policy / "plan.py").write_text("from sglang_cp_hicache.sglang_0518 import hiradix\nimport sglang\n")
@@ -120,6 +124,7 @@ def test_the_checker_catches_each_kind_of_upward_import(tmp_path, monkeypatch):
     assert any("sglang_0518/bad.py:4 imports tests" in v for v in found)
     assert any("placement.py:1 (core) imports kernels" in v for v in found)
     assert any("placement.py:2 (core) imports sglang" in v for v in found)
+    assert any("placement.py:3 (core) imports l3_backends" in v for v in found)
     assert any("policy_0518/plan.py:1 (policy_0518) imports sglang_0518" in v for v in found)
     assert any("policy_0518/plan.py:2 (policy_0518) imports sglang" in v for v in found)
 

@@ -1,0 +1,38 @@
+"""L3 page stores on third-party storage systems, behind the core
+:class:`~sglang_cp_hicache.l3.store.PageStore` interface.
+
+The core L3 (``sglang_cp_hicache.l3``) stays torch and stdlib only; a store
+here may import its system's client, and does so only when it is opened.
+:func:`open_page_store` turns ``--hicache-storage-backend`` (as resolved by
+``l3.location.l3_location``) into a store.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Mapping, Union
+
+from sglang_cp_hicache.l3.store import FilePageStore, PageStore
+from sglang_cp_hicache.l3_backends.mooncake import MooncakeConfig, MooncakePageStore
+
+__all__ = ["MooncakeConfig", "MooncakePageStore", "open_page_store"]
+
+
+def open_page_store(
+    backend: str,
+    directory: Union[None, str, os.PathLike],
+    extra_config: Union[None, str, Mapping[str, Any]] = None,
+) -> PageStore:
+    """This rank's store for ``backend``: ``"file"`` -> a
+    :class:`FilePageStore` in ``directory``; ``"mooncake"`` -> a
+    :class:`MooncakePageStore` configured from ``extra_config`` (the
+    ``--hicache-storage-backend-extra-config`` object; ``directory`` unused).
+    Raises ValueError naming the argument for a bad one, before any I/O of
+    another backend."""
+    if backend == "file":
+        if directory is None:
+            raise ValueError("directory is required for the file backend, got None")
+        return FilePageStore(directory)
+    if backend == "mooncake":
+        return MooncakePageStore(MooncakeConfig.from_extra_config(extra_config))
+    raise ValueError(f"backend must be 'file' or 'mooncake', got {backend!r}")

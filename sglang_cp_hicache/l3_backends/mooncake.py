@@ -1,0 +1,276 @@
+"""A :class:`~sglang_cp_hicache.l3.store.PageStore` on a Mooncake distributed
+store (``mooncake.store.MooncakeDistributedStore``).
+
+Each rank opens its own client: it mounts ``global_segment_size`` bytes of
+its host memory into the store and moves objects through a
+``local_buffer_size`` staging buffer (an object larger than the buffer cannot
+be written). The store holds our envelopes whole, under our page keys: it
+neither builds nor trusts them, and readers verify every object.
+
+Mooncake answers a missing object with empty bytes and a batch with one
+status for all its objects; both are mapped onto the per-key results of the
+interface (an envelope is never empty, so empty means missing). Nothing here
+raises on I/O: a failed read is a miss, a failed write is False and logged.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional, Union
+
+from sglang_cp_hicache.l3.keys import check_page_key
+
+__all__ = ["MooncakeConfig", "MooncakePageStore"]
+
+logger = logging.getLogger(__name__)
+
+Blob = Union[bytes, bytearray, memoryview]
+_GIB = 1 << 30
+_MIB = 1 << 20
+#: Mooncake refuses to mount a smaller segment.
+MIN_SEGMENT_BYTES = 16 * _MIB
+
+
+def parse_size(name: str, value: object, minimum: int = 1) -> int:
+    """A byte count: an int, or text as SGLang's Mooncake backend reads it
+    (``"4gb"``, ``"512mb"`` or a plain number)."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be a byte count, got bool")
+    if isinstance(value, int):
+        size = value
+    elif isinstance(value, str):
+        text = value.strip().lower()
+        scale = _GIB if text.endswith("gb") else _MIB if text.endswith("mb") else 1
+        digits = text[:-2].strip() if scale > 1 else text
+        if not digits.isdigit():
+            raise ValueError(f"{name} must be a byte count such as 4gb, 512mb or 16777216, got {value!r}")
+        size = int(digits) * scale
+    else:
+        raise TypeError(f"{name} must be an int or text such as '4gb', got {type(value).__name__}")
+    if size < minimum:
+        raise ValueError(f"{name} must be at least {minimum} bytes, got {size}")
+    return size
+
+
+def _text(name: str, value: object, *, empty_ok: bool = False) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be a string, got {type(value).__name__}")
+    if not empty_ok and not value.strip():
+        raise ValueError(f"{name} must not be empty")
+    return value.strip()
+
+
+@dataclass(frozen=True)
+class MooncakeConfig:
+    """One rank's Mooncake client. Defaults are SGLang's Mooncake backend's."""
+
+    master_server_address: str  # host:port of mooncake_master
+    metadata_server: str = "P2PHANDSHAKE"  # or an http://host:port/metadata server
+    local_hostname: str = "localhost"  # this rank's address as the other clients reach it
+    protocol: str = "rdma"  # "tcp" where there is no RDMA
+    device_name: str = ""  # RDMA device(s); empty: auto / none for tcp
+    global_segment_size: int = 4 * _GIB  # host memory this rank lends the store
+    local_buffer_size: int = 16 * _MIB  # staging buffer: the largest object and batch
+
+    def __post_init__(self) -> None:
+        master = _text("master_server_address", self.master_server_address)
+        host, sep, port = master.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise ValueError(f"master_server_address must be host:port, got {self.master_server_address!r}")
+        _text("metadata_server", self.metadata_server)
+        _text("local_hostname", self.local_hostname)
+        _text("protocol", self.protocol)
+        _text("device_name", self.device_name, empty_ok=True)
+        for name, minimum in (("global_segment_size", MIN_SEGMENT_BYTES), ("local_buffer_size", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name} must be an int byte count (from_extra_config reads text), got {value!r}")
+            parse_size(name, value, minimum)
+
+    @classmethod
+    def from_extra_config(cls, extra: Union[None, str, Mapping[str, Any]]) -> "MooncakeConfig":
+        """From ``--hicache-storage-backend-extra-config`` (a JSON object or a
+        dict), reading the keys SGLang's Mooncake backend reads;
+        ``local_buffer_size`` is this library's own. Keys of other backends
+        are ignored; a client-only deployment (``client_server_address``
+        without a master) is not supported."""
+        if isinstance(extra, str):
+            try:
+                extra = json.loads(extra) if extra.strip() else {}
+            except ValueError as exc:
+                raise ValueError(f"hicache_storage_backend_extra_config is not JSON: {exc}") from None
+        extra = {} if extra is None else extra
+        if not isinstance(extra, Mapping):
+            raise ValueError(f"hicache_storage_backend_extra_config must be a JSON object, got {type(extra).__name__}")
+        if "master_server_address" not in extra:
+            raise ValueError("master_server_address (host:port) is required in hicache_storage_backend_extra_config")
+        known = {f: extra[f] for f in ("metadata_server", "local_hostname", "protocol", "device_name") if f in extra}
+        for size in ("global_segment_size", "local_buffer_size"):
+            if size in extra:
+                known[size] = parse_size(size, extra[size])  # the range is checked by the constructor
+        return cls(master_server_address=extra["master_server_address"], **known)
+
+
+def _check_keys(keys: object) -> list[str]:
+    if isinstance(keys, str) or not isinstance(keys, Sequence):
+        raise TypeError(f"keys must be a list of page keys, got {type(keys).__name__}")
+    return [check_page_key(f"keys[{i}]", key) for i, key in enumerate(keys)]
+
+
+def _check_blobs(blobs: object, count: int) -> list[bytes]:
+    if isinstance(blobs, (bytes, bytearray, memoryview)) or not isinstance(blobs, Sequence):
+        raise TypeError(f"blobs must be a list of bytes-like objects, got {type(blobs).__name__}")
+    if len(blobs) != count:
+        raise ValueError(f"blobs must have one entry per key ({count}), got {len(blobs)}")
+    out = []
+    for i, blob in enumerate(blobs):
+        if not isinstance(blob, (bytes, bytearray, memoryview)):
+            raise TypeError(f"blobs[{i}] must be bytes-like, got {type(blob).__name__}")
+        out.append(bytes(blob))
+        if not out[-1]:
+            raise ValueError(f"blobs[{i}] is empty (Mooncake reads an empty object as missing)")
+    return out
+
+
+def _open_client(config: MooncakeConfig) -> Any:
+    try:
+        from mooncake.store import MooncakeDistributedStore
+    except ImportError as exc:
+        raise ImportError(
+            "--hicache-storage-backend mooncake needs the mooncake package "
+            "(pip install mooncake-transfer-engine, or mooncake-transfer-engine-non-cuda "
+            f"on a machine without CUDA): {exc}"
+        ) from exc
+    client = MooncakeDistributedStore()
+    rc = client.setup(
+        config.local_hostname, config.metadata_server, config.global_segment_size,
+        config.local_buffer_size, config.protocol, config.device_name, config.master_server_address,
+    )
+    if rc != 0:
+        raise RuntimeError(
+            f"Mooncake store setup failed (code {rc}): master {config.master_server_address}, "
+            f"metadata {config.metadata_server}, protocol {config.protocol}"
+        )
+    return client
+
+
+class MooncakePageStore:
+    """Page objects in a Mooncake distributed store (one client per rank).
+
+    Pages are immutable by key, as in the file store: a key already holding
+    an object of the blob's size is left alone; any other object under it (a
+    damaged leftover) is replaced (``upsert``), so a later write repairs it.
+    ``client``: an already set-up ``MooncakeDistributedStore`` (or a
+    stand-in with its calls); otherwise one is opened from ``config`` now (a
+    bad setup raises).
+    """
+
+    def __init__(self, config: MooncakeConfig, *, client: Optional[Any] = None) -> None:
+        if not isinstance(config, MooncakeConfig):
+            raise TypeError(f"config must be a MooncakeConfig, got {type(config).__name__}")
+        self.config = config
+        self._client = client if client is not None else _open_client(config)
+
+    def close(self) -> None:
+        """Unmount this rank's segment (its objects leave the store)."""
+        if self._client is not None:
+            client, self._client = self._client, None
+            client.close()
+
+    def _live(self) -> Any:
+        if self._client is None:
+            raise RuntimeError("this MooncakePageStore is closed")
+        return self._client
+
+    def exists(self, keys: Sequence[str]) -> list[bool]:
+        checked = _check_keys(keys)
+        client = self._live()
+        if not checked:
+            return []
+        try:
+            flags = list(client.batch_is_exist(checked))
+        except Exception as exc:  # an unreachable store answers "absent"
+            logger.warning("L3 mooncake store: exists failed for %d keys: %s", len(checked), exc)
+            return [False] * len(checked)
+        return [flag == 1 for flag in flags] if len(flags) == len(checked) else [False] * len(checked)
+
+    def get(self, keys: Sequence[str]) -> list[bytes | None]:
+        checked = _check_keys(keys)
+        client = self._live()
+        if not checked:  # Mooncake answers an empty batch with one empty object
+            return []
+        try:
+            blobs = list(client.get_batch(checked))
+        except Exception as exc:  # a failed read is a miss, never a crash
+            logger.warning("L3 mooncake store: get failed for %d keys: %s", len(checked), exc)
+            return [None] * len(checked)
+        if len(blobs) != len(checked):
+            logger.warning("L3 mooncake store: get returned %d objects for %d keys", len(blobs), len(checked))
+            return [None] * len(checked)
+        return [bytes(blob) if blob else None for blob in blobs]
+
+    def put(self, keys: Sequence[str], blobs: Sequence[Blob]) -> list[bool]:
+        checked = _check_keys(keys)
+        data = _check_blobs(blobs, len(checked))
+        self._live()
+        results = [False] * len(checked)
+        todo = []
+        for i, stored in enumerate(self._stored_sizes(checked)):
+            if stored == len(data[i]):
+                results[i] = True
+            else:
+                todo.append(i)
+        for batch in self._batches(todo, data):
+            for i, ok in zip(batch, self._upsert(batch, checked, data)):
+                results[i] = ok
+        for key, ok in zip(checked, results):
+            if not ok:
+                logger.warning("L3 mooncake store: cannot write %s", key)
+        return results
+
+    def _stored_sizes(self, keys: list[str]) -> list[int]:
+        """Each key's stored object size, -1 where there is none (or the
+        store cannot tell: then the write is attempted)."""
+        present = self.exists(keys)
+        sizes = []
+        for key, here in zip(keys, present):
+            try:
+                sizes.append(int(self._client.get_size(key)) if here else -1)
+            except Exception:
+                sizes.append(-1)
+        return sizes
+
+    def _batches(self, todo: list[int], data: list[bytes]) -> list[list[int]]:
+        """``todo`` split so each batch fits the staging buffer (Mooncake
+        fails a whole batch that does not); an object larger than the
+        buffer goes alone and fails alone."""
+        batches: list[list[int]] = []
+        size = 0
+        for i in todo:
+            if not batches or size + len(data[i]) > self.config.local_buffer_size:
+                batches.append([])
+                size = 0
+            batches[-1].append(i)
+            size += len(data[i])
+        return batches
+
+    def _upsert(self, batch: list[int], keys: list[str], data: list[bytes]) -> list[bool]:
+        """One status per object: the batch's, or on its failure each
+        object's own (Mooncake reports one code for a whole batch)."""
+        try:
+            if self._client.upsert_batch([keys[i] for i in batch], [data[i] for i in batch]) == 0:
+                return [True] * len(batch)
+        except Exception as exc:
+            logger.warning("L3 mooncake store: batch write of %d objects failed: %s", len(batch), exc)
+        out = []
+        for i in batch:
+            try:
+                rc = self._client.upsert(keys[i], data[i])
+            except Exception as exc:
+                logger.warning("L3 mooncake store: write of %s raised: %s", keys[i], exc)
+                rc = -1
+            out.append(rc == 0)
+        return out

@@ -1,0 +1,224 @@
+"""The L3 on a real Mooncake store (master + metadata on loopback, TCP):
+every rank its own client; CP 4 writes, CP 2 and CP 1 read bit-exact through
+the core's store/fetch; damaged, foreign or missing objects are misses from
+that page on, never restored; a failed write is False and logged.
+
+Skipped where the mooncake package is not installed, except under CI (the
+environment variable ``CI`` set), where that is a failure."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+import torch
+
+try:
+    import mooncake.store  # noqa: F401  (loads the native client: libibverbs must be present)
+
+    MOONCAKE_ERROR = None
+except (ImportError, OSError) as exc:
+    MOONCAKE_ERROR = f"{type(exc).__name__}: {exc}"
+
+if MOONCAKE_ERROR is not None:
+    WHY = (f"mooncake is not importable ({MOONCAKE_ERROR}); install requirements/mooncake.txt "
+           "(and the system's libibverbs1)")
+    if os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no"):
+        pytest.fail(f"under CI the Mooncake tests must run: {WHY}", pytrace=False)
+    pytest.skip(WHY, allow_module_level=True)
+
+from sglang_cp_hicache.l3.consensus import agreed_usable_pages
+from sglang_cp_hicache.l3.envelope import HEADER_BYTES, pack
+from sglang_cp_hicache.l3.keys import page_keys
+from sglang_cp_hicache.l3.pages import fetch_owned, store_owned
+from sglang_cp_hicache.l3.plan import interleaved_owners, read_plan, write_plan
+from sglang_cp_hicache.l3.store import PageStore
+from sglang_cp_hicache.l3_backends import MooncakePageStore, open_page_store
+from tests.l3.common import hash_chain, namespace, payload
+from tests.l3_backends.mooncake_cluster import master_binary, start_cluster
+
+NS = namespace()
+NUM_PAGES = 13
+
+
+class Chain:
+    """A chain of pages with its keys, distinct per test (a fresh seed)."""
+
+    def __init__(self, seed: int, ns=NS) -> None:
+        self.ns = ns
+        self.keys = page_keys(hash_chain(NUM_PAGES, seed=seed), ns)
+        self.pages = [payload(ns, seed * 100 + i) for i in range(NUM_PAGES)]
+
+    def write(self, stores, owners, skip=()) -> list[list[bool]]:
+        """Each rank stores its own pages through its own client."""
+        out = []
+        for rank, store in enumerate(stores):
+            plan = write_plan(self.keys, owners, len(stores), rank)
+            keep = [j for j, i in enumerate(plan.page_indices) if i not in skip]
+            plan = type(plan)(rank, plan.num_pages, tuple(plan.page_indices[j] for j in keep),
+                              tuple(plan.keys[j] for j in keep))
+            out.append(store_owned(store, self.ns, plan, [self.pages[i] for i in plan.page_indices]))
+        return out
+
+    def read(self, stores, owners):
+        results = [fetch_owned(s, self.ns, read_plan(self.keys, owners, len(stores), r)) for r, s in enumerate(stores)]
+        return results, agreed_usable_pages([r.usable_pages for r in results])
+
+    def check_restored(self, results, agreed: int) -> None:
+        for res in results:
+            for index, page in zip(res.plan.page_indices, res.payloads):
+                if index < res.usable_pages:
+                    assert torch.equal(page, self.pages[index]), index
+                else:
+                    assert page is None, index
+            restored = res.restorable(agreed)
+            assert [i for i, _ in restored] == [i for i in res.plan.page_indices if i < agreed]
+            assert all(torch.equal(page, self.pages[i]) for i, page in restored)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """A master, peer-to-peer handshake metadata (SGLang's default), and 4
+    clients, one per rank (closing a client takes Mooncake about 2 s)."""
+    binary = master_binary()
+    assert binary is not None, "the mooncake package ships no mooncake_master"
+    cl = start_cluster(binary, tmp_path_factory.mktemp("mooncake"), http_metadata=False)
+    try:
+        for _ in range(4):
+            cl.open_store()
+        yield cl
+    finally:
+        cl.stop()
+
+
+def test_round_trip_and_misses(cluster):
+    a, b = cluster.stores[:2]
+    assert isinstance(a, PageStore)
+    chain = Chain(seed=1)
+    blobs = [pack(k, NS, p) for k, p in zip(chain.keys[:3], chain.pages[:3])]
+    assert a.get([]) == [] and a.exists([]) == [] and a.put([], []) == []
+    assert b.exists(chain.keys[:3]) == [False] * 3 and b.get(chain.keys[:3]) == [None] * 3
+    assert a.put(chain.keys[:2], blobs[:2]) == [True, True]
+    assert b.exists(chain.keys[:3]) == [True, True, False]
+    got = b.get(chain.keys[:3])
+    assert got[:2] == blobs[:2] and got[2] is None
+    assert b.put(chain.keys[:3], blobs) == [True] * 3  # the first two are already there
+    assert a.get([chain.keys[2]]) == [blobs[2]]
+
+
+def test_cp4_writes_cp2_and_cp1_read_bit_exact(cluster):
+    chain = Chain(seed=2)
+    writers = cluster.stores[:4]
+    results = chain.write(writers, interleaved_owners(2, NUM_PAGES, 4))
+    assert [len(r) for r in results] == [3, 3, 4, 3] and all(all(r) for r in results)
+    # CP 2 and CP 1 on other clients than most of the pages' writers
+    for readers, base in ((cluster.stores[2:4], 1), (cluster.stores[1:2], 0), (cluster.stores[3:4], 0)):
+        read, agreed = chain.read(readers, interleaved_owners(base, NUM_PAGES, len(readers)))
+        assert agreed == NUM_PAGES
+        assert sum(len(r.plan.page_indices) for r in read) == NUM_PAGES
+        chain.check_restored(read, agreed)
+
+
+def _damaged(chain: Chain, index: int, kind: str) -> tuple[bytes, str]:
+    good = pack(chain.keys[index], NS, chain.pages[index])
+    if kind == "truncated":
+        return good[: HEADER_BYTES + 10], "short"
+    if kind == "bit_flip":
+        return good[:-5] + bytes([good[-5] ^ 0x10]) + good[-4:], "checksum"
+    if kind == "other_model":
+        other = namespace(model_id="other/model")
+        return pack(page_keys([chain.keys[index][:64]], other)[0], other, chain.pages[index]), "namespace"
+    if kind == "other_page":
+        j = 0 if index else 1
+        return pack(chain.keys[j], NS, chain.pages[j]), "key"
+    raise AssertionError(kind)
+
+
+KINDS = ["truncated", "bit_flip", "other_model", "other_page"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_bad_object_is_a_miss_from_that_page_never_restored(cluster, caplog, kind):
+    chain = Chain(seed=10 + KINDS.index(kind))
+    damaged = 6
+    owners_w = interleaved_owners(0, NUM_PAGES, 4)
+    chain.write(cluster.stores[:4], owners_w, skip={damaged})
+    blob, reason = _damaged(chain, damaged, kind)
+    owner = cluster.stores[owners_w[damaged]]
+    assert owner.put([chain.keys[damaged]], [blob]) == [True]  # the store takes it: it does not judge
+    with caplog.at_level(logging.WARNING, logger="sglang_cp_hicache.l3"):
+        read, agreed = chain.read(cluster.stores[1:3], interleaved_owners(1, NUM_PAGES, 2))
+    assert agreed == damaged
+    chain.check_restored(read, agreed)
+    holder = next(r for r in read if damaged in r.plan.page_indices)
+    assert holder.rejections[holder.plan.page_indices.index(damaged)].reason == reason
+    assert f"L3 object {chain.keys[damaged]} rejected ({reason})" in caplog.text
+    if kind == "truncated":  # another size under the key: the owner's next write replaces it
+        chain.write(cluster.stores[:4], owners_w)
+        read, agreed = chain.read(cluster.stores[3:4], [0] * NUM_PAGES)
+        assert agreed == NUM_PAGES
+        chain.check_restored(read, agreed)
+
+
+@pytest.mark.parametrize("missing", [0, 7, NUM_PAGES - 1])
+def test_a_missing_object_is_a_miss_on_its_owner_and_the_prefix_stops_there(cluster, missing):
+    chain = Chain(seed=20 + missing)
+    chain.write(cluster.stores[:4], interleaved_owners(3, NUM_PAGES, 4), skip={missing})
+    owners = interleaved_owners(0, NUM_PAGES, 2)
+    read, agreed = chain.read(cluster.stores[2:4], owners)
+    assert agreed == missing
+    holder = read[owners[missing]]
+    assert holder.usable_pages == missing
+    assert holder.rejections[holder.plan.page_indices.index(missing)].reason == "missing"
+    other = read[1 - owners[missing]]
+    assert other.usable_pages > missing  # the other rank's own pages were fine
+    chain.check_restored(read, agreed)
+
+
+def test_a_failed_write_is_false_and_logged_and_the_rest_is_written(cluster, caplog):
+    store = cluster.stores[0]
+    chain = Chain(seed=30)
+    small = [pack(k, NS, p) for k, p in zip(chain.keys[:3], chain.pages[:3])]
+    too_big = bytes(store.config.local_buffer_size + 1)  # larger than the staging buffer
+    with caplog.at_level(logging.WARNING, logger="sglang_cp_hicache"):
+        ok = store.put(chain.keys[:3], [small[0], too_big, small[2]])
+    assert ok == [True, False, True]
+    assert f"cannot write {chain.keys[1]}" in caplog.text
+    assert cluster.stores[1].get(chain.keys[:3]) == [small[0], None, small[2]]
+
+
+def test_bad_input_raises_naming_the_argument_and_writes_nothing(cluster):
+    store = cluster.stores[0]
+    chain = Chain(seed=40)
+    blob = pack(chain.keys[0], NS, chain.pages[0])
+    with pytest.raises(TypeError, match="keys"):
+        store.put(chain.keys[0], [blob])
+    with pytest.raises(ValueError, match="blobs"):
+        store.put(chain.keys[:2], [blob])
+    with pytest.raises(ValueError, match=r"blobs\[1\] is empty"):
+        store.put(chain.keys[:2], [blob, b""])
+    with pytest.raises(ValueError, match=r"keys\[0\]"):
+        store.get(["not-a-key"])
+    assert store.exists(chain.keys[:2]) == [False, False]
+
+
+def test_open_page_store_on_the_http_metadata_server(tmp_path):
+    """The master's HTTP metadata server; a store opened from the extra
+    config as a server would (keys of other backends ignored)."""
+    cl = start_cluster(master_binary(), tmp_path, http_metadata=True)
+    try:
+        config = cl.config()
+        extra = {"master_server_address": config.master_server_address, "metadata_server": config.metadata_server,
+                 "local_hostname": config.local_hostname, "protocol": "tcp", "global_segment_size": "16mb",
+                 "file_storage_path": "/not/used"}
+        store = open_page_store("mooncake", None, extra)
+        cl.stores.append(store)
+        assert isinstance(store, MooncakePageStore) and store.config == config
+        chain = Chain(seed=60)
+        assert all(chain.write([store], [0] * NUM_PAGES)[0])
+        read, agreed = chain.read([store], [0] * NUM_PAGES)
+        assert agreed == NUM_PAGES
+        chain.check_restored(read, agreed)
+    finally:
+        cl.stop()
