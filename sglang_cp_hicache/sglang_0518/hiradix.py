@@ -57,6 +57,7 @@ from sglang_cp_hicache.sglang_0518.hooks import check_hooks
 from sglang_cp_hicache.sglang_0518.host_copies import cp_copies_installed, install_cp_copies
 from sglang_cp_hicache.sglang_0518.host_tier import HostTierMixin, NoHostLeafSet
 from sglang_cp_hicache.sglang_0518.l3_cache import L3CacheMixin
+from sglang_cp_hicache.sglang_0518.l3_io import L3Io
 from sglang_cp_hicache.sglang_0518.l3_requests import L3RequestsMixin, source_label
 from sglang_cp_hicache.sglang_0518.l3_tier import tier_for
 from sglang_cp_hicache.sglang_0518.load_back import LoadBackMixin
@@ -165,6 +166,8 @@ class CpHiRadixCache(
         self.cp_l3 = None
         self._l3_pending: list = []
         self._l3_waiting: dict = {}
+        self._l3_writes: list = []  # L3 writes not known done (their jobs)
+        self.cp_l3_io = L3Io(self.cp_layout.cp_rank)  # L3 reads run on its worker thread
         super().__init__(params, _without_storage(server_args))
         self.evictable_host_leaves = NoHostLeafSet()  # the ordered index replaces SGLang's set
         self.cp_copy_targets = install_cp_copies(self.cache_controller, self.cp_layout)
@@ -263,6 +266,7 @@ class CpHiRadixCache(
         self._inflight_writes = {}
         self._step_status = StepStatus()
         self._load_shadow = [0] * self.cp_layout.cp_size
+        self.cp_l3_io.wait([p.job for p in self._l3_pending])  # no read may land in the cleared pool
         self._l3_pending = []  # the host pool was cleared with the tree
         self._l3_waiting = {}
         if self._ledger is not None:

@@ -5,7 +5,8 @@ No collective of its own, no L3 membership state:
 
 * Write: when a node's write-through ack is consumed (every rank consumes
   the same acks, and only acks of writes no rank took back), each rank
-  stores the pages of the node it owns, on the scheduler thread. A failed
+  copies the pages of the node it owns out of its host pools and stores
+  them on the L3 worker thread. A failed
   put leaves that page absent (objects are renamed into place whole) or,
   if anything is left, refused by its envelope; no rank records "in L3", so
   nothing can disagree: a later prefetch decides from what each owner finds.
@@ -23,11 +24,19 @@ No collective of its own, no L3 membership state:
   its slots past it, and the normal load-back restores the node to the
   device. A local failure (host allocation, I/O, a raised copy) is a local
   prefix of 0, so the group restores nothing of that chain.
+
+The query's existence checks, the fetch's reads, checks and host copies and
+the writes run on a worker thread (:mod:`.l3_io`, one per cache, in order:
+a rank's read starts after its earlier writes); until a rank's job is done its word
+is NOT_READY, so the MIN keeps every rank waiting alike (a prefetch takes two
+steps at least, more while I/O runs). Host slots are taken on the scheduler
+thread before the fetch job starts, so they are the job's alone.
 """
 
 from __future__ import annotations
 
 import logging
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Optional
 
@@ -38,7 +47,8 @@ from sglang.srt.mem_cache.radix_cache import RadixKey, TreeNode
 
 from sglang_cp_hicache.policy_0518.metadata import CpHiCacheNodeMetadata
 from sglang_cp_hicache.policy_0518.node_state import set_host_state
-from sglang_cp_hicache.sglang_0518.l3_tier import L3Tier, balanced_owners
+from sglang_cp_hicache.sglang_0518.l3_io import NOT_READY, L3Io
+from sglang_cp_hicache.sglang_0518.l3_tier import L3Snapshot, L3Tier, balanced_owners
 from sglang_cp_hicache.sglang_0518.tree_node import CpTreeNode
 
 logger = logging.getLogger(__name__)
@@ -68,18 +78,20 @@ class L3Prefetch:
     """A chain looked up in L3, waiting for the step's MIN: first its
     ``query`` (which own pages exist), then its ``fetch`` (host slots taken,
     own pages verified and copied). Identical on every rank except ``slots``
-    (this rank's host slots, one per token of its own pages, chain order)
-    and ``usable`` (its local usable prefix)."""
+    (this rank's host slots, one per token of its own pages, chain order),
+    ``job`` (its I/O on the worker thread) and ``usable`` (its local
+    usable prefix, known once the job is done)."""
 
     stage: str  # "query" or "fetch"
     anchor: TreeNode  # the backed-up node (or root) the chain hangs from
     key: RadixKey  # the chain's tokens (whole pages)
     hashes: list[str]
     owners: list[int]
-    usable: int
+    usable: Optional[int]  # None while the job runs
     need: Optional[list[int]] = None  # ledger charge, tokens per rank (fetch)
     slots: Optional[torch.Tensor] = None
     ticket: Optional[L3Ticket] = None  # the scheduler's requests waiting on it (None: a direct call)
+    job: Optional[Future] = None
 
 
 def _path_tokens(node: TreeNode) -> list[int]:
@@ -102,6 +114,7 @@ class L3CacheMixin:
     """L3 write and prefetch, for :class:`CpHiRadixCache` (``cp_l3`` None: off)."""
 
     cp_l3: Optional[L3Tier]
+    cp_l3_io: L3Io
 
     # ---- host -> L3 ------------------------------------------------------------
     def _finish_write_through_ack(self, ack_id: int, *, release_lock: bool) -> None:
@@ -119,15 +132,29 @@ class L3CacheMixin:
         P = self.page_size
         tokens = _path_tokens(node)
         first = (len(tokens) - meta.logical_len) // P
+        owners = meta.token_owners[::P].tolist()
         try:
             hashes = self.cp_l3.page_hashes(tokens)[first:]
-            owners = meta.token_owners[::P].tolist()
-            slots = meta.host_indices[::P].tolist()
-            self.cp_l3.store_pages(hashes, owners, slots)
+            # Copied now: once the node is evicted its host slots hold other pages.
+            snap = self.cp_l3.snapshot_pages(hashes, owners, meta.host_indices[::P].tolist())
         except Exception:  # L3 is a cache: a failed write is a later miss, never an error
-            rank = self.cp_layout.cp_rank
-            logger.exception("cp-hicache L3: storing node %d failed on cp_rank %d", node.id, rank)
-            self.cp_l3.counters.write_failures += sum(o == rank for o in meta.token_owners[::P].tolist())
+            self._l3_write_failed(node.id, owners)
+            return
+        self._l3_writes = [j for j in self._l3_writes if not j.done()]
+        self._l3_writes.append(self.cp_l3_io.submit(self._l3_store_job, node.id, snap))
+
+    def _l3_store_job(self, node_id: int, snap: L3Snapshot) -> int:
+        """Store a node's snapshot (on the worker thread); never raises."""
+        try:
+            return self.cp_l3.store_snapshot(snap)
+        except Exception:
+            self._l3_write_failed(node_id, snap.owners)
+            return 0
+
+    def _l3_write_failed(self, node_id: int, owners: list[int]) -> None:
+        rank = self.cp_layout.cp_rank
+        logger.exception("cp-hicache L3: storing node %d failed on cp_rank %d", node_id, rank)
+        self.cp_l3.counters.write_failures += sum(o == rank for o in owners)
 
     # ---- L3 -> host: the query ----------------------------------------------------
     def l3_prefetch(self, key: RadixKey, ticket: Optional[L3Ticket] = None) -> int:
@@ -146,14 +173,17 @@ class L3CacheMixin:
         tokens = _path_tokens(anchor) + list(chain.token_ids[: len(chain)])
         num_pages = len(chain) // P
         owners = balanced_owners(self._ledger.used, num_pages, P)
-        usable, hashes = 0, []
+        usable, hashes, job = None, [], None
         try:
             hashes = self.cp_l3.page_hashes(tokens)[-num_pages:]
-            usable = self.cp_l3.query_pages(hashes, owners)
+            job = self.cp_l3_io.submit(self.cp_l3.query_pages, hashes, owners)  # existence checks: I/O
         except Exception:  # the group hears of it as a present prefix of 0
             logger.exception("cp-hicache L3: query failed on cp_rank %d", self.cp_layout.cp_rank)
+            usable = 0
         anchor.protect_host()  # the chain's parent stays until the chain is settled
-        self._l3_pending.append(L3Prefetch("query", anchor, chain, hashes, owners, usable, ticket=ticket))
+        self._l3_pending.append(
+            L3Prefetch("query", anchor, chain, hashes, owners, usable, ticket=ticket, job=job)
+        )
         self.cp_l3.counters.prefetches += 1
         return num_pages
 
@@ -179,9 +209,26 @@ class L3CacheMixin:
 
     # ---- the step's MIN ---------------------------------------------------------------
     def _l3_local_words(self) -> list[int]:
-        # A prefetch every waiting request of which was aborted votes 0: the
-        # MIN then drops it on every rank alike, whichever rank saw the abort.
-        return [0 if p.ticket is not None and p.ticket.dropped else p.usable for p in self._l3_pending]
+        return [self._l3_word(p) for p in self._l3_pending]
+
+    def _l3_word(self, p: L3Prefetch) -> int:
+        """NOT_READY while this rank's I/O for ``p`` runs (the MIN then keeps
+        every rank waiting alike); then its usable prefix. A prefetch every
+        waiting request of which was aborted votes 0: the MIN drops it on
+        every rank alike, whichever rank saw the abort."""
+        if p.usable is None:
+            if not p.job.done():
+                return NOT_READY
+            p.usable = self.cp_l3_io.outcome(p.job, p.stage)
+        if p.ticket is not None and p.ticket.dropped:
+            return 0
+        return p.usable
+
+    def l3_wait_io(self, timeout: Optional[float] = None) -> bool:
+        """Block until this rank's L3 I/O is done: its prefetches' reads (so
+        its next words are ready) and its writes; False if ``timeout`` ran
+        out first."""
+        return self.cp_l3_io.wait([*(p.job for p in self._l3_pending), *self._l3_writes], timeout)
 
     def _l3_commit(self, agreed: list[int]) -> None:
         """Act on what the group agreed, every rank alike: a query agreed on
@@ -191,6 +238,9 @@ class L3CacheMixin:
         if len(agreed) != len(pending):
             raise RuntimeError(f"L3: {len(agreed)} agreed values for {len(pending)} pending prefetches")
         for p, pages in zip(pending, agreed):
+            if pages == NOT_READY:  # some rank's I/O still runs: every rank waits alike
+                self._l3_pending.append(p)
+                continue
             if not self._l3_can_hang(p):
                 pages = 0
             if p.stage == "query" and pages > 0 and self._l3_start_fetch(p, pages):
@@ -221,6 +271,7 @@ class L3CacheMixin:
             self.cp_layout.cp_rank, len(pending), ", ".join(f"{p.stage} of {len(p.hashes)} pages" for p in pending),
             error,
         )
+        self.cp_l3_io.wait([p.job for p in pending])  # no job may still write into the slots freed here
         for p in pending:
             p.anchor.release_host()
             if p.stage == "fetch":
@@ -242,36 +293,47 @@ class L3CacheMixin:
             return False
         self._ledger.charge(need)
         hashes = query.hashes[:pages]
-        slots, usable = self._l3_fetch_into_host(hashes, owners)
+        slots, usable, job = self._l3_take_slots(owners), None, None
+        if slots is None:
+            usable = 0  # the group hears of it as a usable prefix of 0
+        else:
+            job = self.cp_l3_io.submit(self._l3_fetch_job, hashes, owners, slots)
         self._l3_pending.append(
             L3Prefetch(
-                "fetch", query.anchor, query.key[: pages * P], hashes, owners, usable, need, slots, query.ticket
+                "fetch", query.anchor, query.key[: pages * P], hashes, owners, usable, need, slots, query.ticket,
+                job,
             )
         )
         return True
 
-    def _l3_fetch_into_host(self, hashes: list[str], owners: list[int]):
-        """This rank's host slots for its own pages and its local usable
-        prefix; a local failure of any kind makes the prefix 0."""
+    def _l3_take_slots(self, owners: list[int]) -> Optional[torch.Tensor]:
+        """This rank's host slots for its own pages of a chain (on the
+        scheduler thread: from now on they are this fetch's alone); None if
+        the pool is short or the allocation raised."""
+        P, rank = self.page_size, self.cp_layout.cp_rank
+        mine = sum(1 for o in owners if o == rank)
+        try:
+            slots = self.cache_controller.mem_pool_host.alloc(mine * P) if mine else _EMPTY
+        except Exception:
+            logger.exception("cp-hicache L3: host allocation for a fetch raised on cp_rank %d", rank)
+            return None
+        if slots is None:
+            logger.warning("cp-hicache L3: host pool short on cp_rank %d (ledger said it fits)", rank)
+            return None
+        return slots.to("cpu", torch.int64).reshape(-1)
+
+    def _l3_fetch_job(self, hashes: list[str], owners: list[int], slots: torch.Tensor) -> int:
+        """Fetch, verify and copy this rank's pages into ``slots`` (on the
+        worker thread); returns its local usable prefix (a raise counts 0)."""
         P, rank = self.page_size, self.cp_layout.cp_rank
         mine = [i for i, o in enumerate(owners) if o == rank]
-        slots = None
-        try:
-            slots = self.cache_controller.mem_pool_host.alloc(len(mine) * P) if mine else _EMPTY
-            if slots is None:
-                logger.warning("cp-hicache L3: host pool short on cp_rank %d (ledger said it fits)", rank)
-                return None, 0
-            slots = slots.to("cpu", torch.int64).reshape(-1)
-            fetched = self.cp_l3.fetch_pages(hashes, owners)
-            for j, index in enumerate(mine):
-                if index >= fetched.usable:
-                    break
-                kv, idx = fetched.pages[index]
-                self.cp_l3.fill_host(int(slots[j * P]), kv, idx)
-            return slots, fetched.usable
-        except Exception:  # the group hears of it as a usable prefix of 0
-            logger.exception("cp-hicache L3: fetch failed on cp_rank %d", rank)
-            return slots, 0
+        fetched = self.cp_l3.fetch_pages(hashes, owners)
+        for j, index in enumerate(mine):
+            if index >= fetched.usable:
+                break
+            kv, idx = fetched.pages[index]
+            self.cp_l3.fill_host(int(slots[j * P]), kv, idx)
+        return fetched.usable
 
     def _l3_can_hang(self, p: L3Prefetch) -> bool:
         anchor = p.anchor

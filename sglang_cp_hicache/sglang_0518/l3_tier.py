@@ -8,8 +8,9 @@ two objects, its KV bytes and its DSA indexer bytes, each in the library's
 checked envelope. Only a page's owner writes or reads it.
 
 This module knows the host pools and the store; the cache decides when
-(:mod:`.l3_cache`). Everything here runs on the scheduler thread,
-synchronously (file I/O included).
+(:mod:`.l3_cache`): pages are copied out of the host pools on the scheduler
+thread; storing them, and a prefetch's query and fetch, run on the cache's
+L3 worker thread (:mod:`.l3_io`).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from sglang_cp_hicache.placement import CpPlacement
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["L3Counters", "L3Fetched", "L3Tier", "balanced_owners"]
+__all__ = ["L3Counters", "L3Fetched", "L3Snapshot", "L3Tier", "balanced_owners"]
 
 #: SGLang's host layouts -> the order of a flat KV page's bytes.
 _KV_BYTE_ORDER = {"layer_first": "LPD", "page_first": "PLD", "page_first_direct": "LPD"}
@@ -44,6 +45,17 @@ class L3Counters:
     restored_pages: int = 0  # own pages put into the host pool after the MIN
     prefetches: int = 0  # chains looked up (every rank alike)
     restored_nodes: int = 0  # host-only nodes inserted from L3 (every rank alike)
+
+
+@dataclass(frozen=True)
+class L3Snapshot:
+    """This rank's own pages of a chain, copied out of its host pools (chain
+    order): KV and indexer bytes per page, with the chain's hashes and owners."""
+
+    hashes: list[str]
+    owners: list[int]
+    kv: list[torch.Tensor]
+    indexer: list[torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -146,20 +158,32 @@ class L3Tier:
         first token of each page this rank owns, in chain order. Returns the
         pages stored whole (KV and indexer). A failed put is logged and
         counted; the page is simply absent (or refused) when read."""
+        return self.store_snapshot(self.snapshot_pages(hashes, owners, slots))
+
+    def snapshot_pages(self, hashes: list[str], owners: list[int], slots: list[int]) -> "L3Snapshot":
+        """Copies of this rank's pages of a chain out of its host pools: what
+        a write stores later, when the host slots may hold other pages."""
         rank, N = self.layout.cp_rank, self.layout.cp_size
-        kv_plan = write_plan(page_keys(hashes, self.kv_ns), owners, N, rank)
-        idx_plan = write_plan(page_keys(hashes, self.indexer_ns), owners, N, rank)
-        if len(kv_plan.keys) != len(slots):
-            raise ValueError(f"slots must hold one host slot per owned page ({len(kv_plan.keys)}), got {len(slots)}")
-        if not slots:
+        mine = len(write_plan(page_keys(hashes, self.kv_ns), owners, N, rank).keys)
+        if mine != len(slots):
+            raise ValueError(f"slots must hold one host slot per owned page ({mine}), got {len(slots)}")
+        kv = [_as_bytes(self.kv_host.get_data_page(s)).clone() for s in slots]
+        idx = [_as_bytes(self.indexer_host.get_data_page(s)).clone() for s in slots]
+        return L3Snapshot(list(hashes), list(owners), kv, idx)
+
+    def store_snapshot(self, snap: "L3Snapshot") -> int:
+        """Store a snapshot's pages (KV and indexer objects); returns the
+        pages stored whole, counting the others as write failures."""
+        if not snap.kv:
             return 0
-        kv_ok = store_owned(self.store, self.kv_ns, kv_plan, [_as_bytes(self.kv_host.get_data_page(s)) for s in slots])
-        idx_ok = store_owned(
-            self.store, self.indexer_ns, idx_plan, [_as_bytes(self.indexer_host.get_data_page(s)) for s in slots]
-        )
+        rank, N = self.layout.cp_rank, self.layout.cp_size
+        kv_plan = write_plan(page_keys(snap.hashes, self.kv_ns), snap.owners, N, rank)
+        idx_plan = write_plan(page_keys(snap.hashes, self.indexer_ns), snap.owners, N, rank)
+        kv_ok = store_owned(self.store, self.kv_ns, kv_plan, snap.kv)
+        idx_ok = store_owned(self.store, self.indexer_ns, idx_plan, snap.indexer)
         whole = sum(1 for a, b in zip(kv_ok, idx_ok) if a and b)
         self.counters.written_pages += whole
-        self.counters.write_failures += len(slots) - whole
+        self.counters.write_failures += len(snap.kv) - whole
         return whole
 
     # ---- L3 -> host ------------------------------------------------------------

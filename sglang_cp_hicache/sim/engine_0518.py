@@ -164,6 +164,10 @@ class SimRankEngine(RankEngineBase):
         while not cache.check_prefetch_progress(rid):
             if steps == _L3_MAX_STEPS:
                 raise RuntimeError(f"L3 prefetch of request {request.record.index} not settled after {steps} steps")
+            # A server skips the request while reads run; here nothing else
+            # runs, so wait for this rank's reads: the steps are then the
+            # query's MIN and the fetch's, as in every run.
+            cache.l3_wait_io()
             self._check_events()
             steps += 1
         self._l3_storage_hit_tokens += cache.pop_prefetch_loaded_tokens(rid)

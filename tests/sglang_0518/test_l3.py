@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
@@ -45,7 +46,12 @@ def write_with_cp4(directory: Path, monkeypatch, tokens=TOKENS, *, setup=None) -
         setup(cl)
     cl.insert(tokens)
     cl.step()
+    io_done(cl)  # the writes run on each rank's L3 worker thread
     return cl
+
+
+def io_done(cl: CpCluster) -> None:
+    assert all(cl.each(lambda s: s.cache.l3_wait_io(timeout=10)))
 
 
 def read_back(cl: CpCluster, tokens=TOKENS) -> list[int]:
@@ -53,7 +59,9 @@ def read_back(cl: CpCluster, tokens=TOKENS) -> list[int]:
     returns the device tokens each rank then holds for ``tokens``."""
     looked_up = cl.each(lambda s: s.cache.l3_prefetch(RadixKey(tokens)))
     assert len(set(looked_up)) == 1
+    io_done(cl)  # each rank's query I/O (worker thread) is done: its word is ready
     cl.step()  # the query's MIN: which pages exist on their owners
+    io_done(cl)
     cl.step()  # the fetch's MIN: which pages verified; the node is inserted
     assert all(not c._l3_pending for c in cl.caches)
     cl.load_back(tokens)
@@ -275,6 +283,7 @@ def test_a_write_taken_back_at_the_step_reaches_l3_on_no_rank(tmp_path, monkeypa
         assert not list(tmp_path.rglob("*.bin"))
         cl.insert(TOKENS)  # the hit backs the node up again
         cl.step()
+        io_done(cl)
         assert sum(c.cp_l3.counters.written_pages for c in cl.caches) == PAGES
         assert len(list(tmp_path.rglob("*.bin"))) == 2 * PAGES
         assert_alike(cl)
@@ -311,3 +320,45 @@ def test_a_miss_takes_no_host_room_and_a_hit_evicts_host_leaves_for_its_pages(tm
         assert_alike(cl)
     finally:
         cl.close()
+
+
+def test_a_write_stores_the_pages_as_they_were_at_its_ack_on_the_worker_thread(tmp_path, monkeypatch):
+    """Writes run on the L3 worker thread, from copies taken when the ack is
+    consumed: the node's host slots may hold other pages by the time the
+    write runs (here: evicted and reused while the worker is held busy), and
+    a reader still restores exactly the right bytes."""
+    monkeypatch.setenv(settings.L3_DIR.name, str(tmp_path))
+    cl = cluster(2)
+    release, threads = threading.Event(), []
+    try:
+        callers = set(cl.each(lambda s: threading.current_thread().name))
+        for c in cl.caches:
+            def recorded(keys, blobs, _real=c.cp_l3.store.put):
+                threads.append(threading.current_thread().name)
+                return _real(keys, blobs)
+            c.cp_l3.store.put = recorded
+            c.cp_l3_io.submit(lambda: int(release.wait(20)))  # the worker is busy until released
+        cl.insert(TOKENS)
+        cl.step()  # the ack is consumed: the pages are copied, the writes queued
+        cl.evict_device(PAGES * P)
+        cl.evict_host(10 * P)
+        assert all(not c.root_node.children for c in cl.caches)
+        for i in range(4):  # 20 pages: every host slot of both ranks, other bytes
+            cl.insert(list(range(70_000 * (i + 1), 70_000 * (i + 1) + PAGES * P)))
+            cl.step()
+            cl.evict_device(PAGES * P)
+        assert [c.host_slot_ledger.used for c in cl.caches] == [[10 * P, 10 * P]] * 2
+        assert not list(tmp_path.rglob("*.bin"))  # nothing stored yet
+        release.set()
+        io_done(cl)
+        assert sum(c.cp_l3.counters.written_pages for c in cl.caches) == 5 * PAGES
+        assert threads and all(t.startswith("cp-hicache-l3-rank") and t not in callers for t in threads)
+    finally:
+        release.set()
+        cl.close()
+    reader = cluster(1)
+    try:
+        assert read_back(reader) == [PAGES * P]
+        assert reader.check(TOKENS) == {}
+    finally:
+        reader.close()

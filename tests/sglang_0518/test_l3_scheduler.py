@@ -17,6 +17,7 @@ import inspect
 import json
 import logging
 import sys
+import threading
 import types
 from array import array
 from pathlib import Path
@@ -82,6 +83,7 @@ def written(tmp_path_factory):
         try:
             cl.insert(TOKENS)
             cl.step()
+            assert all(cl.each(lambda s: s.cache.l3_wait_io(timeout=10)))  # writes: the L3 worker thread
             assert sum(c.cp_l3.counters.written_pages for c in cl.caches) == PAGES
         finally:
             cl.close()
@@ -114,11 +116,14 @@ def arrive(cl: CpCluster, rids: list[str], tokens=TOKENS) -> list[dict]:
     return cl.each(run)
 
 
-def waiting_pass(cl: CpCluster, queues: list[dict]) -> list[list[str]]:
+def waiting_pass(cl: CpCluster, queues: list[dict], *, wait_io: bool = True) -> list[list[str]]:
     """One step of ``get_new_batch_prefill``'s waiting-queue slice on every
-    rank; returns the requests each rank would stage."""
+    rank; returns the requests each rank would stage. ``wait_io``: first let
+    each rank's L3 reads (worker thread) finish, so its words are ready."""
     def run(s):
         cache, queue = s.cache, queues[s.cp_rank]
+        if wait_io:
+            assert cache.l3_wait_io(timeout=10)
         cache.check_hicache_events()
         staged = []
         for req in queue.values():
@@ -254,6 +259,95 @@ def test_an_aborted_prefetch_is_dropped_alike_and_leaks_nothing(written, passes_
         assert cl.check(AS_SERVED) == {}
         assert_alike(cl)
     finally:
+        cl.close()
+
+
+# ---- I/O off the scheduler thread -------------------------------------------------------
+
+
+def test_l3_reads_run_on_the_worker_thread_not_the_scheduler_thread(written):
+    cl = cluster(2, written)
+    try:
+        seen: list[tuple[str, str]] = []
+        for c in cl.caches:
+            store = c.cp_l3.store
+            for method in ("exists", "get"):
+                real = getattr(store, method)
+
+                def recorded(keys, _real=real, _method=method):
+                    seen.append((_method, threading.current_thread().name))
+                    return _real(keys)
+                setattr(store, method, recorded)
+        callers = set(cl.each(lambda s: threading.current_thread().name))
+        queues = arrive(cl, ["a"])
+        waiting_pass(cl, queues)
+        assert waiting_pass(cl, queues) == [["a"], ["a"]]
+        assert {m for m, _ in seen} == {"exists", "get"}
+        assert all(name.startswith("cp-hicache-l3-rank") and name not in callers for _, name in seen)
+    finally:
+        cl.close()
+
+
+@pytest.mark.parametrize("method", ["exists", "get"])  # the query's I/O, the fetch's
+def test_slow_io_on_one_rank_keeps_every_rank_waiting_alike(written, method):
+    """Rank 1's store blocks: the step's MIN is NOT_READY on every rank, so
+    both keep the prefetch and hold the request, step after step; once the
+    I/O returns, both settle in the same step, bit-exact."""
+    cl = cluster(2, written)
+    release = threading.Event()
+    try:
+        store = cl.caches[1].cp_l3.store
+        real = getattr(store, method)
+
+        def slow(keys):
+            assert release.wait(20)
+            return real(keys)
+        setattr(store, method, slow)
+        queues = arrive(cl, ["a"])
+        if method == "get":  # the query is not slowed: let it settle first
+            assert waiting_pass(cl, queues) == [[], []]
+        stage = "query" if method == "exists" else "fetch"
+        assert cl.caches[0].l3_wait_io(timeout=10)  # rank 0 is ready; rank 1 is not
+        for _ in range(3):
+            assert waiting_pass(cl, queues, wait_io=False) == [[], []]
+            assert [[p.stage for p in c._l3_pending] for c in cl.caches] == [[stage], [stage]]
+            assert all(not c.root_node.children for c in cl.caches)
+        release.set()
+        if method == "exists":
+            assert waiting_pass(cl, queues) == [[], []]  # the query settled; the fetch follows
+        assert waiting_pass(cl, queues) == [["a"], ["a"]]
+        assert all(q["a"].storage_hit_length == PAGES * P for q in queues)
+        cl.load_back(AS_SERVED)
+        assert cl.check(AS_SERVED) == {}
+        assert_alike(cl)
+    finally:
+        release.set()
+        cl.close()
+
+
+def test_an_abort_while_one_ranks_fetch_still_runs_waits_for_it_then_drops_alike(written):
+    """The slots a running fetch writes into are freed only once it is done
+    on every rank: the aborted prefetch waits (NOT_READY), then votes 0."""
+    cl = cluster(2, written)
+    release = threading.Event()
+    try:
+        store = cl.caches[1].cp_l3.store
+        real = store.get
+        store.get = lambda keys: (release.wait(20), real(keys))[1]
+        queues = arrive(cl, ["x"])
+        assert waiting_pass(cl, queues) == [[], []]  # the fetch runs now
+        cl.each(lambda s: s.cache.release_aborted_request("x"))
+        for q in queues:
+            q.pop("x")
+        assert cl.caches[0].l3_wait_io(timeout=10)
+        waiting_pass(cl, queues, wait_io=False)
+        assert all(len(c._l3_pending) == 1 for c in cl.caches)  # rank 1's fetch still writes its slots
+        release.set()
+        waiting_pass(cl, queues)
+        assert_nothing_held(cl)
+        assert all(not c.root_node.children for c in cl.caches)
+    finally:
+        release.set()
         cl.close()
 
 
