@@ -175,7 +175,10 @@ class CpHiRadixCache(
             raise RuntimeError("CP copies did not take on this cache's host pools; refusing to start")
         self.cp_transfer = CpTransferAdapter(self.cache_controller, self.cp_layout, allocator)
         model_id = getattr(server_args, "served_model_name", None) or getattr(server_args, "model_path", None)
-        self.cp_l3 = tier_for(self, location.directory, model_id, source=source_label(location))
+        self.cp_l3 = tier_for(
+            self, location.directory, model_id, source=source_label(location),
+            backend=location.backend, extra_config=location.extra_config,
+        ) if location.enabled else None
         self.cp_l3_location = location
         self._ledger = self._agree_with_peers()
         self._log_l3_start()

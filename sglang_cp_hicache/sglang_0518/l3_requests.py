@@ -58,8 +58,9 @@ def _same_kind(prefix: list[int], tokens: Sequence[int]) -> Sequence[int]:
 
 def source_label(location: L3Location) -> str:
     """What chose the L3 directory, as a user would look for it."""
-    flag = "--hicache-storage-backend file"
+    flag = f"--hicache-storage-backend {location.backend}"
     return {
+        "hicache_storage_backend_extra_config": f"{flag}, --hicache-storage-backend-extra-config",
         "file_storage_path": f"{flag}, file_storage_path of --hicache-storage-backend-extra-config",
         "default": f"{flag}, SGLang's default directory",
         SGLANG_FILE_DIR.name: f"{flag}, {SGLANG_FILE_DIR.name}",
@@ -75,9 +76,10 @@ class L3RequestsMixin:
         location, rank = self.cp_l3_location, self.cp_layout.cp_rank
         if self.cp_l3 is None:
             return
+        where = f"directory {location.directory}" if location.backend == "file" else f"{location.backend} store"
         logger.info(
-            "cp-hicache L3 on cp_rank %d/%d: directory %s (from %s), %s, scheduler prefetch %s",
-            rank, self.cp_layout.cp_size, location.directory, source_label(location), self.cp_l3.describe(),
+            "cp-hicache L3 on cp_rank %d/%d: %s (from %s), %s, scheduler prefetch %s",
+            rank, self.cp_layout.cp_size, where, source_label(location), self.cp_l3.describe(),
             "on" if location.scheduler_driven else "off",
         )
         if not location.scheduler_driven:

@@ -17,15 +17,16 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 import torch
 from sglang.srt.mem_cache.utils import get_hash_str
 
-from sglang_cp_hicache.l3 import FilePageStore, L3Namespace, PageStore, fetch_owned, read_plan, store_owned
+from sglang_cp_hicache.l3 import L3Namespace, PageStore, fetch_owned, read_plan, store_owned
 from sglang_cp_hicache.l3.consensus import local_usable_pages
 from sglang_cp_hicache.l3.keys import page_keys
 from sglang_cp_hicache.l3.plan import write_plan
+from sglang_cp_hicache.l3_backends import open_page_store
 from sglang_cp_hicache.placement import CpPlacement
 
 logger = logging.getLogger(__name__)
@@ -123,16 +124,19 @@ class L3Tier:
 
     @classmethod
     def open(
-        cls, directory: str, layout: CpPlacement, kv_host: Any, indexer_host: Any, *,
-        source: str = "SGLANG_CP_HICACHE_L3_DIR", **kwargs,
+        cls, directory: Optional[str], layout: CpPlacement, kv_host: Any, indexer_host: Any, *,
+        source: str = "SGLANG_CP_HICACHE_L3_DIR", backend: str = "file",
+        extra_config: Optional[Mapping[str, Any]] = None, **kwargs,
     ) -> "L3Tier":
-        """An L3 on a :class:`FilePageStore` at ``directory`` (created and
-        proven writable now: a bad directory stops start-up, naming
-        ``source``, the setting or flag that chose it)."""
+        """An L3 on ``backend``'s page store: a :class:`FilePageStore` at
+        ``directory`` (created and proven writable now), or a Mooncake store
+        configured from ``extra_config``. A bad one stops start-up, naming
+        ``source``, the setting or flag that chose it."""
         try:
-            store = FilePageStore(directory)
+            store = open_page_store(backend, directory, extra_config)
         except ValueError as exc:
-            raise ValueError(f"{source}: L3 directory unusable: {exc}") from exc
+            what = "L3 directory unusable" if backend == "file" else f"L3 {backend} store unusable"
+            raise ValueError(f"{source}: {what}: {exc}") from exc
         return cls(store, layout, kv_host, indexer_host, **kwargs)
 
     def describe(self) -> str:
@@ -225,11 +229,12 @@ class L3Tier:
 
 
 def tier_for(
-    cache: Any, directory: Optional[str], model_id: Optional[str] = None, *, source: str = "SGLANG_CP_HICACHE_L3_DIR"
+    cache: Any, directory: Optional[str], model_id: Optional[str] = None, *,
+    source: str = "SGLANG_CP_HICACHE_L3_DIR", backend: str = "file", extra_config: Optional[Mapping[str, Any]] = None,
 ) -> Optional[L3Tier]:
-    """The L3 tier of a CP cache (None when ``directory`` is empty);
-    ``source``: what chose the directory, named if it is unusable."""
-    if not directory:
+    """The L3 tier of a CP cache on ``backend`` (None: a file store without
+    a directory); ``source``: what chose it, named if it is unusable."""
+    if backend == "file" and not directory:
         return None
     targets = cache.cp_copy_targets
     device_pool = cache.token_to_kv_pool_allocator.get_kvcache()
@@ -239,4 +244,5 @@ def tier_for(
     return L3Tier.open(
         directory, cache.cp_layout, targets.kv_host_pool, targets.indexer_host_pool,
         model_id=model, layer_start=int(getattr(device_pool, "start_layer", 0) or 0), source=source,
+        backend=backend, extra_config=extra_config,
     )

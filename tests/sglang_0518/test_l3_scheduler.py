@@ -379,9 +379,44 @@ def test_the_setting_alone_warns_that_the_scheduler_will_not_prefetch(tmp_path, 
         cl.close()
 
 
-def test_another_backend_is_refused_naming_the_flag(tmp_path):
-    with pytest.raises(ValueError, match="hicache_storage_backend='mooncake'.*--hicache-storage-backend"):
-        build_cp_rank_stack(config(1, tmp_path, backend="mooncake"), 0)
+@pytest.mark.parametrize("backend", ["hf3fs", "nixl", "aibrix"])
+def test_another_backend_is_refused_naming_the_flag(tmp_path, backend):
+    with pytest.raises(ValueError, match=f"hicache_storage_backend='{backend}'.*--hicache-storage-backend"):
+        build_cp_rank_stack(config(1, tmp_path, backend=backend), 0)
+
+
+def test_mooncake_is_served_through_the_library_page_store(written, monkeypatch, caplog):
+    """``--hicache-storage-backend mooncake``: the cache opens the library's
+    Mooncake page store with the extra config (here replaced by a file store
+    on the CP 4 directory, since no Mooncake runs here) and the scheduler's
+    calls read through it bit-exact; without a master it stops start-up."""
+    from sglang_cp_hicache.l3.store import FilePageStore
+    from sglang_cp_hicache.sglang_0518 import l3_tier
+
+    opened = []
+
+    def fake_open(backend, directory, extra_config=None):
+        opened.append((backend, directory, dict(extra_config or {})))
+        return FilePageStore(written)
+
+    monkeypatch.setattr(l3_tier, "open_page_store", fake_open)
+    extra = json.dumps({"master_server_address": "127.0.0.1:50051"})
+    mooncake = CpStackConfig(cp_size=2, device_pages=8, host_pages=10, storage_backend="mooncake",
+                             storage_extra_config=extra)
+    with caplog.at_level(logging.INFO, logger="sglang_cp_hicache.sglang_0518.l3_requests"):
+        cl = CpCluster(mooncake, threaded=True, timeout_s=30)
+    try:
+        assert opened == [("mooncake", None, {"master_server_address": "127.0.0.1:50051"})] * 2
+        assert sum("mooncake store" in r.getMessage() for r in caplog.records) == 2
+        queues = arrive(cl, ["a"])
+        waiting_pass(cl, queues)
+        assert waiting_pass(cl, queues) == [["a"], ["a"]]
+        cl.load_back(AS_SERVED)
+        assert cl.check(AS_SERVED) == {}
+    finally:
+        cl.close()
+    with pytest.raises(ValueError, match="master_server_address"):
+        build_cp_rank_stack(CpStackConfig(cp_size=1, storage_backend="mooncake", storage_extra_config="{}"), 0)
 
 
 def test_an_unusable_directory_from_the_flag_names_it(tmp_path):

@@ -84,7 +84,7 @@ def test_alloc_extend_and_decode_fill_open_pages_first():
 
 
 def test_storage_backend_is_refused_naming_both_settings():
-    args = SimpleNamespace(hicache_storage_backend="mooncake", hicache_write_policy="write_through")
+    args = SimpleNamespace(hicache_storage_backend="hf3fs", hicache_write_policy="write_through")
     with pytest.raises(ValueError, match="CP shared KV.*hicache_storage_backend"):
         check_cp_hicache_server_args(args, cp_shared_kv=True)
     check_cp_hicache_server_args(args, cp_shared_kv=False)  # non-CP: untouched
@@ -94,18 +94,18 @@ def test_storage_backend_is_refused_naming_both_settings():
 
 
 def test_cache_construction_refuses_a_storage_backend_it_cannot_serve(monkeypatch):
-    """Only ``file`` is served (by the library's own L3); any other backend
-    is refused at construction, naming the flag."""
+    """Only ``file`` and ``mooncake`` are served (by the library's own L3);
+    any other backend is refused at construction, naming the flag."""
     from sglang_cp_hicache.testing import env
 
     real = env.make_cpu_server_args
 
     def with_storage(**kw):
-        kw["hicache_storage_backend"] = "mooncake"
+        kw["hicache_storage_backend"] = "hf3fs"
         return real(**kw)
 
     monkeypatch.setattr(env, "make_cpu_server_args", with_storage)
-    with pytest.raises(ValueError, match="hicache_storage_backend='mooncake'.*--hicache-storage-backend"):
+    with pytest.raises(ValueError, match="hicache_storage_backend='hf3fs'.*--hicache-storage-backend"):
         build_cp_rank_stack(CpStackConfig(cp_size=2), 0)
 
 
