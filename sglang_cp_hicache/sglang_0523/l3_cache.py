@@ -42,6 +42,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
+from sglang.srt.mem_cache.radix_cache import RadixKey
+from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 
 from sglang_cp_hicache.l3.plan import interleaved_owners
 from sglang_cp_hicache.sglang_0523.l3_tier import L3Tier
@@ -165,8 +167,6 @@ class L3Driver:
             self.counters.write_failures += 1
 
     def _host_value(self, node: Any) -> Optional[torch.Tensor]:
-        from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
-
         return node.component_data[ComponentType.FULL].host_value
 
     # ---- L3 -> host: the query (the scheduler's prefetch_from_storage) ----------------
@@ -177,8 +177,6 @@ class L3Driver:
     ) -> None:
         """Look the request's pages past its matched prefix up in L3 (called
         alike on every rank). Returns None: no pipeline-parallel ticket."""
-        from sglang.srt.mem_cache.radix_cache import RadixKey
-
         core = self.cache.tree_core
         if extra_key is not None or cache_salt is not None or core.is_eagle:
             return None
