@@ -379,6 +379,7 @@ class SimRankEngine(RankEngineBase):
     def _l3_totals(self, totals: EngineTotals) -> None:
         if self.l3 is None:
             return
+        self.cache.l3_wait_io()  # the last writes run on the L3 worker thread
         c = self.l3.counters
         totals.l3_enabled = True
         totals.l3_written_pages = c.written_pages
