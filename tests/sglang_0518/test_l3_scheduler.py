@@ -33,13 +33,19 @@ from tests.helpers.rank_snapshot import rank_state, shared_view
 
 # The scheduler module imports a web stack and helpers the CPU harness does not
 # install; the methods under test use none of them (import-only stand-ins).
+def _stand_in_attribute(name: str):
+    if name.startswith("__"):  # module metadata (__file__, __spec__, ...) stays absent
+        raise AttributeError(name)
+    return type(name, (), {})
+
+
 for _top, _subs in (("setproctitle", ()), ("einops", ()), ("uvicorn", ()), ("fastapi", ("responses",))):
     if _top in sys.modules or importlib.util.find_spec(_top) is not None:
         continue
     for _name in (_top, *(f"{_top}.{sub}" for sub in _subs)):
         _stub = types.ModuleType(_name)
         _stub.__path__ = []
-        _stub.__getattr__ = lambda attr: type(attr, (), {})
+        _stub.__getattr__ = _stand_in_attribute
         sys.modules[_name] = _stub
 
 from sglang.srt.managers.schedule_batch import Req  # noqa: E402
