@@ -151,7 +151,7 @@ class _PastTheStorageCheck(Exception):
     """Raised where the step reads the model config, right after its storage check."""
 
 
-def _record(backend: str) -> SimpleNamespace:
+def _record(backend: str, extra_config: Any = None) -> SimpleNamespace:
     """The fields handle_kv_cache_sharding reads up to its storage check, as a
     PD-prefill DSA server with --enable-kv-cache-sharding would have them."""
     return SimpleNamespace(
@@ -159,7 +159,8 @@ def _record(backend: str) -> SimpleNamespace:
         dllm_algorithm=None, radix_cache_backend=None, disable_radix_cache=False,
         enable_unified_cache_external_linker=False, enable_streaming_session=False,
         enable_session_radix_cache=False, enable_flexkv=False, enable_unified_memory=False, dcp_size=1,
-        enable_hierarchical_cache=True, hicache_storage_backend=backend, hicache_storage_backend_extra_config=None,
+        enable_hierarchical_cache=True, hicache_storage_backend=backend,
+        hicache_storage_backend_extra_config=extra_config,
     )
 
 
@@ -195,7 +196,8 @@ def test_upstream_refuses_storage_under_sharding_without_the_hook(resolution):
 
 @pytest.mark.parametrize("copy_path,backend,lifted", [
     ("library", "file", True),
-    ("library", "mooncake", False),  # a backend the library does not serve keeps upstream's refusal
+    ("library", "mooncake", False),  # a backend this adapter does not serve keeps upstream's refusal
+    ("library", "mooncake+master", False),  # ...even one the 0.5.18 adapter serves
     ("upstream", "file", False),  # upstream's copy path keeps upstream's refusal
     (None, "file", False),  # no strategy of this plugin (e.g. SGLANG_PLUGINS left it out)
 ])
@@ -203,7 +205,9 @@ def test_the_hook_lifts_the_refusal_only_for_the_library_stack(resolution, copy_
     if copy_path is not None:
         resolution.strategy.install_strategy(copy_path)
     resolution.lift.register_storage_lift()
-    record = _record(backend)
+    extra = '{"master_server_address": "127.0.0.1:50051"}' if backend.endswith("+master") else None
+    backend = backend.removesuffix("+master")
+    record = _record(backend, extra)
     if lifted:
         with pytest.raises(_PastTheStorageCheck):
             resolution.run(resolution.step, record)
