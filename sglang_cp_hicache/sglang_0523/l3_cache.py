@@ -50,9 +50,14 @@ from sglang_cp_hicache.sglang_0523.l3_tier import L3Tier
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["L3Driver", "L3Lookup"]
+__all__ = ["CpL3LookupAborted", "L3Driver", "L3Lookup"]
 
 _MIN = torch.distributed.ReduceOp.MIN
+
+
+class CpL3LookupAborted(RuntimeError):
+    """The step's MIN all-reduce failed (a CP rank died or left) while L3
+    lookups were pending: none is inserted on this rank."""
 
 
 @dataclass
@@ -255,7 +260,10 @@ class L3Driver:
         riding.stop()  # one ride per step
         words = torch.tensor(riding.words, dtype=data.dtype)
         both = torch.cat([data, words])
-        self._upstream["_all_reduce"](both, tp_reduce_op)
+        try:
+            self._upstream["_all_reduce"](both, tp_reduce_op)
+        except Exception as exc:
+            raise self._abandon(exc) from exc
         data.copy_(both[: data.numel()])
         riding.settle([int(v) for v in both[data.numel():].tolist()])
 
@@ -268,10 +276,37 @@ class L3Driver:
             # The ready-ack sync did not run this step (a path without it):
             # one MIN of the lookup words, on every rank alike.
             words = torch.tensor([p.usable for p in self.pending], dtype=torch.int64)
-            self.cache._all_reduce_attn_groups(words, _MIN)
+            try:
+                self.cache._all_reduce_attn_groups(words, _MIN)
+            except Exception as exc:
+                raise self._abandon(exc) from exc
             agreed = [int(v) for v in words.tolist()]
         self._riding = _Riding()
         self._commit(agreed)
+
+    def _abandon(self, error: BaseException) -> CpL3LookupAborted:
+        """The MIN carrying the lookup words failed: the peers' words are
+        unknown, so nothing is inserted; this rank gives back what it holds
+        for every pending lookup (a fetch's host slots, the anchor's host
+        lock). Returns the exception to raise."""
+        pending, self.pending = self.pending, []
+        self._riding = _Riding()
+        rank = self.layout.cp_rank
+        logger.error(
+            "cp-hicache L3: the step all-reduce failed on cp_rank %d with %d L3 lookup(s) pending (%s); "
+            "none is inserted, their host slots and anchor locks are given back: %r",
+            rank, len(pending), ", ".join(f"{p.stage} of {len(p.hashes)} pages" for p in pending), error,
+        )
+        host = self.cache.cache_controller.mem_pool_host
+        for p in pending:
+            if p.slots is not None and p.slots.numel():
+                host.free(p.slots)
+            self.cache.dec_host_lock_ref(p.anchor_id, p.anchor_lock)
+        return CpL3LookupAborted(
+            f"CP step all-reduce failed with {len(pending)} L3 lookup(s) pending on cp_rank {rank} "
+            f"(a CP rank died or left the group?); none was inserted, their host slots and anchor "
+            f"locks were given back: {error!r}"
+        )
 
     def _commit(self, agreed: list[int]) -> None:
         pending, self.pending = self.pending, []
