@@ -7,11 +7,14 @@
 * ``plan`` -- which pages of a chain each rank writes and reads (its own);
 * ``consensus`` -- each rank's usable prefix, and the agreed one (the MIN);
 * ``store`` -- the :class:`PageStore` interface and a file store;
-* ``pages`` -- one rank's store/fetch of its own pages of a chain.
+* ``pages`` -- one rank's store/fetch of its own pages of a chain;
+* ``host_tier`` -- one rank's L3 tier on a pair of host pools (KV and DSA
+  indexer), what both SGLang adapters share.
 """
 
 from sglang_cp_hicache.l3.consensus import agreed_usable_pages, local_usable_pages
 from sglang_cp_hicache.l3.envelope import Rejection, pack, unpack
+from sglang_cp_hicache.l3.host_tier import HostL3Tier, L3Counters, L3Fetched, L3Snapshot
 from sglang_cp_hicache.l3.keys import L3Namespace, page_key, page_keys
 from sglang_cp_hicache.l3.pages import L3FetchResult, fetch_owned, store_owned
 from sglang_cp_hicache.l3.plan import (
@@ -26,9 +29,13 @@ from sglang_cp_hicache.l3.store import FilePageStore, PageStore
 
 __all__ = [
     "FilePageStore",
+    "HostL3Tier",
+    "L3Counters",
+    "L3Fetched",
     "L3FetchResult",
     "L3Namespace",
     "L3ReadPlan",
+    "L3Snapshot",
     "L3WritePlan",
     "PageStore",
     "Rejection",

@@ -3,12 +3,14 @@ putting its driver on the cache.
 
 Where L3 lives is one rule for both releases (:func:`sglang_cp_hicache.l3.location.l3_location`):
 ``--hicache-storage-backend file`` (in SGLang's file-backend directory) or
-``SGLANG_CP_HICACHE_L3_DIR``. The strategy opens it after the host pools are
-built and before the CP ranks' start-up agreement, which then includes both
-namespace digests: a rank without L3, or with another model, dtype, row
-format, layer range or layout, is refused on every rank. An unusable
-directory becomes this rank's view too, and is raised after the agreement,
-so no rank is left waiting in the all-gather.
+``SGLANG_CP_HICACHE_L3_DIR``; ``--hicache-storage-backend mooncake`` (a
+Mooncake store configured from ``--hicache-storage-backend-extra-config``).
+The strategy opens it after the host pools are built and before the CP
+ranks' start-up agreement, which then includes both namespace digests: a
+rank without L3, or with another model, dtype, row format, layer range or
+layout, is refused on every rank. An unusable store becomes this rank's
+view too, and is raised after the agreement, so no rank is left waiting in
+the all-gather.
 """
 
 from __future__ import annotations
@@ -27,9 +29,9 @@ from sglang_cp_hicache.sglang_0523.l3_tier import L3Tier
 
 __all__ = ["L3Opening", "check_served_here", "install_l3", "open_l3", "served_here"]
 
-#: The stores this adapter opens (the 0.5.23 adapter reads and writes the
-#: library's file store only).
-SERVED_BACKENDS = ("file",)
+#: The stores this adapter opens (through ``l3_backends.open_page_store``),
+#: as the 0.5.18 adapter does.
+SERVED_BACKENDS = ("file", "mooncake")
 
 logger = logging.getLogger(__name__)
 
@@ -62,14 +64,20 @@ def check_served_here(location: L3Location) -> None:
 
 
 def _source_text(location: L3Location) -> str:
-    if location.scheduler_driven:
+    if not location.scheduler_driven:
+        return location.source
+    if location.backend == "file":
         return f"--hicache-storage-backend file (directory from {location.source})"
-    return location.source
+    return f"--hicache-storage-backend {location.backend} (settings from {location.source})"
+
+
+def _where(location: L3Location) -> str:
+    return location.directory if location.backend == "file" else f"a {location.backend} store"
 
 
 def open_l3(location: L3Location, host_pool_group: Any, *, model_id: Optional[str], layer_start: int) -> L3Opening:
     """This rank's L3 on ``host_pool_group`` (never raises: see :class:`L3Opening`)."""
-    if location.directory is None:
+    if not location.enabled:
         return L3Opening(location)
     try:
         if not model_id:
@@ -80,9 +88,12 @@ def open_l3(location: L3Location, host_pool_group: Any, *, model_id: Optional[st
         indexer_host = host_pool_group.entry_map[PoolName.INDEXER].host_pool
         tier = L3Tier.open(
             location.directory, _source_text(location), layout, kv_host, indexer_host,
-            model_id=model_id, layer_start=layer_start,
+            backend=location.backend, extra_config=location.extra_config, model_id=model_id,
+            layer_start=layer_start,
         )
-    except (ValueError, TypeError, AttributeError, KeyError) as exc:
+    # ImportError, RuntimeError: a store client missing or refusing to start
+    # (Mooncake) is this rank's view too, raised only after the agreement.
+    except (ValueError, TypeError, AttributeError, KeyError, ImportError, RuntimeError) as exc:
         return L3Opening(location, None, f"unusable: {exc}", exc)
     return L3Opening(location, tier, tier.describe())
 
@@ -93,6 +104,6 @@ def install_l3(cache: Any, tier: L3Tier, location: L3Location) -> L3Driver:
     driver.install()
     logger.info(
         "sglang-cp-hicache: L3 in %s (%s; %s), cp_rank %d of %d writes and reads its own pages",
-        location.directory, _source_text(location), tier.describe(), tier.layout.cp_rank, tier.layout.cp_size,
+        _where(location), _source_text(location), tier.describe(), tier.layout.cp_rank, tier.layout.cp_size,
     )
     return driver

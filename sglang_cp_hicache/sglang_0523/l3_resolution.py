@@ -1,5 +1,6 @@
-"""Let ``--hicache-storage-backend file`` through SGLang 0.5.23's KV-sharding
-check when, and only when, this library serves the storage tier.
+"""Let ``--hicache-storage-backend file`` or ``mooncake`` through SGLang
+0.5.23's KV-sharding check when, and only when, this library serves the
+storage tier.
 
 Upstream's ``handle_kv_cache_sharding`` refuses any storage backend under
 ``--enable-kv-cache-sharding`` (its storage path would write rank-local rows
@@ -14,10 +15,12 @@ put on top of the record's resolution stash and taken off again afterwards
 (a declaration, not a field write: fields cannot be assigned mid-resolution;
 everything else the step checks and declares runs as usual). It applies only
 while the library strategy is this process's (plugin registered,
-``SGLANG_CP_HICACHE_COPY=library``) and for a backend the library serves
-(:func:`~sglang_cp_hicache.l3.location.l3_location`); every other case --
-upstream's copy path, another backend -- runs upstream's step untouched,
-refusal included.
+``SGLANG_CP_HICACHE_COPY=library``) and for a backend this adapter serves
+(:data:`~sglang_cp_hicache.sglang_0523.l3_attach.SERVED_BACKENDS`, as resolved
+by :func:`~sglang_cp_hicache.l3.location.l3_location`: ``mooncake`` needs its
+``master_server_address``); every other case -- upstream's copy path,
+another backend, a Mooncake store without a master -- runs upstream's step
+untouched, refusal included.
 """
 
 from __future__ import annotations

@@ -196,8 +196,9 @@ def test_upstream_refuses_storage_under_sharding_without_the_hook(resolution):
 
 @pytest.mark.parametrize("copy_path,backend,lifted", [
     ("library", "file", True),
-    ("library", "mooncake", False),  # a backend this adapter does not serve keeps upstream's refusal
-    ("library", "mooncake+master", False),  # ...even one the 0.5.18 adapter serves
+    ("library", "mooncake+master", True),  # served on the library's Mooncake page store, as on 0.5.18
+    ("library", "mooncake", False),  # a Mooncake store without its master keeps upstream's refusal
+    ("library", "hf3fs", False),  # a backend this adapter does not serve keeps upstream's refusal
     ("upstream", "file", False),  # upstream's copy path keeps upstream's refusal
     (None, "file", False),  # no strategy of this plugin (e.g. SGLANG_PLUGINS left it out)
 ])
@@ -358,15 +359,139 @@ def test_an_identically_configured_0518_deployment_has_the_same_namespaces(layou
     assert [ns.digest() for ns in ours] == [ns.digest() for ns in namespaces_0518("deepseek-ai/DeepSeek-V3.2", kv, indexer, 0)]
 
 
-def test_a_store_this_adapter_does_not_serve_is_refused_naming_the_flag():
+def test_file_and_mooncake_are_served_and_any_other_store_is_refused_naming_the_flag():
     from sglang_cp_hicache.testing.cpu_0523 import ensure_sglang_importable
 
     ensure_sglang_importable()
     from sglang_cp_hicache.l3.location import l3_location
-    from sglang_cp_hicache.sglang_0523.l3_attach import check_served_here, served_here
+    from sglang_cp_hicache.sglang_0523.l3_attach import SERVED_BACKENDS, check_served_here, served_here
 
+    assert SERVED_BACKENDS == ("file", "mooncake")
     assert served_here(l3_location("file", {"file_storage_path": "/x"}))
-    other = SimpleNamespace(directory=None, scheduler_driven=True, source="extra config", backend="mooncake")
+    mooncake = l3_location("mooncake", '{"master_server_address": "127.0.0.1:50051"}')
+    assert served_here(mooncake)
+    check_served_here(mooncake)
+    other = SimpleNamespace(directory=None, scheduler_driven=True, source="extra config", backend="hf3fs")
     assert not served_here(other)
-    with pytest.raises(ValueError, match="--hicache-storage-backend 'mooncake' is not served"):
+    with pytest.raises(ValueError, match="--hicache-storage-backend 'hf3fs' is not served"):
         check_served_here(other)
+    # the strategy resolves the location first: a Mooncake store without its master stops start-up there
+    with pytest.raises(ValueError, match="--hicache-storage-backend mooncake .*master_server_address"):
+        l3_location("mooncake", "{}")
+
+
+# ---- Mooncake wiring: open_l3 on stand-in host pools (a file store stands in for Mooncake) ----
+
+P64 = 64
+
+
+class _KvHost:
+    """A layer_first MLA host pool of 4 local pages (what open_l3 reads)."""
+
+    def __init__(self, fill: int) -> None:
+        import torch
+
+        self.kv_buffer = torch.full((2, 4 * P64, 8), fill, dtype=torch.uint8)
+        self.kv_cache_dim, self.layer_num, self.layout, self.page_size = 8, 2, "layer_first", P64
+
+    def get_data_page(self, index: int) -> Any:
+        return self.kv_buffer[:, index:index + P64]
+
+    def set_from_flat_data_page(self, index: int, data: Any) -> None:
+        self.kv_buffer[:, index:index + P64] = data.reshape(2, P64, 8)
+
+
+class _IndexerHost:
+    def __init__(self, fill: int) -> None:
+        import torch
+
+        self.index_k_with_scale_buffer = torch.full((2, 4, P64 * 2), fill, dtype=torch.uint8)
+        self.indexer_page_stride_size, self.layer_num, self.page_size = P64 * 2, 2, P64
+
+    def get_data_page(self, index: int) -> Any:
+        return self.index_k_with_scale_buffer[:, index // P64]
+
+    def set_from_flat_data_page(self, index: int, data: Any) -> None:
+        self.index_k_with_scale_buffer[:, index // P64] = data.reshape(2, P64 * 2)
+
+
+def _rank1_group(fill: int, monkeypatch, *, distinct_rows: bool = False) -> SimpleNamespace:
+    """Rank 1 of CP 2's host pool group, as open_l3 reads it (``distinct_rows``:
+    local KV page ``r`` filled with ``fill + 1 + r``, else all ``fill``)."""
+    from sglang.srt.mem_cache.hicache_storage import PoolName
+
+    from sglang_cp_hicache.sglang_0523 import l3_attach
+
+    kv = _KvHost(fill)
+    for row in range(4 if distinct_rows else 0):
+        kv.kv_buffer[:, row * P64:(row + 1) * P64] = fill + 1 + row
+    anchor = SimpleNamespace(page_size=P64, shard_size=2, shard_rank=1, kv=kv)
+    monkeypatch.setattr(l3_attach, "kv_host_pool_of", lambda host_pool: host_pool.kv)
+    indexer = SimpleNamespace(host_pool=_IndexerHost(fill))
+    return SimpleNamespace(anchor_entry=SimpleNamespace(host_pool=anchor), entry_map={PoolName.INDEXER: indexer})
+
+
+@pytest.fixture
+def mooncake_0523(tmp_path, monkeypatch):
+    """open_page_store of the 0.5.23 tier replaced by a file store (no Mooncake
+    runs here, and .venv-0523 has no client); records what it was asked."""
+    from sglang_cp_hicache.testing.cpu_0523 import ensure_sglang_importable
+
+    ensure_sglang_importable()
+    from sglang_cp_hicache.l3.location import l3_location
+    from sglang_cp_hicache.l3.store import FilePageStore
+    from sglang_cp_hicache.sglang_0523 import l3_tier
+
+    opened: list = []
+
+    def fake_open(backend, directory, extra_config=None):
+        opened.append((backend, directory, dict(extra_config or {})))
+        return FilePageStore(tmp_path / "mooncake")
+
+    monkeypatch.setattr(l3_tier, "open_page_store", fake_open)
+    location = l3_location("mooncake", '{"master_server_address": "127.0.0.1:50051"}')
+    return SimpleNamespace(location=location, opened=opened, l3_tier=l3_tier)
+
+
+def test_mooncake_opens_the_library_page_store_and_reads_back_bit_exact_at_local_rows(mooncake_0523, monkeypatch):
+    import torch
+
+    from sglang_cp_hicache.sglang_0523.l3_attach import open_l3
+
+    m = mooncake_0523
+    writer = open_l3(m.location, _rank1_group(0, monkeypatch, distinct_rows=True), model_id="tiny/dsa", layer_start=0)
+    assert writer.error is None and writer.tier is not None and writer.view == writer.tier.describe()
+    assert m.opened == [("mooncake", None, {"master_server_address": "127.0.0.1:50051"})]
+    hashes = [f"{i:064x}" for i in (7, 8, 9)]
+    owners = [1, 0, 1]
+    # logical slots P and 3P are rank 1's local rows 0 and P
+    assert writer.tier.store_pages(hashes, owners, [P64, 3 * P64]) == 2
+    reader = open_l3(m.location, _rank1_group(0xEE, monkeypatch), model_id="tiny/dsa", layer_start=0)
+    got = reader.tier.fetch_pages(hashes, owners)
+    assert got.usable == 3 and sorted(got.pages) == [0, 2]
+    kv_host = writer.tier.kv_host
+    for index, row in ((0, 0), (2, P64)):
+        assert torch.equal(got.pages[index][0], kv_host.kv_buffer[:, row:row + P64].reshape(-1))
+    reader.tier.fill_host(5 * P64, *got.pages[2])  # logical 5P: rank 1's local row 2P
+    filled = reader.tier.kv_host.kv_buffer
+    assert torch.equal(filled[:, 2 * P64:3 * P64], kv_host.kv_buffer[:, P64:2 * P64])
+    assert bool((filled[:, :2 * P64] == 0xEE).all()) and bool((filled[:, 3 * P64:] == 0xEE).all())
+    assert reader.tier.counters.rejected_pages == 0
+
+
+@pytest.mark.parametrize("error,message", [
+    (ValueError("bad protocol"), "--hicache-storage-backend mooncake (settings from "
+     "hicache_storage_backend_extra_config): L3 mooncake store unusable: bad protocol"),
+    (ImportError("no module named mooncake"), "no module named mooncake"),
+    (RuntimeError("setup failed"), "setup failed"),
+])
+def test_an_unusable_mooncake_store_is_this_ranks_view_not_a_crash(mooncake_0523, monkeypatch, error, message):
+    """Raised only after the start-up agreement, so no rank waits alone."""
+    from sglang_cp_hicache.sglang_0523.l3_attach import open_l3
+
+    def refuse(backend, directory, extra_config=None):
+        raise error
+
+    monkeypatch.setattr(mooncake_0523.l3_tier, "open_page_store", refuse)
+    opening = open_l3(mooncake_0523.location, _rank1_group(0, monkeypatch), model_id="tiny/dsa", layer_start=0)
+    assert opening.tier is None and opening.view == f"unusable: {message}" and str(opening.error) == message

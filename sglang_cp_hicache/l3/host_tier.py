@@ -1,0 +1,240 @@
+"""One rank's L3 tier on a pair of host pools (MLA KV and DSA indexer), the
+part every SGLang release shares.
+
+A page is keyed by its page hash and the namespace digest of its pool --
+never by CP rank or size -- so deployments of any CP size (and either
+release, for an identical configuration) share one store. Each page is two
+objects, its KV bytes and its DSA indexer bytes, each in the library's
+checked envelope. Only a page's owner writes or reads it.
+
+What is a release's own is injected: the page hasher (SGLang's
+``get_hash_str``), the host row of a host slot (``host_row``: a host slot is
+the row itself on 0.5.18, a logical slot translated to its owner's local row
+on 0.5.23), and how the store is opened (the adapter passes an opened :class:`PageStore`,
+or opens one through :func:`open_tier_store`). The host pools are read by
+attribute only (``kv_buffer``, ``kv_cache_dim``, ``layer_num``, ``layout``,
+``page_size``, ``index_k_with_scale_buffer``, ``indexer_page_stride_size``,
+``get_data_page``, ``set_from_flat_data_page``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Optional
+
+import torch
+
+from sglang_cp_hicache.l3.consensus import local_usable_pages
+from sglang_cp_hicache.l3.keys import L3Namespace, page_keys
+from sglang_cp_hicache.l3.pages import fetch_owned, store_owned
+from sglang_cp_hicache.l3.plan import read_plan, write_plan
+from sglang_cp_hicache.l3.store import PageStore
+from sglang_cp_hicache.placement import CpPlacement
+
+__all__ = [
+    "HostL3Tier", "HostRow", "L3Counters", "L3Fetched", "L3Snapshot", "PageHasher", "namespaces", "open_tier_store",
+]
+
+#: SGLang's page hasher: (token ids, prior hash, page_size=...) -> one hash per page.
+PageHasher = Callable[..., list[str]]
+#: A release's host row of a host slot its tree holds.
+HostRow = Callable[[int], int]
+#: A store opener: (backend, directory, extra_config) -> a store.
+StoreOpener = Callable[[str, Optional[str], Optional[Mapping[str, Any]]], PageStore]
+
+#: SGLang's host layouts -> the order of a flat KV page's bytes.
+_KV_BYTE_ORDER = {"layer_first": "LPD", "page_first": "PLD", "page_first_direct": "LPD"}
+
+
+@dataclass
+class L3Counters:
+    written_pages: int = 0  # pages (KV + indexer both stored) this rank wrote
+    write_failures: int = 0  # own pages whose KV or indexer put failed or raised
+    fetched_pages: int = 0  # own pages fetched and verified, before the MIN
+    rejected_pages: int = 0  # own objects found but refused (short, long, corrupt, other namespace or key)
+    restored_pages: int = 0  # own pages put into the host pool and kept after the MIN
+    prefetches: int = 0  # chains looked up (every rank alike)
+    restored_nodes: int = 0  # host-only nodes inserted from L3 (every rank alike)
+    restored_tokens: int = 0  # logical tokens of those nodes (every rank alike; 0.5.23 counts them)
+
+
+@dataclass(frozen=True)
+class L3Snapshot:
+    """This rank's own pages of a chain, copied out of its host pools (chain
+    order): KV and indexer bytes per page, with the chain's hashes and owners."""
+
+    hashes: list[str]
+    owners: list[int]
+    kv: list[torch.Tensor]
+    indexer: list[torch.Tensor]
+
+
+@dataclass(frozen=True)
+class L3Fetched:
+    """One rank's fetch of a chain: its local usable prefix (pages), and the
+    verified bytes of its own pages below it (chain index -> KV, indexer)."""
+
+    usable: int
+    pages: dict[int, tuple[torch.Tensor, torch.Tensor]]
+
+
+def namespaces(model_id: str, kv_host: Any, indexer_host: Any, layer_start: int) -> tuple[L3Namespace, L3Namespace]:
+    """The KV and indexer namespaces of a rank's host pools."""
+    page_size = int(kv_host.page_size)
+    kv_dtype = kv_host.kv_buffer.dtype
+    kv = L3Namespace(
+        model_id=model_id, kv_dtype=kv_dtype, row_bytes=int(kv_host.kv_cache_dim) * kv_dtype.itemsize,
+        page_size=page_size, pool="kv", layer_start=layer_start, layer_end=layer_start + int(kv_host.layer_num),
+        byte_order=_KV_BYTE_ORDER[kv_host.layout],
+    )
+    idx_dtype = indexer_host.index_k_with_scale_buffer.dtype
+    page_bytes = int(indexer_host.indexer_page_stride_size) * idx_dtype.itemsize
+    if page_bytes % page_size:
+        raise ValueError(f"indexer page of {page_bytes} bytes is not a whole number of {page_size} token rows")
+    indexer = L3Namespace(
+        model_id=model_id, kv_dtype=idx_dtype, row_bytes=page_bytes // page_size, page_size=page_size,
+        pool="indexer", layer_start=layer_start, layer_end=layer_start + int(indexer_host.layer_num),
+        byte_order="LPD",  # (layers, page stride) in every host layout
+    )
+    return kv, indexer
+
+
+def open_tier_store(
+    opener: StoreOpener, backend: str, directory: Optional[str], extra_config: Optional[Mapping[str, Any]],
+    source: str,
+) -> PageStore:
+    """``opener(backend, directory, extra_config)``, with a bad store's
+    ValueError naming ``source`` (the setting or flag that chose it)."""
+    try:
+        return opener(backend, directory, extra_config)
+    except ValueError as exc:
+        what = "L3 directory unusable" if backend == "file" else f"L3 {backend} store unusable"
+        raise ValueError(f"{source}: {what}: {exc}") from exc
+
+
+def _same_row(slot: int) -> int:
+    return slot
+
+
+def _as_bytes(page: torch.Tensor) -> torch.Tensor:
+    return page.reshape(-1).contiguous().view(torch.uint8)
+
+
+class HostL3Tier:
+    """One rank's L3: keys, owned-page stores and fetches, host-pool bytes.
+
+    ``page_hasher``: the release's page hash of a chain (SGLang's
+    ``get_hash_str``). A host slot given to any method is the one the
+    adapter's tree holds; ``host_row`` turns it into the host pools' row
+    (None: the slot is the row).
+    """
+
+    def __init__(
+        self, store: PageStore, layout: CpPlacement, kv_host: Any, indexer_host: Any, *,
+        model_id: str, page_hasher: PageHasher, layer_start: int = 0, host_row: Optional[HostRow] = None,
+    ) -> None:
+        self.store = store
+        self.layout = layout
+        self.kv_host = kv_host
+        self.indexer_host = indexer_host
+        self.page_hasher = page_hasher
+        self.host_row: HostRow = host_row if host_row is not None else _same_row
+        self.kv_ns, self.indexer_ns = namespaces(model_id, kv_host, indexer_host, layer_start)
+        self.page_size = self.kv_ns.page_size
+        self.counters = L3Counters()
+
+    def describe(self) -> str:
+        """What every rank must agree on: both namespaces (a file store's
+        directory may be mounted at different paths on different hosts)."""
+        return f"kv:{self.kv_ns.digest()}|indexer:{self.indexer_ns.digest()}"
+
+    # ---- keys ----------------------------------------------------------------
+    def page_hashes(self, token_ids: list[int]) -> list[str]:
+        """The page hash of every whole page of ``token_ids`` (a chain from
+        the root, no extra key or cache salt: the same chain on every release)."""
+        num_pages = len(token_ids) // self.page_size
+        if num_pages == 0:
+            return []
+        hashes = self.page_hasher(list(token_ids[: num_pages * self.page_size]), None, page_size=self.page_size)
+        if len(hashes) != num_pages:
+            raise RuntimeError(f"get_hash_str gave {len(hashes)} hashes for {num_pages} pages")
+        return hashes
+
+    # ---- host -> L3 ------------------------------------------------------------
+    def store_pages(self, hashes: list[str], owners: list[int], slots: list[int]) -> int:
+        """Store this rank's pages of a chain. ``slots``: the host slot of the
+        first token of each page this rank owns, in chain order. Returns the
+        pages stored whole (KV and indexer). A failed put is logged and
+        counted; the page is simply absent (or refused) when read."""
+        return self.store_snapshot(self._snapshot(hashes, owners, slots, copy=False))
+
+    def snapshot_pages(self, hashes: list[str], owners: list[int], slots: list[int]) -> L3Snapshot:
+        """Copies of this rank's pages of a chain out of its host pools: what
+        a write stores later, when the host slots may hold other pages."""
+        return self._snapshot(hashes, owners, slots, copy=True)
+
+    def _snapshot(self, hashes: list[str], owners: list[int], slots: list[int], *, copy: bool) -> L3Snapshot:
+        rank, N = self.layout.cp_rank, self.layout.cp_size
+        mine = len(write_plan(page_keys(hashes, self.kv_ns), owners, N, rank).keys)
+        if mine != len(slots):
+            raise ValueError(f"slots must hold one host slot per owned page ({mine}), got {len(slots)}")
+        rows = [self.host_row(s) for s in slots]
+        kv = [_as_bytes(self.kv_host.get_data_page(r)) for r in rows]
+        idx = [_as_bytes(self.indexer_host.get_data_page(r)) for r in rows]
+        if copy:  # the host rows may be reused before the snapshot is stored
+            kv, idx = [t.clone() for t in kv], [t.clone() for t in idx]
+        return L3Snapshot(list(hashes), list(owners), kv, idx)
+
+    def store_snapshot(self, snap: L3Snapshot) -> int:
+        """Store a snapshot's pages (KV and indexer objects); returns the
+        pages stored whole, counting the others as write failures."""
+        if not snap.kv:
+            return 0
+        rank, N = self.layout.cp_rank, self.layout.cp_size
+        kv_plan = write_plan(page_keys(snap.hashes, self.kv_ns), snap.owners, N, rank)
+        idx_plan = write_plan(page_keys(snap.hashes, self.indexer_ns), snap.owners, N, rank)
+        kv_ok = store_owned(self.store, self.kv_ns, kv_plan, snap.kv)
+        idx_ok = store_owned(self.store, self.indexer_ns, idx_plan, snap.indexer)
+        whole = sum(1 for a, b in zip(kv_ok, idx_ok) if a and b)
+        self.counters.written_pages += whole
+        self.counters.write_failures += len(snap.kv) - whole
+        return whole
+
+    # ---- L3 -> host ------------------------------------------------------------
+    def query_pages(self, hashes: list[str], owners: list[int]) -> int:
+        """This rank's local present prefix of a chain: the first own page
+        whose KV or indexer object is absent (unverified: the fetch checks)."""
+        rank, N = self.layout.cp_rank, self.layout.cp_size
+        plans = [read_plan(page_keys(hashes, ns), owners, N, rank) for ns in (self.kv_ns, self.indexer_ns)]
+        indices = plans[0].page_indices
+        if not indices:
+            return len(hashes)
+        present = [all(pair) for pair in zip(*(self.store.exists(list(p.keys)) for p in plans))]
+        return local_usable_pages(indices, present, len(hashes))
+
+    def fetch_pages(self, hashes: list[str], owners: list[int]) -> L3Fetched:
+        """Fetch and verify this rank's pages of a chain (KV and indexer);
+        its local usable prefix is the first own page missing or refused in
+        either pool. Never raises on bad objects."""
+        rank, N = self.layout.cp_rank, self.layout.cp_size
+        kv = fetch_owned(self.store, self.kv_ns, read_plan(page_keys(hashes, self.kv_ns), owners, N, rank))
+        idx = fetch_owned(
+            self.store, self.indexer_ns, read_plan(page_keys(hashes, self.indexer_ns), owners, N, rank)
+        )
+        usable = min(kv.usable_pages, idx.usable_pages)
+        idx_pages = dict(idx.restorable(usable))
+        pages = {i: (page, idx_pages[i]) for i, page in kv.restorable(usable)}
+        self.counters.fetched_pages += len(pages)
+        # A missing object is a miss, not a refusal: only objects found and refused count.
+        self.counters.rejected_pages += sum(
+            r is not None and r.reason != "missing" for r in kv.rejections + idx.rejections
+        )
+        return L3Fetched(usable, pages)
+
+    def fill_host(self, slot: int, kv_bytes: torch.Tensor, idx_bytes: torch.Tensor) -> None:
+        """Put one verified own page into this rank's host pools at host slot ``slot``."""
+        row = self.host_row(slot)
+        self.kv_host.set_from_flat_data_page(row, kv_bytes.view(self.kv_host.kv_buffer.dtype))
+        self.indexer_host.set_from_flat_data_page(
+            row, idx_bytes.view(self.indexer_host.index_k_with_scale_buffer.dtype)
+        )
