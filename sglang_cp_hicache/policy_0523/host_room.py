@@ -7,8 +7,10 @@ run that starts at class ``s`` needs a free host page of class
 pages of whatever class they are, which may leave the run short of one class
 while evictable pages of that class remain. These functions decide by class
 instead: how many pages of each class a run needs, which classes are short,
-and whether evicting a host leaf (its pages' classes) frees anything of a short
-class.
+whether evicting a host leaf (its pages' classes) frees anything of a short
+class, and whether everything evictable together could make the run fit at
+all (when it could not, the write fails either way and evicting would only
+lose pages).
 
 Pure functions of ints (no torch, no SGLang). Every CP rank holds the same
 host allocator state and the same tree, so every rank reaches the same
@@ -90,6 +92,12 @@ class HostRoom:
     def short_classes(self) -> list[int]:
         return [c for c, short in enumerate(self.shortfall) if short]
 
+    def can_fit(self, reachable: Sequence[int]) -> bool:
+        """True iff freeing ``reachable`` (every page of each class eviction
+        could free) leaves the run short of nothing."""
+        reachable = check_int_list("reachable", reachable, length=len(self.need), minimum=0)
+        return all(r >= short for r, short in zip(reachable, self.shortfall))
+
     def helps(self, freed: Sequence[int]) -> bool:
         """True iff ``freed`` (pages of each class a leaf would free) holds a
         page of a class the run is short of."""
@@ -109,10 +117,14 @@ def plan_host_room(need: Sequence[int], free: Sequence[int], leaves: Sequence[Se
     ``free`` free: every leaf, in order, that holds a page of a class still
     short, until none is short. Returns (indices of the leaves to evict,
     whether the run then fits). A leaf that frees nothing of a short class is
-    never taken."""
+    never taken; when all the leaves together cannot make the run fit, none
+    is (the write fails either way)."""
     room = HostRoom(list(need), list(free))
+    counts = [check_int_list(f"leaves[{i}]", leaf, length=len(room.need), minimum=0) for i, leaf in enumerate(leaves)]
+    if not room.can_fit([sum(col) for col in zip(*counts, [0] * len(room.need))]):
+        return [], False
     taken: list[int] = []
-    for i, leaf in enumerate(leaves):
+    for i, leaf in enumerate(counts):
         if room.satisfied:
             break
         if room.helps(leaf):

@@ -19,7 +19,11 @@ also evicts a leaf whose own pages are of other classes when it is the way
 to a host-only ancestor that holds a short class's page and can be cleared
 (:func:`~sglang_cp_hicache.policy_0523.host_room.reach_counts`): a tree holds no
 child without its parent, so such a page is freed only after every leaf
-below it. Then it queues the write exactly as upstream does (write-back stacks keep
+below it. Before evicting anything it sums every page eviction could free
+(the host leaves and their clearable host-only ancestors): when even all of
+them would leave the run short, the write fails either way and it evicts
+nothing, where upstream's eviction loses those pages for nothing. Then it
+queues the write exactly as upstream does (write-back stacks keep
 upstream's method: their host eviction first reclaims host copies that
 duplicate device pages). The decisions read only the
 host allocator's class counts, the tree and the host slots (CPU), which are
@@ -112,6 +116,8 @@ class OwnerAwareHostRoom:
         )
         if room.satisfied or self.cache.host_memory_mode == "buffer_only":
             return room.satisfied  # buffer_only: the tree holds no host values
+        if not room.can_fit(self._reachable()):
+            return False  # the write fails either way: keep every host page
         for through_ancestors in (False, True):
             room = self._evict_helpful_leaves(room, through_ancestors)
             if room.satisfied:
@@ -156,14 +162,37 @@ class OwnerAwareHostRoom:
             node = node.parent
         return reach_counts(freed, ancestors)
 
-    def _clearable(self, node: Any) -> bool:
+    def _reachable(self) -> list[int]:
+        """Pages of each class host eviction could free at most: every host
+        leaf and every clearable host-only ancestor of one, each once."""
+        tree = self.cache.tree_core
+        total = [0] * self.placement.cp_size
+        seen: set[int] = set()
+        memo: dict[int, bool] = {}
+        for leaf in tree.evictable_host_leaves:
+            node = leaf
+            while node is not None and node is not tree.root_node and id(node) not in seen:
+                if node is not leaf and not self._clearable(node, memo):
+                    break  # nor is anything above it: it holds this subtree
+                seen.add(id(node))
+                total = [t + c for t, c in zip(total, self._host_classes(node))]
+                node = node.parent
+        return total
+
+    def _clearable(self, node: Any, memo: Optional[dict[int, bool]] = None) -> bool:
         """Host-only, backed up, unlocked on both tiers, and every descendant
-        likewise: evicting host leaves below it makes it one."""
-        if not (node.evicted and node.backuped):
-            return False
-        if any(cd.lock_ref > 0 or cd.host_lock_ref > 0 for cd in node.component_data):
-            return False
-        return all(self._clearable(child) for child in node.children.values())
+        likewise: evicting host leaves below it makes it one. ``memo``: the
+        answers of this pass by node (the tree does not change while it reads)."""
+        if memo is not None and id(node) in memo:
+            return memo[id(node)]
+        ok = (
+            node.evicted and node.backuped
+            and not any(cd.lock_ref > 0 or cd.host_lock_ref > 0 for cd in node.component_data)
+            and all(self._clearable(child, memo) for child in node.children.values())
+        )
+        if memo is not None:
+            memo[id(node)] = ok
+        return ok
 
     def _evict_host_leaf(self, leaf: Any) -> None:
         """One host leaf, as upstream's host eviction evicts each, its frees

@@ -46,6 +46,13 @@ def test_a_plan_takes_only_helpful_leaves_and_stops_when_the_run_fits(n, data):
     leaves = data.draw(_leaves(n))
     taken, fits = plan_host_room(need, free, leaves)
     assert taken == sorted(set(taken))
+    # it fits exactly when all the leaves together could make it fit
+    everything = HostRoom(need, free)
+    everything.take([sum(col) for col in zip(*leaves, [0] * n)])
+    assert fits == everything.satisfied
+    if not fits:
+        assert taken == []  # the write fails either way: nothing is evicted for it
+        return
     # replay: each taken leaf held a page of a class short at its turn
     room = HostRoom(need, free)
     for i, leaf in enumerate(leaves):
@@ -54,19 +61,37 @@ def test_a_plan_takes_only_helpful_leaves_and_stops_when_the_run_fits(n, data):
             room.take(leaf)
         elif not room.satisfied:
             assert not room.helps(leaf)  # skipped: nothing of a short class
-    assert fits == room.satisfied
-    if fits and taken:
+    assert room.satisfied
+    if taken:
         # the last leaf taken was needed: without it the run would not fit
         without = HostRoom(need, free)
         for i in taken[:-1]:
             without.take(leaves[i])
         assert not without.satisfied
         assert all(i <= taken[-1] for i in taken)
-    if not fits:
-        # nothing left could help: every leaf not taken holds no page of a short class
-        assert all(not room.helps(leaf) for i, leaf in enumerate(leaves) if i not in taken)
     # never more evicted of a class than it holds in total
     assert all(f >= fr for f, fr in zip(room.free, free))
+
+
+def test_a_run_all_leaves_together_cannot_fit_takes_none():
+    """Two leaves of class 0 for a run short of three class-0 pages: evicting
+    them would leave it short, so neither is taken; with a third, all three."""
+    need, free = [3, 1], [0, 1]
+    assert plan_host_room(need, free, [[1, 0], [0, 2], [1, 1]]) == ([], False)
+    assert plan_host_room(need, free, [[1, 0], [0, 2], [1, 1], [1, 0]]) == ([0, 2, 3], True)
+    assert plan_host_room(need, free, []) == ([], False)
+    assert plan_host_room([0, 1], [0, 1], []) == ([], True)
+
+
+@given(n=st.integers(1, 6), data=st.data())
+def test_can_fit_is_the_shortfall_covered_class_by_class(n, data):
+    counts = st.lists(st.integers(0, 6), min_size=n, max_size=n)
+    need, free, reachable = data.draw(counts), data.draw(counts), data.draw(counts)
+    room = HostRoom(need, free)
+    freed = HostRoom(need, free)
+    freed.take(reachable)
+    assert room.can_fit(reachable) == freed.satisfied == all(f + r >= k for k, f, r in zip(need, free, reachable))
+    assert room.free == free  # asking changes nothing
 
 
 @given(n=st.integers(1, 5), data=st.data())
@@ -114,5 +139,12 @@ def test_bad_arguments_are_refused_by_name():
     with pytest.raises(TypeError, match="freed\\[0\\] must be an int"):
         room.helps([1.0, 0])
     assert room.free == [0, 0] and room.shortfall == [2, 1]  # nothing changed
+    with pytest.raises(ValueError, match="reachable must have 2 entries, got 3"):
+        room.can_fit([1, 1, 1])
+    with pytest.raises(ValueError, match="reachable\\[1\\] must be >= 0"):
+        room.can_fit([1, -1])
+    with pytest.raises(ValueError, match="leaves\\[1\\] must have 2 entries, got 1"):
+        plan_host_room([1, 1], [0, 0], [[1, 0], [1]])
+    assert room.free == [0, 0] and room.shortfall == [2, 1]
     with pytest.raises(ValueError, match="ancestors\\[0\\] must have 2 entries, got 1"):
         reach_counts([0, 1], [([1], True)])

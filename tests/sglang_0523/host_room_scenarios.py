@@ -1,0 +1,106 @@
+"""Rank scenarios for the library's owner-aware host room on the sharded
+stack (run through :func:`tests.sglang_0523.ranks.run_ranks`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+P = 64
+
+
+def _host_only_pages(cache: Any, layout: Any, world: int) -> tuple[list[int], int]:
+    """Pages of each class held by host-only, unlocked nodes whose whole
+    subtree is host-only and unlocked (what host eviction could ever free),
+    and how many such nodes there are; read off the tree independently of
+    the library's walk."""
+    import torch
+    from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
+
+    def clearable(node: Any) -> bool:
+        data = node.component(ComponentType.FULL)
+        unlocked = all(cd.lock_ref == 0 and cd.host_lock_ref == 0 for cd in node.component_data)
+        return data.value is None and data.host_value is not None and unlocked and all(
+            clearable(child) for child in node.children.values()
+        )
+
+    counts, nodes = [0] * world, 0
+    todo = list(cache.tree_core.root_node.children.values())
+    while todo:
+        node = todo.pop()
+        todo.extend(node.children.values())
+        if clearable(node):
+            nodes += 1
+            for owner in layout.owner_of(node.component(ComponentType.FULL).host_value[::P].to(torch.int64)).tolist():
+                counts[owner] += 1
+    return counts, nodes
+
+
+def _snapshot(stack: Any, world: int) -> dict[str, Any]:
+    cache = stack.cache
+    reach, nodes = _host_only_pages(cache, stack.layout, world)
+    return {
+        "free": stack.kv_host._slots.class_free_page_counts(), "reach": reach, "host_only_nodes": nodes,
+        "host_leaves": sorted(node.id for node in cache.tree_core.evictable_host_leaves),
+        "room": dict(vars(stack.controller.cp_host_room.counters)),
+    }
+
+
+def unfittable_runs(rank: int, world: int) -> dict[str, Any]:
+    """Runs that no host eviction can make fit: one the host-only pages
+    cannot cover while the rest of the host holds copies of pages still on
+    the device (``make_room`` itself), then a backup larger than the host
+    (through the engine). The host room evicts nothing for either; what the
+    host held comes back bit-exact afterwards; then a run that eviction can
+    make fit still gets its room."""
+    from tests.sglang_0523.scenarios import _setup
+
+    _setup()
+    import torch.distributed as dist
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    from sglang_cp_hicache.policy_0523.host_room import cyclic_class_counts
+    from sglang_cp_hicache.sim.engine_0523 import ShardedSimRankEngine
+    from sglang_cp_hicache.testing.stack_0523 import ShardedStackConfig, build_sharded_rank_stack
+
+    config = ShardedStackConfig(cp_size=world, device_pages=8, host_pages=5, copy_path="library")
+    stack = build_sharded_rank_stack(config, rank, cp_group=dist.group.WORLD)
+    room = stack.controller.cp_host_room
+    engine = ShardedSimRankEngine(stack)
+    a, b, c = (list(range(base, base + pages * P)) for base, pages in ((1000, 3), (2000, 2), (3000, 4)))
+    d = list(range(4000, 4000 + (config.host_pages * world + 1) * P))  # one page more than the host
+    records = [engine.serve(i, tokens) for i, tokens in enumerate((a, b))]
+    stack.cache.evict(EvictParams(num_tokens=stack.allocator.size))  # a and b: host only
+    records.append(engine.serve(2, c))  # c: on the device, its copy on the host
+    out: dict[str, Any] = {"before": _snapshot(stack, world)}
+    # The shortest run from class 0 the free and host-only pages cannot cover.
+    free, reach = out["before"]["free"], out["before"]["reach"]
+    pages = next(
+        n for n in range(1, 2 * config.host_pages * world)
+        if any(k > f + r for k, f, r in zip(cyclic_class_counts(0, n, world), free, reach))
+    )
+    out["unfittable_pages"] = pages
+    out["unfittable_fits"] = room.make_room(0, pages)
+    out["after_unfittable"] = _snapshot(stack, world)
+    failures = engine._totals.write_failures
+    records.append(engine.serve(3, d))  # its backup cannot fit: it fails, as upstream's would
+    out["oversized_write_failures"] = engine._totals.write_failures - failures
+    out["after_oversized"] = _snapshot(stack, world)
+    records.append(engine.serve(4, a))  # a comes back from the host
+    out["after_restore"] = _snapshot(stack, world)
+    # A run that eviction can make fit: one page more than is free of class 0.
+    fits_pages = next(
+        n for n in range(1, 2 * config.host_pages * world)
+        if cyclic_class_counts(0, n, world)[0] > out["after_restore"]["free"][0]
+    )
+    out["fittable_pages"] = fits_pages
+    out["fittable_fits"] = room.make_room(0, fits_pages)
+    out["after_fittable"] = _snapshot(stack, world)
+    out["records"] = [
+        {k: getattr(r, k) for k in ("device_hit_tokens", "host_hit_tokens", "loaded_tokens",
+                                    "verified_pages", "restored_pages_verified", "corrupted_pages")}
+        for r in records
+    ]
+    totals = engine.totals()
+    out["digest"], out["invariant_violations"] = totals.tree_digest, totals.invariant_violations
+    stack.close()
+    return out
