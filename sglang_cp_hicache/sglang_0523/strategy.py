@@ -103,7 +103,8 @@ class LibraryDsaStrategy(assembler._DsaStrategy):
         check_hooks()
         # The library serves L3 itself (SGLang's storage controller stays off:
         # it would key objects by rank and read rank-local rows as logical
-        # slots); any backend but ``file`` is refused here, naming the flag.
+        # slots); any backend it cannot serve (``file``, ``mooncake``) is
+        # refused here, naming the flag.
         location = l3_location(storage_backend, storage_backend_extra_config)
         check_served_here(location)
         model_id = model_name or getattr(server_args, "served_model_name", None) or getattr(

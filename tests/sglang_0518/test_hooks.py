@@ -71,7 +71,7 @@ def _remove(monkeypatch: pytest.MonkeyPatch, hook: Hook) -> None:
         monkeypatch.setattr(module, hook.owner, enum.Enum(owner.__name__, kept))
         return
     for klass in owner.__mro__:
-        if klass.__module__.startswith("sglang") and hook.attribute in vars(klass):
+        if klass.__module__.split(".")[0] == "sglang" and hook.attribute in vars(klass):
             monkeypatch.delattr(klass, hook.attribute)
     # An instance attribute: a release whose classes no longer assign it.
     scan = hook_registry._instance_attributes

@@ -61,7 +61,7 @@ def _remove(monkeypatch: pytest.MonkeyPatch, hook: Hook) -> None:
         monkeypatch.setattr(module, hook.owner, enum.Enum(owner.__name__, kept))
         return
     for klass in owner.__mro__:
-        if klass.__module__.startswith("sglang") and hook.attribute in vars(klass):
+        if klass.__module__.split(".")[0] == "sglang" and hook.attribute in vars(klass):
             monkeypatch.delattr(klass, hook.attribute)
     # An instance attribute: a release whose classes no longer assign it.
     scan = hook_registry._instance_attributes
@@ -205,7 +205,7 @@ def _adapter_classes() -> list[type]:
 
 def _first_sglang_base(cls: type, name: str) -> type | None:
     return next(
-        (k for k in cls.__mro__[1:] if k.__module__.startswith("sglang") and name in vars(k)), None
+        (k for k in cls.__mro__[1:] if k.__module__.split(".")[0] == "sglang" and name in vars(k)), None
     )
 
 
@@ -227,7 +227,7 @@ def test_every_upstream_attribute_the_adapter_overwrites_is_registered():
     ``<name>`` too, replaces upstream's value on each instance."""
     replaced = []
     for cls in _adapter_classes():
-        bases = [k for k in cls.__mro__[1:] if k.__module__.startswith("sglang")]
+        bases = [k for k in cls.__mro__[1:] if k.__module__.split(".")[0] == "sglang"]
         if not bases:
             continue
         for name in hook_registry.self_targets(ast.parse(inspect.getsource(cls))):
