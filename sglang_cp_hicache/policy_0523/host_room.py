@@ -10,7 +10,8 @@ instead: how many pages of each class a run needs, which classes are short,
 whether evicting a host leaf (its pages' classes) frees anything of a short
 class, and whether everything evictable together could make the run fit at
 all (when it could not, the write fails either way and evicting would only
-lose pages).
+lose pages), and how short a tail of the last leaf is enough (the pages
+before it cannot help, so they stay).
 
 Pure functions of ints (no torch, no SGLang). Every CP rank holds the same
 host allocator state and the same tree, so every rank reaches the same
@@ -21,10 +22,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Optional
 
 from sglang_cp_hicache.validation import check_int, check_int_list
 
-__all__ = ["HostRoom", "class_counts_of", "cyclic_class_counts", "plan_host_room", "reach_counts"]
+__all__ = ["HostRoom", "class_counts_of", "cyclic_class_counts", "plan_host_room", "reach_counts", "shortest_tail"]
 
 
 def cyclic_class_counts(start_class: int, pages: int, cp_size: int) -> list[int]:
@@ -109,6 +111,29 @@ class HostRoom:
         freed = check_int_list("freed", freed, length=len(self.need), minimum=0)
         self.free = [f + g for f, g in zip(self.free, freed)]
         self.shortfall = [max(n - f, 0) for n, f in zip(self.need, self.free)]
+
+
+def shortest_tail(room: HostRoom, owners: Sequence[int]) -> Optional[int]:
+    """The fewest last pages of a leaf whose pages have owner classes
+    ``owners`` (in key order) that make the run fit once freed, or None when
+    even the whole leaf leaves it short. Only a tail can go: a tree keeps a
+    prefix of a node as the parent of the rest, never the other way round."""
+    if not isinstance(room, HostRoom):
+        raise TypeError(f"room must be a HostRoom, got {type(room).__name__}")
+    if isinstance(owners, (str, bytes)) or not isinstance(owners, Sequence):
+        raise TypeError(f"owners must be a list of ints, got {type(owners).__name__}")
+    owners = [check_int(f"owners[{i}]", owner, 0, len(room.need) - 1) for i, owner in enumerate(owners)]
+    if room.satisfied:
+        return 0
+    short = list(room.shortfall)
+    missing = sum(1 for s in short if s)
+    for length, owner in enumerate(reversed(owners), start=1):
+        if short[owner]:
+            short[owner] -= 1
+            missing -= int(short[owner] == 0)
+            if not missing:
+                return length
+    return None
 
 
 def plan_host_room(need: Sequence[int], free: Sequence[int], leaves: Sequence[Sequence[int]]) -> tuple[list[int], bool]:

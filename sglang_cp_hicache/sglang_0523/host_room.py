@@ -19,7 +19,13 @@ also evicts a leaf whose own pages are of other classes when it is the way
 to a host-only ancestor that holds a short class's page and can be cleared
 (:func:`~sglang_cp_hicache.policy_0523.host_room.reach_counts`): a tree holds no
 child without its parent, so such a page is freed only after every leaf
-below it. Before evicting anything it sums every page eviction could free
+below it. When a leaf's own pages would make the run fit, only its shortest
+tail that does (:func:`~sglang_cp_hicache.policy_0523.host_room.shortest_tail`)
+is evicted: upstream's node split cuts the leaf there and the prefix stays a
+host node with the leaf's recency, since its pages could not help. Only a
+leaf the split carries over whole is cut (host-only, unlocked, nothing in
+flight, FULL data alone, hashes matching its pages); any other is evicted
+whole. Before evicting anything it sums every page eviction could free
 (the host leaves and their clearable host-only ancestors): when even all of
 them would leave the run short, the write fails either way and it evicts
 nothing, where upstream's eviction loses those pages for nothing. Then it
@@ -41,7 +47,13 @@ from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 from sglang.srt.mem_cache.unified_cache.unified_tree_core_interface import DriveHostEvictionResult
 
 from sglang_cp_hicache.placement import CpPlacement
-from sglang_cp_hicache.policy_0523.host_room import HostRoom, class_counts_of, cyclic_class_counts, reach_counts
+from sglang_cp_hicache.policy_0523.host_room import (
+    HostRoom,
+    class_counts_of,
+    cyclic_class_counts,
+    reach_counts,
+    shortest_tail,
+)
 
 __all__ = ["HostRoomCounters", "OwnerAwareHostRoom"]
 
@@ -69,6 +81,10 @@ class OwnerAwareHostRoom:
         self.cache = cache
         self.placement = placement
         self.counters = HostRoomCounters()
+        # Of counters.leaves_evicted: tails split off a leaf whose own pages
+        # made the run fit, and the pages their prefixes kept on the host.
+        self.tails_split = 0
+        self.pages_kept = 0
         # Upstream's method, for a node without a rotation phase (no shard owner).
         self._upstream_backup: Callable[..., Any] = cache._execute_kv_backup
 
@@ -80,10 +96,13 @@ class OwnerAwareHostRoom:
     def _host_slots(self) -> Any:
         return self.cache.cache_controller.mem_pool_host.anchor_entry.host_pool._slots
 
-    def _host_classes(self, node: Any) -> list[int]:
+    def _host_owners(self, node: Any) -> list[int]:
+        """The owner class of each of ``node``'s host pages, in key order."""
         host = node.component(_FULL).host_value
-        owners = self.placement.owner_of(host[:: self.placement.page_size].to(torch.int64))
-        return class_counts_of(owners.tolist(), self.placement.cp_size)
+        return self.placement.owner_of(host[:: self.placement.page_size].to(torch.int64)).tolist()
+
+    def _host_classes(self, node: Any) -> list[int]:
+        return class_counts_of(self._host_owners(node), self.placement.cp_size)
 
     # ---- the replacement ---------------------------------------------------------
     def execute_kv_backup(self, node_id: Any, device_value: torch.Tensor, comp_xfers: Any, sidecar_xfers: Any) -> Any:
@@ -138,11 +157,16 @@ class OwnerAwareHostRoom:
             _, leaf = heapq.heappop(heap)
             if leaf not in tree.evictable_host_leaves:
                 continue
-            freed = self._host_classes(leaf)
+            owners = self._host_owners(leaf)
+            freed = class_counts_of(owners, self.placement.cp_size)
             if not room.helps(self._reach(leaf, freed) if through_ancestors else freed):
                 self.counters.leaves_skipped += int(not through_ancestors)
                 continue
             self.counters.leaves_evicted_for_ancestors += int(not room.helps(freed))
+            tail = shortest_tail(room, owners)
+            if tail is not None and tail < len(owners) and self._splittable(leaf, len(owners)):
+                leaf = self._split_off_tail(leaf, tail)
+                freed = class_counts_of(owners[-tail:], self.placement.cp_size)
             self._evict_host_leaf(leaf)
             self.counters.leaves_evicted += 1
             self.counters.pages_evicted += sum(freed)
@@ -193,6 +217,48 @@ class OwnerAwareHostRoom:
         if memo is not None:
             memo[id(node)] = ok
         return ok
+
+    def _splittable(self, leaf: Any, pages: int) -> bool:
+        """Whether upstream's node split keeps every piece of ``leaf``'s state
+        on its prefix: a host-only, unlocked, unprotected host leaf of FULL
+        data alone (no other component's device or host value), with no
+        write or load in flight, whose key, host slots and hashes all cover
+        the same ``pages`` pages. Anything else is evicted whole."""
+        tree = self.cache.tree_core
+        full = leaf.component(_FULL)
+        tokens = pages * self.placement.page_size
+        quiet = all(
+            cd.lock_ref == 0 and cd.host_lock_ref == 0 and cd.session_ref == 0 and not cd.session_ids
+            for cd in leaf.component_data
+        )
+        alone = all(
+            cd.value is None and cd.host_value is None for ct, cd in enumerate(leaf.component_data) if ct != _FULL
+        )
+        hashes = all(h is None or len(h) == pages for h in (leaf.hash_value, leaf.event_hash_value))
+        return (
+            leaf in tree.evictable_host_leaves and not leaf.children and not tree.is_eagle
+            and full.value is None and full.host_value is not None
+            and len(leaf.key) == len(full.host_value) == tokens
+            and leaf.write_through_pending_id is None and leaf.load_back_pending_id is None
+            and quiet and alone and hashes
+        )
+
+    def _split_off_tail(self, leaf: Any, tail: int) -> Any:
+        """Split ``leaf`` so its last ``tail`` pages are a leaf of their own
+        and return that leaf (the prefix stays a host node, its parent).
+        Both keep ``leaf``'s recency: nothing accessed them, and the prefix
+        must keep its place in upstream's LRU order."""
+        tree = self.cache.tree_core
+        when = leaf.last_access_time
+        keep = len(leaf.key) - tail * self.placement.page_size
+        prefix, action = tree._split_node(leaf.key, leaf, keep)
+        if action is not None:  # only a write in flight or buffer_only yields one; both were excluded
+            raise RuntimeError(f"splitting host leaf {leaf.id} queued {action!r}; nothing may be in flight")
+        prefix.last_access_time = when
+        leaf.last_access_time = when
+        self.tails_split += 1
+        self.pages_kept += keep // self.placement.page_size
+        return leaf
 
     def _evict_host_leaf(self, leaf: Any) -> None:
         """One host leaf, as upstream's host eviction evicts each, its frees

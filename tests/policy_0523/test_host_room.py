@@ -12,6 +12,7 @@ from sglang_cp_hicache.policy_0523.host_room import (
     cyclic_class_counts,
     plan_host_room,
     reach_counts,
+    shortest_tail,
 )
 
 
@@ -118,6 +119,44 @@ def test_an_inner_page_of_the_short_class_is_reached_through_its_leaf():
     assert not room.helps(reach_counts(leaf, [(parent, False), ([5, 0], True)]))
 
 
+@settings(max_examples=400, deadline=None)
+@given(n=st.integers(1, 6), data=st.data())
+def test_the_shortest_tail_makes_the_run_fit_and_no_shorter_one_does(n, data):
+    counts = st.lists(st.integers(0, 4), min_size=n, max_size=n)
+    need, free = data.draw(counts), data.draw(counts)
+    owners = data.draw(st.lists(st.integers(0, n - 1), max_size=16))
+    room = HostRoom(need, free)
+    tail = shortest_tail(room, owners)
+
+    def fits(length: int) -> bool:
+        probe = HostRoom(need, free)
+        probe.take(class_counts_of(owners[len(owners) - length:], n))
+        return probe.satisfied
+
+    assert room.free == free and room.need == need  # asking changes nothing
+    if tail is None:
+        assert not fits(len(owners))  # even the whole leaf leaves the run short
+        return
+    assert 0 <= tail <= len(owners)  # never longer than the leaf
+    assert fits(tail)
+    assert not any(fits(m) for m in range(tail))
+    # its first page is one the run needs: every page before it stays
+    assert tail == 0 or room.helps(class_counts_of([owners[-tail]], n))
+
+
+def test_only_the_tail_a_run_needs_is_taken():
+    """Short of one class-1 page: the leaf's last page of class 1 is enough,
+    however long the leaf; short of a class-0 page too, the tail reaches back
+    to the last page of class 0; a leaf without one cannot make it fit."""
+    room = HostRoom([2, 3], [2, 2])
+    assert shortest_tail(room, [0, 1, 0, 1, 0, 1]) == 1
+    assert shortest_tail(room, [0, 1, 0, 1, 0, 0]) == 3
+    assert shortest_tail(HostRoom([3, 3], [2, 2]), [0, 1, 0, 1, 1, 1]) == 4
+    assert shortest_tail(HostRoom([3, 3], [2, 2]), [1, 1, 1]) is None
+    assert shortest_tail(room, []) is None
+    assert shortest_tail(HostRoom([1, 1], [1, 1]), [0, 1]) == 0  # already fits: nothing needed
+
+
 def test_bad_arguments_are_refused_by_name():
     with pytest.raises(ValueError, match="start_class must be <= 1"):
         cyclic_class_counts(2, 3, 2)
@@ -145,6 +184,13 @@ def test_bad_arguments_are_refused_by_name():
         room.can_fit([1, -1])
     with pytest.raises(ValueError, match="leaves\\[1\\] must have 2 entries, got 1"):
         plan_host_room([1, 1], [0, 0], [[1, 0], [1]])
+    assert room.free == [0, 0] and room.shortfall == [2, 1]
+    with pytest.raises(ValueError, match="owners\\[2\\] must be <= 1"):
+        shortest_tail(room, [0, 1, 2])
+    with pytest.raises(TypeError, match="owners must be a list of ints, got int"):
+        shortest_tail(room, 3)
+    with pytest.raises(TypeError, match="room must be a HostRoom, got list"):
+        shortest_tail([2, 1], [0, 1])
     assert room.free == [0, 0] and room.shortfall == [2, 1]
     with pytest.raises(ValueError, match="ancestors\\[0\\] must have 2 entries, got 1"):
         reach_counts([0, 1], [([1], True)])

@@ -104,3 +104,74 @@ def unfittable_runs(rank: int, world: int) -> dict[str, Any]:
     out["digest"], out["invariant_violations"] = totals.tree_digest, totals.invariant_violations
     stack.close()
     return out
+
+
+def _node_state(node: Any, page_owners: Any) -> dict[str, Any]:
+    import torch
+    from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
+
+    host = node.component(ComponentType.FULL).host_value
+    return {
+        "id": node.id, "tokens": len(node.key), "first_token": int(node.key.token_ids[0]),
+        "host": host.tolist(), "time": node.last_access_time,
+        "owners": page_owners(host[::P].to(torch.int64)).tolist(), "base": node.rotation_base,
+        "on_device": node.component(ComponentType.FULL).value is not None,
+        "parent_is_root": node.parent.parent is None,
+    }
+
+
+def tail_eviction(rank: int, world: int, forge_hashes: bool = False) -> dict[str, Any]:
+    """Two host-only leaves fill the host (``a``: 6 pages, least recently
+    used; ``b``: 4 pages); a one-page request's backup is then one page of a
+    class short. Only the shortest tail of ``a`` that holds a page of that
+    class is evicted, its prefix stays a host node (then ``a`` again loads
+    that prefix back from the host). ``forge_hashes``: ``a`` carries hash
+    values that do not match its pages, so it is not split but evicted whole."""
+    from tests.sglang_0523.scenarios import _setup
+
+    _setup()
+    import torch.distributed as dist
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    from sglang_cp_hicache.sim.engine_0523 import ShardedSimRankEngine
+    from sglang_cp_hicache.testing.stack_0523 import ShardedStackConfig, build_sharded_rank_stack
+
+    config = ShardedStackConfig(cp_size=world, device_pages=8, host_pages=5, copy_path="library")
+    stack = build_sharded_rank_stack(config, rank, cp_group=dist.group.WORLD)
+    room, tree = stack.controller.cp_host_room, stack.cache.tree_core
+    engine = ShardedSimRankEngine(stack)
+    a, b, c = (list(range(base, base + pages * P)) for base, pages in ((1000, 6), (2000, 4), (3000, 1)))
+    records = [engine.serve(i, tokens) for i, tokens in enumerate((a, b))]
+    stack.cache.evict(EvictParams(num_tokens=stack.allocator.size))  # a and b: host only
+    leaves = {len(n.key) // P: n for n in tree.evictable_host_leaves}
+    node_a, owner_of = leaves[6], stack.layout.owner_of
+    if forge_hashes:
+        node_a.hash_value = ["stale"] * 5  # one short of its 6 pages
+    out: dict[str, Any] = {
+        "before": _snapshot(stack, world), "a": _node_state(node_a, owner_of), "b": _node_state(leaves[4], owner_of),
+    }
+    records.append(engine.serve(2, c))  # its backup needs one host page of a class now full
+    out["after"] = _snapshot(stack, world)
+    out["tails_split"], out["pages_kept"] = room.tails_split, room.pages_kept
+    out["host_nodes_after"] = sorted((_node_state(n, owner_of) for n in _all_nodes(tree) if n.backuped),
+                                     key=lambda s: s["id"])
+    records.append(engine.serve(3, a))  # a again: what stayed of it comes back from the host
+    out["records"] = [
+        {k: getattr(r, k) for k in ("device_hit_tokens", "host_hit_tokens", "loaded_tokens",
+                                    "verified_pages", "restored_pages_verified", "corrupted_pages")}
+        for r in records
+    ]
+    totals = engine.totals()
+    out["indexer_pages_verified"] = engine.indexer_pages_verified
+    out["digest"], out["invariant_violations"] = totals.tree_digest, totals.invariant_violations
+    stack.close()
+    return out
+
+
+def _all_nodes(tree: Any) -> list[Any]:
+    nodes, todo = [], list(tree.root_node.children.values())
+    while todo:
+        node = todo.pop()
+        nodes.append(node)
+        todo.extend(node.children.values())
+    return nodes
