@@ -72,12 +72,9 @@ class SimRankEngine(RankEngineBase):
         self._plain_writes = 0
         self._plain_loads = 0
         self._count_backups()
-        # L3 (CP with an L3 directory): the content keys of the
-        # last token of every page whose host copy came from L3 and has not
-        # been loaded to the device since; a page's content key names its
-        # whole prefix, so it identifies the page in any later request.
+        # L3 (CP with an L3 directory): the tier, and the spans of the nodes
+        # inserted from L3 by the last prefetch.
         self.l3 = getattr(self.cache, "cp_l3", None) if self.cp_mode else None
-        self._l3_page_keys: set[int] = set()
         self._l3_spans: list[tuple[int, int]] = []
         # What the scheduler's pop_prefetch_loaded_tokens reported, and the
         # tokens of the nodes L3 inserted: equal, or the run reports it.
@@ -176,21 +173,6 @@ class SimRankEngine(RankEngineBase):
             self._l3_inserted_tokens += length
             ends = request.keys[start + P - 1 : start + length : P]
             self._l3_page_keys.update(ends.tolist())
-
-    def _check_prefix(self, record: Any, prefix: torch.Tensor, loaded: torch.Tensor, keys: torch.Tensor) -> None:
-        super()._check_prefix(record, prefix, loaded, keys)
-        if not self._l3_page_keys or self.restored_good_pages.numel() == 0:
-            return
-        P = self.page_size
-        ends = keys[self.restored_good_pages * P + P - 1].tolist()
-        from_l3 = [k for k in ends if k in self._l3_page_keys]
-        self._l3_page_keys.difference_update(from_l3)  # counted at its first load
-        record.l3_pages_verified = len(from_l3)
-
-    def _write(self, locs: torch.Tensor, keys: torch.Tensor) -> None:
-        super()._write(locs, keys)
-        if self._l3_page_keys:  # recomputed: a later host copy of these pages is not L3's
-            self._l3_page_keys.difference_update(keys.tolist())
 
     # ---- SGLang calls -------------------------------------------------------
     def _make_room(self, num_tokens: int) -> int:

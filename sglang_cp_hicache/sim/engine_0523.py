@@ -126,12 +126,8 @@ class ShardedSimRankEngine(RankEngineBase):
         self._time_copy_path()
         self._count_transfers()
         self._count_bookkeeping()
-        # L3 (the library stack with SGLANG_CP_HICACHE_L3_DIR set): the
-        # content keys of the last token of every page whose host copy came
-        # from L3 and was not loaded to the device since; a page's content key
-        # names its whole prefix, so it identifies the page in any request.
+        # L3 (the library stack with an L3 directory): its tier.
         self.l3 = getattr(self.cache.cache_controller, "cp_l3", None)
-        self._l3_page_keys: set[int] = set()
 
     # ---- instrumentation (instance attributes shadow the bound methods) ------
     def _owned_tokens(self, logical: torch.Tensor) -> int:
@@ -278,21 +274,6 @@ class ShardedSimRankEngine(RankEngineBase):
         tokens, start = cache.pop_prefetch_loaded_span(handle)
         if tokens:
             self._l3_page_keys.update(request.keys[start + P - 1 : start + tokens : P].tolist())
-
-    def _check_prefix(self, record: Any, prefix: torch.Tensor, loaded: torch.Tensor, keys: torch.Tensor) -> None:
-        super()._check_prefix(record, prefix, loaded, keys)
-        if not self._l3_page_keys or self.restored_good_pages.numel() == 0:
-            return
-        P = self.page_size
-        ends = keys[self.restored_good_pages * P + P - 1].tolist()
-        from_l3 = [k for k in ends if k in self._l3_page_keys]
-        self._l3_page_keys.difference_update(from_l3)  # counted at its first load
-        record.l3_pages_verified = len(from_l3)
-
-    def _write(self, locs: torch.Tensor, keys: torch.Tensor) -> None:
-        super()._write(locs, keys)
-        if self._l3_page_keys:  # recomputed: a later host copy of these pages is not L3's
-            self._l3_page_keys.difference_update(keys.tolist())
 
     def _l3_totals(self, totals: EngineTotals) -> None:
         if self.l3 is None:

@@ -86,6 +86,11 @@ class RankEngineBase:
         self.corrupt_part = "kv"
         # Prefix page indices the last _verify found owned, just restored and intact.
         self.restored_good_pages = _EMPTY_PAGES
+        # Content keys of the last token of every page whose host copy came
+        # from L3 and was not loaded to the device since (empty without L3);
+        # a page's content key names its whole prefix, so it identifies the
+        # page in any later request.
+        self._l3_page_keys: set[int] = set()
 
     # ---- one request --------------------------------------------------------
     def serve(self, index: int, tokens: Sequence[int]) -> RequestRecord:
@@ -130,6 +135,18 @@ class RankEngineBase:
         with self._content_time():
             checked, restored, corrupted = self._verify(prefix, keys[: prefix.numel()], record.device_hit_tokens)
         record.verified_pages, record.restored_pages_verified, record.corrupted_pages = checked, restored, corrupted
+        self._count_l3_pages(record, keys)
+
+    def _count_l3_pages(self, record: RequestRecord, keys: torch.Tensor) -> None:
+        """Pages just restored intact whose host copy came from L3, each
+        counted at its first load."""
+        if not self._l3_page_keys or self.restored_good_pages.numel() == 0:
+            return
+        P = self.page_size
+        ends = keys[self.restored_good_pages * P + P - 1].tolist()
+        from_l3 = [k for k in ends if k in self._l3_page_keys]
+        self._l3_page_keys.difference_update(from_l3)
+        record.l3_pages_verified = len(from_l3)
 
     def _allocate_rest(
         self, request: RequestInFlight, hit: PrefixHit, prefix: torch.Tensor
@@ -192,6 +209,8 @@ class RankEngineBase:
         mask = self.layout.owned_by_this_rank(locs)
         write_content(self.kv_pool, self.layout.logical_locs_to_physical(locs[mask]), keys[mask],
                       seed=self.content_seed)
+        if self._l3_page_keys:  # recomputed: a later host copy of these pages is not L3's
+            self._l3_page_keys.difference_update(keys.tolist())
 
     def _verify(self, locs: torch.Tensor, keys: torch.Tensor, restored_from: int) -> tuple[int, int, int]:
         """(owned pages checked, of which restored, corrupted) over ``locs``
