@@ -22,10 +22,14 @@ __all__ = [
     "ALLOW_ANY_SGLANG",
     "COPY",
     "DEBUG",
+    "FILE_EVICTION_RATIO",
+    "FILE_MAX_SIZE",
+    "FILE_MIN_FREE",
     "HOST_BALANCE",
     "HF_HOME",
     "HF_HUB_CACHE",
     "L3_DIR",
+    "L3_EVICTION",
     "L3_MODEL_ID",
     "L3_THREADS",
     "SETTINGS",
@@ -123,6 +127,36 @@ L3_MODEL_ID = Setting(
     "different paths; the revision, quantization, dtypes and model config "
     "still enter the namespace. Empty: the fingerprint.",
 )
+L3_EVICTION = Setting(
+    "SGLANG_CP_HICACHE_L3_EVICTION",
+    "lru-leaves",
+    ("lru-leaves", "random-chains"),
+    "How a bounded file L3 directory makes room: lru-leaves evicts the least "
+    "recently used page that no stored page follows (a chain goes from its "
+    "end); random-chains evicts a random chain's branch (for comparisons only).",
+)
+FILE_MAX_SIZE = Setting(
+    "SGLANG_HICACHE_FILE_BACKEND_MAX_SIZE",
+    "",
+    (),
+    "SGLang's own variable, read (never set) by the library: the bound of a "
+    "file L3 directory (200G, 64Gi, bytes) when the extra config names no "
+    "max_size; empty: unbounded.",
+)
+FILE_MIN_FREE = Setting(
+    "SGLANG_HICACHE_FILE_BACKEND_MIN_FREE_SPACE",
+    "",
+    (),
+    "SGLang's own variable, read (never set): free space a file L3 directory's "
+    "file system keeps (the extra config's min_free_space wins); empty: none.",
+)
+FILE_EVICTION_RATIO = Setting(
+    "SGLANG_HICACHE_FILE_BACKEND_EVICTION_RATIO",
+    "",
+    (),
+    "SGLang's own variable, read (never set): a full directory is evicted down "
+    "to this share of max_size (the extra config's eviction_ratio wins); empty: 0.9.",
+)
 HF_HUB_CACHE = Setting(
     "HF_HUB_CACHE",
     "",
@@ -149,8 +183,8 @@ SGLANG_FILE_DIR = Setting(
 
 #: Every setting, in the order the table shows them.
 SETTINGS: tuple[Setting, ...] = (
-    COPY, HOST_BALANCE, DEBUG, ALLOW_ANY_SGLANG, L3_DIR, L3_THREADS, L3_MODEL_ID, SGLANG_FILE_DIR,
-    HF_HUB_CACHE, HF_HOME,
+    COPY, HOST_BALANCE, DEBUG, ALLOW_ANY_SGLANG, L3_DIR, L3_THREADS, L3_MODEL_ID, L3_EVICTION, SGLANG_FILE_DIR,
+    FILE_MAX_SIZE, FILE_MIN_FREE, FILE_EVICTION_RATIO, HF_HUB_CACHE, HF_HOME,
 )
 
 

@@ -19,6 +19,7 @@ attribute only (``kv_buffer``, ``kv_cache_dim``, ``layer_num``, ``layout``,
 
 from __future__ import annotations
 
+import logging
 import threading
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Mapping, Optional
@@ -27,10 +28,13 @@ import torch
 
 from sglang_cp_hicache.l3.consensus import local_usable_pages
 from sglang_cp_hicache.l3.keys import L3Namespace, page_keys
-from sglang_cp_hicache.l3.pages import PutOutcome, fetch_owned, store_owned
+from sglang_cp_hicache.l3.envelope import HEADER_BYTES, byte_view
+from sglang_cp_hicache.l3.pages import PutOutcome, fetch_owned, read_verified, store_verified
 from sglang_cp_hicache.l3.plan import read_plan, write_plan
 from sglang_cp_hicache.l3.store import PageStore
 from sglang_cp_hicache.placement import CpPlacement
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "HostL3Tier", "HostRow", "L3Counters", "L3Fetched", "L3Snapshot", "PageHasher", "namespaces", "open_tier_store",
@@ -80,12 +84,37 @@ class L3Counters:
 @dataclass(frozen=True)
 class L3Snapshot:
     """This rank's own pages of a chain, copied out of its host pools (chain
-    order): KV and indexer bytes per page, with the chain's hashes and owners."""
+    order): KV and indexer bytes per page, with the chain's hashes, owners
+    and the hash before its first page (None: it starts at the root)."""
 
     hashes: list[str]
     owners: list[int]
     kv: list[torch.Tensor]
     indexer: list[torch.Tensor]
+    parent: Optional[str] = None
+
+
+@dataclass
+class _Staging:
+    """One thread's buffers for one page's objects (header + page, KV and
+    indexer): reads land here, are verified here, and only then copied into
+    the host pools; allocated once per thread and reused."""
+
+    kv_head: memoryview
+    kv_page: torch.Tensor
+    idx_head: memoryview
+    idx_page: torch.Tensor
+
+    @classmethod
+    def for_namespaces(cls, kv: L3Namespace, idx: L3Namespace) -> "_Staging":
+        return cls(memoryview(bytearray(HEADER_BYTES)), torch.empty(kv.page_bytes, dtype=torch.uint8),
+                   memoryview(bytearray(HEADER_BYTES)), torch.empty(idx.page_bytes, dtype=torch.uint8))
+
+    def kv(self) -> tuple[memoryview, memoryview]:
+        return self.kv_head, byte_view(self.kv_page)
+
+    def indexer(self) -> tuple[memoryview, memoryview]:
+        return self.idx_head, byte_view(self.idx_page)
 
 
 @dataclass(frozen=True)
@@ -163,6 +192,7 @@ class HostL3Tier:
         self.model_label = model_label or model_id  # what the start-up log names
         self.page_size = self.kv_ns.page_size
         self.counters = L3Counters()
+        self._local = threading.local()  # each I/O thread's staging buffers
 
     def describe(self) -> str:
         """What every rank must agree on: both namespaces (a file store's
@@ -181,22 +211,37 @@ class HostL3Tier:
             raise RuntimeError(f"get_hash_str gave {len(hashes)} hashes for {num_pages} pages")
         return hashes
 
+    def chain_keys(self, hashes: list[str], parent: Optional[str] = None) -> tuple[list[str], list[str]]:
+        """The KV and indexer keys of a chain's pages (``parent``: the page
+        hash before the first one; None: the chain starts at the root)."""
+        return page_keys(hashes, self.kv_ns, parent), page_keys(hashes, self.indexer_ns, parent)
+
+    def _staging(self) -> _Staging:
+        staging = getattr(self._local, "staging", None)
+        if staging is None:
+            staging = self._local.staging = _Staging.for_namespaces(self.kv_ns, self.indexer_ns)
+        return staging
+
     # ---- host -> L3 ------------------------------------------------------------
-    def store_pages(self, hashes: list[str], owners: list[int], slots: list[int]) -> int:
+    def store_pages(self, hashes: list[str], owners: list[int], slots: list[int], parent: Optional[str] = None) -> int:
         """Store this rank's pages of a chain. ``slots``: the host slot of the
         first token of each page this rank owns, in chain order. Returns the
         pages stored whole (KV and indexer). A failed put is logged and
         counted; the page is simply absent (or refused) when read."""
-        return self.store_snapshot(self._snapshot(hashes, owners, slots, copy=False))
+        return self.store_snapshot(self._snapshot(hashes, owners, slots, parent, copy=False))
 
-    def snapshot_pages(self, hashes: list[str], owners: list[int], slots: list[int]) -> L3Snapshot:
+    def snapshot_pages(
+        self, hashes: list[str], owners: list[int], slots: list[int], parent: Optional[str] = None
+    ) -> L3Snapshot:
         """Copies of this rank's pages of a chain out of its host pools: what
         a write stores later, when the host slots may hold other pages."""
-        return self._snapshot(hashes, owners, slots, copy=True)
+        return self._snapshot(hashes, owners, slots, parent, copy=True)
 
-    def _snapshot(self, hashes: list[str], owners: list[int], slots: list[int], *, copy: bool) -> L3Snapshot:
+    def _snapshot(
+        self, hashes: list[str], owners: list[int], slots: list[int], parent: Optional[str], *, copy: bool
+    ) -> L3Snapshot:
         rank, N = self.layout.cp_rank, self.layout.cp_size
-        mine = len(write_plan(page_keys(hashes, self.kv_ns), owners, N, rank).keys)
+        mine = len(write_plan(page_keys(hashes, self.kv_ns, parent), owners, N, rank).keys)
         if mine != len(slots):
             raise ValueError(f"slots must hold one host slot per owned page ({mine}), got {len(slots)}")
         rows = [self.host_row(s) for s in slots]
@@ -204,46 +249,77 @@ class HostL3Tier:
         idx = [_as_bytes(self.indexer_host.get_data_page(r)) for r in rows]
         if copy:  # the host rows may be reused before the snapshot is stored
             kv, idx = [t.clone() for t in kv], [t.clone() for t in idx]
-        return L3Snapshot(list(hashes), list(owners), kv, idx)
+        return L3Snapshot(list(hashes), list(owners), kv, idx, parent)
 
-    def store_snapshot(self, snap: L3Snapshot) -> int:
-        """Store a snapshot's pages (KV and indexer objects); returns the
-        pages stored whole, counting the others as write failures."""
-        if not snap.kv:
-            return 0
-        rank, N = self.layout.cp_rank, self.layout.cp_size
-        kv_plan = write_plan(page_keys(snap.hashes, self.kv_ns), snap.owners, N, rank)
-        idx_plan = write_plan(page_keys(snap.hashes, self.indexer_ns), snap.owners, N, rank)
-        kv = store_owned(self.store, self.kv_ns, kv_plan, snap.kv)
-        idx = store_owned(self.store, self.indexer_ns, idx_plan, snap.indexer)
-        kept = sum(a is PutOutcome.KEPT and b is PutOutcome.KEPT for a, b in zip(kv, idx))
-        whole = sum(a.in_l3 and b.in_l3 for a, b in zip(kv, idx))
-        repaired = sum(PutOutcome.REPAIRED in (a, b) and a.in_l3 and b.in_l3 for a, b in zip(kv, idx))
-        self.counters.add(written_pages=whole - kept, kept_pages=kept, repaired_pages=repaired,
-                          write_failures=len(snap.kv) - whole)
+    def snapshot_keys(self, snap: L3Snapshot) -> list[tuple[str, str]]:
+        """(KV key, indexer key) of each page of ``snap`` (chain order of this
+        rank's pages)."""
+        kv, idx = self.chain_keys(snap.hashes, snap.parent)
+        rank = self.layout.cp_rank
+        return [(k, i) for k, i, o in zip(kv, idx, snap.owners) if o == rank]
+
+    def store_page(self, kv_key: str, idx_key: str, kv: torch.Tensor, idx: torch.Tensor) -> bool:
+        """Store one own page (both objects; a sound object already there is
+        kept, a damaged one replaced); counts it; True if both are in L3."""
+        staging = self._staging()
+        a = store_verified(self.store, self.kv_ns, kv_key, kv, staging.kv())
+        b = store_verified(self.store, self.indexer_ns, idx_key, idx, staging.indexer())
+        kept = a is PutOutcome.KEPT and b is PutOutcome.KEPT
+        whole = a.in_l3 and b.in_l3
+        self.counters.add(
+            written_pages=int(whole and not kept), kept_pages=int(kept),
+            repaired_pages=int(whole and PutOutcome.REPAIRED in (a, b)), write_failures=int(not whole),
+        )
         return whole
 
+    def store_snapshot(self, snap: L3Snapshot) -> int:
+        """Store a snapshot's pages one after another; returns the pages
+        stored whole, counting the others as write failures."""
+        return sum(
+            self.store_page(kv_key, idx_key, kv, idx)
+            for (kv_key, idx_key), kv, idx in zip(self.snapshot_keys(snap), snap.kv, snap.indexer)
+        )
+
     # ---- L3 -> host ------------------------------------------------------------
-    def query_pages(self, hashes: list[str], owners: list[int]) -> int:
+    def query_pages(self, hashes: list[str], owners: list[int], parent: Optional[str] = None) -> int:
         """This rank's local present prefix of a chain: the first own page
         whose KV or indexer object is absent (unverified: the fetch checks)."""
         rank, N = self.layout.cp_rank, self.layout.cp_size
-        plans = [read_plan(page_keys(hashes, ns), owners, N, rank) for ns in (self.kv_ns, self.indexer_ns)]
+        kv_keys, idx_keys = self.chain_keys(hashes, parent)
+        plans = [read_plan(keys, owners, N, rank) for keys in (kv_keys, idx_keys)]
         indices = plans[0].page_indices
         if not indices:
             return len(hashes)
         present = [all(pair) for pair in zip(*(self.store.exists(list(p.keys)) for p in plans))]
         return local_usable_pages(indices, present, len(hashes))
 
-    def fetch_pages(self, hashes: list[str], owners: list[int]) -> L3Fetched:
-        """Fetch and verify this rank's pages of a chain (KV and indexer);
-        its local usable prefix is the first own page missing or refused in
-        either pool. Never raises on bad objects."""
+    def read_page(self, kv_key: str, idx_key: str, slot: int, publish: Callable[[Callable[[], None]], None]) -> bool:
+        """Read and verify one own page's two objects into this thread's
+        staging buffers, then put them into the host pools at host slot
+        ``slot`` through ``publish`` (an L3 job's: a cancelled job writes
+        nothing). False -- and nothing written -- if either object is
+        missing or refused."""
+        staging = self._staging()
+        bad = read_verified(self.store, self.kv_ns, kv_key, *staging.kv())
+        if bad is None:
+            bad = read_verified(self.store, self.indexer_ns, idx_key, *staging.indexer())
+        if bad is not None:
+            if bad.reason != "missing":
+                self.counters.add(rejected_pages=1)
+                logger.warning("L3 object of %s rejected (%s): %s", kv_key, bad.reason, bad.detail)
+            return False
+        publish(lambda: self.fill_host(slot, staging.kv_page, staging.idx_page))
+        self.counters.add(fetched_pages=1)
+        return True
+
+    def fetch_pages(self, hashes: list[str], owners: list[int], parent: Optional[str] = None) -> L3Fetched:
+        """Fetch and verify this rank's pages of a chain (KV and indexer),
+        each into a private copy; its local usable prefix is the first own
+        page missing or refused in either pool. Never raises on bad objects."""
         rank, N = self.layout.cp_rank, self.layout.cp_size
-        kv = fetch_owned(self.store, self.kv_ns, read_plan(page_keys(hashes, self.kv_ns), owners, N, rank))
-        idx = fetch_owned(
-            self.store, self.indexer_ns, read_plan(page_keys(hashes, self.indexer_ns), owners, N, rank)
-        )
+        kv_keys, idx_keys = self.chain_keys(hashes, parent)
+        kv = fetch_owned(self.store, self.kv_ns, read_plan(kv_keys, owners, N, rank))
+        idx = fetch_owned(self.store, self.indexer_ns, read_plan(idx_keys, owners, N, rank))
         usable = min(kv.usable_pages, idx.usable_pages)
         idx_pages = dict(idx.restorable(usable))
         pages = {i: (page, idx_pages[i]) for i, page in kv.restorable(usable)}
@@ -255,23 +331,21 @@ class HostL3Tier:
         return L3Fetched(usable, pages)
 
     def fetch_into(
-        self, hashes: list[str], owners: list[int], slots: list[int], publish: Callable[[Callable[[], None]], None]
+        self, hashes: list[str], owners: list[int], slots: list[int], publish: Callable[[Callable[[], None]], None],
+        parent: Optional[str] = None,
     ) -> int:
         """Fetch, verify and put this rank's pages of a chain into its host
-        pools; returns its local usable prefix. ``slots``: the host slot of
-        each page this rank owns, in chain order; every host write goes
-        through ``publish`` (an L3 job's: a cancelled job writes nothing)."""
+        pools, one after another; returns its local usable prefix.
+        ``slots``: the host slot of each page this rank owns, in chain order."""
         rank = self.layout.cp_rank
         mine = [i for i, o in enumerate(owners) if o == rank]
         if len(slots) != len(mine):
             raise ValueError(f"slots must hold one host slot per owned page ({len(mine)}), got {len(slots)}")
-        fetched = self.fetch_pages(hashes, owners)
+        kv_keys, idx_keys = self.chain_keys(hashes, parent)
         for index, slot in zip(mine, slots):
-            if index >= fetched.usable:
-                break
-            kv, idx = fetched.pages[index]
-            publish(lambda slot=slot, kv=kv, idx=idx: self.fill_host(slot, kv, idx))
-        return fetched.usable
+            if not self.read_page(kv_keys[index], idx_keys[index], slot, publish):
+                return index
+        return len(hashes)
 
     def fill_host(self, slot: int, kv_bytes: torch.Tensor, idx_bytes: torch.Tensor) -> None:
         """Put one verified own page into this rank's host pools at host slot ``slot``."""

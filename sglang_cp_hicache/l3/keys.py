@@ -2,14 +2,18 @@
 
 A page key names what a page *is*, never who held it::
 
-    key = "{page_hash}_{namespace digest}"
+    key = "{page_hash}_{namespace digest}_{parent}"
 
 ``page_hash`` is SGLang's page hash (the 64-hex SHA-256 prefix chain up to the
 end of the page, ``node.hash_value[i]``); the namespace digest covers every
-property that changes the page's bytes. With page interleaving a CP-owned
-page's bytes equal the bytes a non-sharded pool holds for it, so nothing
-about the CP topology enters the key and deployments of any CP size share
-one L3.
+property that changes the page's bytes; ``parent`` is the first 16 hex of the
+page hash of the page before it in its chain (``root`` for a chain's first
+page). The parent adds nothing to the key's identity -- a page hash already
+names its whole prefix, so a page always has the same parent -- but it lets
+a store see the chains in its keys alone (a bounded store evicts chains from
+their ends). With page interleaving a CP-owned page's bytes equal the bytes a
+non-sharded pool holds for it, so nothing about the CP topology enters the
+key and deployments of any CP size share one L3.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import hashlib
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
+from typing import Optional
 
 import torch
 
@@ -28,6 +33,8 @@ __all__ = [
     "DIGEST_CHARS",
     "KEY_CHARS",
     "PAGE_HASH_CHARS",
+    "PARENT_CHARS",
+    "ROOT_PARENT",
     "POOLS",
     "SCHEMA_VERSION",
     "L3Namespace",
@@ -40,11 +47,16 @@ __all__ = [
 
 #: Version of the namespace encoding and of what its fields mean; a change to
 #: either must bump it, so old objects stop matching instead of being misread.
-SCHEMA_VERSION = 1
+#: 2: the model is its identity (``l3.identity``), no longer the served name.
+SCHEMA_VERSION = 2
 PAGE_HASH_CHARS = 64
 #: 64 bits of SHA-256: two distinct namespaces collide with probability 2^-64.
 DIGEST_CHARS = 16
-KEY_CHARS = PAGE_HASH_CHARS + 1 + DIGEST_CHARS
+#: Hex of the parent's page hash in a key (a chain link, not identity).
+PARENT_CHARS = 16
+ROOT_PARENT = "root"
+#: The longest key (a page with a parent).
+KEY_CHARS = PAGE_HASH_CHARS + 1 + DIGEST_CHARS + 1 + PARENT_CHARS
 POOLS = ("kv", "indexer")
 #: Order of a page's bytes on the host: "LPD" (layers, tokens, row; SGLang's
 #: layer_first flat page and page_first_direct) is the canonical one; "PLD"
@@ -157,22 +169,23 @@ def check_page_hash(name: str, value: object) -> str:
     return value
 
 
-def split_page_key(name: str, key: object) -> tuple[str, str]:
-    """``(page_hash, namespace digest)`` of a well-formed page key."""
+def split_page_key(name: str, key: object) -> tuple[str, str, str]:
+    """``(page_hash, namespace digest, parent)`` of a well-formed page key."""
     if not isinstance(key, str):
         raise TypeError(f"{name} must be a str, got {type(key).__name__}")
-    head, sep, tail = key.partition("_")
-    if not (sep and _is_hex(head, PAGE_HASH_CHARS) and _is_hex(tail, DIGEST_CHARS)):
+    parts = key.split("_")
+    if (len(parts) != 3 or not _is_hex(parts[0], PAGE_HASH_CHARS) or not _is_hex(parts[1], DIGEST_CHARS)
+            or not (parts[2] == ROOT_PARENT or _is_hex(parts[2], PARENT_CHARS))):
         raise ValueError(
-            f"{name} must be '<{PAGE_HASH_CHARS} hex page hash>_<{DIGEST_CHARS} hex "
-            f"namespace digest>', got {key!r}"
+            f"{name} must be '<{PAGE_HASH_CHARS} hex page hash>_<{DIGEST_CHARS} hex namespace digest>_"
+            f"<{PARENT_CHARS} hex of the parent's page hash, or {ROOT_PARENT}>', got {key!r}"
         )
-    return head, tail
+    return parts[0], parts[1], parts[2]
 
 
 def check_page_key(name: str, key: object, namespace: L3Namespace | None = None) -> str:
     """A well-formed page key; of ``namespace`` when one is given."""
-    _, digest = split_page_key(name, key)
+    _, digest, _ = split_page_key(name, key)
     if namespace is not None and digest != namespace.digest():
         raise ValueError(
             f"{name} {key!r} is not a key of namespace {namespace.digest()} (it names {digest})"
@@ -180,18 +193,29 @@ def check_page_key(name: str, key: object, namespace: L3Namespace | None = None)
     return key  # type: ignore[return-value]
 
 
-def page_key(page_hash: str, namespace: L3Namespace) -> str:
-    """The L3 key of one page: its hash and its namespace digest."""
+def _parent_text(parent: Optional[str]) -> str:
+    if parent is None:
+        return ROOT_PARENT
+    check_page_hash("parent", parent)
+    return parent[:PARENT_CHARS]
+
+
+def page_key(page_hash: str, namespace: L3Namespace, parent: Optional[str] = None) -> str:
+    """The L3 key of one page: its hash, its namespace digest and its
+    parent's hash (None: the first page of a chain)."""
     check_page_hash("page_hash", page_hash)
     if not isinstance(namespace, L3Namespace):
         raise TypeError(f"namespace must be an L3Namespace, got {type(namespace).__name__}")
-    return f"{page_hash}_{namespace.digest()}"
+    return f"{page_hash}_{namespace.digest()}_{_parent_text(parent)}"
 
 
-def page_keys(page_hashes: Sequence[str], namespace: L3Namespace) -> list[str]:
-    """Keys of a chain's pages, in chain order (all checked before any is built)."""
+def page_keys(page_hashes: Sequence[str], namespace: L3Namespace, first_parent: Optional[str] = None) -> list[str]:
+    """Keys of a chain's pages, in chain order (all checked before any is
+    built). ``first_parent``: the page hash before the first one (None: the
+    chain starts at the root)."""
     if isinstance(page_hashes, str) or not isinstance(page_hashes, Sequence):
         raise TypeError(f"page_hashes must be a list of str, got {type(page_hashes).__name__}")
     for i, value in enumerate(page_hashes):
         check_page_hash(f"page_hashes[{i}]", value)
-    return [page_key(h, namespace) for h in page_hashes]
+    parents = [first_parent, *page_hashes[:-1]]
+    return [page_key(h, namespace, p) for h, p in zip(page_hashes, parents)]

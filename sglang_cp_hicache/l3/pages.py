@@ -16,13 +16,16 @@ from typing import Optional
 import torch
 
 from sglang_cp_hicache.l3.consensus import local_usable_pages
-from sglang_cp_hicache.l3.envelope import HEADER_BYTES, Rejection, pack, unpack
+from sglang_cp_hicache.l3.envelope import HEADER_BYTES, Rejection, byte_view, check_object, header, pack, unpack
 from sglang_cp_hicache.l3.keys import L3Namespace, check_page_key
 from sglang_cp_hicache.l3.plan import L3ReadPlan, L3WritePlan
 from sglang_cp_hicache.l3.store import PageStore, SizeMismatch
 from sglang_cp_hicache.validation import check_int
 
-__all__ = ["L3FetchResult", "PutOutcome", "checked_objects", "fetch_owned", "object_bytes", "store_owned"]
+__all__ = [
+    "L3FetchResult", "PutOutcome", "checked_objects", "fetch_owned", "object_bytes", "read_verified",
+    "store_owned", "store_verified",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +77,57 @@ def checked_objects(
         else:
             out.append(unpack(key, namespace, blob))
     return out
+
+
+def read_verified(
+    store: PageStore, namespace: L3Namespace, key: str, head: memoryview, payload: memoryview
+) -> Rejection | None:
+    """Read ``key``'s object into the caller's ``head`` (``HEADER_BYTES``) and
+    ``payload`` (a page) buffers and verify it there; None if it is sound.
+    A store with ``read_into`` fills them in one scatter read (no copy);
+    another store's blob is copied in. Never raises on a bad object."""
+    want = object_bytes(namespace)
+    read_into = getattr(store, "read_into", None)
+    if read_into is not None:
+        got = read_into(key, want, [head, payload])
+    else:
+        blob = store.get([key], [want])[0]
+        if isinstance(blob, (bytes, bytearray, memoryview)) and len(blob) == want:
+            view = memoryview(blob).cast("B")
+            head[:] = view[:HEADER_BYTES]
+            payload[:] = view[HEADER_BYTES:]
+            got = want
+        else:
+            got = blob if blob is None or isinstance(blob, SizeMismatch) else SizeMismatch(len(blob))
+    if got is None:
+        return Rejection("missing", "no object")
+    if isinstance(got, SizeMismatch):
+        reason = "short" if got.stored_bytes < want else "long"
+        return Rejection(reason, f"object of {got.stored_bytes} bytes, a page's has {want}")
+    return check_object(key, namespace, head, payload)
+
+
+def store_verified(
+    store: PageStore, namespace: L3Namespace, key: str, payload: torch.Tensor, scratch: tuple[memoryview, memoryview]
+) -> PutOutcome:
+    """Store one page's object, unless a sound one is there already: an
+    object under the key is read into ``scratch`` (header and page buffers)
+    and verified first; a damaged one is replaced. The header and the
+    payload's own bytes go out in one gather write where the store takes
+    one (``write_from``), else as one blob."""
+    head = header(key, namespace, payload)  # checks the payload before any I/O
+    present = bool(store.exists([key])[0])
+    if present and read_verified(store, namespace, key, *scratch) is None:
+        return PutOutcome.KEPT
+    write_from = getattr(store, "write_from", None)
+    if write_from is not None:
+        ok = write_from(key, [memoryview(head), byte_view(payload)])
+    else:
+        ok = store.put([key], [b"".join((head, byte_view(payload)))])[0]
+    if not ok:
+        logger.warning("L3 write failed: %s", key)
+        return PutOutcome.FAILED
+    return PutOutcome.REPAIRED if present else PutOutcome.WRITTEN
 
 
 def store_owned(

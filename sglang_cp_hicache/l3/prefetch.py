@@ -48,7 +48,8 @@ from sglang_cp_hicache.l3.workers import L3Job, L3Workers
 
 __all__ = [
     "NOT_READY",
-    "page_hashes_or_none",
+    "chain_hashes",
+    "chain_hashes_or_none",
     "path_tokens",
     "plain_key",
     "ChainPlan",
@@ -78,16 +79,23 @@ def path_tokens(node: Any) -> list[int]:
     return [t for part in reversed(parts) for t in part]
 
 
-def page_hashes_or_none(tier: HostL3Tier, tokens: list[int], first_page: int) -> Optional[list[str]]:
-    """The page hashes of ``tokens`` from page ``first_page`` on, or None if
-    this rank cannot compute them. SGLang's hasher is a native extension
-    compiled on first use: a failure there is this rank's alone, so it must
-    not decide whether a lookup exists (every rank must have the same lookups)."""
+def chain_hashes(tier: HostL3Tier, tokens: list[int], first_page: int) -> tuple[list[str], Optional[str]]:
+    """The page hashes of ``tokens`` from page ``first_page`` on, and the
+    hash of the page before (None when the chain starts at the root)."""
+    hashes = tier.page_hashes(tokens)
+    return hashes[first_page:], hashes[first_page - 1] if first_page > 0 else None
+
+
+def chain_hashes_or_none(tier: HostL3Tier, tokens: list[int], first_page: int) -> tuple[Optional[list[str]], Optional[str]]:
+    """:func:`chain_hashes`, or ``(None, None)`` if this rank cannot compute
+    them. SGLang's hasher is a native extension compiled on first use: a
+    failure there is this rank's alone, so it must not decide whether a
+    lookup exists (every rank must have the same lookups)."""
     try:
-        return tier.page_hashes(tokens)[first_page:]
+        return chain_hashes(tier, tokens, first_page)
     except Exception:
         logger.exception("cp-hicache L3: hashing a chain failed on cp_rank %d", tier.layout.cp_rank)
-        return None
+        return None, None
 
 
 def plain_key(key: Any) -> bool:
@@ -137,6 +145,7 @@ class ChainPlan:
     hashes: Optional[list[str]]
     owners: list[int]
     release: Any = None
+    parent: Optional[str] = None  # the page hash before the chain's first page (None: the root)
 
     @property
     def num_pages(self) -> int:
@@ -145,17 +154,23 @@ class ChainPlan:
 
 @dataclass
 class L3Lookup:
-    """A chain being looked up, the same on every rank except ``job``,
-    ``word`` and ``room`` (this rank's I/O, answer and host rows)."""
+    """A chain being looked up, the same on every rank except ``jobs``,
+    ``word`` and ``room`` (this rank's I/O, answer and host rows). The
+    query is one job; a fetch is one job per own page, in flight at once."""
 
     stage: Stage
     plan: ChainPlan
     pages: int  # pages this stage covers (the query: the chain; the fetch: the agreed ones)
     waiters: Optional[Waiters]
-    job: Optional[L3Job] = None
+    jobs: list[L3Job] = field(default_factory=list)
+    page_indices: list[int] = field(default_factory=list)  # the fetch: each job's page in the chain
     word: Optional[int] = None  # this rank's answer once known
     room: Any = None  # the fetch's host room (the release's)
     started: float = field(default_factory=time.monotonic)
+
+    def cancel(self) -> None:
+        for job in self.jobs:
+            job.cancel()
 
 
 class L3Port(Protocol):
@@ -235,11 +250,11 @@ class L3Prefetcher:
         try:
             if plan.hashes is None:
                 raise RuntimeError("this rank could not hash the chain")
-            lookup.job = self.workers.submit(
-                self._query_job, plan.hashes, plan.owners,
+            lookup.jobs.append(self.workers.submit(
+                self._query_job, plan.hashes, plan.owners, plan.parent,
                 timeout_s=self.timeouts.for_tokens(plan.num_pages * self.tier.page_size),
                 what=f"L3 query of {plan.num_pages} pages",
-            )
+            ))
         except Exception:  # the group hears of it as a present prefix of 0
             logger.exception("cp-hicache L3: query failed on cp_rank %d", self.tier.layout.cp_rank)
             lookup.word = 0
@@ -271,32 +286,39 @@ class L3Prefetcher:
             return 0
         if lookup.word is not None:
             return lookup.word
-        job = lookup.job
-        if job.done():
+        if all(job.done() for job in lookup.jobs):
             lookup.word = self._outcome(lookup)
-        elif job.overdue(now):
+        elif any(job.overdue(now) for job in lookup.jobs):
             self._give_up(lookup)
             self.counters.add(timeouts=1)
+            late = next(job for job in lookup.jobs if job.overdue(now))
             logger.warning(
                 "cp-hicache L3: %s on cp_rank %d passed its %.1f s deadline; answering a miss from here",
-                job.what, self.tier.layout.cp_rank, job.deadline - lookup.started,
+                late.what, self.tier.layout.cp_rank, late.deadline - lookup.started,
             )
-            lookup.word = 0
         else:
             return NOT_READY
         return lookup.word
 
     def _outcome(self, lookup: L3Lookup) -> int:
+        """A query: its present prefix. A fetch: the first own page whose
+        job failed (missing, refused, raised), else every page."""
+        rank = self.tier.layout.cp_rank
         try:
-            return max(0, int(lookup.job.result()))
+            if lookup.stage is Stage.QUERY:
+                return max(0, int(lookup.jobs[0].result()))
+            for index, job in zip(lookup.page_indices, lookup.jobs):
+                if not job.result():
+                    return index
+            return lookup.pages
         except Exception:  # the group hears of it as a prefix of 0
-            logger.exception("cp-hicache L3: %s failed on cp_rank %d", lookup.job.what, self.tier.layout.cp_rank)
+            logger.exception("cp-hicache L3: %s of %d pages failed on cp_rank %d", lookup.stage.value,
+                             lookup.pages, rank)
             return 0
 
     @staticmethod
     def _give_up(lookup: L3Lookup) -> None:
-        if lookup.job is not None:
-            lookup.job.cancel()
+        lookup.cancel()
         lookup.word = 0
 
     def commit(self, agreed: list[int]) -> None:
@@ -327,25 +349,33 @@ class L3Prefetcher:
         if room is None:  # identical on every rank
             return False
         fetch = L3Lookup(Stage.FETCH, query.plan, pages, query.waiters, room=room)
-        plan = query.plan
+        plan, rank = query.plan, self.tier.layout.cp_rank
         if room.own_slots is None:
             fetch.word = 0  # a local failure: the group hears of it as a usable prefix of 0
         else:
             try:
-                fetch.job = self.workers.submit(
-                    self._fetch_job, plan.hashes[:pages], plan.owners[:pages], list(room.own_slots),
-                    timeout_s=self.timeouts.for_tokens(pages * self.tier.page_size),
-                    what=f"L3 fetch of {pages} pages",
-                )
+                kv_keys, idx_keys = self.tier.chain_keys(plan.hashes[:pages], plan.parent)
+                mine = [i for i, o in enumerate(plan.owners[:pages]) if o == rank]
+                if len(mine) != len(room.own_slots):
+                    raise RuntimeError(f"{len(room.own_slots)} host slots for {len(mine)} own pages")
+                timeout_s = self.timeouts.for_tokens(pages * self.tier.page_size)
+                for index, slot in zip(mine, room.own_slots):  # every own page in flight at once
+                    fetch.jobs.append(self.workers.submit(
+                        self._page_job, kv_keys[index], idx_keys[index], slot, timeout_s=timeout_s,
+                        what=f"L3 fetch of {pages} pages",
+                    ))
+                    fetch.page_indices.append(index)
+                if not mine:
+                    fetch.word = pages  # nothing of its own to read: the others judge theirs
             except Exception:
-                logger.exception("cp-hicache L3: fetch failed on cp_rank %d", self.tier.layout.cp_rank)
+                logger.exception("cp-hicache L3: fetch failed on cp_rank %d", rank)
+                fetch.cancel()
                 fetch.word = 0
         self.pending.append(fetch)
         return True
 
     def _settle(self, lookup: L3Lookup, pages: int) -> int:
-        if lookup.job is not None:
-            lookup.job.cancel()  # settled: its host rows are given back now
+        lookup.cancel()  # settled: its host rows are given back now
         tokens = self.port.settle(lookup.plan, pages, lookup.room)
         if tokens:
             rank = self.tier.layout.cp_rank
@@ -378,8 +408,7 @@ class L3Prefetcher:
             "none is inserted, what they held is given back: %r", rank, len(pending), what, error,
         )
         for lookup in pending:
-            if lookup.job is not None:
-                lookup.job.cancel()
+            lookup.cancel()
             if lookup.stage is Stage.FETCH:
                 self.port.settle(lookup.plan, 0, lookup.room)
             self.port.release_anchor(lookup.plan)
@@ -394,20 +423,19 @@ class L3Prefetcher:
         """The cache was cleared (alike on every rank): the lookups go with
         the tree and host pools they referred to; their I/O writes nothing more."""
         for lookup in self.pending:
-            if lookup.job is not None:
-                lookup.job.cancel()
+            lookup.cancel()
         self.pending = []
         self.waiting = {}
 
     def wait_io(self, timeout: Optional[float] = None) -> bool:
         """Block until this rank's lookup I/O is done (tests and tools: so its
         next words are ready); False if ``timeout`` ran out first."""
-        return self.workers.wait([lookup.job for lookup in self.pending], timeout)
+        return self.workers.wait([job for lookup in self.pending for job in lookup.jobs], timeout)
 
     # ---- the I/O jobs (worker threads) ------------------------------------------------
-    def _query_job(self, job: L3Job, hashes: list[str], owners: list[int]) -> int:
-        return self.tier.query_pages(hashes, owners)
+    def _query_job(self, job: L3Job, hashes: list[str], owners: list[int], parent: Optional[str]) -> int:
+        return self.tier.query_pages(hashes, owners, parent)
 
-    def _fetch_job(self, job: L3Job, hashes: list[str], owners: list[int], slots: list[int]) -> int:
-        return self.tier.fetch_into(hashes, owners, slots, job.publish)
+    def _page_job(self, job: L3Job, kv_key: str, idx_key: str, slot: int) -> bool:
+        return self.tier.read_page(kv_key, idx_key, slot, job.publish)
 

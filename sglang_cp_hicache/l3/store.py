@@ -20,9 +20,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Protocol, Union, runtime_checkable
 
+from sglang_cp_hicache.l3.capacity import CapacityConfig, DirectoryCapacity
 from sglang_cp_hicache.l3.keys import check_page_key
 
-__all__ = ["FilePageStore", "PageStore", "SizeMismatch", "TMP_SUFFIX"]
+__all__ = ["FilePageStore", "PageStore", "SizeMismatch", "TMP_SUFFIX", "preadv_all", "writev_all"]
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +66,44 @@ class PageStore(Protocol):
         a reader sees the old object or the new one); False where the write
         failed."""
         ...
+
+
+def _advance(views: list[memoryview], done: int) -> list[memoryview]:
+    """``views`` with their first ``done`` bytes consumed."""
+    out = []
+    for view in views:
+        if done >= len(view):
+            done -= len(view)
+            continue
+        out.append(view[done:])
+        done = 0
+    return out
+
+
+def preadv_all(fd: int, views: Sequence[memoryview], offset: int = 0) -> int:
+    """Fill ``views`` from ``fd`` at ``offset`` (scatter reads, retried on a
+    short read); returns the bytes read (fewer only at end of file)."""
+    pending = [v for v in views if len(v)]
+    total = 0
+    while pending:
+        got = os.preadv(fd, pending, offset + total)
+        if got == 0:
+            break
+        total += got
+        pending = _advance(pending, got)
+    return total
+
+
+def writev_all(fd: int, views: Sequence[memoryview]) -> int:
+    """Write every byte of ``views`` to ``fd`` (gather writes, retried on a
+    short write); returns the bytes written."""
+    pending = [v for v in views if len(v)]
+    total = 0
+    while pending:
+        done = os.writev(fd, pending)
+        total += done
+        pending = _advance(pending, done)
+    return total
 
 
 def _check_keys(keys: object) -> list[str]:
@@ -120,14 +159,22 @@ class FilePageStore:
     before the rename (durability across power loss; readers verify either
     way). Temporary files of writers that died (untouched for
     :data:`STALE_TMP_S`) are removed when the store opens and, while it
-    writes, every :data:`SWEEP_EVERY_S`.
+    writes, every :data:`SWEEP_EVERY_S`. With ``capacity`` the directory is
+    bounded (:mod:`.capacity`): every write reserves its bytes first, evicting
+    chains from their ends, and every read marks the object used.
     """
 
-    def __init__(self, directory: Union[str, os.PathLike], *, fsync: bool = False) -> None:
+    def __init__(
+        self, directory: Union[str, os.PathLike], *, fsync: bool = False, capacity: Optional[CapacityConfig] = None
+    ) -> None:
         if not isinstance(fsync, bool):
             raise TypeError(f"fsync must be a bool, got {type(fsync).__name__}")
+        if capacity is not None and not isinstance(capacity, CapacityConfig):
+            raise TypeError(f"capacity must be a CapacityConfig, got {type(capacity).__name__}")
         self.directory = _check_directory(directory)
         self.fsync = fsync
+        # The bound (max_size / min_free_space), None: unbounded.
+        self.capacity = DirectoryCapacity(self.directory, capacity) if capacity and capacity.bounded else None
         self.swept_files = 0
         self._sweep_lock = threading.Lock()
         self._last_sweep = 0.0
@@ -157,27 +204,64 @@ class FilePageStore:
             if not isinstance(blob, (bytes, bytearray, memoryview)):
                 raise TypeError(f"blobs[{i}] must be bytes-like, got {type(blob).__name__}")
             views.append(memoryview(blob).cast("B"))
-        results = [self._put_one(self.path_of(k), v) for k, v in zip(checked, views)]
+        return [self.write_from(k, [v]) for k, v in zip(checked, views)]
+
+    def read_into(self, key: str, size: int, views: Sequence[memoryview]) -> int | SizeMismatch | None:
+        """Read ``key``'s object, which must be ``size`` bytes, straight into
+        ``views`` (their lengths add up to ``size``) in one scatter read;
+        None where there is no object. The size comes from the open file
+        (fstat) before any byte is read: a huge (or sparse) file under a
+        key's name costs nothing."""
+        path = self.path_of(key)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            return None
+        except OSError as err:  # unreadable counts as absent: a miss, never a crash
+            logger.warning("L3 file store: cannot read %s: %s", path, err)
+            return None
+        try:
+            stored = os.fstat(fd).st_size
+            if stored != size:
+                return SizeMismatch(stored)
+            got = preadv_all(fd, views)
+            if got == size and self.capacity is not None:
+                self.capacity.touch(path)
+            return got if got == size else SizeMismatch(got)
+        except OSError as err:
+            logger.warning("L3 file store: cannot read %s: %s", path, err)
+            return None
+        finally:
+            os.close(fd)
+
+    def write_from(self, key: str, views: Sequence[memoryview]) -> bool:
+        """Store the concatenation of ``views`` under ``key`` in one gather
+        write (no joined copy), renamed into place whole; False where the
+        write failed."""
+        path = self.path_of(key)
+        size = sum(len(v) for v in views)
+        reserved = None
+        if self.capacity is not None:
+            reserved = self.capacity.reserve(path.name, size)
+            if reserved is None:
+                logger.warning("L3 file store: no room for %s under the directory's bound", key)
+                return False
+        ok = self._put_one(path, views)
+        if self.capacity is not None:
+            self.capacity.done(path.name, reserved, ok)
         if time.monotonic() - self._last_sweep > SWEEP_EVERY_S:
             self.sweep()
-        return results
+        return ok
 
-    def _get_one(self, path: Path, size: Optional[int]) -> bytes | SizeMismatch | None:
-        # The size comes from the open file (fstat), before any byte is read:
-        # a huge (or sparse) file under a key's name costs nothing.
+    def _get_one(self, path: Path, size: Optional[int]) -> bytearray | SizeMismatch | None:
         try:
             with open(path, "rb", buffering=0) as f:
                 stored = os.fstat(f.fileno()).st_size
                 if size is not None and stored != size:
                     return SizeMismatch(stored)
                 data = bytearray(stored)
-                got = f.readinto(data)
-                while got is not None and got < stored:
-                    more = f.readinto(memoryview(data)[got:])
-                    if not more:
-                        break
-                    got += more
-                return data if got == stored else SizeMismatch(got or 0)
+                got = preadv_all(f.fileno(), [memoryview(data)])
+                return data if got == stored else SizeMismatch(got)
         except FileNotFoundError:
             return None
         except OSError as err:  # unreadable counts as absent: a miss, never a crash
@@ -214,17 +298,19 @@ class FilePageStore:
             logger.info("L3 file store: removed %d temporary file(s) of dead writers in %s", removed, self.directory)
         return removed
 
-    def _put_one(self, path: Path, view: memoryview) -> bool:
+    def _put_one(self, path: Path, views: Sequence[memoryview]) -> bool:
         tmp = path.with_name(
             f".{path.name}.{os.getpid()}.{threading.get_ident()}.{uuid.uuid4().hex}{TMP_SUFFIX}"
         )
         try:
             path.parent.mkdir(exist_ok=True)
-            with open(tmp, "wb") as f:
-                f.write(view)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            try:
+                writev_all(fd, views)
                 if self.fsync:
-                    f.flush()
-                    os.fsync(f.fileno())
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
             os.replace(tmp, path)
             return True
         except OSError as err:

@@ -13,9 +13,9 @@ dropped rather than queued without bound: a write is dropped while
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from typing import Any, Optional
 
-from sglang_cp_hicache.l3.host_tier import HostL3Tier, L3Snapshot
+from sglang_cp_hicache.l3.host_tier import HostL3Tier
 from sglang_cp_hicache.l3.location import L3Timeouts
 from sglang_cp_hicache.l3.workers import L3Job, L3Workers
 
@@ -39,10 +39,12 @@ class L3Writer:
         self.max_queued_pages = max_queued_pages
         self._jobs: list[tuple[L3Job, int]] = []  # (job, own pages) not known done
 
-    def write(self, hashes: list[str], owners: list[int], slots: list[int]) -> None:
-        """Store this rank's pages of a chain whose host copy is final.
-        ``slots``: the host slot of each page this rank owns, in chain order.
-        Never raises: a failure is logged and counted."""
+    def write(self, hashes: list[str], owners: list[int], slots: list[int], parent: Optional[str] = None) -> None:
+        """Store this rank's pages of a chain whose host copy is final, each
+        page on its own I/O job (several in flight at once). ``slots``: the
+        host slot of each page this rank owns, in chain order; ``parent``:
+        the page hash before the chain's first page (None: the root). Never
+        raises: a failure is logged and counted."""
         rank = self.tier.layout.cp_rank
         mine = sum(o == rank for o in owners)
         if mine == 0:
@@ -54,30 +56,35 @@ class L3Writer:
                            queued, rank, mine)
             return
         try:
-            snap = self.tier.snapshot_pages(hashes, owners, slots)
-            job = self.workers.submit(
-                self._store_job, snap, timeout_s=self.timeouts.for_tokens(mine * self.tier.page_size),
-                what=f"L3 write of {mine} pages",
-            )
+            snap = self.tier.snapshot_pages(hashes, owners, slots, parent)
+            keys = self.tier.snapshot_keys(snap)
         except Exception:  # L3 is a cache: a failed write is a later miss, never an error
             logger.exception("cp-hicache L3: storing %d pages failed on cp_rank %d", mine, rank)
             self.tier.counters.add(write_failures=mine)
             return
-        self._jobs.append((job, mine))
+        timeout_s = self.timeouts.for_tokens(mine * self.tier.page_size)
+        for (kv_key, idx_key), kv, idx in zip(keys, snap.kv, snap.indexer):
+            try:
+                job = self.workers.submit(self._store_job, kv_key, idx_key, kv, idx, timeout_s=timeout_s,
+                                          what="L3 write of a page")
+            except Exception:
+                logger.exception("cp-hicache L3: queueing a page write failed on cp_rank %d", rank)
+                self.tier.counters.add(write_failures=1)
+                continue
+            self._jobs.append((job, 1))
 
     def _prune(self) -> int:
         """Forget finished writes; returns the pages still queued or running."""
         self._jobs = [(job, pages) for job, pages in self._jobs if not job.done()]
         return sum(pages for _, pages in self._jobs)
 
-    def _store_job(self, job: L3Job, snap: L3Snapshot) -> int:
-        rank = self.tier.layout.cp_rank
+    def _store_job(self, job: L3Job, kv_key: str, idx_key: str, kv: Any, idx: Any) -> bool:
         try:
-            return self.tier.store_snapshot(snap)
+            return self.tier.store_page(kv_key, idx_key, kv, idx)
         except Exception:
-            logger.exception("cp-hicache L3: storing %d pages failed on cp_rank %d", len(snap.kv), rank)
-            self.tier.counters.add(write_failures=len(snap.kv))
-            return 0
+            logger.exception("cp-hicache L3: storing %s failed on cp_rank %d", kv_key, self.tier.layout.cp_rank)
+            self.tier.counters.add(write_failures=1)
+            return False
 
     def wait(self, timeout: Optional[float] = None) -> bool:
         """Block until every write is done; False if ``timeout`` ran out first."""

@@ -12,10 +12,23 @@ from __future__ import annotations
 import os
 from typing import Any, Mapping, Union
 
+from sglang_cp_hicache import settings
+from sglang_cp_hicache.l3.capacity import CapacityConfig
+from sglang_cp_hicache.l3.location import parse_extra_config
 from sglang_cp_hicache.l3.store import FilePageStore, PageStore
 from sglang_cp_hicache.l3_backends.mooncake import MooncakeConfig, MooncakePageStore
 
-__all__ = ["MooncakeConfig", "MooncakePageStore", "open_page_store"]
+__all__ = ["MooncakeConfig", "MooncakePageStore", "file_capacity", "open_page_store"]
+
+
+def file_capacity(extra_config: Union[None, str, Mapping[str, Any]]) -> CapacityConfig:
+    """The bound of a file L3 directory, as SGLang's file backend reads it:
+    ``max_size`` / ``min_free_space`` / ``eviction_ratio`` of the extra
+    config, else its ``SGLANG_HICACHE_FILE_BACKEND_*`` variables."""
+    extra = parse_extra_config(extra_config)
+    environ = {s.name: settings.read(s) for s in (settings.FILE_MAX_SIZE, settings.FILE_MIN_FREE,
+                                                   settings.FILE_EVICTION_RATIO)}
+    return CapacityConfig.from_sources(extra, environ, settings.read(settings.L3_EVICTION))
 
 
 def open_page_store(
@@ -32,7 +45,7 @@ def open_page_store(
     if backend == "file":
         if directory is None:
             raise ValueError("directory is required for the file backend, got None")
-        return FilePageStore(directory)
+        return FilePageStore(directory, capacity=file_capacity(extra_config))
     if backend == "mooncake":
         return MooncakePageStore(MooncakeConfig.from_extra_config(extra_config))
     raise ValueError(f"backend must be 'file' or 'mooncake', got {backend!r}")

@@ -27,6 +27,7 @@ from typing import Hashable, Optional
 from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
 from sglang.srt.mem_cache.radix_cache import RadixKey, TreeNode
 
+from sglang_cp_hicache.l3.prefetch import chain_hashes
 from sglang_cp_hicache.l3.rank import RankL3
 from sglang_cp_hicache.policy_0518.metadata import CpHiCacheNodeMetadata
 from sglang_cp_hicache.sglang_0518.l3_port import insert_host_node, path_tokens, plain_key
@@ -59,12 +60,12 @@ class L3CacheMixin:
         first = (len(tokens) - meta.logical_len) // P
         owners = meta.token_owners[::P].tolist()
         try:
-            hashes = tier.page_hashes(tokens)[first:]
+            hashes, parent = chain_hashes(tier, tokens, first)
         except Exception:  # L3 is a cache: a failed write is a later miss, never an error
             logger.exception("cp-hicache L3: hashing node %d failed on cp_rank %d", node.id, self.cp_layout.cp_rank)
             tier.counters.add(write_failures=sum(o == self.cp_layout.cp_rank for o in owners))
             return
-        self.cp_l3.writer.write(hashes, owners, meta.host_indices[::P].tolist())
+        self.cp_l3.writer.write(hashes, owners, meta.host_indices[::P].tolist(), parent)
 
     # ---- L3 -> host ------------------------------------------------------------------
     def l3_prefetch(self, key: RadixKey, rid: Optional[Hashable] = None) -> int:

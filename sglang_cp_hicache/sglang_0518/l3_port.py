@@ -25,7 +25,7 @@ import torch
 from sglang.srt.disaggregation.kv_events import StorageMedium
 from sglang.srt.mem_cache.radix_cache import RadixKey, TreeNode
 
-from sglang_cp_hicache.l3.prefetch import ChainPlan, page_hashes_or_none, path_tokens, plain_key
+from sglang_cp_hicache.l3.prefetch import ChainPlan, chain_hashes_or_none, path_tokens, plain_key
 from sglang_cp_hicache.policy_0518.metadata import CpHiCacheNodeMetadata
 from sglang_cp_hicache.policy_0518.node_state import set_host_state
 from sglang_cp_hicache.sglang_0518.l3_tier import balanced_owners
@@ -73,9 +73,9 @@ class L3Port0518:
         P = self.page_size
         num_pages = len(chain) // P
         tokens = path_tokens(anchor) + list(chain.token_ids[: len(chain)])
-        hashes = page_hashes_or_none(self.tier, tokens, len(tokens) // P - num_pages)
+        hashes, parent = chain_hashes_or_none(self.tier, tokens, len(tokens) // P - num_pages)
         owners = balanced_owners(self.cache.host_slot_ledger.used, num_pages, P)
-        return ChainPlan(anchor, chain, tuple(chain.token_ids[:P]), hashes, owners)
+        return ChainPlan(anchor, chain, tuple(chain.token_ids[:P]), hashes, owners, parent=parent)
 
     # ---- L3Port --------------------------------------------------------------------
     def still_hangs(self, plan: ChainPlan) -> bool:

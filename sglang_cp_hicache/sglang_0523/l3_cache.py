@@ -37,7 +37,7 @@ from typing import Any, Callable, Optional
 import torch
 from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 
-from sglang_cp_hicache.l3.prefetch import CpL3PrefetchAborted, plain_key
+from sglang_cp_hicache.l3.prefetch import CpL3PrefetchAborted, chain_hashes, plain_key
 from sglang_cp_hicache.l3.rank import RankL3
 from sglang_cp_hicache.sglang_0523.l3_port import L3Port0523, path_tokens
 
@@ -127,14 +127,14 @@ class L3Driver:
         try:
             tokens = path_tokens(node)
             first = (len(tokens) - len(node.key)) // P
-            hashes = self.tier.page_hashes(tokens)[first:]
+            hashes, parent = chain_hashes(self.tier, tokens, first)
             firsts = host[::P].to(torch.int64)
             owners = self.layout.owner_of(firsts).tolist()
         except Exception:  # L3 is a cache: a failed write is a later miss, never an error
             logger.exception("cp-hicache L3: storing node %s failed on cp_rank %d", node.id, rank)
             self.counters.add(write_failures=1)
             return
-        self.l3.writer.write(hashes, owners, [int(s) for s, o in zip(firsts.tolist(), owners) if o == rank])
+        self.l3.writer.write(hashes, owners, [int(s) for s, o in zip(firsts.tolist(), owners) if o == rank], parent)
 
     # ---- L3 -> host: the scheduler's calls ------------------------------------------------
     def prefetch_from_storage(

@@ -28,7 +28,7 @@ from sglang.srt.mem_cache.radix_cache import RadixKey
 
 from sglang_cp_hicache.l3.host_tier import HostL3Tier
 from sglang_cp_hicache.l3.plan import interleaved_owners
-from sglang_cp_hicache.l3.prefetch import ChainPlan, page_hashes_or_none, path_tokens
+from sglang_cp_hicache.l3.prefetch import ChainPlan, chain_hashes_or_none, path_tokens
 
 __all__ = ["ChainRelease", "HostRoom0523", "L3Port0523", "path_tokens"]
 
@@ -88,9 +88,9 @@ class L3Port0523:
         phase = base + start // P
         key = RadixKey(array("q", new_input_tokens[:whole]))
         owners = interleaved_owners(phase, whole // P, N)
-        hashes = page_hashes_or_none(self.tier, list(matched_prefix_tokens) + list(key.token_ids), start // P)
+        hashes, parent = chain_hashes_or_none(self.tier, list(matched_prefix_tokens) + list(key.token_ids), start // P)
         lock = self.cache.inc_host_lock_ref(anchor_id).to_dec_params()
-        return ChainPlan(anchor_id, key, first_page, hashes, owners, ChainRelease(lock, base, phase, start))
+        return ChainPlan(anchor_id, key, first_page, hashes, owners, ChainRelease(lock, base, phase, start), parent)
 
     def _can_hang(self, anchor: Any, depth: int, first_page: tuple[int, ...]) -> bool:
         """A chain can hang under ``anchor`` at ``depth`` tokens: the anchor is

@@ -99,8 +99,6 @@ class RankEngineBase:
         """Note the page key of every own page a lookup restores, without
         changing what it does (``l3``: the rank's L3, with its prefetch
         protocol and tier)."""
-        from sglang_cp_hicache.l3.keys import page_key
-
         prefetcher, tier = l3.prefetcher, l3.tier
         settle = prefetcher._settle
 
@@ -108,9 +106,9 @@ class RankEngineBase:
             tokens = settle(lookup, pages)
             kept = tokens // tier.page_size
             plan, rank = lookup.plan, tier.layout.cp_rank
-            self.l3_restored_keys.extend(
-                page_key(h, tier.kv_ns) for h, o in zip(plan.hashes[:kept], plan.owners[:kept]) if o == rank
-            )
+            if kept:
+                keys = tier.chain_keys(plan.hashes[:kept], plan.parent)[0]
+                self.l3_restored_keys.extend(k for k, o in zip(keys, plan.owners[:kept]) if o == rank)
             return tokens
 
         prefetcher._settle = recorded

@@ -71,7 +71,7 @@ def test_header_layout_is_what_the_docstring_says():
     assert blob[:8] == MAGIC
     assert struct.unpack_from("<H", blob, 8) == (FORMAT_VERSION,)
     start, end = HEADER_FIELDS["key"]
-    assert blob[start:end] == KEY.encode()
+    assert blob[start:end] == KEY.encode().ljust(end - start, b"\0")  # NUL-padded (a root page's key is shorter)
     start, end = HEADER_FIELDS["namespace"]
     assert blob[start:end] == NS.digest().encode()
     start, _ = HEADER_FIELDS["payload_len"]
@@ -196,3 +196,28 @@ def test_pack_accepts_a_page_in_any_contiguous_shape():
     data = payload(NS, 5)
     blob = pack(KEY, NS, data.view(NS.num_layers, NS.page_size, NS.row_bytes))
     assert torch.equal(unpack(KEY, NS, blob), data)
+
+
+def test_check_object_verifies_buffers_read_in_place():
+    """What a scatter read fills: the header's buffer and the payload's own."""
+    from sglang_cp_hicache.l3.envelope import check_object, header
+
+    data = payload(NS, 7)
+    head = header(KEY, NS, data)
+    buf = bytearray(data.numpy().tobytes())
+    assert check_object(KEY, NS, memoryview(head), memoryview(buf)) is None
+    assert check_object(KEY, NS, memoryview(head), memoryview(buf)[:-1]).reason == "short"
+    buf[5] ^= 1
+    assert check_object(KEY, NS, memoryview(head), memoryview(buf)).reason == "checksum"
+    other = page_key("2" * 64, NS)
+    assert check_object(other, NS, memoryview(head), memoryview(bytes(buf))).reason == "key"
+    assert check_object(KEY, NS, memoryview(head[:-1]), memoryview(bytes(buf))).reason == "short"
+
+
+def test_an_old_format_object_is_never_a_page():
+    """Version 1 (CRC-32, keys without the parent link): refused by its
+    version, never read as a page."""
+    blob, _ = _blob()
+    old = bytearray(blob)
+    struct.pack_into("<H", old, 8, 1)
+    assert _reason(unpack(KEY, NS, bytes(old))) == "magic"

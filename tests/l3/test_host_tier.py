@@ -115,7 +115,8 @@ def written(tmp_path):
 
 
 def _keys(tier: HostL3Tier, index: int) -> tuple[str, str]:
-    return page_key(HASHES[index], tier.kv_ns), page_key(HASHES[index], tier.indexer_ns)
+    parent = HASHES[index - 1] if index else None  # the chain starts at the root
+    return page_key(HASHES[index], tier.kv_ns, parent), page_key(HASHES[index], tier.indexer_ns, parent)
 
 
 def test_each_rank_stores_exactly_its_own_pages(written):

@@ -29,11 +29,11 @@ DSV32 = dict(model_id="deepseek-ai/DeepSeek-V3.2", kv_dtype="float8_e4m3fn", row
              page_size=64, pool="kv", layer_start=0, layer_end=61)
 # Known vectors: these digests are what every process, platform and Python
 # version must compute; a change here orphans every stored object.
-DSV32_DIGEST = "b41d6c1dcf49f606"
+DSV32_DIGEST = "ef4d8e8602811a40"  # schema 2 (the model identity); schema 1 was b41d6c1dcf49f606
 DSV32_CANONICAL = (
     '{"byte_order":"LPD","kv_dtype":"float8_e4m3fn","layer_end":61,"layer_start":0,'
     '"model_id":"deepseek-ai/DeepSeek-V3.2","page_size":64,"pool":"kv","row_bytes":656,'
-    '"schema_version":1}'
+    '"schema_version":2}'
 )
 NAMESPACE_FIELDS = {"model_id", "kv_dtype", "row_bytes", "page_size", "pool",
                     "layer_start", "layer_end", "byte_order", "schema_version"}
@@ -43,7 +43,8 @@ def test_known_vector_and_its_canonical_encoding():
     ns = L3Namespace(**DSV32)
     assert ns.digest() == DSV32_DIGEST
     assert hashlib.sha256(DSV32_CANONICAL.encode()).hexdigest()[:16] == DSV32_DIGEST
-    assert page_key("0" * 64, ns) == "0" * 64 + "_" + DSV32_DIGEST
+    assert page_key("0" * 64, ns) == "0" * 64 + "_" + DSV32_DIGEST + "_root"
+    assert page_key("0" * 64, ns, "ab" * 32) == "0" * 64 + "_" + DSV32_DIGEST + "_" + "ab" * 8
     assert ns.page_bytes == 61 * 64 * 656
 
 
@@ -60,8 +61,9 @@ def test_digest_is_the_same_in_another_process(seed):
 def test_no_topology_input_exists():
     init_fields = {f.name for f in dataclasses.fields(L3Namespace) if f.init}
     assert init_fields == NAMESPACE_FIELDS
-    assert list(inspect.signature(page_key).parameters) == ["page_hash", "namespace"]
-    assert list(inspect.signature(page_keys).parameters) == ["page_hashes", "namespace"]
+    # the parent is the chain link (the page before), never a rank or size
+    assert list(inspect.signature(page_key).parameters) == ["page_hash", "namespace", "parent"]
+    assert list(inspect.signature(page_keys).parameters) == ["page_hashes", "namespace", "first_parent"]
     with pytest.raises(TypeError):
         L3Namespace(**DSV32, cp_rank=0)
 
@@ -159,13 +161,17 @@ def test_bad_namespace_field_names_the_argument(change, word):
 def test_page_key_checks_and_split():
     ns = namespace()
     key = page_key("b" * 64, ns)
-    assert len(key) == KEY_CHARS
-    assert split_page_key("key", key) == ("b" * 64, ns.digest())
+    linked = page_key("b" * 64, ns, "c" * 64)
+    assert len(linked) == KEY_CHARS and len(key) < KEY_CHARS
+    assert split_page_key("key", key) == ("b" * 64, ns.digest(), "root")
+    assert split_page_key("key", linked) == ("b" * 64, ns.digest(), "c" * 16)
+    assert check_page_key("key", linked, ns) == linked
     assert check_page_key("key", key, ns) == key
     assert check_page_hash("h", "c" * 64) == "c" * 64
     with pytest.raises(ValueError, match="not a key of namespace"):
         check_page_key("key", key, namespace(page_size=8))
-    for bad in ["b" * 64, "b" * 64 + "_" + "0" * 15, "b" * 64 + "-" + ns.digest(), "../" + key[3:]]:
+    for bad in ["b" * 64, "b" * 64 + "_" + "0" * 15, "b" * 64 + "-" + ns.digest(), "../" + key[3:],
+                "b" * 64 + "_" + ns.digest(), key + "_x", linked[:-1], key.replace("root", "ROOT")]:
         with pytest.raises(ValueError, match="key"):
             check_page_key("key", bad)
     with pytest.raises(TypeError, match="key"):

@@ -24,11 +24,18 @@ def _imports(path: pathlib.Path) -> list[tuple[int, str]]:
 #: Third-party modules l3 may import lazily, inside the one function that
 #: needs them: a YAML ``@file`` extra config (as SGLang reads it).
 LAZY_OPTIONAL = {"yaml"}
+#: Declared dependencies besides torch (pyproject.toml): the envelope's checksum.
+DEPENDENCIES = {"xxhash"}
+
+
+def test_the_dependencies_l3_imports_are_declared():
+    text = (L3.parents[1] / "pyproject.toml").read_text()
+    assert all(f'"{name}' in text for name in DEPENDENCIES)
 
 
 def _allowed(module: str) -> bool:
     top = module.split(".")[0]
-    if top in LAZY_OPTIONAL:
+    if top in LAZY_OPTIONAL or top in DEPENDENCIES:
         return True
     if top == "sglang_cp_hicache":
         return module in CORE or module.startswith("sglang_cp_hicache.l3")

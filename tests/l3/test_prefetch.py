@@ -32,18 +32,20 @@ class StandInTier:
         self.hold.set()
         self.host: dict[int, str] = {}  # host slot -> page written into it
 
-    def query_pages(self, hashes, owners) -> int:
+    def query_pages(self, hashes, owners, parent=None) -> int:
         self.hold.wait(30)
         return min(self.present, len(hashes))
 
-    def fetch_into(self, hashes, owners, slots, publish) -> int:
+    def chain_keys(self, hashes, parent=None):
+        return [f"kv-{h}" for h in hashes], [f"idx-{h}" for h in hashes]
+
+    def read_page(self, kv_key, idx_key, slot, publish) -> bool:
         self.hold.wait(30)
-        usable = min(self.usable, len(hashes))
-        mine = [i for i, o in enumerate(owners) if o == self.layout.cp_rank]
-        for index, slot in zip(mine, slots):
-            if index < usable:
-                publish(lambda slot=slot, index=index: self.host.__setitem__(slot, hashes[index]))
-        return usable
+        index = int(kv_key[-1])  # hashes end with their chain index
+        if index >= self.usable:
+            return False
+        publish(lambda: self.host.__setitem__(slot, kv_key.removeprefix("kv-")))
+        return True
 
 
 @dataclass
@@ -151,11 +153,11 @@ def test_io_past_its_deadline_answers_a_miss_and_is_cancelled(proto, stage):
     assert proto.wait_io(timeout=5)  # returns at the deadline, not when the I/O does
     assert time.monotonic() - start < 15  # the deadline (0.3 s) plus what a loaded machine adds
     assert proto.words() == [0]
-    job = proto.pending[0].job
+    jobs = proto.pending[0].jobs
     proto.commit([0])
     assert not proto.pending and not proto.is_waiting("r") and proto.counters.timeouts == 1
     proto.tier.hold.set()
-    assert job.wait(5)
+    assert all(job.wait(5) for job in jobs)
     assert proto.tier.host == {}  # the cancelled fetch wrote nothing
 
 
@@ -165,7 +167,8 @@ def test_an_aborted_lookup_answers_zero_at_once_whatever_its_io(proto, io_runnin
     proto.commit(ready_words(proto))  # now fetching
     if io_running:
         proto.tier.hold.clear()
-        proto.pending[0].job = proto.workers.submit(proto._fetch_job, ["c0"], [0], [100], timeout_s=30)
+        proto.pending[0].jobs = [proto.workers.submit(proto._page_job, "kv-c0", "idx-c0", 100, timeout_s=30)]
+        proto.pending[0].word = None
     proto.abort("r")
     assert proto.words() == [0]
     proto.commit([0])

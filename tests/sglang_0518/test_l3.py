@@ -155,8 +155,8 @@ def test_a_damaged_object_on_one_rank_gives_every_rank_the_same_shorter_prefix(
         bad = 3
         assert balanced_owners([0, 0], PAGES, P)[bad] == 1  # the damaged page is rank 1's
         tier = cl.caches[0].cp_l3.tier
-        ns = tier.kv_ns if pool == "kv" else tier.indexer_ns
-        _damage(tier.store.path_of(page_key(tier.page_hashes(TOKENS)[bad], ns)), how)
+        kv_keys, idx_keys = tier.chain_keys(tier.page_hashes(TOKENS))
+        _damage(tier.store.path_of((kv_keys if pool == "kv" else idx_keys)[bad]), how)
         assert read_back(cl) == [bad * P, bad * P]
         assert cl.check(TOKENS) == {}  # every restored token right, on every rank
         # A deleted object stops the query (nothing past it is fetched); a
@@ -174,11 +174,11 @@ def test_a_failed_put_on_one_rank_keeps_every_rank_alike(tmp_path, monkeypatch, 
     def break_rank_2(cl):
         store = cl.caches[2].cp_l3.tier.store
         if failure == "returns False":
-            store.put = lambda keys, blobs: [False] * len(keys)
+            store.write_from = lambda key, views: False
         else:
-            def put(keys, blobs):
+            def write_from(key, views):
                 raise OSError("disk full (injected)")
-            store.put = put
+            store.write_from = write_from
 
     cl = write_with_cp4(tmp_path, monkeypatch, setup=break_rank_2)
     try:
@@ -198,13 +198,13 @@ def test_a_failed_put_on_one_rank_keeps_every_rank_alike(tmp_path, monkeypatch, 
         reader.close()
 
 
-@pytest.mark.parametrize("method", ["exists", "get"])  # the query's, the fetch's
+@pytest.mark.parametrize("method", ["exists", "read_into"])  # the query's, the fetch's
 def test_a_store_call_that_raises_on_one_rank_restores_nothing_anywhere(written, monkeypatch, method):
     directory, _, _ = written
     monkeypatch.setenv(settings.L3_DIR.name, str(directory))
     cl = cluster(2)
     try:
-        def broken(keys):
+        def broken(*args):
             raise OSError("I/O error (injected)")
         setattr(cl.caches[1].cp_l3.tier.store, method, broken)
         assert read_back(cl) == [0, 0]
@@ -337,11 +337,11 @@ def test_a_write_stores_the_pages_as_they_were_at_its_ack_on_the_worker_thread(t
     try:
         callers = set(cl.each(lambda s: threading.current_thread().name))
         for c in cl.caches:
-            def recorded(keys, blobs, _real=c.cp_l3.tier.store.put):
+            def recorded(key, views, _real=c.cp_l3.tier.store.write_from):
                 threads.append(threading.current_thread().name)
                 assert release.wait(20)  # every write waits until the host slots were reused
-                return _real(keys, blobs)
-            c.cp_l3.tier.store.put = recorded
+                return _real(key, views)
+            c.cp_l3.tier.store.write_from = recorded
         cl.insert(TOKENS)
         cl.step()  # the ack is consumed: the pages are copied, the writes queued
         cl.evict_device(PAGES * P)

@@ -144,7 +144,7 @@ def test_a_rank_killed_between_the_query_and_the_fetch(tmp_path, monkeypatch):
     try:
         tier = reader.caches[0].cp_l3.tier
         for f, blob in after.items():
-            ns = tier.kv_ns if f.stem.endswith(tier.kv_ns.digest()) else tier.indexer_ns
+            ns = tier.kv_ns if f"_{tier.kv_ns.digest()}_" in f.stem else tier.indexer_ns
             assert not isinstance(unpack(f.stem, ns, blob), Rejection), f
         assert len(set(reader.each(lambda s: s.cache.l3_prefetch(RadixKey(TOKENS))))) == 1
         for _ in range(2):  # the query's MIN, the fetch's: each once every rank's reads are done

@@ -281,7 +281,7 @@ def test_l3_reads_run_on_the_worker_thread_not_the_scheduler_thread(written):
         seen: list[tuple[str, str]] = []
         for c in cl.caches:
             store = c.cp_l3.tier.store
-            for method in ("exists", "get"):
+            for method in ("exists", "read_into"):
                 real = getattr(store, method)
 
                 def recorded(keys, *args, _real=real, _method=method):
@@ -292,14 +292,14 @@ def test_l3_reads_run_on_the_worker_thread_not_the_scheduler_thread(written):
         queues = arrive(cl, ["a"])
         waiting_pass(cl, queues)
         assert waiting_pass(cl, queues) == [["a"], ["a"]]
-        assert {m for m, _ in seen} == {"exists", "get"}
+        assert {m for m, _ in seen} == {"exists", "read_into"}
         assert all(name.startswith("cp-hicache-l3-rank") and name not in callers for _, name in seen)
         assert all("-read-" in name for m, name in seen if m == "exists")
     finally:
         cl.close()
 
 
-@pytest.mark.parametrize("method", ["exists", "get"])  # the query's I/O, the fetch's
+@pytest.mark.parametrize("method", ["exists", "read_into"])  # the query's I/O, the fetch's
 def test_slow_io_on_one_rank_keeps_every_rank_waiting_alike(written, method):
     """Rank 1's store blocks: the step's MIN is NOT_READY on every rank, so
     both keep the prefetch and hold the request, step after step; once the
@@ -315,7 +315,7 @@ def test_slow_io_on_one_rank_keeps_every_rank_waiting_alike(written, method):
             return real(keys, *args)
         setattr(store, method, slow)
         queues = arrive(cl, ["a"])
-        if method == "get":  # the query is not slowed: let it settle first
+        if method == "read_into":  # the query is not slowed: let it settle first
             assert waiting_pass(cl, queues) == [[], []]
         stage = "query" if method == "exists" else "fetch"
         assert cl.caches[0].l3_wait_io(timeout=10)  # rank 0 is ready; rank 1 is not
@@ -345,22 +345,22 @@ def test_an_abort_while_one_ranks_fetch_still_runs_settles_at_the_next_min_and_t
     release = threading.Event()
     try:
         store = cl.caches[1].cp_l3.tier.store
-        real = store.get
-        store.get = lambda keys, *args: (release.wait(20), real(keys, *args))[1]
+        real = store.read_into
+        store.read_into = lambda *args: (release.wait(20), real(*args))[1]
         queues = arrive(cl, ["x"])
         assert waiting_pass(cl, queues) == [[], []]  # the fetch runs now
-        job = cl.caches[1].cp_l3.prefetcher.pending[0].job
+        jobs = cl.caches[1].cp_l3.prefetcher.pending[0].jobs
         host = cl.caches[1].cache_controller.mem_pool_host
         before = host.kv_buffer.clone()
         cl.each(lambda s: s.cache.release_aborted_request("x"))
         for q in queues:
             q.pop("x")
         waiting_pass(cl, queues, wait_io=False)
-        assert not job.done()  # rank 1's read is still blocked ...
+        assert not all(job.done() for job in jobs)  # rank 1's reads are still blocked ...
         assert_nothing_held(cl)  # ... and yet every rank gave everything back
         assert all(not c.root_node.children for c in cl.caches)
         release.set()
-        assert job.wait(10)
+        assert all(job.wait(10) for job in jobs)
         assert torch.equal(host.kv_buffer, before)  # the cancelled fetch wrote nothing
     finally:
         release.set()
@@ -431,7 +431,7 @@ OTHER = list(range(60_000, 60_000 + 3 * P))  # a second chain, written beside TO
 OTHER_SERVED = array("q", OTHER)
 
 
-@pytest.mark.parametrize("method", ["exists", "get"])  # the query's I/O, the fetch's
+@pytest.mark.parametrize("method", ["exists", "read_into"])  # the query's I/O, the fetch's
 def test_a_read_that_blocks_forever_on_one_rank_settles_at_its_deadline_and_holds_up_nothing(
     tmp_path, method
 ):
@@ -456,12 +456,12 @@ def test_a_read_that_blocks_forever_on_one_rank_settles_at_its_deadline_and_hold
         stuck_keys = set(cl.caches[1].cp_l3.tier.page_hashes(TOKENS))
 
         def hangs(keys, *args):
-            if any(k.split("_")[0] in stuck_keys for k in keys):
+            if any(k.split("_")[0] in stuck_keys for k in ([keys] if isinstance(keys, str) else keys)):
                 never.wait()  # until the test ends: a read that never returns
             return real(keys, *args)
         setattr(store, method, hangs)
         queues = arrive(cl, ["a"])
-        if method == "get":  # the query is not held: it settles first
+        if method == "read_into":  # the query is not held: it settles first
             assert waiting_pass(cl, queues) == [[], []]
         start = time.monotonic()
         staged = waiting_pass(cl, queues)  # waits for each rank's word: done, or past the deadline

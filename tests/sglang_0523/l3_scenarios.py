@@ -59,24 +59,25 @@ def _run(world: int, rank: int, group: Any, l3_dir: str, patch: Optional[Callabl
     written: list[str] = []
     io_threads: set[str] = set()
     lock = threading.Lock()
-    put = driver.tier.store.put
+    write_from = driver.tier.store.write_from
 
-    def recorded_put(keys: Any, blobs: Any) -> list[bool]:  # on the L3 write threads
+    def recorded_write(key: str, views: Any) -> bool:  # on the L3 write threads
         io_threads.add(threading.current_thread().name)
-        results = put(keys, blobs)
-        with lock:
-            written.extend(k for k, done in zip(keys, results) if done)
-        return results
+        done = write_from(key, views)
+        if done:
+            with lock:
+                written.append(key)
+        return done
 
-    driver.tier.store.put = recorded_put
+    driver.tier.store.write_from = recorded_write
     write, write_calls = driver.l3.writer.write, []
 
-    def recorded_write(hashes: list, owners: list, slots: list) -> None:  # on the scheduler thread
-        write_calls.append((list(hashes), list(owners)))
-        return write(hashes, owners, slots)
+    def recorded_node_write(hashes: list, owners: list, slots: list, parent: Any = None) -> None:  # scheduler thread
+        write_calls.append((list(hashes), list(owners), parent))
+        return write(hashes, owners, slots, parent)
 
-    driver.l3.writer.write = recorded_write
-    for method in ("exists", "get"):  # put is recorded above
+    driver.l3.writer.write = recorded_node_write
+    for method in ("exists", "read_into"):  # writes are recorded above
         real = getattr(driver.tier.store, method)
 
         def recorded(keys: Any, *args: Any, _real: Any = real) -> Any:
@@ -130,21 +131,20 @@ def _raise_on_rank_1(what: str) -> Callable[[Any, int], None]:
         if rank != 1:
             return
         if what == "fetch":
-            def failing_fetch(*args: Any, **kwargs: Any) -> Any:
+            def failing_read(*args: Any, **kwargs: Any) -> Any:
                 raise OSError("injected: fetch failed on rank 1")
 
-            driver.tier.fetch_pages = failing_fetch
+            driver.tier.read_page = failing_read
         else:
-            put, calls = driver.tier.store.put, [0]
+            calls = [0]
 
-            def failing_put(keys: Any, blobs: Any) -> list[bool]:
+            def failing_write(key: str, views: Any) -> bool:
                 calls[0] += 1
                 if calls[0] % 2:
                     raise OSError("injected: put raised on rank 1")
-                return [False] * len(keys)
+                return False
 
-            driver.tier.store.put = failing_put
-            del put
+            driver.tier.store.write_from = failing_write
 
     return patch
 
@@ -179,7 +179,7 @@ def _other_model(rank: int, group: Any, l3_dir: str) -> dict[str, Any]:
 
     def no_writes(driver: Any, rank_: int) -> None:
         # Nothing of its own in L3: anything restored would be the other model's.
-        driver.l3.writer.write = lambda hashes, owners, slots: None
+        driver.l3.writer.write = lambda hashes, owners, slots, parent=None: None
 
     strategy.open_l3 = other
     try:
@@ -228,7 +228,7 @@ def _stuck_read_on_rank_1(method: str) -> Callable[[Any, int], None]:
         store = driver.tier.store
         real, calls = getattr(store, method), [0]
 
-        def hangs(keys: Any, *args: Any) -> Any:
+        def hangs(keys: Any, *args: Any) -> Any:  # exists(keys) or read_into(key, size, views)
             calls[0] += 1
             if calls[0] == 1:
                 timing["release"].wait()  # until the run is over
@@ -271,13 +271,14 @@ def _joined(rank: int, group: Any, l3_dir: str, k: int = 4) -> dict[str, Any]:
     engine = ShardedSimRankEngine(stack, content_seed=1)
     driver, cache = stack.controller.cp_l3, stack.cache
     fetches = [0]
-    fetch_into = driver.tier.fetch_into
+    start_fetch = driver.prefetcher._start_fetch
 
-    def counted(*args: Any) -> int:
-        fetches[0] += 1
-        return fetch_into(*args)
+    def counted(*args: Any) -> bool:
+        started = start_fetch(*args)
+        fetches[0] += int(started)
+        return started
 
-    driver.tier.fetch_into = counted
+    driver.prefetcher._start_fetch = counted
     tokens = list(_requests()[0].tokens)
     handles = [CacheRequestHandle(f"joined-{i}", 0) for i in range(k)]
     for handle in handles:  # the scheduler's _prefetch_kvcache, alike on every rank
@@ -341,7 +342,7 @@ def l3_suite(rank: int, world: int, *, l3_root: str) -> dict[str, Any]:
         out["after_put_fails"] = _run(2, rank, group2, str(base / "puts"))
         out["other_model"] = _other_model(rank, group2, str(base / "other"))
         out["stuck_query"] = _stuck(rank, group2, str(base / "stuck_q"), "exists")
-        out["stuck_fetch"] = _stuck(rank, group2, str(base / "stuck_f"), "get")
+        out["stuck_fetch"] = _stuck(rank, group2, str(base / "stuck_f"), "read_into")
         out["joined"] = _joined(rank, group2, str(base / "joined"))
         out["unusable"] = _unusable(rank, group2, str(base / "a-file"))
     dist.barrier()

@@ -26,7 +26,7 @@ def l3_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     from tests.sglang_0523.ranks import run_ranks
 
     workdir = tmp_path_factory.mktemp("l3-0523")
-    return run_ranks(l3_scenarios.l3_suite, 4, str(workdir), timeout_s=400, l3_root=str(workdir))
+    return run_ranks(l3_scenarios.l3_suite, 4, str(workdir), timeout_s=1200, l3_root=str(workdir))
 
 
 def _alike(runs: list[dict[str, Any]], where: str) -> None:
@@ -59,8 +59,8 @@ def test_each_rank_writes_exactly_its_own_pages(l3_ranks, name, world):
     calls = [r["write_calls"] for r in runs]
     assert len(calls[0]) > 0 and all(c == calls[0] for c in calls), name  # every node, the same owners, everywhere
     for rank, run in enumerate(runs):
-        mine = {f"{h}_{d}" for hashes, owners in calls[0] for h, o in zip(hashes, owners) if o == rank
-                for d in (kv, idx)}
+        mine = {f"{h}_{d}_{(p or 'root')[:16]}" for hashes, owners, parent in calls[0]
+                for h, o, p in zip(hashes, owners, [parent, *hashes[:-1]]) if o == rank for d in (kv, idx)}
         assert sorted(run["written_keys"]) == sorted(mine), (name, rank)  # exactly its own pages, KV + indexer
     for rank, run in enumerate(runs):
         assert len(run["written_keys"]) == 2 * run["counters"]["written_pages"] > 0, (name, rank)
