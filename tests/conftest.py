@@ -18,6 +18,8 @@ import os
 import pytest
 from hypothesis import HealthCheck, settings
 
+from tests.helpers.shared_fixtures import group_by_shared_fixtures
+
 settings.register_profile(
     "ci", max_examples=60, deadline=None, derandomize=True,
     suppress_health_check=[HealthCheck.too_slow],
@@ -55,3 +57,10 @@ def pytest_make_collect_report(collector: pytest.Collector):
         path = str(getattr(collector, "path", collector.nodeid))
         report.outcome = "skipped"
         report.longrepr = (path, 0, f"Skipped: {NO_SGLANG_REASON}")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under pytest-xdist (``--dist loadgroup``) the tests sharing a module-,
+    class- or session-scoped fixture run on one worker, which builds it once."""
+    group_by_shared_fixtures(items, os.path.dirname(__file__))
