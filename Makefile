@@ -22,9 +22,12 @@ test-0518:
 	$(PY) -m pytest $(PYTEST_PAR) tests
 
 # The copy paths again with the Triton kernels themselves (interpreter) as the
-# CPU backend: kernels, the adapter's copy path, faults, no-sync.
+# CPU backend: kernels, the adapter's copy path, faults, no-sync. Tests marked
+# same_under_interpret only run subprocesses whose TRITON_INTERPRET they set
+# themselves: test-0518 runs them, a second run here would repeat them unchanged.
 test-0518-interpreted:
-	TRITON_INTERPRET=1 $(PY) -m pytest $(PYTEST_PAR) tests/kernels tests/sglang_0518/test_sglang_cp.py \
+	TRITON_INTERPRET=1 $(PY) -m pytest $(PYTEST_PAR) -m "not same_under_interpret" \
+		tests/kernels tests/sglang_0518/test_sglang_cp.py \
 		tests/sglang_0518/test_faults.py tests/sglang_0518/test_no_sync.py
 
 # On a machine with one GPU (< 5 minutes); results under bench/results/gpu_check_<time>.

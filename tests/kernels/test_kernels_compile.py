@@ -16,6 +16,10 @@ import sys
 
 import pytest
 
+# Every test here runs the compile job in a subprocess with TRITON_INTERPRET
+# set or removed by _run_job: the interpreted re-run would repeat it unchanged.
+pytestmark = pytest.mark.same_under_interpret
+
 JOB = pathlib.Path(__file__).resolve().parents[1] / "helpers" / "kernels_aot_job.py"
 ROOT = JOB.parents[1]
 
