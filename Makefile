@@ -15,8 +15,9 @@ test: test-0518 test-0518-interpreted test-0523
 
 # Each part runs on pytest-xdist, one worker per core (PYTEST_XDIST_AUTO_NUM_WORKERS
 # overrides the count; PYTEST_PAR= runs in one process). loadgroup keeps the
-# tests sharing a module/session fixture on one worker (tests/conftest.py).
-PYTEST_PAR ?= -n auto --dist loadgroup
+# tests sharing a module/session fixture on one worker; work goes out in
+# collection order, which tests/conftest.py starts with those and the slow tests.
+PYTEST_PAR ?= -n auto --dist loadgroup --no-loadscope-reorder
 
 test-0518:
 	$(PY) -m pytest $(PYTEST_PAR) tests

@@ -18,7 +18,7 @@ import os
 import pytest
 from hypothesis import HealthCheck, settings
 
-from tests.helpers.shared_fixtures import group_by_shared_fixtures
+from tests.helpers.shared_fixtures import group_by_shared_fixtures, order_longest_modules_first
 
 settings.register_profile(
     "ci", max_examples=60, deadline=None, derandomize=True,
@@ -62,5 +62,11 @@ def pytest_make_collect_report(collector: pytest.Collector):
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Under pytest-xdist (``--dist loadgroup``) the tests sharing a module-,
-    class- or session-scoped fixture run on one worker, which builds it once."""
+    class- or session-scoped fixture run on one worker, which builds it once.
+    Modules with a ``slow`` test or a shared fixture come first in the
+    collection, longest first, and the Makefile's ``--no-loadscope-reorder``
+    makes xdist hand work out in that order: no long test starts last while
+    the other workers have nothing left to do. Without xdist only the order
+    of the modules changes; a module's tests keep their order."""
     group_by_shared_fixtures(items, os.path.dirname(__file__))
+    order_longest_modules_first(items)

@@ -70,6 +70,7 @@ def test_gpu_mode_without_cuda_fails_fast_after_recording_the_environment(tmp_pa
 
 
 @pytest.mark.same_under_interpret  # the script runs without TRITON_INTERPRET (_run_script)
+@pytest.mark.slow(30)
 def test_cpu_mode_writes_each_stage_even_when_one_fails(tmp_path):
     """A python that fails the checks stage only: the stage is reported
     FAILED, the bandwidth stage still writes its CSV and plots, exit 1."""

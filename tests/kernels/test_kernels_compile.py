@@ -87,6 +87,7 @@ def test_misaligned_pages_compile_to_narrow_accesses(compiled):
         assert set(ANY_ST.findall(ptx)) == {"st.global.b32"}
 
 
+@pytest.mark.slow(8)
 def test_compiles_even_when_triton_interpret_was_set_at_import(tmp_path):
     """With TRITON_INTERPRET=1 at start-up the module's own kernel is the
     interpreted one; compile_offline builds the compiled twin instead."""
