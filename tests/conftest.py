@@ -29,6 +29,16 @@ settings.register_profile(
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # One torch thread per pytest-xdist worker (and the processes it starts):
+    # the workers already fill the cores, and intra-op threads waiting on a
+    # busy core spin, burning CPU the other worker needs (measured: the 0.5.18
+    # state machine took 155 CPU-s on 2 workers with torch's default threads).
+    import torch
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+
 SGLANG_INSTALLED = importlib.util.find_spec("sglang") is not None
 NO_SGLANG_REASON = "needs SGLang, which is not installed in this environment"
 
