@@ -13,13 +13,22 @@ install-0518:
 # The test command (README and .ci/run run exactly this): both suites.
 test: test-0518 test-0518-interpreted test-0523
 
+# Each part runs on pytest-xdist, one worker per core (PYTEST_XDIST_AUTO_NUM_WORKERS
+# overrides the count; PYTEST_PAR= runs in one process). loadgroup keeps the
+# tests sharing a module/session fixture on one worker; work goes out in
+# collection order, which tests/conftest.py starts with those and the slow tests.
+PYTEST_PAR ?= -n auto --dist loadgroup --no-loadscope-reorder
+
 test-0518:
-	$(PY) -m pytest tests
+	$(PY) -m pytest $(PYTEST_PAR) tests
 
 # The copy paths again with the Triton kernels themselves (interpreter) as the
-# CPU backend: kernels, the adapter's copy path, faults, no-sync.
+# CPU backend: kernels, the adapter's copy path, faults, no-sync. Tests marked
+# same_under_interpret only run subprocesses whose TRITON_INTERPRET they set
+# themselves: test-0518 runs them, a second run here would repeat them unchanged.
 test-0518-interpreted:
-	TRITON_INTERPRET=1 $(PY) -m pytest tests/kernels tests/sglang_0518/test_sglang_cp.py \
+	TRITON_INTERPRET=1 $(PY) -m pytest $(PYTEST_PAR) -m "not same_under_interpret" \
+		tests/kernels tests/sglang_0518/test_sglang_cp.py \
 		tests/sglang_0518/test_faults.py tests/sglang_0518/test_no_sync.py
 
 # On a machine with one GPU (< 5 minutes); results under bench/results/gpu_check_<time>.
@@ -70,4 +79,4 @@ soak:
 # The SGLang 0.5.23 suite (collected only under 0.5.23).
 .PHONY: test-0523
 test-0523:
-	$(PY_0523) -m pytest tests/sglang_0523
+	$(PY_0523) -m pytest $(PYTEST_PAR) tests/sglang_0523

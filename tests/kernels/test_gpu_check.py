@@ -42,6 +42,7 @@ def _run_script(*args, env_over=None, timeout=240, script=SCRIPT):
                           timeout=timeout)
 
 
+@pytest.mark.same_under_interpret  # the script runs without TRITON_INTERPRET (_run_script)
 def test_script_parses_and_dry_run_lists_every_stage(tmp_path):
     assert subprocess.run(["bash", "-n", str(SCRIPT)]).returncode == 0
     out = tmp_path / "new" / "dir"
@@ -59,6 +60,7 @@ def test_script_parses_and_dry_run_lists_every_stage(tmp_path):
     assert _run_script("--bogus").returncode == 2
 
 
+@pytest.mark.same_under_interpret  # the script runs without TRITON_INTERPRET (_run_script)
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA path")
 def test_gpu_mode_without_cuda_fails_fast_after_recording_the_environment(tmp_path):
     proc = _run_script(env_over={"OUT": str(tmp_path / "o")})
@@ -67,6 +69,8 @@ def test_gpu_mode_without_cuda_fails_fast_after_recording_the_environment(tmp_pa
     assert "no CUDA device" in (tmp_path / "o" / "summary.txt").read_text()
 
 
+@pytest.mark.same_under_interpret  # the script runs without TRITON_INTERPRET (_run_script)
+@pytest.mark.slow(30)
 def test_cpu_mode_writes_each_stage_even_when_one_fails(tmp_path):
     """A python that fails the checks stage only: the stage is reported
     FAILED, the bandwidth stage still writes its CSV and plots, exit 1."""
@@ -96,6 +100,7 @@ def test_cpu_mode_writes_each_stage_even_when_one_fails(tmp_path):
     assert summary.rstrip().endswith("FAIL")
 
 
+@pytest.mark.same_under_interpret  # the script runs without TRITON_INTERPRET (_run_script)
 def test_install_stage_makes_another_checkout_importable_through_an_overlay(tmp_path):
     """A copy of the checkout run while the environment has the package from
     this one: that install is left alone (no pip), and a PYTHONPATH overlay
@@ -116,6 +121,7 @@ def test_install_stage_makes_another_checkout_importable_through_an_overlay(tmp_
     code = ("import os, sglang_cp_hicache as p, sglang_cp_hicache.kernels.transfer as t; "
             "print(os.path.realpath(p.__file__)); print(os.path.realpath(t.__file__))")
     env = {**os.environ, "PYTHONPATH": str(out / "pythonpath")}
+    env.pop("TRITON_INTERPRET", None)  # like the script: the same run under either part of make test
     got = subprocess.run([sys.executable, "-c", code], cwd="/", env=env, capture_output=True, text=True, timeout=120)
     assert got.stdout.split() == [str(copy.resolve() / "sglang_cp_hicache" / "__init__.py"),
                                   str(copy.resolve() / "kernels" / "transfer.py")], got.stderr

@@ -16,6 +16,10 @@ import sys
 
 import pytest
 
+# The compile job runs in a subprocess with TRITON_INTERPRET set or removed
+# by _run_job: the interpreted re-run would repeat the tests on it unchanged.
+SAME = pytest.mark.same_under_interpret
+
 JOB = pathlib.Path(__file__).resolve().parents[1] / "helpers" / "kernels_aot_job.py"
 ROOT = JOB.parents[1]
 
@@ -42,6 +46,7 @@ def compiled(tmp_path_factory) -> dict:
     return _run_job(tmp_path_factory.mktemp("aot"))
 
 
+@SAME
 def test_every_specialisation_compiles_for_sm90(compiled):
     # 8 configurations: 6 with two buffers (4 ops), 2 with one (2 ops) -> see the job's CONFIGS
     assert len(compiled) == 3 * 4 + 3 * 2 + 4 + 2
@@ -52,6 +57,7 @@ def test_every_specialisation_compiles_for_sm90(compiled):
         assert info["cubin_bytes"] > 0, name
 
 
+@SAME
 def test_copy_loops_use_16_byte_vector_loads_and_stores(compiled):
     checked = 0
     for name, info in compiled.items():
@@ -74,6 +80,7 @@ def test_copy_loops_use_16_byte_vector_loads_and_stores(compiled):
     assert checked == 3 * 4 + 3 * 2 + 4
 
 
+@SAME
 def test_misaligned_pages_compile_to_narrow_accesses(compiled):
     """132-byte pages (indexer, page_size 1) cannot be 16-byte aligned: the
     launcher picks 4-byte words, and the PTX says so (no silent misaligned vectors)."""
@@ -83,6 +90,8 @@ def test_misaligned_pages_compile_to_narrow_accesses(compiled):
         assert set(ANY_ST.findall(ptx)) == {"st.global.b32"}
 
 
+@SAME
+@pytest.mark.slow(8)
 def test_compiles_even_when_triton_interpret_was_set_at_import(tmp_path):
     """With TRITON_INTERPRET=1 at start-up the module's own kernel is the
     interpreted one; compile_offline builds the compiled twin instead."""

@@ -209,6 +209,7 @@ def test_malformed_buffers_get_the_reference_error():
                                       page_locs([0], 4), page_locs([0], 4), placement)
 
 
+@pytest.mark.same_under_interpret  # a subprocess with TRITON_INTERPRET=1
 def test_triton_interpret_set_before_import_uses_the_module_kernel():
     """The classic way: TRITON_INTERPRET=1 exported before python starts."""
     code = """
@@ -233,6 +234,7 @@ print("ok")
     assert proc.stdout.strip() == "ok"
 
 
+@pytest.mark.same_under_interpret  # a subprocess without TRITON_INTERPRET
 def test_the_twin_loader_never_touches_the_environment():
     """TRITON_INTERPRET unset at import: the interpreted twin is built without
     setting the variable, even for a moment (other threads read it)."""

@@ -12,14 +12,9 @@ from pathlib import Path
 from typing import Optional
 
 from sglang_cp_hicache.l3_backends.mooncake import MooncakeConfig, MooncakePageStore
+from tests.helpers.ports import free_port
 
 LOOPBACK = "127.0.0.1"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind((LOOPBACK, 0))
-        return sock.getsockname()[1]
 
 
 def _wait_for_port(port: int, proc: subprocess.Popen, log: Path, timeout: float = 20.0) -> None:

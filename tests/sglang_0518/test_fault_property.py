@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import pytest
 import torch
 from hypothesis import event, given
 from hypothesis import strategies as st
@@ -206,6 +207,7 @@ def assert_bytes(world: World) -> None:
     assert_ranks_agree(cl)
 
 
+@pytest.mark.slow(20)
 @given(scenarios())
 def test_a_raised_step_leaves_every_rank_as_it_was_and_the_retry_is_bit_exact(sc):
     world = World(sc)

@@ -85,6 +85,7 @@ def _rank_main(rank: int, world: int, init_file: str, l3_dir: str, out_dir: str)
     os._exit(0)  # the group is broken: no teardown that would wait on the dead peer
 
 
+@pytest.mark.slow(12)
 def test_a_rank_killed_between_the_query_and_the_fetch(tmp_path, monkeypatch):
     from sglang.srt.mem_cache.radix_cache import RadixKey
 

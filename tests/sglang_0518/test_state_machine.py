@@ -23,6 +23,7 @@ import json
 import os
 import time
 
+import pytest
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -234,6 +235,7 @@ class CpCacheMachine(RuleBasedStateMachine):
             assert s.allocator.pages_in_use() == len(device_pages), "device page leak"
 
 
+@pytest.mark.slow(20)
 def test_cp_cache_state_machine():
     name, profile = chosen_profile()
     STEPS["total"] = 0

@@ -20,11 +20,15 @@ CASES = [(2, "layer_first"), (2, "page_first"), (3, "page_first")]
 
 
 @pytest.fixture(params=CASES, ids=[f"cp{n}-{layout}" for n, layout in CASES])
-def case(request: pytest.FixtureRequest) -> tuple[list[dict[str, Any]], str]:
+def case(
+    request: pytest.FixtureRequest, two_ranks: list[dict[str, Any]], three_ranks: list[dict[str, Any]]
+) -> tuple[list[dict[str, Any]], str]:
+    # Both launches named as arguments (not fetched by name): pytest-xdist then
+    # keeps these tests on the worker that already holds the launches.
     world, layout = request.param
     if world == 2:
-        return [r["differential"] for r in request.getfixturevalue("two_ranks")], layout
-    return request.getfixturevalue("three_ranks"), layout
+        return [r["differential"] for r in two_ranks], layout
+    return three_ranks, layout
 
 
 def test_library_path_ran_on_the_triton_kernels(case):

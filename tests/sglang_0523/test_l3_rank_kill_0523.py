@@ -193,6 +193,7 @@ def _spawn_kill_run(tmp_path: Path) -> tuple[list[Any], Path]:
     return procs, out
 
 
+@pytest.mark.slow(45)
 def test_a_rank_killed_between_the_query_and_the_fetch(tmp_path):
     from tests.sglang_0523.ranks import run_ranks
 

@@ -7,9 +7,12 @@ from __future__ import annotations
 import json
 import subprocess
 
+import pytest
+
 from tests.sim.simrun import ROOT, sim_command, sim_env
 
 
+@pytest.mark.slow(45)
 def test_simulate_on_the_sharded_pool_through_the_library_kernels(tmp_path):
     out = tmp_path / "sim.json"
     proc = subprocess.run(
@@ -37,6 +40,7 @@ def test_compare_non_cp_is_refused_on_0523():
     assert proc.returncode == 2 and "--compare-non-cp needs --sglang 0.5.18" in proc.stderr
 
 
+@pytest.mark.slow(70)
 def test_simulate_with_l3_writes_own_pages_and_restores_them_bit_exact(tmp_path):
     out, directory = tmp_path / "l3.json", tmp_path / "l3"
     proc = subprocess.run(
@@ -105,6 +109,7 @@ def _run_tight(tmp_path, copy_path):
     return s, proc.stdout
 
 
+@pytest.mark.slow(90)
 def test_bookkeeping_counters_on_a_tight_host_upstream_loses_backups_and_reads_locs(tmp_path):
     up, up_text = _run_tight(tmp_path, "upstream")
     lib, lib_text = _run_tight(tmp_path, "library")

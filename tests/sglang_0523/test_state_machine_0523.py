@@ -233,6 +233,7 @@ def test_the_checks_catch_one_flipped_byte(part):
     ranks.call("close")
 
 
+@pytest.mark.slow(120)
 def test_sharded_cache_state_machine_0523():
     name, profile = chosen_profile()
     STEPS["total"] = STEPS["compared"] = 0

@@ -167,6 +167,7 @@ def test_a_run_that_verified_nothing_fails_unless_allowed():
     assert format_table(summary).splitlines()[-1] == "result: OK"
 
 
+@pytest.mark.slow(10)
 def test_a_trace_of_sub_page_requests_exits_1_saying_nothing_was_verified(tmp_path):
     trace = tmp_path / "short.jsonl"
     trace.write_text("".join(json.dumps({"tokens": [7] * n}) + "\n" for n in (10, 20, 30, 40, 63)))

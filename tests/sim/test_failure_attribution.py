@@ -125,6 +125,7 @@ def test_describe_exit():
 # ---------------------------------------------------------------------------
 
 
+@pytest.mark.slow(10)
 def test_sigkill_of_a_rank_names_that_rank():
     proc, seconds = simulate("--cp-size", "2", "--requests", "10", env={FAIL_ENV: "1:3:kill"})
     assert proc.returncode == 1 and seconds < BOUND_S
@@ -133,6 +134,7 @@ def test_sigkill_of_a_rank_names_that_rank():
     assert any(ln.startswith("  then rank 0 failed at request 3: ") for ln in lines), proc.stderr
 
 
+@pytest.mark.slow(16)
 def test_sigstop_of_a_rank_names_that_rank():
     proc, seconds = simulate("--cp-size", "2", "--requests", "10", "--collective-timeout", "3",
                              env={FAIL_ENV: "1:3:stop"})

@@ -108,6 +108,7 @@ def test_sigkill_of_the_launcher_during_startup_leaves_no_rank_and_no_file(tmp_p
         kill_all([launcher.pid])
 
 
+@pytest.mark.slow(10)
 def test_sigkill_of_the_launcher_mid_run_leaves_no_rank_and_no_file(tmp_path):
     launcher = subprocess.Popen(
         sim_command("--cp-size", "2", "--requests", "300", progress=True), cwd=ROOT,

@@ -46,6 +46,7 @@ def written(tmp_path_factory) -> Path:
     return directory
 
 
+@pytest.mark.slow(40)
 def test_cp4_writes_cp2_restores_bit_exact(written, tmp_path):
     code, summary, text = run(tmp_path, "cp2", CP2, written)
     assert code == 0, text

@@ -35,6 +35,7 @@ P = 64
 # ---------------------------------------------------------------------------
 
 
+@pytest.mark.slow(25)
 def test_short_run_is_bit_exact_and_ranks_agree(tmp_path):
     out, png = tmp_path / "sim.json", tmp_path / "sim.png"
     proc, _ = simulate("--cp-size", "2", "--requests", "40", "--json", str(out),
@@ -77,6 +78,7 @@ def test_short_run_is_bit_exact_and_ranks_agree(tmp_path):
     assert "node backups refused" not in proc.stdout and "host reads of device locs" not in proc.stdout
 
 
+@pytest.mark.slow(40)
 def test_roomy_host_shares_stay_within_a_page_of_one_nth(tmp_path):
     """CP 4 with a host pool nothing is evicted from and a tight device pool:
     every rank's host slots end within one page of 1/4 of what non-CP holds,
@@ -101,6 +103,7 @@ def test_roomy_host_shares_stay_within_a_page_of_one_nth(tmp_path):
     assert s["all_reduces_per_request"]["cp"] == s["all_reduces_per_request"]["non_cp"]
 
 
+@pytest.mark.slow(8)
 def test_injected_rank_failure_stops_every_rank_with_a_clear_message():
     proc, seconds = simulate("--cp-size", "2", "--requests", "10", env={FAIL_ENV: "1:2"})
     assert proc.returncode == 1
@@ -111,6 +114,7 @@ def test_injected_rank_failure_stops_every_rank_with_a_clear_message():
     assert "result: OK" not in proc.stdout
 
 
+@pytest.mark.slow(15)
 def test_a_rank_that_stops_answering_is_bounded_by_the_collective_timeout():
     proc, seconds = simulate("--cp-size", "2", "--requests", "10", "--collective-timeout", "3",
                              env={FAIL_ENV: "1:2:hang"})
@@ -124,6 +128,7 @@ def test_a_rank_that_stops_answering_is_bounded_by_the_collective_timeout():
     assert "Timed out" in proc.stderr or "timed out" in proc.stderr
 
 
+@pytest.mark.slow(12)
 def test_a_corrupted_restore_fails_the_run(tmp_path):
     out = tmp_path / "sim.json"
     proc, _ = simulate("--cp-size", "2", "--requests", "40", "--json", str(out), env={FAIL_ENV: "0:0:corrupt"})
@@ -133,6 +138,7 @@ def test_a_corrupted_restore_fails_the_run(tmp_path):
     assert "corrupted" in proc.stdout
 
 
+@pytest.mark.slow(10)
 def test_trace_replay(tmp_path):
     trace = tmp_path / "trace.jsonl"
     sys_prompt = list(range(100, 100 + 3 * P))
