@@ -1,0 +1,355 @@
+"""L3 file store: this library vs SGLang's ``HiCacheFile`` vs the raw floor.
+
+Usage: python bench/bench_l3.py [--pages 64] [--threads 4] [--prefix-tokens 100000] [--out FILE.json]
+
+Per DeepSeek-V3.2 page object -- KV (61 layers x 64 tokens x 656 B =
+2,561,024 B) and DSA indexer (61 x 64 x 132 B = 515,328 B) -- write then
+read ``--pages`` pages, page-cache hot and (dropped with
+``posix_fadvise(DONTNEED)``) cold, on three paths:
+
+* ``library``: the library's path, as its L3 I/O threads run it
+  (``--threads`` of them, each page its own job): write = read the object
+  under the key if one is there, else one gather write of header + page
+  (``pages.store_verified``); read = one scatter read of header + page into
+  the thread's staging buffer, the header and the XXH3-64 checksum checked
+  there, then copied into the page's rows of a layer_first host pool
+  (``pages.read_verified`` + the host copy). Every byte verified.
+* ``hicachefile``: SGLang 0.5.18's own L3 path on its file backend, from and
+  to the same host pool: write = each page's flat copy (``get_data_page(flat)``)
+  then ``HiCacheFile.batch_set``; read = ``batch_get`` into a fresh flat page
+  each (``get_dummy_flat_data_page``) then the copy into the host rows
+  (``set_from_flat_data_page``); one thread, nothing verified.
+* ``raw``: the floor: ``tofile`` / ``readinto`` a preallocated tensor, one
+  thread, no host pool.
+
+Then the time one CP rank takes to restore its pages of a ``--prefix-tokens``
+DeepSeek-V3.2 prefix (KV and indexer objects, through ``HostL3Tier.read_page``
+on the L3 threads, into host pools) at CP 1/2/4/8, hot and cold. And the
+checksum candidates on this machine. Figures are GB/s of page bytes (1e9).
+
+Without ``--out`` it writes a new file under ``build/bench-results/``;
+``--out bench/results/l3.json`` replaces the committed figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shutil
+import tempfile
+import threading
+import time
+import zlib
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from sglang_cp_hicache.l3.envelope import HEADER_BYTES, byte_view
+from sglang_cp_hicache.l3.host_tier import HostL3Tier
+from sglang_cp_hicache.l3.keys import L3Namespace, page_keys
+from sglang_cp_hicache.l3.pages import object_bytes, read_verified, store_verified
+from sglang_cp_hicache.l3.store import FilePageStore
+from sglang_cp_hicache.l3.workers import L3Workers
+from sglang_cp_hicache.placement import CpPlacement
+
+LAYERS, P, KV_ROW, INDEXER_ROW = 61, 64, 656, 132
+KINDS = {"kv": KV_ROW, "indexer": INDEXER_ROW}
+
+
+def _out_path(out: str | None) -> Path:
+    if out is not None:
+        return Path(out)
+    root = Path(__file__).resolve().parents[1] / "build" / "bench-results"
+    root.mkdir(parents=True, exist_ok=True)
+    return root / f"l3_{datetime.datetime.now(datetime.timezone.utc):%Y%m%dT%H%M%SZ}.json"
+
+
+def _namespace(pool: str, row: int) -> L3Namespace:
+    return L3Namespace(model_id="bench", kv_dtype="uint8", row_bytes=row, page_size=P, pool=pool,
+                       layer_start=0, layer_end=LAYERS)
+
+
+def _hashes(n: int, seed: int) -> list[str]:
+    return [f"{seed:016x}{i:048x}" for i in range(n)]
+
+
+def _drop_cache(directory: Path) -> None:
+    """Page-cache cold: write back, then drop every file's cached pages."""
+    os.sync()
+    for path in directory.rglob("*"):
+        if path.is_file():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def _gbps(nbytes: int, seconds: float) -> float:
+    return round(nbytes / seconds / 1e9, 3)
+
+
+def _parallel(threads: int, jobs: list[Callable[[], Any]]) -> list[Any]:
+    """Run ``jobs`` on ``threads`` L3 I/O threads (each its own job, as the
+    library's L3 does) and wait."""
+    workers = L3Workers("bench-l3", threads, spare=0)
+    try:
+        submitted = [workers.submit(lambda job, fn=fn: fn(), timeout_s=3600) for fn in jobs]
+        workers.wait(submitted)
+        return [j.result() for j in submitted]
+    finally:
+        workers.shutdown()
+
+
+class _LayerFirstPool:
+    """A layer_first host pool of ``pages`` pages (SGLang's MLA / indexer
+    host layout: a page's rows of one layer contiguous, layers apart)."""
+
+    def __init__(self, pages: int, row: int) -> None:
+        self.buffer = torch.zeros((LAYERS, pages * P, row), dtype=torch.uint8)
+        self.row = row
+
+    def page(self, i: int) -> torch.Tensor:
+        return self.buffer[:, i * P:(i + 1) * P]
+
+    def fill(self, i: int, flat: torch.Tensor) -> None:
+        self.buffer[:, i * P:(i + 1) * P] = flat.view(LAYERS, P, self.row)
+
+
+def bench_kind(kind: str, pages: int, threads: int, root: Path) -> dict[str, Any]:
+    row = KINDS[kind]
+    ns = _namespace(kind if kind == "kv" else "indexer", row)
+    data = [torch.randint(0, 256, (ns.page_bytes,), dtype=torch.uint8) for _ in range(pages)]
+    total = pages * ns.page_bytes
+    out: dict[str, Any] = {"page_bytes": ns.page_bytes, "pages": pages}
+
+    # raw floor
+    raw_dir = root / f"raw-{kind}"
+    raw_dir.mkdir()
+    t = time.perf_counter()
+    for i, page in enumerate(data):
+        page.numpy().tofile(raw_dir / f"{i}.bin")
+    out["raw_write_GBps"] = _gbps(total, time.perf_counter() - t)
+    dest = torch.empty((pages, ns.page_bytes), dtype=torch.uint8)
+
+    def raw_read() -> float:
+        t0 = time.perf_counter()
+        for i in range(pages):
+            with open(raw_dir / f"{i}.bin", "rb", buffering=0) as f:
+                f.readinto(memoryview(dest[i].numpy()))
+        return time.perf_counter() - t0
+
+    out["raw_read_GBps"] = _gbps(total, raw_read())
+    _drop_cache(raw_dir)
+    out["raw_read_cold_GBps"] = _gbps(total, raw_read())
+    assert all(torch.equal(dest[i], data[i]) for i in range(pages))
+
+    # SGLang's HiCacheFile, from and to a host pool as SGLang's own L3 path does
+    from sglang.srt.mem_cache.hicache_storage import HiCacheFile, HiCacheStorageConfig
+
+    hf_dir = root / f"hicachefile-{kind}"
+    hf_dir.mkdir()
+    config = HiCacheStorageConfig(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
+                                  is_mla_model=True, enable_storage_metrics=False, is_page_first_layout=False,
+                                  model_name="bench")
+    hf = HiCacheFile(config, file_path=str(hf_dir))
+    keys = _hashes(pages, 1)
+    hf_host = _LayerFirstPool(pages, row)
+    for i, page in enumerate(data):
+        hf_host.fill(i, page)
+    t = time.perf_counter()
+    assert hf.batch_set(keys, [hf_host.page(i).reshape(-1).contiguous() for i in range(pages)])
+    out["hicachefile_write_GBps"] = _gbps(total, time.perf_counter() - t)
+
+    def hf_read() -> float:
+        hf_host.buffer.zero_()
+        t0 = time.perf_counter()
+        got = hf.batch_get(keys, [torch.empty(ns.page_bytes, dtype=torch.uint8) for _ in range(pages)])
+        for i, flat in enumerate(got):
+            hf_host.fill(i, flat)
+        return time.perf_counter() - t0
+
+    out["hicachefile_read_GBps"] = _gbps(total, hf_read())
+    _drop_cache(hf_dir)
+    out["hicachefile_read_cold_GBps"] = _gbps(total, hf_read())
+    assert all(torch.equal(hf_host.page(i).reshape(-1), data[i]) for i in range(pages))
+
+    # this library, through its L3 threads, every byte verified
+    lib_dir = root / f"library-{kind}"
+    store = FilePageStore(lib_dir)
+    lib_keys = page_keys(_hashes(pages, 2), ns)
+    host = _LayerFirstPool(pages, row)
+    for i, page in enumerate(data):
+        host.fill(i, page)
+    scratch = threading.local()
+
+    def buffers() -> tuple[memoryview, memoryview, torch.Tensor]:
+        if not hasattr(scratch, "page"):
+            scratch.head, scratch.page = memoryview(bytearray(HEADER_BYTES)), torch.empty(ns.page_bytes,
+                                                                                        dtype=torch.uint8)
+        return scratch.head, byte_view(scratch.page), scratch.page
+
+    def write_page(i: int) -> None:
+        snapshot = host.page(i).reshape(-1).contiguous()  # what the writer copies out at the ack
+        head, payload, _ = buffers()
+        assert store_verified(store, ns, lib_keys[i], snapshot, (head, payload)).in_l3
+
+    t = time.perf_counter()
+    _parallel(threads, [lambda i=i: write_page(i) for i in range(pages)])
+    out["library_write_GBps"] = _gbps(total, time.perf_counter() - t)
+    host.buffer.zero_()
+
+    def read_page(i: int) -> None:
+        head, payload, page = buffers()
+        assert read_verified(store, ns, lib_keys[i], head, payload) is None
+        host.fill(i, page)
+
+    def lib_read(n_threads: int) -> float:
+        host.buffer.zero_()
+        t0 = time.perf_counter()
+        _parallel(n_threads, [lambda i=i: read_page(i) for i in range(pages)])
+        return time.perf_counter() - t0
+
+    out["library_read_GBps"] = _gbps(total, lib_read(threads))
+    out["library_read_1thread_GBps"] = _gbps(total, lib_read(1))
+    _drop_cache(lib_dir)
+    out["library_read_cold_GBps"] = _gbps(total, lib_read(threads))
+    assert all(torch.equal(host.page(i).reshape(-1), data[i]) for i in range(pages))
+    for path in ("raw", "hicachefile"):
+        out[f"library_over_{path}_read"] = round(out["library_read_GBps"] / out[f"{path}_read_GBps"], 3)
+        out[f"library_over_{path}_write"] = round(out["library_write_GBps"] / out[f"{path}_write_GBps"], 3)
+    return out
+
+
+class _KvHost:
+    """The KV host pool as HostL3Tier reads it (layer_first)."""
+
+    def __init__(self, pages: int) -> None:
+        self.kv_buffer = torch.zeros((LAYERS, pages * P, 1, KV_ROW), dtype=torch.uint8)
+        self.kv_cache_dim, self.layer_num, self.layout, self.page_size = KV_ROW, LAYERS, "layer_first", P
+
+    def get_data_page(self, index: int) -> torch.Tensor:
+        return self.kv_buffer[:, index:index + P]
+
+    def set_from_flat_data_page(self, index: int, data: torch.Tensor) -> None:
+        self.kv_buffer[:, index:index + P] = data.reshape(LAYERS, P, 1, KV_ROW)
+
+
+class _IndexerHost:
+    def __init__(self, pages: int) -> None:
+        self.index_k_with_scale_buffer = torch.zeros((LAYERS, pages, P * INDEXER_ROW), dtype=torch.uint8)
+        self.indexer_page_stride_size, self.layer_num, self.page_size = P * INDEXER_ROW, LAYERS, P
+
+    def get_data_page(self, index: int) -> torch.Tensor:
+        return self.index_k_with_scale_buffer[:, index // P]
+
+    def set_from_flat_data_page(self, index: int, data: torch.Tensor) -> None:
+        self.index_k_with_scale_buffer[:, index // P] = data.reshape(LAYERS, P * INDEXER_ROW)
+
+
+def bench_prefix(tokens: int, cp_sizes: list[int], threads: int, root: Path) -> dict[str, Any]:
+    """One CP rank's restore of its pages of a ``tokens``-token prefix."""
+    pages = -(-tokens // P)
+    directory = root / "prefix"
+    store = FilePageStore(directory)
+    hashes = _hashes(pages, 3)
+    writer = HostL3Tier(store, CpPlacement(P, 1, 0), _KvHost(pages), _IndexerHost(pages), model_id="bench",
+                        page_hasher=lambda *a, **k: [])
+    writer.kv_host.kv_buffer.random_(0, 256)
+    writer.indexer_host.index_k_with_scale_buffer.random_(0, 256)
+    t = time.perf_counter()
+    writer.store_pages(hashes, [0] * pages, [i * P for i in range(pages)])
+    out: dict[str, Any] = {"prefix_tokens": tokens, "pages": pages, "write_seconds_cp1": round(time.perf_counter() - t, 3)}
+    kv_keys, idx_keys = writer.chain_keys(hashes)
+    page_bytes = writer.kv_ns.page_bytes + writer.indexer_ns.page_bytes
+    for cold in (False, True):
+        for n in cp_sizes:
+            mine = list(range(0, pages, n))  # rank 0 of CP n: every n-th page
+            reader = HostL3Tier(store, CpPlacement(P, 1, 0), _KvHost(len(mine)), _IndexerHost(len(mine)),
+                                model_id="bench", page_hasher=lambda *a, **k: [])
+            if cold:
+                _drop_cache(directory)
+            t = time.perf_counter()
+            ok = _parallel(threads, [
+                lambda j=j, i=i: reader.read_page(kv_keys[i], idx_keys[i], j * P, lambda fill: fill())
+                for j, i in enumerate(mine)
+            ])
+            seconds = time.perf_counter() - t
+            assert all(ok)
+            assert torch.equal(reader.kv_host.kv_buffer[:, P:2 * P], writer.kv_host.kv_buffer[:, n * P:(n + 1) * P]) \
+                if len(mine) > 1 else True
+            key = f"cp{n}{'_cold' if cold else ''}"
+            out[f"restore_seconds_{key}"] = round(seconds, 3)
+            out[f"restore_GBps_{key}"] = _gbps(len(mine) * page_bytes, seconds)
+            out[f"pages_per_rank_cp{n}"] = len(mine)
+    return out
+
+
+def bench_checksums() -> dict[str, float]:
+    """GB/s of each checksum candidate importable here, on 64 MiB."""
+    data = memoryview(os.urandom(64 << 20))
+    candidates: dict[str, Callable[[memoryview], int]] = {"zlib.crc32": zlib.crc32}
+    try:
+        import xxhash
+
+        candidates.update({"xxh3_64": xxhash.xxh3_64_intdigest, "xxh3_128": xxhash.xxh3_128_intdigest})
+    except ImportError:
+        pass
+    for name, module, fn in (("crc32c", "crc32c", "crc32c"), ("isal.crc32", "isal.isal_zlib", "crc32")):
+        try:
+            candidates[name] = getattr(__import__(module, fromlist=[fn]), fn)
+        except ImportError:
+            pass
+    out = {}
+    for name, fn in candidates.items():
+        fn(data)
+        t = time.perf_counter()
+        for _ in range(5):
+            fn(data)
+        out[f"{name}_GBps"] = _gbps(5 * len(data), time.perf_counter() - t)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    ap.add_argument("--pages", type=int, default=64, help="pages per path and kind (default 64)")
+    ap.add_argument("--threads", type=int, default=int(os.environ.get("SGLANG_CP_HICACHE_L3_THREADS", "4")),
+                    help="the library's L3 I/O threads (default SGLANG_CP_HICACHE_L3_THREADS, else 4)")
+    ap.add_argument("--prefix-tokens", type=int, default=100_000)
+    ap.add_argument("--cp", default="1,2,4,8", help="CP sizes of the prefix restore (default 1,2,4,8)")
+    ap.add_argument("--dir", default=None, help="where to write (default: a new directory under /tmp)")
+    ap.add_argument("--out", default=None, help="JSON output (default: a new file under build/bench-results)")
+    args = ap.parse_args()
+    from sglang_cp_hicache.testing.torchvision_standin import ensure_sglang_importable
+
+    ensure_sglang_importable()
+    root = Path(tempfile.mkdtemp(prefix="bench-l3-", dir=args.dir))
+    started = time.time()
+    try:
+        result: dict[str, Any] = {
+            "command": "python bench/bench_l3.py " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in
+                                                              vars(args).items() if v is not None and k != "out"),
+            "threads": args.threads,
+            "cpus": os.cpu_count(),
+            "load_average_before": os.getloadavg(),
+            "checksums": bench_checksums(),
+        }
+        for kind in KINDS:
+            result[kind] = bench_kind(kind, args.pages, args.threads, root)
+        result["prefix"] = bench_prefix(args.prefix_tokens, [int(x) for x in args.cp.split(",")], args.threads, root)
+        result["load_average_after"] = os.getloadavg()
+        result["seconds"] = round(time.time() - started, 1)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    path = _out_path(args.out)
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps({k: v for k, v in result.items() if k != "prefix"}, indent=1))
+    print(json.dumps(result["prefix"], indent=1))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,67 @@
+"""``simulate --l3 DIR`` with SGLang's ``SGLANG_HICACHE_FILE_BACKEND_MAX_SIZE``
+well below what the run writes: sampled all along, the directory never holds
+more than the cap plus one object per writer thread; a reader of it restores
+only bit-exact pages. (The hit rates against an eviction of random chains
+are measured in bench/bench_l3_bound.py.)"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.sim.simrun import ROOT, sim_command, sim_env
+
+REQUESTS = 40
+CP4 = ("--cp-size", "4", "--device-pages", "16", "--host-pages", "8")
+CP2 = ("--cp-size", "2", "--device-pages", "32", "--host-pages", "16")
+#: The sim's pages: 2 layers x 64 tokens (KV 576 B rows, indexer 132 B) + a 140-byte header.
+KV_OBJECT = 140 + 2 * 64 * 576
+PAGE_OBJECTS = KV_OBJECT + 140 + 2 * 64 * 132
+CAP = 16 * PAGE_OBJECTS  # an unbounded CP 4 run of these requests writes about 110 pages
+THREADS = 2
+
+
+def _bytes_in(directory: Path) -> int:
+    total = 0
+    for path in directory.rglob("*"):
+        try:
+            if path.is_file() and not path.name.startswith(".l3-") and ".sim-writers" not in path.parts:
+                total += path.stat().st_size
+        except FileNotFoundError:
+            pass  # evicted while being measured
+    return total
+
+
+def run_sampled(shape: tuple[str, ...], l3: Path, out: Path) -> tuple[dict, int]:
+    env = sim_env({"SGLANG_HICACHE_FILE_BACKEND_MAX_SIZE": str(CAP), "SGLANG_CP_HICACHE_L3_THREADS": str(THREADS)})
+    cmd = sim_command(*shape, "--requests", str(REQUESTS), "--l3", str(l3), "--json", str(out))
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    peak = 0
+    while proc.poll() is None:
+        if l3.exists():
+            peak = max(peak, _bytes_in(l3))
+        time.sleep(0.02)
+    text = proc.stdout.read()
+    assert proc.returncode == 0, text
+    return json.loads(out.read_text()), max(peak, _bytes_in(l3))
+
+
+@pytest.mark.slow(120)
+def test_a_bounded_directory_holds_its_cap_and_a_reader_restores_bit_exact(tmp_path):
+    directory = tmp_path / "l3"
+    writer, peak = run_sampled(CP4, directory, tmp_path / "writer.json")
+    assert writer["ok"] and writer["corrupted_pages"] == 0
+    # it wrote well past the cap, and the directory held it (+ one object per writer thread)
+    assert writer["l3_written_pages"] * PAGE_OBJECTS > 2 * CAP
+    assert peak <= CAP + 4 * THREADS * KV_OBJECT, (peak, CAP)
+    assert _bytes_in(directory) <= CAP
+    copy = tmp_path / "copy"
+    shutil.copytree(directory, copy)
+    reader, _ = run_sampled(CP2, copy, tmp_path / "reader.json")
+    assert reader["ok"] and reader["corrupted_pages"] == 0 and reader["l3_rejected_objects"] == 0
+    assert reader["l3_hit_tokens"] > 0 and reader["l3_pages_verified"] > 0
