@@ -193,6 +193,7 @@ class HostL3Tier:
         self.page_size = self.kv_ns.page_size
         self.counters = L3Counters()
         self._local = threading.local()  # each I/O thread's staging buffers
+        self._staging_buffers: list[_Staging] = []
 
     def describe(self) -> str:
         """What every rank must agree on: both namespaces (a file store's
@@ -220,6 +221,10 @@ class HostL3Tier:
         staging = getattr(self._local, "staging", None)
         if staging is None:
             staging = self._local.staging = _Staging.for_namespaces(self.kv_ns, self.indexer_ns)
+            self._staging_buffers.append(staging)  # lives as long as the tier: registered memory stays valid
+            register = getattr(self.store, "register_buffers", None)
+            if register is not None:  # a store that reads in place (Mooncake)
+                register([*staging.kv(), *staging.indexer()])
         return staging
 
     # ---- host -> L3 ------------------------------------------------------------

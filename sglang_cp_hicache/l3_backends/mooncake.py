@@ -19,8 +19,10 @@ a failed write is False and logged.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Union
@@ -176,6 +178,11 @@ def fitting_batches(sizes: Sequence[int], limit: int) -> list[list[int]]:
     return batches
 
 
+def _address(view: memoryview) -> int:
+    """The address of a writable contiguous buffer (no copy)."""
+    return ctypes.addressof(ctypes.c_char.from_buffer(view))
+
+
 class MooncakePageStore:
     """Page objects in a Mooncake distributed store (one client per rank).
 
@@ -184,6 +191,13 @@ class MooncakePageStore:
     ``client``: an already set-up ``MooncakeDistributedStore`` (or a
     stand-in with its calls); otherwise one is opened from ``config`` now (a
     bad setup raises).
+
+    Without copies where the client allows it: a reader's long-lived
+    buffers (the L3 threads' staging buffers, :meth:`register_buffers`) are
+    registered with the client once, and :meth:`read_into` fills them in
+    place (``batch_get_into_multi_buffers``: header and page, one transfer);
+    :meth:`write_from` sends the header and the page's own bytes as the
+    parts of one object (``upsert_parts``), with no joined copy.
     """
 
     def __init__(self, config: MooncakeConfig, *, client: Optional[Any] = None) -> None:
@@ -191,6 +205,8 @@ class MooncakePageStore:
             raise TypeError(f"config must be a MooncakeConfig, got {type(config).__name__}")
         self.config = config
         self._client = client if client is not None else _open_client(config)
+        self._registered: set[tuple[int, int]] = set()  # (address, bytes) registered with the client
+        self._register_lock = threading.Lock()
 
     def close(self) -> None:
         """Unmount this rank's segment (its objects leave the store)."""
@@ -235,6 +251,78 @@ class MooncakePageStore:
                     blob = SizeMismatch(len(blob))
                 out[i] = blob
         return out
+
+    def register_buffers(self, views: Sequence[memoryview]) -> bool:
+        """Register long-lived buffers (they must outlive this store) for
+        :meth:`read_into` in place; False if the client refuses (reads then copy)."""
+        with self._register_lock:
+            for view in views:
+                region = (_address(view), len(view))
+                if region in self._registered:
+                    continue
+                try:
+                    if self._live().register_buffer(*region) != 0:
+                        return False
+                except Exception as exc:  # a client without registration: the copying path
+                    logger.warning("L3 mooncake store: cannot register a %d-byte buffer: %s", len(view), exc)
+                    return False
+                self._registered.add(region)
+        return True
+
+    def read_into(self, key: str, size: int, views: Sequence[memoryview]) -> int | SizeMismatch | None:
+        """Read ``key``'s object (``size`` bytes) into ``views``: in place when
+        every view is registered (:meth:`register_buffers`), else through the
+        client's staging buffer and a copy. None where there is no object."""
+        check_page_key("key", key)
+        client = self._live()
+        regions = [(_address(v), len(v)) for v in views]
+        if sum(n for _, n in regions) != size:
+            raise ValueError(f"views must hold size={size} bytes, got {sum(n for _, n in regions)}")
+        if not all(r in self._registered for r in regions):
+            return self._read_copying(key, size, views)
+        try:
+            got = client.batch_get_into_multi_buffers([key], [[a for a, _ in regions]], [[n for _, n in regions]])[0]
+        except Exception as exc:  # a failed read is a miss, never a crash
+            logger.warning("L3 mooncake store: get_into failed for %s: %s", key, exc)
+            return None
+        if got == size:
+            return got
+        return self._why_not(key, size)
+
+    def _read_copying(self, key: str, size: int, views: Sequence[memoryview]) -> int | SizeMismatch | None:
+        blob = self.get([key], [size])[0]
+        if blob is None or isinstance(blob, SizeMismatch):
+            return blob
+        data, offset = memoryview(blob), 0
+        for view in views:
+            view[:] = data[offset:offset + len(view)]
+            offset += len(view)
+        return size
+
+    def _why_not(self, key: str, size: int) -> SizeMismatch | None:
+        """A failed in-place read: no object, or one of another size."""
+        try:
+            if not self.exists([key])[0]:
+                return None
+            stored = int(self._client.get_size(key))
+        except Exception:
+            return None
+        return SizeMismatch(stored) if stored >= 0 and stored != size else None
+
+    def write_from(self, key: str, views: Sequence[memoryview]) -> bool:
+        """Store the concatenation of ``views`` under ``key`` as the parts of
+        one object (no joined copy), replacing what is there."""
+        check_page_key("key", key)
+        client = self._live()
+        if sum(len(v) for v in views) > self.config.local_buffer_size:
+            logger.warning("L3 mooncake store: an object of %d bytes cannot pass the %d-byte staging buffer",
+                           sum(len(v) for v in views), self.config.local_buffer_size)
+            return False
+        try:
+            return client.upsert_parts(key, *views) == 0
+        except Exception as exc:
+            logger.warning("L3 mooncake store: write of %s raised: %s", key, exc)
+            return False
 
     def _get_batch(self, keys: list[str]) -> list[bytes | None]:
         try:

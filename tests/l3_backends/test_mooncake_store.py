@@ -254,3 +254,33 @@ def test_a_write_over_a_damaged_object_repairs_it(cluster):
     read, agreed = chain.read([cluster.stores[1]], [0] * NUM_PAGES)
     assert agreed == NUM_PAGES
     chain.check_restored(read, agreed)
+
+
+def test_reads_in_place_into_registered_buffers_and_writes_in_parts(cluster):
+    """The copy-free path: a reader's registered buffers are filled in place
+    (header and page in one transfer), a writer sends header and page as the
+    parts of one object; unregistered buffers go through the copying path.
+    Both give the same bytes; misses and wrong sizes are said as such."""
+    from sglang_cp_hicache.l3.envelope import byte_view
+    from sglang_cp_hicache.l3.pages import read_verified, store_verified
+    from sglang_cp_hicache.l3.store import SizeMismatch
+
+    chain = Chain(seed=71)  # a chain no other test of the module writes
+    store = cluster.stores[0]
+    scratch = (memoryview(bytearray(HEADER_BYTES)), memoryview(bytearray(NS.page_bytes)))
+    for key, page in zip(chain.keys, chain.pages):
+        assert store_verified(store, NS, key, page, scratch).value == "written"  # write_from: parts
+    head, page = bytearray(HEADER_BYTES), torch.empty(NS.page_bytes, dtype=torch.uint8)
+    views = [memoryview(head), byte_view(page)]
+    reader = cluster.stores[1]
+    assert reader.read_into(chain.keys[3], HEADER_BYTES + NS.page_bytes, views) == HEADER_BYTES + NS.page_bytes
+    assert torch.equal(page, chain.pages[3])  # copying path (not registered)
+    assert reader.register_buffers(views)
+    page.zero_()
+    assert read_verified(reader, NS, chain.keys[4], *views) is None  # in place
+    assert torch.equal(page, chain.pages[4])
+    missing = page_keys(hash_chain(1, seed=99), NS)[0]
+    assert reader.read_into(missing, HEADER_BYTES + NS.page_bytes, views) is None
+    short = bytes(pack(chain.keys[5], NS, chain.pages[5]))[:-3]
+    assert store.put([chain.keys[5]], [short]) == [True]
+    assert reader.read_into(chain.keys[5], HEADER_BYTES + NS.page_bytes, views) == SizeMismatch(len(short))
