@@ -155,20 +155,21 @@ def _length_rejection(actual: int, declared: int, what: str) -> Rejection | None
     return None
 
 
-def _check_header(key: str, namespace: L3Namespace, view: memoryview) -> Rejection | int:
-    """The header's checksum if the header and length are sound, else why not."""
-    if len(view) < HEADER_BYTES:
-        return Rejection("short", f"{len(view)} bytes, shorter than the {HEADER_BYTES}-byte header")
-    magic, version, digest, stored_key, declared, checksum = _HEADER.unpack_from(view)
+def _check_header(key: str, namespace: L3Namespace, head: memoryview, payload_bytes: int) -> Rejection | int:
+    """The header's checksum if the header and the ``payload_bytes`` that
+    follow it are sound, else why not."""
+    if len(head) < HEADER_BYTES:
+        return Rejection("short", f"{len(head)} bytes, shorter than the {HEADER_BYTES}-byte header")
+    magic, version, digest, stored_key, declared, stored = _HEADER.unpack_from(head)
     if magic != MAGIC or version != FORMAT_VERSION:
         return Rejection("magic", f"format {magic!r} v{version}, expected {MAGIC!r} v{FORMAT_VERSION}")
     if digest != namespace.digest().encode("ascii"):
         return Rejection("namespace", f"namespace {digest!r}, expected {namespace.digest()!r}")
     if stored_key != _padded(key):
         return Rejection("key", f"object of {stored_key.rstrip(bytes(1))!r}")
-    bad = _length_rejection(len(view) - HEADER_BYTES, declared, "header declares")
+    bad = _length_rejection(payload_bytes, declared, "header declares")
     bad = bad or _length_rejection(declared, namespace.page_bytes, "a page of the namespace has")
-    return checksum if bad is None else bad
+    return stored if bad is None else bad
 
 
 def unpack(
@@ -188,7 +189,7 @@ def unpack(
         view = memoryview(blob).cast("B")  # type: ignore[arg-type]
     except TypeError as err:
         raise TypeError(f"blob must be bytes-like or None, got {type(blob).__name__}") from err
-    checked = _check_header(expected_key, expected_namespace, view)
+    checked = _check_header(expected_key, expected_namespace, view, len(view) - HEADER_BYTES)
     if isinstance(checked, Rejection):
         return checked
     # Copy first, then checksum the copy: what is returned is exactly what was
@@ -208,17 +209,9 @@ def check_object(
     _check_args("expected_", expected_key, expected_namespace)
     if len(head) != HEADER_BYTES:
         return Rejection("short", f"{len(head)} header bytes, expected {HEADER_BYTES}")
-    magic, version, digest, stored_key, declared, stored = _HEADER.unpack_from(head)
-    if magic != MAGIC or version != FORMAT_VERSION:
-        return Rejection("magic", f"format {magic!r} v{version}, expected {MAGIC!r} v{FORMAT_VERSION}")
-    if digest != expected_namespace.digest().encode("ascii"):
-        return Rejection("namespace", f"namespace {digest!r}, expected {expected_namespace.digest()!r}")
-    if stored_key != _padded(expected_key):
-        return Rejection("key", f"object of {stored_key.rstrip(bytes(1))!r}")
-    bad = _length_rejection(len(payload), declared, "header declares")
-    bad = bad or _length_rejection(declared, expected_namespace.page_bytes, "a page of the namespace has")
-    if bad is not None:
-        return bad
+    stored = _check_header(expected_key, expected_namespace, head, len(payload))
+    if isinstance(stored, Rejection):
+        return stored
     if checksum(payload) != stored:
         return Rejection("checksum", f"payload XXH3-64 differs from the header's {stored:#018x}")
     return None

