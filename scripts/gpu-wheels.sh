@@ -12,6 +12,6 @@ DIR=${1:-build/gpu-wheels}
 PY_VERSION=${GPU_PYTHON_VERSION:-3.12}
 mkdir -p "$DIR"
 "${PYTHON:-python3}" -m pip download --quiet --only-binary=:all: --python-version "$PY_VERSION" --dest "$DIR" \
-  'setuptools>=77' 'pytest>=8' 'hypothesis>=6.100'
+  'setuptools>=77' 'pytest>=8,<9' 'hypothesis>=6.100'
 ls "$DIR"
 du -sh "$DIR"

@@ -96,3 +96,23 @@ def test_free_ports_are_distinct_bindable_and_in_the_workers_block(monkeypatch):
         held.listen()
         taken = held.getsockname()[1]
         assert taken not in [ports.free_port() for _ in range(ports.BLOCK - 21)]
+
+
+def test_installed_xdist_runs_a_group_on_one_worker(pytester):
+    # The marks are worth nothing if the installed pytest-xdist cannot act on
+    # them (pytest 9 with pytest-xdist 3.8 drops the group suffix silently):
+    # eight tests of one group, two workers, one worker runs them all.
+    pytest.importorskip("xdist")
+    pytester.makepyfile(
+        test_grouped="""
+import os, pytest
+pytestmark = pytest.mark.xdist_group("one")
+@pytest.mark.parametrize("i", range(8))
+def test_where(i):
+    print("WORKER", os.environ["PYTEST_XDIST_WORKER"])
+"""
+    )
+    result = pytester.runpytest_subprocess("-n", "2", "--dist", "loadgroup", "-p", "no:cacheprovider", "-rA")
+    result.assert_outcomes(passed=8)
+    workers = {line.split()[1] for line in result.outlines if line.startswith("WORKER ")}
+    assert len(workers) == 1, workers

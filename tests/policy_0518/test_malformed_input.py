@@ -18,6 +18,10 @@ from sglang_cp_hicache.policy_0518 import (
     plan_write,
 )
 
+# The count is kept in this process: under pytest-xdist the module's tests must
+# all run on one worker, in file order, for test_report_count to see them.
+pytestmark = pytest.mark.xdist_group("malformed_input")
+
 TRIED = {"count": 0}
 
 bad_scalars = st.one_of(
