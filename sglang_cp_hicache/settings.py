@@ -23,6 +23,7 @@ __all__ = [
     "COPY",
     "DEBUG",
     "HOST_BALANCE",
+    "HOST_TAIL",
     "L3_DIR",
     "SETTINGS",
     "SGLANG_FILE_DIR",
@@ -71,6 +72,16 @@ HOST_BALANCE = Setting(
     "host slots when it has no free device page (host shares within one page "
     "of 1/N); greedy never does (shares drift a few pages). Same on every rank.",
 )
+HOST_TAIL = Setting(
+    "SGLANG_CP_HICACHE_HOST_TAIL",
+    "covering",
+    ("covering", "shortest", "whole"),
+    "SGLang 0.5.23, library stack: how much of a host leaf a backup's host "
+    "room evicts when the leaf's own pages make the run fit. covering: the "
+    "shortest tail that does, when the prefix left holds a page of every "
+    "owner class, else the whole leaf; shortest: the shortest tail always; "
+    "whole: the whole leaf. Same on every rank (agreed at start-up).",
+)
 DEBUG = Setting(
     "SGLANG_CP_HICACHE_DEBUG",
     "0",
@@ -106,7 +117,7 @@ SGLANG_FILE_DIR = Setting(
 )
 
 #: Every setting, in the order the table shows them.
-SETTINGS: tuple[Setting, ...] = (COPY, HOST_BALANCE, DEBUG, ALLOW_ANY_SGLANG, L3_DIR, SGLANG_FILE_DIR)
+SETTINGS: tuple[Setting, ...] = (COPY, HOST_BALANCE, HOST_TAIL, DEBUG, ALLOW_ANY_SGLANG, L3_DIR, SGLANG_FILE_DIR)
 
 
 def read(setting: Setting, environ: Optional[Mapping[str, str]] = None) -> str:
