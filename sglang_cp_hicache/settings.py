@@ -28,6 +28,7 @@ __all__ = [
     "HOST_BALANCE",
     "HF_HOME",
     "HF_HUB_CACHE",
+    "HOST_TAIL",
     "L3_DIR",
     "L3_EVICTION",
     "L3_MODEL_ID",
@@ -81,6 +82,16 @@ HOST_BALANCE = Setting(
     "SGLang 0.5.18: exact evicts a device leaf for the rank holding the fewest "
     "host slots when it has no free device page (host shares within one page "
     "of 1/N); greedy never does (shares drift a few pages). Same on every rank.",
+)
+HOST_TAIL = Setting(
+    "SGLANG_CP_HICACHE_HOST_TAIL",
+    "covering",
+    ("covering", "shortest", "whole"),
+    "SGLang 0.5.23, library stack: how much of a host leaf a backup's host "
+    "room evicts when the leaf's own pages make the run fit. covering: the "
+    "shortest tail that does, when the prefix left holds a page of every "
+    "owner class, else the whole leaf; shortest: the shortest tail always; "
+    "whole: the whole leaf. Same on every rank (agreed at start-up).",
 )
 DEBUG = Setting(
     "SGLANG_CP_HICACHE_DEBUG",
@@ -183,8 +194,8 @@ SGLANG_FILE_DIR = Setting(
 
 #: Every setting, in the order the table shows them.
 SETTINGS: tuple[Setting, ...] = (
-    COPY, HOST_BALANCE, DEBUG, ALLOW_ANY_SGLANG, L3_DIR, L3_THREADS, L3_MODEL_ID, L3_EVICTION, SGLANG_FILE_DIR,
-    FILE_MAX_SIZE, FILE_MIN_FREE, FILE_EVICTION_RATIO, HF_HUB_CACHE, HF_HOME,
+    COPY, HOST_BALANCE, HOST_TAIL, DEBUG, ALLOW_ANY_SGLANG, L3_DIR, L3_THREADS, L3_MODEL_ID, L3_EVICTION,
+    SGLANG_FILE_DIR, FILE_MAX_SIZE, FILE_MIN_FREE, FILE_EVICTION_RATIO, HF_HUB_CACHE, HF_HOME,
 )
 
 

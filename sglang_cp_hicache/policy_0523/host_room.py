@@ -26,7 +26,15 @@ from typing import Optional
 
 from sglang_cp_hicache.validation import check_int, check_int_list
 
-__all__ = ["HostRoom", "class_counts_of", "cyclic_class_counts", "plan_host_room", "reach_counts", "shortest_tail"]
+__all__ = [
+    "HostRoom",
+    "class_counts_of",
+    "covering_tail",
+    "cyclic_class_counts",
+    "plan_host_room",
+    "reach_counts",
+    "shortest_tail",
+]
 
 
 def cyclic_class_counts(start_class: int, pages: int, cp_size: int) -> list[int]:
@@ -134,6 +142,26 @@ def shortest_tail(room: HostRoom, owners: Sequence[int]) -> Optional[int]:
             if not missing:
                 return length
     return None
+
+
+def covering_tail(room: HostRoom, owners: Sequence[int]) -> Optional[int]:
+    """How many last pages of a leaf (owner classes ``owners``, in key order)
+    to evict so the run fits: the shortest tail that does
+    (:func:`shortest_tail`) when the pages left before it hold a page of
+    every owner class, else the whole leaf; None when even the whole leaf
+    leaves the run short.
+
+    A kept prefix keeps the leaf's recency, the oldest. One lacking some
+    class is passed over by every later run short only of classes it lacks,
+    and those runs evict newer leaves (and the other-class pages in their
+    tails) while its old pages stay. A prefix holding every class helps
+    whichever class a later run is short of, so it goes first, in LRU
+    order; with N classes that is a prefix of at least N cyclic pages."""
+    tail = shortest_tail(room, owners)
+    if tail is None or tail == 0:
+        return tail
+    kept = set(owners[: len(owners) - tail])
+    return tail if len(kept) == len(room.need) else len(owners)
 
 
 def plan_host_room(need: Sequence[int], free: Sequence[int], leaves: Sequence[Sequence[int]]) -> tuple[list[int], bool]:

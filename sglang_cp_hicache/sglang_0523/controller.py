@@ -46,9 +46,11 @@ class LibraryCopyController(HybridCacheController):
         self.prepared_operations = 0
         # Set by the strategy once the stack is built: the owner-aware host
         # room (``.host_room``), the device frees from rotation phases
-        # (``.device_free``) and the kernels' warm-up report.
+        # (``.device_free``) and the runs they come from (``.request_free``),
+        # and the kernels' warm-up report.
         self.cp_host_room: Any = None
         self.cp_device_frees: Any = None
+        self.cp_run_frees: Any = None
         self.cp_warmup: Any = None
         # The L3 driver (``.l3_cache``) when L3 is on, else None.
         self.cp_l3: Any = None

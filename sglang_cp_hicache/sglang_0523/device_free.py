@@ -1,29 +1,43 @@
-"""Device eviction on the sharded stack without reading device locs on the host.
+"""Device frees on the sharded stack without reading device locs on the host.
 
 SGLang 0.5.23's ``PageInterleavePoolAllocator.free`` splits freed locs by
 owner class with ``torch.unique(free_index // page_size)`` and one boolean
-mask per class: on a GPU each is a device-to-host sync, and every device
-eviction of a tree node reaches it (``FullComponent.apply_component_action``
--> ``free_segment`` -> ``free``).
+mask per class: on a GPU each is a device-to-host sync. On a prefill node
+three kinds of frees reach it through ``free_segment``:
 
-A tree node's device locs are one owner-cyclic run of whole pages starting
-at the node's rotation phase (the allocator draws them so, a load-back
-allocates them from the host pages' classes, and inserts that would break
-the rotation are declined). So the pages per class follow from host ints,
-and :func:`~sglang_cp_hicache.policy_0523.device_free.cyclic_pages_by_class`
-splits the run with fixed-shape device work. :class:`PhaseKnownDeviceFrees`
-wires that in on the library stack's instances:
+* a tree node's device eviction (``FullComponent.evict_component`` queues
+  the node's value; the cache's drain frees it);
+* the tree's duplicate frees during an insert (where the inserted key is
+  already cached, the request's own pages for it go back): slices of the
+  insert's value;
+* the scheduler's frees of a request's own pages (``release_kv_cache`` ->
+  ``free_kv_row`` -> ``free_segments``): slices of the request's
+  ``req_to_token`` row.
 
-* ``FullComponent.evict_component`` (on the cache's FULL component): after
-  upstream's method queued a node's device value for freeing, remember that
-  tensor object with the node's rotation phase;
-* ``PageInterleavePoolAllocator.free_segment`` (on the allocator): a
-  remembered tensor is freed from its phase -- the same class lists, in the
-  same order, as upstream's ``free`` leaves (``need_sort``: prepended to the
-  release list, else to the free list); anything else, or a free while a
-  free group is open, goes to upstream's ``free_segment``;
-* ``PageInterleavePoolAllocator.free`` (on the allocator): upstream's, counted
-  (every non-empty call outside a free group reads its locs on the host).
+Each is part of one owner-cyclic run of pages whose first class is known on
+the host: the node's rotation phase; the chain's rotation base plus the
+slice's page offset in the insert's value or in the request's row. That
+offset is tensor metadata (the slice's storage offset), never its values.
+:func:`~sglang_cp_hicache.policy_0523.device_free.cyclic_pages_by_class`
+then splits the run with fixed-shape device work.
+
+:class:`PhaseKnownDeviceFrees` wires that in on the library stack's instances:
+
+* ``FullComponent.evict_component``: after upstream's method queued a node's
+  device value for freeing, remember that tensor object with the node's phase;
+* :meth:`PhaseKnownDeviceFrees.run` (used by :mod:`.request_free` around an
+  insert and a request's row frees): slices of that run freed meanwhile are
+  phase-known;
+* ``PageInterleavePoolAllocator.free_segment``: a phase-known free goes into
+  the class lists as upstream's ``free`` leaves them (``need_sort``:
+  prepended to the release list, else to the free list); inside a free group
+  it is split at once and held; anything else goes to upstream's;
+* ``PageInterleavePoolAllocator.free_group_end``: the held splits, each
+  class's pages ascending, prepended as upstream's one ``free`` of the
+  group's locs would; when upstream's own deferrals are in the group too,
+  everything goes through that one ``free`` (its read, as upstream);
+* ``PageInterleavePoolAllocator.free``: upstream's, counted (every non-empty
+  call outside a free group reads its locs on the host).
 
 With ``SGLANG_CP_HICACHE_DEBUG=1`` each phase-known free is checked against
 upstream's split (a host read, debugging only).
@@ -31,8 +45,9 @@ upstream's split (a host read, debugging only).
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
@@ -42,34 +57,68 @@ from sglang_cp_hicache import settings
 from sglang_cp_hicache.placement import CpPlacement
 from sglang_cp_hicache.policy_0523.device_free import cyclic_pages_by_class
 
-__all__ = ["DeviceFreeCounters", "PhaseKnownDeviceFrees", "free_cyclic_run"]
+__all__ = ["CyclicRun", "DeviceFreeCounters", "PhaseKnownDeviceFrees", "free_cyclic_run"]
 
 _FULL = ComponentType.FULL
+#: What a phase-known free was, as counted.
+KINDS = ("evicted", "duplicate", "request")
 
 
 @dataclass
 class DeviceFreeCounters:
     """Device frees on this rank's allocator, by how their pages were found."""
 
-    from_phase: int = 0  # node locs freed from the rotation phase: nothing read
+    from_phase: int = 0  # evicted nodes freed from their rotation phase: nothing read
+    duplicates_from_phase: int = 0  # an insert's duplicates freed from the chain's rotation
+    request_from_phase: int = 0  # a request's own pages freed from its rotation
+    held_in_group: int = 0  # of the three, split at once and freed at free_group_end
     read_back: int = 0  # upstream's free: locs read on the host (a sync on a GPU)
 
 
 @dataclass(frozen=True, eq=False)  # holds a tensor: compared by identity
-class _Queued:
+class CyclicRun:
+    """A 1-D tensor of locs whose position 0 starts a page of class
+    ``start_class`` and whose pages are drawn owner-cyclically from there."""
+
     locs: torch.Tensor
     start_class: int
+    kind: str
+
+    def class_of(self, part: torch.Tensor, page_size: int, cp_size: int) -> Optional[int]:
+        """The class of ``part``'s first page when ``part`` is a contiguous
+        slice of this run from a page start, else None. Reads only tensor
+        metadata (storage, offset, stride), never values."""
+        run = self.locs
+        if part.dim() != 1 or run.dim() != 1 or part.dtype != run.dtype or part.device != run.device:
+            return None
+        if (part.numel() > 1 and part.stride(0) != 1) or (run.numel() > 1 and run.stride(0) != 1):
+            return None
+        if part.untyped_storage().data_ptr() != run.untyped_storage().data_ptr():
+            return None
+        offset = part.storage_offset() - run.storage_offset()
+        if offset < 0 or offset % page_size or offset + part.numel() > run.numel():
+            return None
+        return (self.start_class + offset // page_size) % cp_size
 
 
 def free_cyclic_run(allocator: Any, locs: torch.Tensor, start_class: int) -> None:
-    """Free ``locs`` (one owner-cyclic run of whole pages from ``start_class``)
-    into ``allocator``'s class lists as upstream's ``free`` would, without
-    reading ``locs`` on the host. The caller vouches for the run."""
+    """Free ``locs`` (one owner-cyclic run of pages from a page start of class
+    ``start_class``, the last page possibly partial) into ``allocator``'s
+    class lists as upstream's ``free`` would, without reading ``locs`` on the
+    host. The caller vouches for the run."""
+    _prepend(allocator, _split(allocator, locs, start_class))
+
+
+def _split(allocator: Any, locs: torch.Tensor, start_class: int) -> list[torch.Tensor]:
     per_class = cyclic_pages_by_class(
         locs, page_size=allocator.page_size, cp_size=allocator.shard_size, start_class=start_class,
     )
     if settings.enabled(settings.DEBUG):
         _check_split(allocator, locs, per_class)
+    return per_class
+
+
+def _prepend(allocator: Any, per_class: list[torch.Tensor]) -> None:
     for owner, freed in enumerate(per_class):
         if freed.numel() == 0:  # a shape: known on the host
             continue
@@ -88,12 +137,19 @@ def _check_split(allocator: Any, locs: torch.Tensor, per_class: list[torch.Tenso
         if not torch.equal(freed, expected):
             raise AssertionError(
                 f"owner class {owner}: pages {freed.tolist()} from the rotation phase, "
-                f"{expected.tolist()} in the locs: the node's rotation phase is stale"
+                f"{expected.tolist()} in the locs: the run's rotation phase is stale"
             )
 
 
+@dataclass(frozen=True, eq=False)
+class _Queued:
+    locs: torch.Tensor
+    start_class: int
+
+
 class PhaseKnownDeviceFrees:
-    """Device frees of evicted tree nodes from their rotation phase."""
+    """Device frees of evicted nodes, insert duplicates and request pages
+    from their rotation phase (see the module doc)."""
 
     def __init__(self, cache: Any, allocator: Any, placement: CpPlacement) -> None:
         if not isinstance(placement, CpPlacement):
@@ -110,14 +166,35 @@ class PhaseKnownDeviceFrees:
         self._upstream_evict: Callable[..., Any] = self._full.evict_component
         self._upstream_free_segment: Callable[..., Any] = allocator.free_segment
         self._upstream_free: Callable[..., Any] = allocator.free
+        self._upstream_group_end: Callable[..., Any] = allocator.free_group_end
         # id(locs) -> the queued locs (held, so the id is not reused) and phase.
         self._queued: dict[int, _Queued] = {}
+        self._runs: list[CyclicRun] = []  # open runs, innermost last
+        # Splits held in the open free group, and that group's list (a clear
+        # drops the group: then these are dropped with it).
+        self._held: list[list[torch.Tensor]] = []
+        self._held_group: Optional[list] = None
 
     def install(self) -> None:
-        """Replace the three methods on their instances."""
+        """Replace the four methods on their instances."""
         self._full.evict_component = self.evict_component
         self.allocator.free_segment = self.free_segment
         self.allocator.free = self.free
+        self.allocator.free_group_end = self.free_group_end
+
+    @contextlib.contextmanager
+    def run(self, locs: torch.Tensor, start_class: int, kind: str) -> Iterator[None]:
+        """While open, a free of a slice of ``locs`` (one owner-cyclic run
+        from a page of ``start_class`` at position 0) is phase-known."""
+        if kind not in KINDS[1:]:
+            raise ValueError(f"kind must be one of {KINDS[1:]}, got {kind!r}")
+        if not 0 <= start_class < self.allocator.shard_size:
+            raise ValueError(f"start_class must be in [0, {self.allocator.shard_size}), got {start_class}")
+        self._runs.append(CyclicRun(locs, start_class, kind))
+        try:
+            yield
+        finally:
+            self._runs.pop()
 
     def evict_component(
         self,
@@ -137,18 +214,55 @@ class PhaseKnownDeviceFrees:
             self._queued[id(value)] = _Queued(value, phase % self.allocator.shard_size)
         return out
 
-    def free_segment(self, free_index: torch.Tensor, *, start_pos: int) -> None:
+    def _known_class(self, free_index: torch.Tensor, start_pos: int) -> tuple[Optional[int], str]:
         queued = self._queued.pop(id(free_index), None)
-        if (
-            queued is None
-            or queued.locs is not free_index
-            or start_pos != 0
-            or self.allocator.free_group is not None
-            or free_index.numel() == 0
-        ):
+        if queued is not None and queued.locs is free_index and start_pos == 0:
+            return queued.start_class, "evicted"
+        for run in reversed(self._runs):
+            start = run.class_of(free_index, self.allocator.page_size, self.allocator.shard_size)
+            if start is not None:
+                return start, run.kind
+        return None, ""
+
+    def free_segment(self, free_index: torch.Tensor, *, start_pos: int) -> None:
+        start, kind = self._known_class(free_index, start_pos)
+        if start is None or free_index.numel() == 0:
             return self._upstream_free_segment(free_index, start_pos=start_pos)
-        free_cyclic_run(self.allocator, free_index, queued.start_class)
-        self.counters.from_phase += 1
+        if self.allocator.free_group is None:
+            free_cyclic_run(self.allocator, free_index, start)
+        else:
+            # Split now: the caller may overwrite a row view before the group
+            # ends (upstream's free clones it for the same reason).
+            if self._held_group is not self.allocator.free_group:
+                self._held, self._held_group = [], self.allocator.free_group
+            self._held.append(_split(self.allocator, free_index, start))
+            self.counters.held_in_group += 1
+        if kind == "evicted":
+            self.counters.from_phase += 1
+        elif kind == "duplicate":
+            self.counters.duplicates_from_phase += 1
+        else:
+            self.counters.request_from_phase += 1
+        return None
+
+    def free_group_end(self) -> None:
+        alloc = self.allocator
+        held = self._held if self._held_group is alloc.free_group and alloc.free_group is not None else []
+        self._held, self._held_group = [], None
+        if held and alloc.free_group:
+            # Upstream deferred frees of its own in this group: one free of
+            # everything, exactly as upstream's (it reads them).
+            alloc.free_group.extend(part * alloc.page_size for split in held for part in split if part.numel())
+            return self._upstream_group_end()
+        self._upstream_group_end()  # closes the group (nothing of upstream's to free)
+        if held:
+            # Upstream's one free of the group's locs: each class's pages
+            # ascending, prepended once. The group's pages are distinct.
+            merged = []
+            for owner in range(alloc.shard_size):
+                parts = [split[owner] for split in held if split[owner].numel()]
+                merged.append(torch.sort(torch.cat(parts)).values if parts else held[0][owner])
+            _prepend(alloc, merged)
         return None
 
     def free(self, free_index: torch.Tensor) -> None:

@@ -53,6 +53,9 @@ _KSH = "sglang.srt.arg_groups.kv_shard_hook"
 _BPC = "sglang.srt.mem_cache.base_prefix_cache"
 _RADIX = "sglang.srt.mem_cache.radix_cache"
 _MC_UTILS = "sglang.srt.mem_cache.utils"
+_COMMON = "sglang.srt.mem_cache.common"
+_SB = "sglang.srt.managers.schedule_batch"
+_ACTIONS = "sglang.srt.mem_cache.unified_cache.cache_action"
 _STEP_PARAMS = ("self", "transfers", "transfer_layer_id_max", "start_event", "on_layer_done")
 _BUILD_PARAMS = (
     "self", "cache", "kvcache", "params", "server_args", "load_cache_event", "storage_backend",
@@ -182,6 +185,21 @@ def _seam() -> tuple[Hook, ...]:
              "frees an evicted node's pages from its rotation phase (no host read)"),
         Hook(_ALLOC_PI, "PageInterleavePoolAllocator", "free", "replaced-on-instance", ("self", "free_index"),
              "counts the frees that still read their locs on the host"),
+        Hook(_ALLOC_PI, "PageInterleavePoolAllocator", "free_group_end", "replaced-on-instance", ("self",),
+             "frees the phase-known frees held in a free group as upstream's one free of the group would"),
+        Hook(_URC, "UnifiedRadixCache", "insert", "replaced-on-instance", ("self", "params"),
+             "frees the tree's duplicates of an insert (slices of its value) from the chain's rotation"),
+        Hook(_URC, "UnifiedRadixCache", "claim_kv_row", "replaced-on-instance", ("self", "req"),
+             "learns which request release_kv_cache is releasing (it calls this first)"),
+        Hook(_URC, "UnifiedRadixCache", "free_kv_row", "replaced-on-instance", ("self", "kv", "ranges"),
+             "frees a released request's own pages (slices of its row) from the request's rotation"),
+        Hook(_URC, "UnifiedRadixCache", "on_release", "replaced-on-instance", ("self", "req", "checkpointed"),
+             "forgets the request at the end of its release (release_kv_cache calls this last)"),
+        Hook(_COMMON, None, "release_kv_cache", "call", ("req", "tree_cache", "checkpoint"),
+             "the scheduler's release: claim_kv_row, checkpoint, free_kv_row, on_release, in that order"),
+        Hook(_COMMON, None, "free_kv_row_segments", "call",
+             ("allocator", "segments", "swa_evicted_seqlen", "swa_dead_lo"),
+             "frees slices of the request's row through free_segment(s) with their row positions"),
         Hook(_L2, "L2TransferEngine", "_submission", "private-helper",
              ("self", "transfers", "stream", "transfer_key", "start_event"),
              "keeps upstream's streams, events, layout leases and index preparation"),
@@ -248,6 +266,14 @@ def _attributes() -> tuple[Hook, ...]:
                 "class_release_pages need_sort debug_mode page_size shard_size free_group debug_check_classes",
                 "reads the class counts and frees into the class lists as upstream's free does"),
         *_reads(_PH_PI, "PageInterleaveHostPool", "_slots", "reads the host slots' free pages per owner class"),
+        *_reads(_ALLOC_PI, "PageInterleavePoolAllocator", "free_group_begin",
+                "holds phase-known frees while a free group is open"),
+        *_reads(_BPC, "InsertParams", "value rotation_base", "finds an insert's run and its rotation base"),
+        *_reads(_ACTIONS, "FreeDeviceKV", "indices", "frees an insert's duplicates (slices of its value)"),
+        *_reads(_URC, "UnifiedRadixCache", "req_to_token_pool", "finds a released request's row"),
+        *_reads(_MEMPOOL, "ReqToTokenPool", "req_to_token", "finds a released request's row"),
+        *_reads(_SB, "Req", "kv kv_rotation_base", "reads a released request's kv record and rotation base"),
+        *_reads(_SB, "ReqKvInfo", "req_pool_idx holds_kv", "reads a released request's row"),
         *_reads(_PH_BASE, "HostKVCache", "shared_allocation_domain",
                 "refuses a shared host allocation domain (another backup branch upstream)"),
         *_reads(_GROUP, "PoolEntry", "host_evict_fn", "refuses a host pool with its own eviction"),

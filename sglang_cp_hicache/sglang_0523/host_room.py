@@ -20,9 +20,18 @@ to a host-only ancestor that holds a short class's page and can be cleared
 (:func:`~sglang_cp_hicache.policy_0523.host_room.reach_counts`): a tree holds no
 child without its parent, so such a page is freed only after every leaf
 below it. When a leaf's own pages would make the run fit, only its shortest
-tail that does (:func:`~sglang_cp_hicache.policy_0523.host_room.shortest_tail`)
-is evicted: upstream's node split cuts the leaf there and the prefix stays a
-host node with the leaf's recency, since its pages could not help. Only a
+tail that does is evicted, provided the prefix left holds a page of every
+owner class (:func:`~sglang_cp_hicache.policy_0523.host_room.covering_tail`):
+upstream's node split cuts the leaf there and the prefix stays a host node
+with the leaf's recency, since its pages could not help. Later passes take
+such a kept prefix first, before any other leaf, until something touches it
+(a match, an insert): whole-leaf eviction would have freed its pages at
+once, so every later backup would have used them before evicting anything
+else; taken first, it gives them up in that order, and until then it can
+still be hit. Holding every class, it helps whichever class a run is short
+of, so no run passes over it to evict a newer leaf. (``tail_rule``, from
+``SGLANG_CP_HICACHE_HOST_TAIL``, also takes the shortest tail always with
+the prefix in LRU order -- the rule before -- or the whole leaf.) Only a
 leaf the split carries over whole is cut (host-only, unlocked, nothing in
 flight, FULL data alone, hashes matching its pages); any other is evicted
 whole. Before evicting anything it sums every page eviction could free
@@ -46,10 +55,12 @@ import torch
 from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 from sglang.srt.mem_cache.unified_cache.unified_tree_core_interface import DriveHostEvictionResult
 
+from sglang_cp_hicache import settings
 from sglang_cp_hicache.placement import CpPlacement
 from sglang_cp_hicache.policy_0523.host_room import (
     HostRoom,
     class_counts_of,
+    covering_tail,
     cyclic_class_counts,
     reach_counts,
     shortest_tail,
@@ -58,6 +69,24 @@ from sglang_cp_hicache.policy_0523.host_room import (
 __all__ = ["HostRoomCounters", "OwnerAwareHostRoom"]
 
 _FULL = ComponentType.FULL
+
+
+
+@dataclass(frozen=True)
+class _TailRule:
+    """How many last pages of a helpful leaf to evict (``tail``; None: the
+    whole leaf, always), and whether a kept prefix goes first in later passes."""
+
+    tail: Optional[Callable[[HostRoom, list[int]], Optional[int]]]
+    prefix_first: bool
+
+
+#: ``SGLANG_CP_HICACHE_HOST_TAIL`` -> its rule.
+_TAIL_RULES: dict[str, _TailRule] = {
+    "covering": _TailRule(covering_tail, prefix_first=True),
+    "shortest": _TailRule(shortest_tail, prefix_first=False),
+    "whole": _TailRule(None, prefix_first=False),
+}
 
 
 @dataclass
@@ -75,11 +104,20 @@ class HostRoomCounters:
 class OwnerAwareHostRoom:
     """``_execute_kv_backup`` for one sharded ``UnifiedRadixCache``."""
 
-    def __init__(self, cache: Any, placement: CpPlacement) -> None:
+    def __init__(self, cache: Any, placement: CpPlacement, tail_rule: Optional[str] = None) -> None:
         if not isinstance(placement, CpPlacement):
             raise TypeError(f"placement must be a CpPlacement, got {type(placement).__name__}")
+        if tail_rule is None:
+            tail_rule = settings.read(settings.HOST_TAIL)
+        if tail_rule not in _TAIL_RULES:
+            raise ValueError(f"tail_rule must be one of {tuple(_TAIL_RULES)}, got {tail_rule!r}")
         self.cache = cache
         self.placement = placement
+        self.tail_rule = tail_rule
+        self._rule = _TAIL_RULES[tail_rule]
+        # Kept prefixes that go first: node id -> (node, its recency when
+        # kept). One touched since (a match, an insert) is an ordinary node again.
+        self._first: dict[Any, tuple[Any, Any]] = {}
         self.counters = HostRoomCounters()
         # Of counters.leaves_evicted: tails split off a leaf whose own pages
         # made the run fit, and the pages their prefixes kept on the host.
@@ -150,7 +188,17 @@ class OwnerAwareHostRoom:
         tree = self.cache.tree_core
         full = tree.components_by_type[_FULL]
         full._ensure_eviction_strategy()
-        priority = full.session_ref_eviction_strategy
+        upstream_priority = full.session_ref_eviction_strategy
+        self._first = {
+            i: (n, t) for i, (n, t) in self._first.items()
+            if n in tree.evictable_host_leaves and n.last_access_time == t
+        }
+
+        def priority(node: Any) -> tuple[int, Any]:
+            entry = self._first.get(node.id)
+            kept = entry is not None and entry[0] is node and node.last_access_time == entry[1]
+            return (0 if kept else 1, upstream_priority(node))
+
         heap = [(priority(n), n) for n in tree.evictable_host_leaves]
         heapq.heapify(heap)
         while heap and not room.satisfied:
@@ -163,10 +211,12 @@ class OwnerAwareHostRoom:
                 self.counters.leaves_skipped += int(not through_ancestors)
                 continue
             self.counters.leaves_evicted_for_ancestors += int(not room.helps(freed))
-            tail = shortest_tail(room, owners)
+            tail = None if self._rule.tail is None else self._rule.tail(room, owners)
             if tail is not None and tail < len(owners) and self._splittable(leaf, len(owners)):
                 leaf = self._split_off_tail(leaf, tail)
                 freed = class_counts_of(owners[-tail:], self.placement.cp_size)
+                if self._rule.prefix_first:
+                    self._first[leaf.parent.id] = (leaf.parent, leaf.parent.last_access_time)
             self._evict_host_leaf(leaf)
             self.counters.leaves_evicted += 1
             self.counters.pages_evicted += sum(freed)

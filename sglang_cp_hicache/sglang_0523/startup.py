@@ -30,18 +30,28 @@ from sglang_cp_hicache import settings
 from sglang_cp_hicache.agreement import RankView, gather_and_check
 from sglang_cp_hicache.kernels.transfer import select_backend
 
-__all__ = ["COPY_KEY", "COPY_PATH", "L3_KEY", "SETTINGS_KEY", "agree_at_start_up", "start_up_view"]
+__all__ = ["COPY_KEY", "COPY_PATH", "HOST_TAIL_KEY", "L3_KEY", "SETTINGS_KEY", "agree_at_start_up", "start_up_view"]
 
 #: The copy path of a rank that builds the library strategy (a rank on
 #: ``SGLANG_CP_HICACHE_COPY=upstream`` takes part as ``upstream``).
 COPY_PATH = "library"
 #: The view's entry for the copy path, named with the variable that sets it.
 COPY_KEY = f"copy_path ({settings.COPY.name})"
+#: The view's entry for the host room's tail rule (a rank-local decision
+#: every rank must take alike).
+HOST_TAIL_KEY = f"host tail rule ({settings.HOST_TAIL.name})"
 #: The view's entry for this library's settings: "valid", or the error.
 SETTINGS_KEY = "SGLANG_CP_HICACHE_* settings"
 #: The view's entry for the L3 tier when it is on: both namespace digests (a
 #: rank without L3, or with another model, dtype or layout, is refused).
 L3_KEY = "l3 (--hicache-storage-backend file / SGLANG_CP_HICACHE_L3_DIR)"
+
+
+def _host_tail() -> str:
+    try:
+        return settings.read(settings.HOST_TAIL)
+    except ValueError:
+        return "invalid"  # the settings entry names the error
 
 
 def _settings_problem() -> Optional[str]:
@@ -74,6 +84,7 @@ def start_up_view(kvcache: Any, host_pool_group: Any, copy_path: str = COPY_PATH
             COPY_KEY: copy_path,
             "kernel_backend": select_backend(kvcache.device),
             SETTINGS_KEY: _settings_problem() or "valid",
+            HOST_TAIL_KEY: _host_tail(),
             # Only with L3 on: a rank without it reads as None and is named.
             **({} if l3 == "off" else {L3_KEY: l3}),
         },

@@ -9,8 +9,9 @@ pool (``PageInterleaveDSATokenToKVPool``) and builds what upstream's
 + ``DSAIndexerPoolHost``), the same controller arguments -- with
 :class:`~.controller.LibraryCopyController` in place of
 ``HybridCacheController``, and on the cache's instances the owner-aware
-host room for backups (:mod:`.host_room`) and device frees of evicted nodes
-from their rotation phase (:mod:`.device_free`). No upstream class or
+host room for backups (:mod:`.host_room`) and device frees of evicted nodes,
+insert duplicates and request pages from their rotation phase
+(:mod:`.device_free`, :mod:`.request_free`). No upstream class or
 function is patched. :class:`UpstreamDsaStrategy` builds upstream's own
 stack for a rank on ``SGLANG_CP_HICACHE_COPY=upstream`` and only joins the
 start-up agreement, so ranks on different copy paths are refused.
@@ -59,6 +60,7 @@ from sglang_cp_hicache.sglang_0523.device_free import PhaseKnownDeviceFrees
 from sglang_cp_hicache.sglang_0523.hooks import check_hooks
 from sglang_cp_hicache.sglang_0523.l3_attach import L3Opening, check_served_here, install_l3, open_l3
 from sglang_cp_hicache.sglang_0523.host_room import OwnerAwareHostRoom
+from sglang_cp_hicache.sglang_0523.request_free import KnownRunFrees
 from sglang_cp_hicache.sglang_0523.startup import agree_at_start_up
 from sglang_cp_hicache.sglang_0523.warmup import warm_up_copies
 
@@ -139,11 +141,14 @@ class LibraryDsaStrategy(assembler._DsaStrategy):
         controller = result.cache_controller
         layout = controller.cp_layout
         # The tree-facing bookkeeping: owner-aware host room for backups, and
-        # device frees of evicted nodes from their rotation phase.
+        # device frees (evicted nodes, insert duplicates, request pages) from
+        # their rotation phase.
         controller.cp_host_room = OwnerAwareHostRoom(cache, layout)
         controller.cp_host_room.install()
         controller.cp_device_frees = PhaseKnownDeviceFrees(cache, params.token_to_kv_pool_allocator, layout)
         controller.cp_device_frees.install()
+        controller.cp_run_frees = KnownRunFrees(cache, controller.cp_device_frees)
+        controller.cp_run_frees.install()
         controller.cp_warmup = warm_up_copies(result.host_pool_group, layout.cp_rank, layout.cp_size)
         controller.cp_l3 = None
         if opened and opened[0].tier is not None:

@@ -10,8 +10,10 @@ flow, one request per batch)::
     request's last node -> verify every owned page of the matched prefix (KV
     rows and indexer row) -> evict + alloc_extend on the chain's rotation base
     -> write content into the owned new pages -> insert (rotation base,
-    prev_prefix_len: the tree frees duplicates itself) -> free the unaligned
-    tail -> unlock -> check_hicache_events
+    prev_prefix_len: the tree frees duplicates itself) -> release the
+    request as the scheduler does (a ``Req`` with a ``req_to_token`` row,
+    ``release_kv_cache``: frees the unaligned tail, or the whole own run
+    when the insert was declined) -> unlock -> check_hicache_events
 
 Upstream's sharded pool decides every owner: the allocator's rotation gives
 page ``i`` of a chain to rank ``(base + i) % N``, host slots follow their
@@ -57,6 +59,7 @@ from sglang.srt.mem_cache.unified_cache.components.base import EvictLayer
 
 from sglang_cp_hicache.sim.engine_base import NewPages, PrefixHit, RankEngineBase, RequestInFlight
 from sglang_cp_hicache.sim.records import EngineTotals
+from sglang_cp_hicache.testing.requests_0523 import SchedulerRequests
 from sglang_cp_hicache.testing.stack_0523 import ShardedRankStack
 
 __all__ = ["CopyPathTimes", "ShardedSimRankEngine"]
@@ -130,6 +133,8 @@ class ShardedSimRankEngine(RankEngineBase):
         self.l3 = getattr(self.cache.cache_controller, "cp_l3", None)
         if self.l3 is not None:
             self._record_l3_restores(self.l3)
+        # One req_to_token row: the engine serves one request at a time.
+        self.requests = SchedulerRequests(self.cache, rows=1, max_tokens=1 << 14)
 
     # ---- instrumentation (instance attributes shadow the bound methods) ------
     def _owned_tokens(self, logical: torch.Tensor) -> int:
@@ -381,6 +386,7 @@ class ShardedSimRankEngine(RankEngineBase):
     def _insert(self, request: RequestInFlight, hit: PrefixHit, prefix: torch.Tensor, new: NewPages) -> None:
         prefix_len, key_len = int(prefix.numel()), request.key_len
         locs = torch.cat([prefix, new.locs])
+        tree_owned = prefix_len  # the tree owns [0, tree_owned) of the request's locs
         if key_len > prefix_len:
             result = self.cache.insert(
                 InsertParams(
@@ -388,19 +394,29 @@ class ShardedSimRankEngine(RankEngineBase):
                     rotation_base=new.rotation_base, prev_prefix_len=prefix_len,
                 )
             )
-            if result.rotation_tail_declined:  # the request keeps its own pages: free them
-                self._free_request_locs(locs[prefix_len:key_len])
-            else:
+            if not result.rotation_tail_declined:  # declined: the request keeps its own pages
                 # The tree freed what it already held (between prev_prefix_len and its match).
                 request.record.duplicate_tokens_freed = max(int(result.prefix_len) - prefix_len, 0)
-        if request.padded_len > max(key_len, prefix_len):
-            self._free_request_locs(locs[max(key_len, prefix_len) :])
+                tree_owned = key_len
+        if request.padded_len > tree_owned:
+            self._release_request(request, locs, tree_owned, new.rotation_base, hit.last_node)
 
-    def _free_request_locs(self, locs: torch.Tensor) -> None:
-        """The scheduler's free of pages the request alone holds (the same
-        call on both copy paths)."""
-        self._totals.request_free_reads += int(locs.numel() > 0 and self.allocator.free_group is None)
-        self.allocator.free(locs)
+    def _release_request(
+        self, request: RequestInFlight, locs: torch.Tensor, tree_owned: int, rotation_base: Optional[int],
+        last_node: Any,
+    ) -> None:
+        """The scheduler's release of the request, its insert done: upstream's
+        ``release_kv_cache`` frees ``[tree_owned, padded_len)``, the pages the
+        request alone holds (the same calls on both copy paths)."""
+        if locs.numel() > self.requests.pool.max_context_len:
+            self.requests.grow(locs.numel())
+        reads = self._totals.device_index_host_reads
+        req = self.requests.admit(
+            f"sim-{request.record.index}", request.tokens, locs, protected_len=tree_owned,
+            rotation_base=rotation_base, last_node=last_node,
+        )
+        self.requests.release(req, checkpoint=False)
+        self._totals.request_free_reads += self._totals.device_index_host_reads - reads
 
     def _release(self, hit: PrefixHit) -> None:
         self.cache.unlock(hit.lock)

@@ -117,7 +117,9 @@ def _library_lines(summary: dict[str, Any]) -> list[str]:
         f"library host room (every rank): {room['backups']} backups, {room['backups_short']} short; "
         f"{room['leaves_evicted']} host leaves evicted ({room['leaves_evicted_for_ancestors']} on the way to "
         f"an ancestor, {room['pages_evicted']} pages), {room['leaves_skipped']} passed over",
-        f"library device frees: from the rotation phase {_ranks_text([f.get('from_phase') for f in frees])}, "
+        f"library device frees: from the rotation phase {_ranks_text([f.get('from_phase') for f in frees])} "
+        f"evicted nodes, {_ranks_text([f.get('duplicates_from_phase') for f in frees])} insert duplicates, "
+        f"{_ranks_text([f.get('request_from_phase') for f in frees])} request frees; "
         f"through upstream's free {_ranks_text([f.get('read_back') for f in frees])}; kernels warmed up at "
         f"build: {backends}, at most {_fmt(max((w['seconds'] for w in warm), default=None))} s a rank",
     ]

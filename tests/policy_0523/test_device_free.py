@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sglang_cp_hicache.policy_0523.device_free import cyclic_pages_by_class
+from sglang_cp_hicache.policy_0523.device_free import cyclic_pages_by_class, run_pages
 
 
 def _upstream_split(locs: torch.Tensor, page_size: int, n: int) -> list[torch.Tensor]:
@@ -42,7 +42,9 @@ def _cyclic_run(draw, n: int, page_size: int, dtype: torch.dtype) -> tuple[torch
     ids = [row * n + (start + j) % n for j, row in enumerate(rows)]
     offsets = torch.arange(page_size)
     locs = torch.cat([torch.tensor([p * page_size]) + offsets for p in ids]) if ids else torch.empty(0)
-    return locs.to(dtype), start
+    # a request's row may end inside its last page: the allocator frees that page whole
+    cut = draw(st.integers(0, page_size - 1)) if ids else 0
+    return locs[: locs.numel() - cut].to(dtype), start
 
 
 @settings(max_examples=200, deadline=None)
@@ -68,10 +70,18 @@ def test_it_reads_nothing_and_the_reader_catches_reads():
         locs[locs > 2]
 
 
+def test_a_partial_last_page_is_one_page_of_its_class():
+    # pages 10 (class 1 of 3) and 11 (class 2) whole, page 12 (class 0) with 2 of its 4 tokens
+    locs = (torch.arange(10 * 4, 12 * 4 + 2)).as_subclass(_Unreadable)
+    got = cyclic_pages_by_class(locs, page_size=4, cp_size=3, start_class=1)
+    assert [g.as_subclass(torch.Tensor).tolist() for g in got] == [[12], [10], [11]]
+    assert run_pages(10, 4) == 3 and run_pages(8, 4) == 2 and run_pages(0, 4) == 0
+
+
 def test_bad_arguments_are_refused_by_name():
     locs = torch.arange(8)
-    with pytest.raises(ValueError, match="locs must cover whole pages: 8 locs, page_size 3"):
-        cyclic_pages_by_class(locs, page_size=3, cp_size=2, start_class=0)
+    with pytest.raises(ValueError, match="num_locs must be >= 0"):
+        run_pages(-1, 4)
     with pytest.raises(ValueError, match="start_class must be <= 1"):
         cyclic_pages_by_class(locs, page_size=4, cp_size=2, start_class=2)
     with pytest.raises(TypeError, match="locs must be an integer tensor"):

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from sglang_cp_hicache.policy_0523.host_room import (
     HostRoom,
     class_counts_of,
+    covering_tail,
     cyclic_class_counts,
     plan_host_room,
     reach_counts,
@@ -155,6 +156,47 @@ def test_only_the_tail_a_run_needs_is_taken():
     assert shortest_tail(HostRoom([3, 3], [2, 2]), [1, 1, 1]) is None
     assert shortest_tail(room, []) is None
     assert shortest_tail(HostRoom([1, 1], [1, 1]), [0, 1]) == 0  # already fits: nothing needed
+
+
+@settings(max_examples=400, deadline=None)
+@given(n=st.integers(1, 8), data=st.data())
+def test_the_covering_tail_keeps_a_prefix_only_when_it_holds_every_class(n, data):
+    counts = st.lists(st.integers(0, 4), min_size=n, max_size=n)
+    need, free = data.draw(counts), data.draw(counts)
+    start = data.draw(st.integers(0, n - 1))
+    cyclic = data.draw(st.booleans())  # a host leaf's pages are cyclic; the rule holds for any order
+    length = data.draw(st.integers(0, 3 * n + 2))
+    owners = [(start + j) % n for j in range(length)] if cyclic else data.draw(
+        st.lists(st.integers(0, n - 1), max_size=16))
+    room = HostRoom(need, free)
+    shortest, tail = shortest_tail(room, owners), covering_tail(room, owners)
+    assert room.free == free and room.need == need  # asking changes nothing
+    if shortest is None or shortest in (0, len(owners)):
+        assert tail == shortest  # no tail fits the run, none is needed, or only the whole leaf
+        return
+    kept = owners[: len(owners) - shortest]
+    if set(kept) == set(range(n)):
+        assert tail == shortest  # the prefix helps any later run: it stays
+    else:
+        assert tail == len(owners)  # it would lack a class: the whole leaf goes
+    if cyclic:  # a cyclic prefix holds every class exactly when it has N pages
+        assert (tail == shortest) == (len(owners) - shortest >= n)
+
+
+def test_a_prefix_lacking_a_class_is_not_kept():
+    """CP 2, short of one class-0 page: the shortest tail of 1 0 1 0 is its
+    last page (a prefix 1 0 1, both classes, stays); of 1 0 it is also its
+    last page, but the prefix 1 would lack class 0: the whole leaf goes."""
+    room = HostRoom([1, 0], [0, 0])
+    assert shortest_tail(room, [1, 0, 1, 0]) == covering_tail(room, [1, 0, 1, 0]) == 1
+    assert shortest_tail(room, [1, 0]) == 1 and covering_tail(room, [1, 0]) == 2
+    assert covering_tail(room, [1, 1]) is None
+    # CP 8: a prefix of seven cyclic pages lacks one class
+    room8 = HostRoom([0] * 7 + [1], [0] * 8)
+    assert shortest_tail(room8, list(range(8))) == 1 and covering_tail(room8, list(range(8))) == 8
+    assert covering_tail(room8, list(range(8)) * 2) == 1
+    with pytest.raises(ValueError, match="owners\\[0\\] must be <= 7"):
+        covering_tail(room8, [8])
 
 
 def test_bad_arguments_are_refused_by_name():

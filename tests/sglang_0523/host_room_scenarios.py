@@ -175,3 +175,58 @@ def _all_nodes(tree: Any) -> list[Any]:
         nodes.append(node)
         todo.extend(node.children.values())
     return nodes
+
+
+def prefix_first(rank: int, world: int, tail_rule: str) -> dict[str, Any]:
+    """CP 2, the host full with three host-only leaves in LRU order: ``q`` (1
+    page, class 0), ``a`` (5 pages from class 1: 1 0 1 0 1), ``b`` (4 pages
+    from class 0). A run short of class 1 passes over ``q`` and takes ``a``'s
+    last page; then a run short of class 0. Under ``covering`` the prefix
+    kept of ``a`` goes first and gives its last page; ``q``, older, stays
+    (``shortest``: in LRU order ``q`` goes; ``whole``: ``a`` went whole, so
+    the second run fits without evicting). Then ``q`` and ``a`` are served
+    again: what stayed of them loads back bit-exact."""
+    import os
+
+    from tests.sglang_0523.scenarios import _setup
+
+    _setup()
+    import torch.distributed as dist
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    from sglang_cp_hicache.sim.engine_0523 import ShardedSimRankEngine
+    from sglang_cp_hicache.testing.stack_0523 import ShardedStackConfig, build_sharded_rank_stack
+
+    os.environ["SGLANG_CP_HICACHE_HOST_TAIL"] = tail_rule
+    try:
+        config = ShardedStackConfig(cp_size=world, device_pages=8, host_pages=5, copy_path="library")
+        stack = build_sharded_rank_stack(config, rank, cp_group=dist.group.WORLD)
+    finally:
+        del os.environ["SGLANG_CP_HICACHE_HOST_TAIL"]
+    room, tree, owner_of = stack.controller.cp_host_room, stack.cache.tree_core, stack.layout.owner_of
+    engine = ShardedSimRankEngine(stack)
+    q, a, b = (list(range(base, base + pages * P)) for base, pages in ((1000, 1), (2000, 5), (3000, 4)))
+    records = [engine.serve(i, tokens) for i, tokens in enumerate((q, a, b))]
+    stack.cache.evict(EvictParams(num_tokens=stack.allocator.size))  # all three: host only
+    by_first = {int(n.key.token_ids[0]): n for n in tree.evictable_host_leaves}
+    out: dict[str, Any] = {
+        "tail_rule": room.tail_rule, "before": _snapshot(stack, world),
+        "leaves": {name: _node_state(by_first[t[0]], owner_of) for name, t in (("q", q), ("a", a), ("b", b))},
+    }
+    out["fits"] = [room.make_room(1, 1)]
+    out["after_first"] = _snapshot(stack, world)
+    out["fits"].append(room.make_room(0, 1))
+    out["after_second"] = _snapshot(stack, world)
+    out["tails_split"], out["pages_kept"] = room.tails_split, room.pages_kept
+    out["host_nodes"] = sorted((_node_state(n, owner_of) for n in _all_nodes(tree) if n.backuped),
+                               key=lambda s: s["id"])
+    records += [engine.serve(3 + i, tokens) for i, tokens in enumerate((q, a))]
+    out["records"] = [
+        {k: getattr(r, k) for k in ("device_hit_tokens", "host_hit_tokens", "loaded_tokens",
+                                    "verified_pages", "restored_pages_verified", "corrupted_pages")}
+        for r in records
+    ]
+    totals = engine.totals()
+    out["digest"], out["invariant_violations"] = totals.tree_digest, totals.invariant_violations
+    stack.close()
+    return out

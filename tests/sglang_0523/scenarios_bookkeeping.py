@@ -227,6 +227,11 @@ def _replaced_on_instances(stack: Any) -> list[str]:
         "full.evict_component": (full, "evict_component"),
         "allocator.free": (stack.allocator, "free"),
         "allocator.free_segment": (stack.allocator, "free_segment"),
+        "allocator.free_group_end": (stack.allocator, "free_group_end"),
+        "cache.insert": (stack.cache, "insert"),
+        "cache.claim_kv_row": (stack.cache, "claim_kv_row"),
+        "cache.free_kv_row": (stack.cache, "free_kv_row"),
+        "cache.on_release": (stack.cache, "on_release"),
     }
     return [label for label, (obj, name) in where.items() if name in vars(obj)]
 

@@ -121,7 +121,8 @@ def test_upstream_stack_is_built_untouched(two_ranks):
         assert untouched["same_nodes"], rank
         # the library stack, built in the same process, does replace them
         assert sorted(untouched["library_replaced"]) == [
-            "allocator.free", "allocator.free_segment", "cache._execute_kv_backup", "full.evict_component",
+            "allocator.free", "allocator.free_group_end", "allocator.free_segment", "cache._execute_kv_backup",
+            "cache.claim_kv_row", "cache.free_kv_row", "cache.insert", "cache.on_release", "full.evict_component",
         ], rank
 
 

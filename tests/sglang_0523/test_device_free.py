@@ -31,7 +31,7 @@ def _allocator(n: int, pages_per_rank: int, need_sort: bool) -> PageInterleavePo
 def _same_state(a: PageInterleavePoolAllocator, b: PageInterleavePoolAllocator) -> list[str]:
     """Every field that differs (tensors: dtype and values; lists of tensors: each)."""
     diffs = []
-    wired = {"free", "free_segment"}  # the library's methods on a wired instance, not state
+    wired = {"free", "free_segment", "free_group_end"}  # the library's methods on a wired instance, not state
     fields_a, fields_b = (
         {k: v for k, v in vars(x).items() if not (k in wired and callable(v))} for x in (a, b)
     )
@@ -139,16 +139,107 @@ def test_an_evicted_node_is_freed_from_its_phase_and_anything_else_by_upstream()
     alloc.free_segment(extra.clone(), start_pos=0)
     twin.free(twin_extra)
     assert frees.counters.read_back == 1 and _same_state(alloc, twin) == []
-    # a queued node freed while a free group is open: upstream's deferral
+    # a queued node freed while a free group is open: split at once, held
+    # until the group ends, then freed as upstream's one free of the group
     locs, twin_locs = alloc.alloc_cyclic(0, 2 * P), twin.alloc_cyclic(0, 2 * P)
     device_frees = defaultdict(list)
     full.evict_component(_node(3, locs), device_frees, {}, [])
     alloc.free_group_begin(), twin.free_group_begin()
     alloc.free_segment(device_frees[ComponentType.FULL][0], start_pos=0)
     twin.free(twin_locs)
+    # nothing freed before the group ends (upstream's group list holds its copy, ours the split)
+    assert _same_state(alloc, twin) == ["free_group"]
     alloc.free_group_end(), twin.free_group_end()
-    assert frees.counters.from_phase == 2 and frees.counters.read_back == 2
+    assert frees.counters.from_phase == 3 and frees.counters.held_in_group == 1 and frees.counters.read_back == 1
     assert _same_state(alloc, twin) == [] and frees._queued == {}
+
+
+@settings(max_examples=80, deadline=None)
+@given(n=st.sampled_from([2, 3, 4, 8]), need_sort=st.booleans(), grouped=st.booleans(), data=st.data())
+def test_slices_of_an_open_run_are_freed_from_its_rotation(n, need_sort, grouped, data):
+    """A request's row (int32, one row of a 2-D pool) or an insert's value:
+    page-aligned slices of it, the last page possibly partial, freed while
+    the run is open, leave the allocator as upstream's free leaves it -- in
+    a free group too, where they are held until the group ends."""
+    alloc, twin = _allocator(n, 8, need_sort), _allocator(n, 8, need_sort)
+    frees = PhaseKnownDeviceFrees(
+        SimpleNamespace(components={ComponentType.FULL: _Full()}, tree_core=None), alloc, CpPlacement(P, n, 0),
+    )
+    frees.install()
+    base = data.draw(st.integers(0, n - 1))
+    pages = data.draw(st.integers(1, 3 * n))
+    run, twin_run = alloc.alloc_cyclic(base, pages * P), twin.alloc_cyclic(base, pages * P)
+    assert torch.equal(run, twin_run)
+    as_row = data.draw(st.booleans())
+    rows = torch.zeros((3, pages * P + 5), dtype=torch.int32)
+    if as_row:
+        rows[2, : pages * P] = run.to(torch.int32)
+        locs = rows[2]
+    else:
+        locs = run.clone()
+    # consecutive page-aligned pieces; the last may stop inside its last page
+    cuts = sorted(set(data.draw(st.lists(st.integers(1, pages - 1), max_size=3)) if pages > 1 else []))
+    bounds = [0] + [c * P for c in cuts] + [pages * P - data.draw(st.integers(0, P - 1))]
+    if grouped:
+        alloc.free_group_begin(), twin.free_group_begin()
+    with frees.run(locs, base, "request" if as_row else "duplicate"):
+        for a, b in zip(bounds, bounds[1:]):
+            alloc.free_segment(locs[a:b], start_pos=a)
+            twin.free(twin_run[a:b].clone())
+    if grouped:
+        alloc.free_group_end(), twin.free_group_end()
+    assert frees.counters.read_back == 0
+    assert frees.counters.request_from_phase + frees.counters.duplicates_from_phase == len(bounds) - 1
+    assert _same_state(alloc, twin) == []
+
+
+def test_a_free_that_is_not_a_slice_of_the_open_run_goes_to_upstream():
+    alloc, twin = _allocator(2, 8, True), _allocator(2, 8, True)
+    frees = PhaseKnownDeviceFrees(
+        SimpleNamespace(components={ComponentType.FULL: _Full()}, tree_core=None), alloc, CpPlacement(P, 2, 0),
+    )
+    frees.install()
+    run, twin_run = alloc.alloc_cyclic(1, 4 * P), twin.alloc_cyclic(1, 4 * P)
+    with frees.run(run, 1, "request"):
+        alloc.free_segment(run[P // 2 : P], start_pos=0)  # not from a page start: not phase-known
+        twin.free(twin_run[P // 2 : P].clone())
+        alloc.free_segment(run[P : 2 * P].clone(), start_pos=P)  # a copy: another storage
+        twin.free(twin_run[P : 2 * P].clone())
+        alloc.free_segment(run[2 * P :: 2], start_pos=2 * P)  # strided
+        twin.free(twin_run[2 * P :: 2].clone())
+    assert frees.counters.read_back == 3 and frees.counters.request_from_phase == 0
+    assert _same_state(alloc, twin) == []
+    # after the run closes, a slice of it is no longer known either
+    more, twin_more = alloc.alloc_cyclic(0, 2 * P), twin.alloc_cyclic(0, 2 * P)
+    with frees.run(more, 0, "duplicate"):
+        pass
+    alloc.free_segment(more[:P], start_pos=0), twin.free(twin_more[:P].clone())
+    assert frees.counters.read_back == 4 and _same_state(alloc, twin) == []
+    with pytest.raises(ValueError, match="kind must be one of"):
+        with frees.run(more, 0, "evicted"):
+            pass
+    with pytest.raises(ValueError, match="start_class must be in \\[0, 2\\), got 2"):
+        with frees.run(more, 2, "request"):
+            pass
+
+
+def test_a_group_with_upstreams_own_deferrals_frees_everything_as_upstream():
+    alloc, twin = _allocator(3, 8, False), _allocator(3, 8, False)
+    frees = PhaseKnownDeviceFrees(
+        SimpleNamespace(components={ComponentType.FULL: _Full()}, tree_core=None), alloc, CpPlacement(P, 3, 0),
+    )
+    frees.install()
+    run, twin_run = alloc.alloc_cyclic(2, 5 * P), twin.alloc_cyclic(2, 5 * P)
+    other, twin_other = alloc.alloc_cyclic(0, 3 * P), twin.alloc_cyclic(0, 3 * P)
+    alloc.free_group_begin(), twin.free_group_begin()
+    with frees.run(run, 2, "request"):
+        alloc.free_segment(run[P:], start_pos=P)
+    twin.free(twin_run[P:].clone())
+    alloc.free_segment(other.clone(), start_pos=0)  # unknown: upstream defers it in the group
+    twin.free(twin_other.clone())
+    alloc.free_group_end(), twin.free_group_end()
+    assert frees.counters.request_from_phase == 1 and frees.counters.read_back == 1  # the group's one free
+    assert _same_state(alloc, twin) == []
 
 
 def test_a_host_only_eviction_queues_nothing():

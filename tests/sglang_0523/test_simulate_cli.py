@@ -124,6 +124,9 @@ def test_bookkeeping_counters_on_a_tight_host_upstream_loses_backups_and_reads_l
     # the findings: upstream refuses backups and reads device locs on eviction; the library neither
     assert up["write_failures"] > 0 and lib["write_failures"] == 0, (up["write_failures"], lib["write_failures"])
     assert lib["device_index_host_reads"] < up["device_index_host_reads"]
+    # ...nor on releasing a request: the scheduler's frees of its own pages read nothing either
+    assert sum(up["request_free_reads_per_rank"]) > 0
+    assert lib["device_index_host_reads"] == 0 and lib["request_free_reads_per_rank"] == [0, 0]
     assert lib["backups_attempted"] > 0 and lib["host_hit_tokens"] > 0
     room = lib["host_room"]
     assert set(room) == set(_HOST_ROOM) and all(_count(room[k]) for k in _HOST_ROOM)
@@ -135,5 +138,6 @@ def test_bookkeeping_counters_on_a_tight_host_upstream_loses_backups_and_reads_l
         assert frees["from_phase"] == lib["device_evictions_per_rank"][r] > 0, r
         # ...and the library's own count of upstream frees is the simulator's
         assert frees["read_back"] == lib["device_index_host_reads_per_rank"][r], r
+        assert frees["request_from_phase"] > 0, r  # request pages freed from the request's rotation
     for warm in lib["warmup_per_rank"]:
         assert isinstance(warm["backend"], str) and warm["seconds"] >= 0.0

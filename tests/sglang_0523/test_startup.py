@@ -16,7 +16,14 @@ import torch.distributed as dist
 
 from sglang_cp_hicache import settings
 from sglang_cp_hicache.agreement import CpAgreementError, RankView, gather_and_check
-from sglang_cp_hicache.sglang_0523.startup import COPY_KEY, COPY_PATH, SETTINGS_KEY, agree_at_start_up, start_up_view
+from sglang_cp_hicache.sglang_0523.startup import (
+    COPY_KEY,
+    COPY_PATH,
+    HOST_TAIL_KEY,
+    SETTINGS_KEY,
+    agree_at_start_up,
+    start_up_view,
+)
 
 from tests.helpers.gloo_gather import object_all_gather
 
@@ -106,8 +113,9 @@ def test_the_view_holds_every_value_the_ranks_share(valid_settings):
     assert (view.cp_rank, view.cp_size) == (2, 3)
     assert set(view.values) == {
         "sglang", "page_size", "host_layout", "device_pages", "host_pages", COPY_KEY, "kernel_backend",
-        SETTINGS_KEY,
+        SETTINGS_KEY, HOST_TAIL_KEY,
     }
+    assert view.values[HOST_TAIL_KEY] == "covering"  # the default
     assert view.values["page_size"] == 64 and view.values["device_pages"] == 8
     assert view.values["host_pages"] == 17 and view.values["host_layout"] == "page_first"
     assert view.values[COPY_KEY] == COPY_PATH == "library" and view.values[SETTINGS_KEY] == "valid"
@@ -155,6 +163,30 @@ def test_a_rank_on_another_copy_path_is_refused_on_every_rank(valid_settings):
         gather_and_check(view, pg, all_gather=object_all_gather)
 
     assert _on_three_ranks("copy_path", run) == {0: message, 1: message, 2: message}
+
+
+def test_a_rank_on_another_host_tail_rule_is_refused_on_every_rank(valid_settings):
+    """The host room decides alone on each rank: every rank must take the same rule."""
+    message = "CP ranks disagree on host tail rule (SGLANG_CP_HICACHE_HOST_TAIL): cp_rank 2 has 'whole', " \
+              "cp_rank 0 has 'covering'; start every rank with the same host tail rule (SGLANG_CP_HICACHE_HOST_TAIL)"
+
+    def run(rank: int, pg: Any) -> None:
+        view = start_up_view(*_stand_ins(rank, pg))
+        if rank == 2:  # as a rank started with SGLANG_CP_HICACHE_HOST_TAIL=whole would send it
+            view = replace(view, values={**view.values, HOST_TAIL_KEY: "whole"})
+        gather_and_check(view, pg, all_gather=object_all_gather)
+
+    assert _on_three_ranks("host_tail", run) == {0: message, 1: message, 2: message}
+
+
+def test_the_view_carries_the_host_tail_rule_in_force(valid_settings, monkeypatch):
+    monkeypatch.setenv(settings.HOST_TAIL.name, " Whole ")
+    assert start_up_view(*_stand_ins(0, None)).values[HOST_TAIL_KEY] == "whole"
+    monkeypatch.setenv(settings.HOST_TAIL.name, "tail")  # not a rule: the settings entry names it
+    view = start_up_view(*_stand_ins(0, None))
+    assert view.values[HOST_TAIL_KEY] == "invalid"
+    assert view.values[SETTINGS_KEY].startswith("SGLANG_CP_HICACHE_HOST_TAIL='tail' is not valid; use one of: "
+                                                "covering, shortest, whole")
 
 
 def test_a_view_is_plain_data():
