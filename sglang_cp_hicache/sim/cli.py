@@ -308,9 +308,6 @@ def _version_problem(version: str, args: argparse.Namespace) -> Optional[str]:
     if version != installed_sglang():
         return (f"--sglang {version}, but this environment has SGLang {installed_sglang()} "
                 "(0.5.18 and 0.5.23 live in separate venvs: .venv and .venv-0523)")
-    if version == "0.5.23" and args.compare_non_cp:
-        return ("--compare-non-cp needs --sglang 0.5.18: the CPU harness has no plain 0.5.23 stack "
-                "(compare the copy paths with --copy upstream|library instead)")
     return None
 
 

@@ -299,7 +299,7 @@ def _add_non_cp(
     summary["non_cp"] = {
         "group": _group_text(config),
         "processes": len(non_cp.reports),
-        "device_pages": config.logical_device_pages - 1,
+        "device_pages": config.non_cp_device_pages,
         "host_pages": config.host_pages * config.cp_size,
         **side,
         "acks": _acks_dict(ref.acks),

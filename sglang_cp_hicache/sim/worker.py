@@ -144,12 +144,15 @@ def _build_0518(spec: RankSpec, group: Any) -> tuple[Any, Any]:
 
 
 def _build_0523(spec: RankSpec, group: Any) -> tuple[Any, Any]:
-    """One CP rank's SGLang 0.5.23 KV-sharded stack and its engine (the CLI
-    refuses a non-CP run on 0.5.23)."""
+    """One CP rank's SGLang 0.5.23 KV-sharded stack and its engine, or a
+    process of the non-CP baseline: a plain stack with N x the device and
+    host pages of a CP rank (the CP run's logical capacity)."""
     from sglang_cp_hicache.sim.engine_0523 import ShardedSimRankEngine
     from sglang_cp_hicache.testing.stack_0523 import ShardedStackConfig, build_sharded_rank_stack
 
     cfg = spec.config
+    if not spec.cp_mode:
+        return _build_0523_plain(spec, group)
     # Read when the library strategy builds the stack (upstream's copy path
     # has no L3); empty (off) without --l3, whatever the launcher's environment says.
     os.environ[settings.L3_DIR.name] = cfg.l3_dir if cfg.l3_dir is not None else ""
@@ -161,6 +164,22 @@ def _build_0523(spec: RankSpec, group: Any) -> tuple[Any, Any]:
         spec.rank, cp_group=group,
     )
     return stack, ShardedSimRankEngine(stack, content_seed=cfg.seed)
+
+
+def _build_0523_plain(spec: RankSpec, group: Any) -> tuple[Any, Any]:
+    from sglang_cp_hicache.sim.engine_0523_plain import PlainSimRankEngine
+    from sglang_cp_hicache.testing.stack_0523 import PlainStackConfig, build_plain_rank_stack
+
+    cfg = spec.config
+    os.environ[settings.L3_DIR.name] = ""  # the baseline runs without L3
+    stack = build_plain_rank_stack(
+        PlainStackConfig(
+            page_size=cfg.page_size, num_layers=cfg.num_layers,
+            device_pages=cfg.non_cp_device_pages, host_pages=cfg.host_pages * cfg.cp_size,
+        ),
+        tp_rank=-1 - spec.rank, tp_group=group,
+    )
+    return stack, PlainSimRankEngine(stack, content_seed=cfg.seed)
 
 
 def _join_group(spec: RankSpec, world: int, group_rank: int) -> Any:
