@@ -15,6 +15,7 @@ import os
 import sys
 from typing import Any, Optional, Sequence, Union
 
+from sglang_cp_hicache import settings
 from sglang_cp_hicache.sim.config import (
     COPY_PATHS,
     DSA_PAGE_SIZE,
@@ -26,11 +27,15 @@ from sglang_cp_hicache.sim.config import (
     parse_failure_injection,
     seconds_problem,
 )
+from sglang_cp_hicache.sim.ideal import ideal_hit_tokens
+from sglang_cp_hicache.sim.mooncake import DEFAULT_BLOCK_TOKENS, MOONCAKE_BLOCK_TOKENS
 from sglang_cp_hicache.sim.outputs import OutputPathError, check_output_paths
 from sglang_cp_hicache.sim.plot import PlotUnavailable, check_matplotlib, plot_summary
+from sglang_cp_hicache.sim.rates import WorkloadFacts
 from sglang_cp_hicache.sim.workload import (
     ChatShape,
     SimRequest,
+    Trace,
     TraceError,
     load_trace,
     pack_requests,
@@ -93,6 +98,7 @@ def _seed(text: str) -> int:
 def add_simulate_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "simulate",
+        allow_abbrev=False,  # --cp 4 is an error, not --cp-size 4
         help="replay requests on N CP ranks (one process each, gloo) and verify every restored byte",
         description=(
             "Start --cp-size processes joined by a torch.distributed gloo group. Each builds one "
@@ -136,7 +142,14 @@ def _add_shape_flags(p: argparse.ArgumentParser) -> None:
                    metavar="H", help=f"host KV pages per rank (default {_DEFAULTS.host_pages})")
     p.add_argument("--trace", metavar="FILE.jsonl", default=None,
                    help='replay a trace: one {"tokens": [...]} or {"prompt_len": n, "prefix_group": g'
-                        ', "shared_len": s} per line')
+                        ', "shared_len": s} per line, or a Mooncake FAST\'25 trace ({"timestamp": ms, '
+                        '"input_length": n, "hash_ids": [...]} per line; detected from the first line)')
+    p.add_argument("--trace-block-tokens", type=_positive("--trace-block-tokens", MOONCAKE_BLOCK_TOKENS),
+                   default=None, metavar="B",
+                   help=f"Mooncake trace: tokens per hash id (its blocks are {MOONCAKE_BLOCK_TOKENS} tokens; "
+                        f"default {DEFAULT_BLOCK_TOKENS}, one page: the sharing structure at "
+                        f"{DEFAULT_BLOCK_TOKENS}/{MOONCAKE_BLOCK_TOKENS} of the length; "
+                        f"{MOONCAKE_BLOCK_TOKENS} replays the real lengths)")
 
 
 def _add_output_flags(p: argparse.ArgumentParser) -> None:
@@ -204,8 +217,10 @@ def _error(message: str, code: int) -> int:
 def _workload(args: argparse.Namespace, config: SimConfig) -> tuple[Sequence[SimRequest], str]:
     if args.trace is not None:
         reqs = load_trace(args.trace, seed=config.seed, max_tokens=config.max_request_tokens,
-                          limit=args.requests)
+                          limit=args.requests, block_tokens=args.trace_block_tokens)
         return reqs, f"trace:{args.trace}"
+    if args.trace_block_tokens is not None:
+        raise ValueError("--trace-block-tokens needs --trace (a Mooncake trace)")
     shape = ChatShape()
     first_turn = shape.system_tokens[1] + shape.user_tokens[1]
     usable = config.max_request_tokens
@@ -230,6 +245,11 @@ def run_simulate(args: argparse.Namespace) -> int:
         return prepared
     config, failure, requests, workload = prepared
     token_lists = pack_requests(requests)  # what every rank gets: ids packed, pickled as raw bytes
+    facts = WorkloadFacts(
+        prompt_tokens=token_lists.total_tokens,
+        ideal_hit_tokens=ideal_hit_tokens(token_lists, config.page_size),
+        trace=requests.info.as_dict() if isinstance(requests, Trace) else {},
+    )
 
     show = not args.no_progress
     cp = launch(config, token_lists, cp_mode=True, failure=failure, show_progress=show)
@@ -243,7 +263,7 @@ def run_simulate(args: argparse.Namespace) -> int:
             print(failure_message(non_cp), file=sys.stderr)
             return 1
     summary, verdict = summarize(config, workload, len(requests), cp, non_cp,
-                                 allow_unverified=args.allow_unverified)
+                                 allow_unverified=args.allow_unverified, facts=facts)
     print(format_table(summary))
     written = _write_outputs(args, summary)
     if written != 0:
@@ -254,9 +274,14 @@ def run_simulate(args: argparse.Namespace) -> int:
 def _prepare(
     args: argparse.Namespace,
 ) -> Union[int, tuple[SimConfig, Optional[FailureInjection], Sequence[SimRequest], str]]:
-    """Everything checked before a rank starts: the SGLang release, the
-    settings, the test hook, the output paths and the workload; an exit
-    status (2, with the error printed) when one is wrong."""
+    """Everything checked before a rank starts: the library's settings
+    (each rank would refuse a bad one only after importing SGLang), the
+    SGLang release, the flags, the test hook, the output paths and the
+    workload; an exit status (2, with the error printed) when one is wrong."""
+    try:
+        settings.check_all()
+    except ValueError as exc:
+        return _error(str(exc), 2)
     version = args.sglang if args.sglang != "auto" else installed_sglang()
     problem = _version_problem(version, args)
     if problem is not None:

@@ -272,6 +272,7 @@ class ShardedSimRankEngine(RankEngineBase):
         else:
             raise RuntimeError(f"L3 lookup of request {request.record.index} still pending after 3 steps")
         tokens, start = cache.pop_prefetch_loaded_span(handle)
+        request.record.l3_hit_tokens = int(tokens)
         if tokens:
             self._l3_page_keys.update(request.keys[start + P - 1 : start + tokens : P].tolist())
 

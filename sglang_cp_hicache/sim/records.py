@@ -11,11 +11,13 @@ from typing import Any, Optional
 
 __all__ = [
     "AckCounts",
+    "CopyWall",
     "EngineTotals",
     "Progress",
     "RankFailure",
     "RankReport",
     "RequestRecord",
+    "StartupEvent",
 ]
 
 
@@ -36,8 +38,25 @@ class RequestRecord:
     restored_pages_verified: int = 0  # of those, pages that load-back just restored
     corrupted_pages: int = 0
     l3_pages_verified: int = 0  # of the restored ones, pages whose host copy came from L3 (first load)
+    l3_hit_tokens: int = 0  # logical tokens L3 put on the host for this request (part of host_hit_tokens)
     host_slots: int = 0  # physical host slots in use after the request (this rank)
     skipped: bool = False  # did not fit on the device even after eviction
+
+
+@dataclass
+class CopyWall:
+    """Wall seconds inside the controller's L2 copy submissions (device to
+    host, host to device) and how many; on CPU a submission runs its copies
+    before it returns."""
+
+    d2h_seconds: float = 0.0
+    h2d_seconds: float = 0.0
+    d2h_calls: int = 0
+    h2d_calls: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"d2h_seconds": self.d2h_seconds, "h2d_seconds": self.h2d_seconds,
+                "d2h_calls": self.d2h_calls, "h2d_calls": self.h2d_calls}
 
 
 @dataclass
@@ -113,10 +132,20 @@ class RankReport:
     copies: dict[str, Any] = field(default_factory=dict)  # kernels.transfer.copy_stats() of the replay
     indexer_pages_verified: int = 0  # owned pages whose indexer bytes were checked too
     copy_path_cpu: dict[str, Any] = field(default_factory=dict)  # 0.5.23: CPU s in the sharded copy path
+    page_bytes: int = 0  # bytes of one page on this rank: KV rows + indexer row, every layer
+    copy_wall: dict[str, Any] = field(default_factory=dict)  # CopyWall.as_dict(): wall s in the L2 copies
 
     @property
     def peak_host_slots(self) -> int:
         return max((r.host_slots for r in self.records), default=0)
+
+
+@dataclass
+class StartupEvent:
+    """A process reached a start-up phase (progress.STARTUP_PHASES)."""
+
+    rank: int
+    phase: str
 
 
 @dataclass

@@ -23,7 +23,7 @@ from typing import Any, Optional
 from sglang_cp_hicache import settings
 from sglang_cp_hicache.sim.config import FAIL_ENV, FailureInjection, RankSpec
 from sglang_cp_hicache.sim.lifetime import EXIT_LAUNCHER_GONE, die_with_launcher
-from sglang_cp_hicache.sim.records import Progress, RankFailure, RankReport, RequestRecord
+from sglang_cp_hicache.sim.records import Progress, RankFailure, RankReport, RequestRecord, StartupEvent
 
 __all__ = ["rank_main"]
 
@@ -202,9 +202,10 @@ def _join_group(spec: RankSpec, world: int, group_rank: int) -> Any:
     return dist.group.WORLD
 
 
-def _start_rank(spec: RankSpec) -> _RankSetup:
-    """Import SGLang, join the group, build the stack; the copy counters
-    start from zero afterwards, so they count the replay only."""
+def _start_rank(spec: RankSpec, channel: Any) -> _RankSetup:
+    """Import SGLang, join the group, build the stack (telling the launcher
+    as each is done); the copy counters start from zero afterwards, so they
+    count the replay only."""
     import torch
 
     from sglang_cp_hicache.testing.torchvision_standin import ensure_sglang_importable
@@ -213,18 +214,23 @@ def _start_rank(spec: RankSpec) -> _RankSetup:
     torch.set_num_threads(1)  # ranks share the machine's cores; no oversubscription
     warnings.filterwarnings("ignore", category=UserWarning)
     ensure_sglang_importable()
+    import sglang.srt.mem_cache.radix_cache  # noqa: F401  # the bulk of SGLang's import time
+
     from sglang_cp_hicache.kernels import transfer
 
+    _send(channel, StartupEvent(spec.rank, "imported"))
     cfg = spec.config
     world = cfg.cp_size if spec.cp_mode else cfg.non_cp_ranks
     group_rank = spec.rank if spec.cp_mode else -1 - spec.rank
     group = _join_group(spec, world, group_rank)
+    _send(channel, StartupEvent(spec.rank, "joined"))
     build = _build_0523 if cfg.sglang_version == "0.5.23" else _build_0518
     stack, engine = build(spec, group)
     if world > 1:
         torch.distributed.barrier()
         _set_collective_timeout(cfg.collective_timeout_s)
     transfer.reset_copy_stats()  # count the replay's copies only (not the warm-up)
+    _send(channel, StartupEvent(spec.rank, "built"))
     return _RankSetup(world, group_rank, group, stack, engine, time.perf_counter() - started)
 
 
@@ -254,7 +260,7 @@ def _serve_all(spec: RankSpec, channel: Any, step_ref: list[Optional[int]]) -> R
     injected = spec.failure if spec.failure is not None and spec.failure.rank == spec.rank else None
     if injected is not None and injected.step is None:
         _inject(injected)  # before anything heavy is imported
-    setup = _start_rank(spec)
+    setup = _start_rank(spec, channel)
     engine = setup.engine
     records, cpu, wall = _replay(spec, engine, channel, step_ref, injected)
 
@@ -289,6 +295,8 @@ def _serve_all(spec: RankSpec, channel: Any, step_ref: list[Optional[int]]) -> R
         copies=copies,
         indexer_pages_verified=engine.indexer_pages_verified,  # every verified page's indexer row too
         copy_path_cpu=asdict(engine.copy_times) if hasattr(engine, "copy_times") else {},
+        page_bytes=engine.page_bytes,
+        copy_wall=engine.copy_wall.as_dict(),
     )
 
 
