@@ -112,19 +112,21 @@ class RankEngineBase:
         d2h, h2d = engine.submit_device_to_host, engine.submit_host_to_device
 
         def timed_d2h(*args: Any, **kwargs: Any) -> Any:
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.thread_time()
             try:
                 return d2h(*args, **kwargs)
             finally:
                 wall.d2h_seconds += time.perf_counter() - start
+                wall.d2h_cpu_seconds += time.thread_time() - cpu
                 wall.d2h_calls += 1
 
         def timed_h2d(*args: Any, **kwargs: Any) -> Any:
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.thread_time()
             try:
                 return h2d(*args, **kwargs)
             finally:
                 wall.h2d_seconds += time.perf_counter() - start
+                wall.h2d_cpu_seconds += time.thread_time() - cpu
                 wall.h2d_calls += 1
 
         engine.submit_device_to_host, engine.submit_host_to_device = timed_d2h, timed_h2d

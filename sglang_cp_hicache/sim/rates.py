@@ -21,9 +21,10 @@ Bytes: a page is ``page_bytes`` (KV rows + indexer row, every layer) on
 every rank; ``host_d2h`` / ``host_h2d`` are the pages each rank copied to and
 from its host pool (its own pages only: summed over ranks they are the
 logical traffic), ``l3_write`` / ``l3_read`` the pages each rank stored to
-and restored from L3. ``copy_gbps`` divides a rank's host bytes by its wall
-seconds inside the controller's copy submissions (where the copies run on
-CPU): a CPU figure, not a GPU's.
+and restored from L3. ``copy_gbps`` divides a rank's host bytes by the CPU
+seconds its thread spent inside the controller's copy submissions (where
+the copies run on CPU; wall seconds, which a busy machine inflates, are in
+``copy_wall_seconds_per_rank``): a CPU figure, not a GPU's.
 """
 
 from __future__ import annotations
@@ -98,8 +99,8 @@ def traffic_fields(reports: list[RankReport], page_size: int) -> dict[str, Any]:
         per_rank.append(moved)
         wall = r.copy_wall
         gbps.append({
-            "d2h": _share(moved["host_d2h"] / 1e9, wall.get("d2h_seconds", 0.0)),
-            "h2d": _share(moved["host_h2d"] / 1e9, wall.get("h2d_seconds", 0.0)),
+            direction: _share(moved[f"host_{direction}"] / 1e9, wall.get(f"{direction}_cpu_seconds", 0.0))
+            for direction in ("d2h", "h2d")
         })
     totals = {key: sum(m[key] for m in per_rank) for key in ("host_d2h", "host_h2d", "l3_write", "l3_read")}
     return {

@@ -45,18 +45,21 @@ class RequestRecord:
 
 @dataclass
 class CopyWall:
-    """Wall seconds inside the controller's L2 copy submissions (device to
-    host, host to device) and how many; on CPU a submission runs its copies
-    before it returns."""
+    """Seconds inside the controller's L2 copy submissions (device to host,
+    host to device) and how many; on CPU a submission runs its copies on
+    the calling thread before it returns. ``*_seconds`` is wall time,
+    ``*_cpu_seconds`` that thread's CPU time (what the copies cost, however
+    busy the machine is)."""
 
     d2h_seconds: float = 0.0
     h2d_seconds: float = 0.0
+    d2h_cpu_seconds: float = 0.0
+    h2d_cpu_seconds: float = 0.0
     d2h_calls: int = 0
     h2d_calls: int = 0
 
     def as_dict(self) -> dict[str, Any]:
-        return {"d2h_seconds": self.d2h_seconds, "h2d_seconds": self.h2d_seconds,
-                "d2h_calls": self.d2h_calls, "h2d_calls": self.h2d_calls}
+        return dict(self.__dict__)
 
 
 @dataclass

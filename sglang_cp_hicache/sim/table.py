@@ -67,7 +67,7 @@ def _rate_lines(summary: dict[str, Any]) -> list[str]:
     lines += [
         f"bytes moved (all ranks, page = {summary['page_bytes']:,} B): host d2h {_gb(moved['host_d2h'])}, "
         f"h2d {_gb(moved['host_h2d'])}; L3 write {_gb(moved['l3_write'])}, read {_gb(moved['l3_read'])}; "
-        f"copy path (wall s in the L2 copies, CPU) d2h {_fmt(gbps['d2h'])} GB/s, h2d {_fmt(gbps['h2d'])} GB/s "
+        f"copy path (CPU s in the L2 copies) d2h {_fmt(gbps['d2h'])} GB/s, h2d {_fmt(gbps['h2d'])} GB/s "
         "per rank",
         f"time: start-up {_fmt(summary.get('startup_wall_seconds'))} s (spawn to every stack built), "
         f"replay {_fmt(summary['replay_wall_seconds'])} s (slowest rank), whole run "
