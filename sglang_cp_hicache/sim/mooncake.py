@@ -118,7 +118,9 @@ def parse_mooncake(
     ``last_timestamp`` is the previous line's (timestamp, line number)."""
     if not isinstance(obj, dict):
         raise fail(f"expected a JSON object, got {type(obj).__name__}")
-    for key in ("timestamp", "input_length", "hash_ids"):
+    if "hash_ids" not in obj:
+        raise fail("not a Mooncake line (no 'hash_ids') in a trace whose first line is one: one format per file")
+    for key in ("timestamp", "input_length"):
         if key not in obj:
             raise fail(f"a Mooncake line needs 'timestamp', 'input_length' and 'hash_ids'; '{key}' is missing")
     timestamp, input_length, hash_ids = obj["timestamp"], obj["input_length"], obj["hash_ids"]
