@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 __all__ = [
+    "AFTER_REPLAY",
     "AckCounts",
     "CopyWall",
     "EngineTotals",
@@ -19,6 +20,10 @@ __all__ = [
     "RequestRecord",
     "StartupEvent",
 ]
+
+
+#: RankFailure.step of a failure after the last request (end-of-run checks, the report).
+AFTER_REPLAY = -1
 
 
 @dataclass
@@ -161,7 +166,7 @@ class Progress:
 @dataclass
 class RankFailure:
     rank: int
-    step: Optional[int]  # request index being served, None before the replay
+    step: Optional[int]  # request index being served, None before the replay, AFTER_REPLAY after it
     error: str  # "ExceptionType: message"
     traceback: str
     at: float = 0.0  # time.monotonic() when it failed (one clock for every process on a Linux host)

@@ -28,7 +28,7 @@ from sglang_cp_hicache.sim.config import SimConfig
 from sglang_cp_hicache.sim.failures import describe_exit, first_cause, later_failures
 from sglang_cp_hicache.sim.launcher import LaunchResult, log_name
 from sglang_cp_hicache.sim.rates import WorkloadFacts, capacity_fields, hit_fields, traffic_fields
-from sglang_cp_hicache.sim.records import AckCounts, RankReport
+from sglang_cp_hicache.sim.records import AFTER_REPLAY, AckCounts, RankReport
 
 __all__ = [
     "CACHE_CPU_GOAL",
@@ -421,6 +421,8 @@ def failure_message(result: LaunchResult) -> str:
         return os.path.join(result.log_dir, f"{log_name(rank)}.log")
 
     def at(step: Optional[int]) -> str:
+        if step == AFTER_REPLAY:
+            return " after the replay"
         return f" at request {step}" if step is not None else " during startup"
 
     cause = first_cause(result)

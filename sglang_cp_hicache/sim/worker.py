@@ -23,7 +23,14 @@ from typing import Any, Optional
 from sglang_cp_hicache import settings
 from sglang_cp_hicache.sim.config import FAIL_ENV, FailureInjection, RankSpec
 from sglang_cp_hicache.sim.lifetime import EXIT_LAUNCHER_GONE, die_with_launcher
-from sglang_cp_hicache.sim.records import Progress, RankFailure, RankReport, RequestRecord, StartupEvent
+from sglang_cp_hicache.sim.records import (
+    AFTER_REPLAY,
+    Progress,
+    RankFailure,
+    RankReport,
+    RequestRecord,
+    StartupEvent,
+)
 
 __all__ = ["rank_main"]
 
@@ -252,7 +259,7 @@ def _replay(
             _send(channel, Progress(spec.rank, index + 1, total))
     cpu = time.process_time() - cpu0
     wall = time.perf_counter() - wall0
-    step_ref[0] = None
+    step_ref[0] = AFTER_REPLAY
     return records, cpu, wall
 
 
