@@ -123,6 +123,9 @@ class ShardedSimRankEngine(RankEngineBase):
         self.copy_path = stack.config.copy_path
         self.copy_times = CopyPathTimes(self.copy_path)
         self._totals = EngineTotals()
+        # Host pages per owner class (= rank) with nothing in use: what this
+        # rank holds is its class's pages less its class's free ones.
+        self._host_class_pages = self._host_class_free_pages()
         self._time_copy_path()
         self._count_transfers()
         self._count_bookkeeping()
@@ -409,9 +412,16 @@ class ShardedSimRankEngine(RankEngineBase):
         """Logical device tokens allocated (every owner class's free pages counted)."""
         return int(self.allocator.size - self.allocator.aggregate_free_size())
 
+    def _host_class_free_pages(self) -> list[int]:
+        """Free host pages of each owner class (the sharded slot allocator's
+        per-class lists: class r is the pages rank r holds)."""
+        slots = self.cache.cache_controller.mem_pool_host.anchor_entry.host_pool._slots
+        return list(slots.class_free_page_counts())
+
     def host_slots_in_use(self) -> int:
-        """Physical host slots this rank holds (its share of the logical slots in use)."""
-        return self._host_slots()[0] // self.cp_size
+        """Physical host slots this rank holds: its own class's pages in use."""
+        rank = self.stack.cp_rank
+        return (self._host_class_pages[rank] - self._host_class_free_pages()[rank]) * self.page_size
 
     def _root(self) -> Any:
         return self.cache.tree_core.root_node
@@ -469,7 +479,7 @@ class ShardedSimRankEngine(RankEngineBase):
 
     def totals(self) -> EngineTotals:
         totals = replace(
-            self._totals, host_slot_capacity=self._host_slots()[1] // self.cp_size,
+            self._totals, host_slot_capacity=self._host_class_pages[self.stack.cp_rank] * self.page_size,
             tree_digest=self.tree_digest(), invariant_violations=self.invariant_violations(),
         )
         self._library_counters(totals)

@@ -28,3 +28,8 @@ class PlainSimRankEngine(ShardedSimRankEngine):
 
     def _device_tokens_in_use(self) -> int:
         return int(self.allocator.size - self.allocator.available_size())
+
+    def _host_class_free_pages(self) -> list[int]:
+        """One class: every page is this process's."""
+        host = self.cache.cache_controller.mem_pool_host.anchor_entry.host_pool
+        return [int(host.available_size()) // self.page_size]
