@@ -5,10 +5,10 @@
 One row per run: release and copy path, CP size, L3; hits per tier (logical
 tokens), all hits, the ideal, hit_ratio, the non-CP baseline's hits and
 capacity_efficiency, pages verified / corrupted, ranks agree, start-up and
-replay wall seconds. A run with --l3 replays no baseline (it runs without L3
-anyway, so it is the same run as the one without --l3): its
-capacity_efficiency is read against the baseline of the same release's runs
-without L3, which must all agree.
+replay wall seconds. A run with --l3 replays no baseline ("–"):
+capacity_efficiency reads the sharded host and device pools against one
+pool of the same capacity, which L3 hits would only blur. The baselines of
+one release's runs (same capacity, same requests) must all agree.
 """
 
 from __future__ import annotations
@@ -52,14 +52,11 @@ def main(directory: str = "bench/results/traces") -> int:
         tiers = s["hit_tokens_per_tier"]
         l3 = name.endswith("-l3")
         baseline = s.get("non_cp_hit_tokens")
-        mark = ""
-        if baseline is None:
-            (baseline,) = baselines[release.split("-")[0]]
-            mark = "\\*"
+        versus = "– | –" if baseline is None else f"{_n(baseline)} | {s['capacity_efficiency']:.3f}"
         print(
             f"| {LABEL[release]} | {s['cp_size']} | {'yes' if l3 else 'no'} | {_n(tiers['device'])} "
             f"| {_n(tiers['host'])} | {_n(tiers['l3'])} | {_n(s['hit_tokens'])} | {s['hit_ratio']:.3f} "
-            f"| {_n(baseline)}{mark} | {s['hit_tokens'] / baseline:.3f}{mark} "
+            f"| {versus} "
             f"| {_n(s['verified_pages'])} ({s['corrupted_pages']}) | {'yes' if s['ranks_agree'] else 'NO'} "
             f"| {s['startup_wall_seconds']:.0f} | {s['replay_wall_seconds']:.0f} |"
         )
