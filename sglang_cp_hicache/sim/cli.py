@@ -3,8 +3,8 @@
 Exit status: 0 when nothing was corrupted, every rank agreed (tree digest and
 ack counts), no cache leaked and at least one page was verified (or
 ``--allow-unverified``); 1 when the run failed or a check did not pass; 2 for
-bad flags, an unusable output path or a malformed trace, found before any
-rank starts.
+bad flags, a bad setting, an unusable output path or a malformed trace,
+found before any rank starts.
 """
 
 from __future__ import annotations
@@ -111,8 +111,8 @@ def add_simulate_parser(subparsers: argparse._SubParsersAction) -> argparse.Argu
         ),
         epilog=(
             "exit status: 0 = nothing corrupted, all ranks agree, no leaks, something verified; 1 = a "
-            "check failed or a rank failed; 2 = bad flags, an unusable --json/--plot path or a malformed "
-            "trace (found before any rank starts)."
+            "check failed or a rank failed; 2 = bad flags, a bad SGLANG_CP_HICACHE_* setting, an unusable "
+            "--json/--plot path or a malformed trace (found before any rank starts)."
         ),
     )
     _add_shape_flags(p)
@@ -157,10 +157,12 @@ def _add_output_flags(p: argparse.ArgumentParser) -> None:
     """What gets written, and the non-CP run to compare with."""
     p.add_argument("--json", metavar="PATH", default=None, help="write the summary as JSON")
     p.add_argument("--plot", metavar="PATH", default=None,
-                   help="write a PNG: host slots per rank over time, hits and restores (needs matplotlib)")
+                   help="write a PNG: host pages the ranks hold against the logical pool and non-CP, each "
+                        "rank's share against 1/N, hits per tier over the run against the ideal (needs matplotlib)")
     p.add_argument("--compare-non-cp", action="store_true",
-                   help="also replay through a plain HiRadixCache with the same logical capacity (device "
-                        "pages D*N, host pages H*N) and compare host slots, CPU and all-reduces")
+                   help="also replay through a plain (non-sharded) stack of the same release with the same "
+                        "logical capacity (device pages D*N, host pages H*N) and compare hits "
+                        "(capacity_efficiency), host slots, CPU and all-reduces")
     p.add_argument("--non-cp-group", choices=NON_CP_GROUPS, default=_DEFAULTS.non_cp_group,
                    help="the non-CP baseline: 'tp' runs N processes on one gloo group, each with the whole "
                         "pool (a TP deployment of an MLA model: replicated KV, the same per-step ack "
