@@ -2,7 +2,7 @@
 # Creates .venv-0523: the SGLang 0.5.23 environment, CPU-only. It cannot share
 # .venv (SGLang 0.5.18 and 0.5.23 are one distribution name). Contents: the CPU
 # build of torch 2.13.0 (off 0.5.23's torch==2.14.1 pin, which exists only as a
-# CUDA build), triton, this package (editable, with test extras), SGLang 0.5.23
+# CUDA build), triton, this package (editable, with the test and bench extras: matplotlib for simulate --plot), SGLang 0.5.23
 # WITHOUT its GPU dependencies, and the light dependencies at 0.5.23's pins.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -17,7 +17,7 @@ C="-c requirements/constraints-0523.txt"
 $PIP install -q --upgrade pip
 # torch first and pinned: a bare "torch" requirement would pull a CUDA build.
 $PIP install -q $C torch==2.13.0
-$PIP install -q $C -e ".[test]"
+$PIP install -q $C -e ".[test,bench]"
 $PIP install -q --no-deps sglang==0.5.23
 $PIP install -q $C -r requirements/sglang-0523-light.txt
 "$VENV/bin/python" - <<'PYEOF'

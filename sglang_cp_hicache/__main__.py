@@ -17,6 +17,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(
         prog="sglang-cp-hicache",
+        allow_abbrev=False,
         description="Context-parallel (CP shared KV) HiCache for SGLang 0.5.18 and 0.5.23 DSA models.",
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")

@@ -8,11 +8,15 @@ deterministic KV + indexer content into the pages it owns and checking every
 owned page of every matched prefix bit-exactly.
 
 Modules (none imports SGLang; the rank engines that call SGLang's cache API
-are :mod:`.engine_0518` and :mod:`.engine_0523`, on the shared
+are :mod:`.engine_0518` and :mod:`.engine_0523` (and
+:mod:`.engine_0523_plain`, the 0.5.23 non-CP baseline), on the shared
 :mod:`.engine_base`, loaded in the rank processes):
 
 * ``content``  -- deterministic page content and bit-exact checks (pure torch)
 * ``workload`` -- synthetic multi-turn chat, JSONL traces
+* ``mooncake`` -- Mooncake FAST'25 trace lines as requests (hash id -> block)
+* ``ideal``    -- what an infinite cache would hit on the same requests
+* ``rates``    -- hits per tier against the prompt and the ideal, bytes, GB/s
 * ``config``   -- settings, per-process spec, the failure-injection test hook
 * ``records``  -- dataclasses passed from the ranks to the launcher
 * ``worker``   -- body of one rank process (or of the non-CP comparison)

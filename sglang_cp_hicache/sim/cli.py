@@ -3,8 +3,8 @@
 Exit status: 0 when nothing was corrupted, every rank agreed (tree digest and
 ack counts), no cache leaked and at least one page was verified (or
 ``--allow-unverified``); 1 when the run failed or a check did not pass; 2 for
-bad flags, an unusable output path or a malformed trace, found before any
-rank starts.
+bad flags, a bad setting, an unusable output path or a malformed trace,
+found before any rank starts.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import os
 import sys
 from typing import Any, Optional, Sequence, Union
 
+from sglang_cp_hicache import settings
 from sglang_cp_hicache.sim.config import (
     COPY_PATHS,
     DSA_PAGE_SIZE,
@@ -26,12 +27,16 @@ from sglang_cp_hicache.sim.config import (
     parse_failure_injection,
     seconds_problem,
 )
+from sglang_cp_hicache.sim.ideal import ideal_hit_tokens
 from sglang_cp_hicache.sim.l3_writers import object_names, restored_by_writer, write_manifest, writers_of
+from sglang_cp_hicache.sim.mooncake import DEFAULT_BLOCK_TOKENS, MOONCAKE_BLOCK_TOKENS
 from sglang_cp_hicache.sim.outputs import OutputPathError, check_output_paths
 from sglang_cp_hicache.sim.plot import PlotUnavailable, check_matplotlib, plot_summary
+from sglang_cp_hicache.sim.rates import WorkloadFacts
 from sglang_cp_hicache.sim.workload import (
     ChatShape,
     SimRequest,
+    Trace,
     TraceError,
     load_trace,
     pack_requests,
@@ -94,6 +99,7 @@ def _seed(text: str) -> int:
 def add_simulate_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "simulate",
+        allow_abbrev=False,  # --cp 4 is an error, not --cp-size 4
         help="replay requests on N CP ranks (one process each, gloo) and verify every restored byte",
         description=(
             "Start --cp-size processes joined by a torch.distributed gloo group. Each builds one "
@@ -105,8 +111,8 @@ def add_simulate_parser(subparsers: argparse._SubParsersAction) -> argparse.Argu
         ),
         epilog=(
             "exit status: 0 = nothing corrupted, all ranks agree, no leaks, something verified; 1 = a "
-            "check failed or a rank failed; 2 = bad flags, an unusable --json/--plot path or a malformed "
-            "trace (found before any rank starts)."
+            "check failed or a rank failed; 2 = bad flags, a bad SGLANG_CP_HICACHE_* setting, an unusable "
+            "--json/--plot path or a malformed trace (found before any rank starts)."
         ),
     )
     _add_shape_flags(p)
@@ -137,17 +143,26 @@ def _add_shape_flags(p: argparse.ArgumentParser) -> None:
                    metavar="H", help=f"host KV pages per rank (default {_DEFAULTS.host_pages})")
     p.add_argument("--trace", metavar="FILE.jsonl", default=None,
                    help='replay a trace: one {"tokens": [...]} or {"prompt_len": n, "prefix_group": g'
-                        ', "shared_len": s} per line')
+                        ', "shared_len": s} per line, or a Mooncake FAST\'25 trace ({"timestamp": ms, '
+                        '"input_length": n, "hash_ids": [...]} per line; detected from the first line)')
+    p.add_argument("--trace-block-tokens", type=_positive("--trace-block-tokens", MOONCAKE_BLOCK_TOKENS),
+                   default=None, metavar="B",
+                   help=f"Mooncake trace: tokens per hash id (its blocks are {MOONCAKE_BLOCK_TOKENS} tokens; "
+                        f"default {DEFAULT_BLOCK_TOKENS}, one page: the sharing structure at "
+                        f"{DEFAULT_BLOCK_TOKENS}/{MOONCAKE_BLOCK_TOKENS} of the length; "
+                        f"{MOONCAKE_BLOCK_TOKENS} replays the real lengths)")
 
 
 def _add_output_flags(p: argparse.ArgumentParser) -> None:
     """What gets written, and the non-CP run to compare with."""
     p.add_argument("--json", metavar="PATH", default=None, help="write the summary as JSON")
     p.add_argument("--plot", metavar="PATH", default=None,
-                   help="write a PNG: host slots per rank over time, hits and restores (needs matplotlib)")
+                   help="write a PNG: host pages the ranks hold against the logical pool and non-CP, each "
+                        "rank's share against 1/N, hits per tier over the run against the ideal (needs matplotlib)")
     p.add_argument("--compare-non-cp", action="store_true",
-                   help="also replay through a plain HiRadixCache with the same logical capacity (device "
-                        "pages D*N, host pages H*N) and compare host slots, CPU and all-reduces")
+                   help="also replay through a plain (non-sharded) stack of the same release with the same "
+                        "logical capacity (device pages D*N, host pages H*N) and compare hits "
+                        "(capacity_efficiency), host slots, CPU and all-reduces")
     p.add_argument("--non-cp-group", choices=NON_CP_GROUPS, default=_DEFAULTS.non_cp_group,
                    help="the non-CP baseline: 'tp' runs N processes on one gloo group, each with the whole "
                         "pool (a TP deployment of an MLA model: replicated KV, the same per-step ack "
@@ -205,8 +220,10 @@ def _error(message: str, code: int) -> int:
 def _workload(args: argparse.Namespace, config: SimConfig) -> tuple[Sequence[SimRequest], str]:
     if args.trace is not None:
         reqs = load_trace(args.trace, seed=config.seed, max_tokens=config.max_request_tokens,
-                          limit=args.requests)
+                          limit=args.requests, block_tokens=args.trace_block_tokens)
         return reqs, f"trace:{args.trace}"
+    if args.trace_block_tokens is not None:
+        raise ValueError("--trace-block-tokens needs --trace (a Mooncake trace)")
     shape = ChatShape()
     first_turn = shape.system_tokens[1] + shape.user_tokens[1]
     usable = config.max_request_tokens
@@ -231,6 +248,11 @@ def run_simulate(args: argparse.Namespace) -> int:
         return prepared
     config, failure, requests, workload = prepared
     token_lists = pack_requests(requests)  # what every rank gets: ids packed, pickled as raw bytes
+    facts = WorkloadFacts(
+        prompt_tokens=token_lists.total_tokens,
+        ideal_hit_tokens=ideal_hit_tokens(token_lists, config.page_size),
+        trace=requests.info.as_dict() if isinstance(requests, Trace) else {},
+    )
 
     show = not args.no_progress
     l3_before = object_names(config.l3_dir) if config.l3_dir is not None else set()
@@ -245,7 +267,7 @@ def run_simulate(args: argparse.Namespace) -> int:
             print(failure_message(non_cp), file=sys.stderr)
             return 1
     summary, verdict = summarize(config, workload, len(requests), cp, non_cp,
-                                 allow_unverified=args.allow_unverified)
+                                 allow_unverified=args.allow_unverified, facts=facts)
     if config.l3_dir is not None:
         _attribute_l3(summary, config, cp.reports, l3_before)
     print(format_table(summary))
@@ -270,9 +292,14 @@ def _attribute_l3(summary: dict[str, Any], config: SimConfig, reports: list, bef
 def _prepare(
     args: argparse.Namespace,
 ) -> Union[int, tuple[SimConfig, Optional[FailureInjection], Sequence[SimRequest], str]]:
-    """Everything checked before a rank starts: the SGLang release, the
-    settings, the test hook, the output paths and the workload; an exit
-    status (2, with the error printed) when one is wrong."""
+    """Everything checked before a rank starts: the library's settings
+    (each rank would refuse a bad one only after importing SGLang), the
+    SGLang release, the flags, the test hook, the output paths and the
+    workload; an exit status (2, with the error printed) when one is wrong."""
+    try:
+        settings.check_all()
+    except ValueError as exc:
+        return _error(str(exc), 2)
     version = args.sglang if args.sglang != "auto" else installed_sglang()
     problem = _version_problem(version, args)
     if problem is not None:
@@ -324,9 +351,6 @@ def _version_problem(version: str, args: argparse.Namespace) -> Optional[str]:
     if version != installed_sglang():
         return (f"--sglang {version}, but this environment has SGLang {installed_sglang()} "
                 "(0.5.18 and 0.5.23 live in separate venvs: .venv and .venv-0523)")
-    if version == "0.5.23" and args.compare_non_cp:
-        return ("--compare-non-cp needs --sglang 0.5.18: the CPU harness has no plain 0.5.23 stack "
-                "(compare the copy paths with --copy upstream|library instead)")
     return None
 
 

@@ -142,6 +142,15 @@ class SimConfig:
         return self.device_pages * self.cp_size
 
     @property
+    def non_cp_device_pages(self) -> int:
+        """Allocatable device pages of each non-CP process: the CP run's
+        logical pool (0.5.18's CP pool spends its logical page 0 on padding;
+        0.5.23's sharded one has N x D allocatable pages)."""
+        if self.sglang_version == "0.5.23":
+            return self.logical_device_pages
+        return self.logical_device_pages - 1
+
+    @property
     def max_request_tokens(self) -> int:
         """Longest request the logical device pool can hold at once."""
         return (self.logical_device_pages - 1) * self.page_size

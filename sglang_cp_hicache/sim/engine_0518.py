@@ -168,7 +168,9 @@ class SimRankEngine(RankEngineBase):
             cache.l3_wait_io()
             self._check_events()
             steps += 1
-        self._l3_storage_hit_tokens += cache.pop_prefetch_loaded_tokens(rid)
+        staged = cache.pop_prefetch_loaded_tokens(rid)
+        self._l3_storage_hit_tokens += staged
+        request.record.l3_hit_tokens = int(staged)
         P = self.page_size
         for start, length in self._l3_spans:
             self._l3_inserted_tokens += length

@@ -126,6 +126,9 @@ class ShardedSimRankEngine(RankEngineBase):
         self.copy_path = stack.config.copy_path
         self.copy_times = CopyPathTimes(self.copy_path)
         self._totals = EngineTotals()
+        # Host pages per owner class (= rank) with nothing in use: what this
+        # rank holds is its class's pages less its class's free ones.
+        self._host_class_pages = self._host_class_free_pages()
         self._time_copy_path()
         self._count_transfers()
         self._count_bookkeeping()
@@ -283,6 +286,7 @@ class ShardedSimRankEngine(RankEngineBase):
         else:
             raise RuntimeError(f"L3 lookup of request {request.record.index} still pending after 3 steps")
         tokens, start = cache.pop_prefetch_loaded_span(handle)
+        request.record.l3_hit_tokens = int(tokens)
         if tokens:
             self._l3_page_keys.update(request.keys[start + P - 1 : start + tokens : P].tolist())
 
@@ -322,10 +326,11 @@ class ShardedSimRankEngine(RankEngineBase):
     def _alloc(self, prefix_len: int, total: int, last_loc: int, base: Optional[int]) -> tuple[Any, Optional[int]]:
         lens = torch.tensor([prefix_len, total], dtype=torch.int64)
         bases = [base]
+        rotation = {"rotation_bases": bases} if self.cp_size > 1 else {}  # a plain allocator has no rotation
         out = self.allocator.alloc_extend(
             prefix_lens=lens[:1], prefix_lens_cpu=lens[:1], seq_lens=lens[1:], seq_lens_cpu=lens[1:],
             last_loc=torch.tensor([last_loc], dtype=torch.int64), extend_num_tokens=total - prefix_len,
-            rotation_bases=bases,
+            **rotation,
         )
         return out, bases[0]
 
@@ -422,10 +427,25 @@ class ShardedSimRankEngine(RankEngineBase):
         self.cache.unlock(hit.lock)
 
     # ---- end of run ---------------------------------------------------------
-    def host_slots_in_use(self) -> int:
-        """Physical host slots this rank holds (its share of the logical slots in use)."""
+    def _host_slots(self) -> tuple[int, int]:
+        """(logical host slots in use, logical host slots) of the KV host pool."""
         slots = self.cache.cache_controller.mem_pool_host.anchor_entry.host_pool._slots
-        return (slots.size - slots.aggregate_free_size()) // self.cp_size
+        return slots.size - slots.aggregate_free_size(), slots.size
+
+    def _device_tokens_in_use(self) -> int:
+        """Logical device tokens allocated (every owner class's free pages counted)."""
+        return int(self.allocator.size - self.allocator.aggregate_free_size())
+
+    def _host_class_free_pages(self) -> list[int]:
+        """Free host pages of each owner class (the sharded slot allocator's
+        per-class lists: class r is the pages rank r holds)."""
+        slots = self.cache.cache_controller.mem_pool_host.anchor_entry.host_pool._slots
+        return list(slots.class_free_page_counts())
+
+    def host_slots_in_use(self) -> int:
+        """Physical host slots this rank holds: its own class's pages in use."""
+        rank = self.stack.cp_rank
+        return (self._host_class_pages[rank] - self._host_class_free_pages()[rank]) * self.page_size
 
     def _root(self) -> Any:
         return self.cache.tree_core.root_node
@@ -458,12 +478,11 @@ class ShardedSimRankEngine(RankEngineBase):
         out = []
         P = self.page_size
         nodes = self._nodes()
-        slots = self.cache.cache_controller.mem_pool_host.anchor_entry.host_pool._slots
-        host_in_use = slots.size - slots.aggregate_free_size()
+        host_in_use = self._host_slots()[0]
         host_in_tree = sum(len(n.component(_FULL).host_value) for n in nodes if n.backuped)
         if host_in_tree != host_in_use:
             out.append(f"logical host slots in use {host_in_use} != held by tree nodes {host_in_tree}")
-        device_in_use = int(self.allocator.size - self.allocator.aggregate_free_size())
+        device_in_use = self._device_tokens_in_use()
         device_in_tree = self._device_tokens_in_tree()
         if device_in_tree != device_in_use:
             out.append(f"device tokens in use {device_in_use} != held by tree nodes {device_in_tree}")
@@ -483,9 +502,8 @@ class ShardedSimRankEngine(RankEngineBase):
         return out
 
     def totals(self) -> EngineTotals:
-        slots = self.cache.cache_controller.mem_pool_host.anchor_entry.host_pool._slots
         totals = replace(
-            self._totals, host_slot_capacity=slots.size // self.cp_size,
+            self._totals, host_slot_capacity=self._host_class_pages[self.stack.cp_rank] * self.page_size,
             tree_digest=self.tree_digest(), invariant_violations=self.invariant_violations(),
         )
         self._library_counters(totals)

@@ -15,7 +15,7 @@ import torch
 
 from sglang_cp_hicache.placement import CpPlacement
 from sglang_cp_hicache.sim.content import corrupted_token_mask, prefix_keys, write_content
-from sglang_cp_hicache.sim.records import AckCounts, RequestRecord
+from sglang_cp_hicache.sim.records import AckCounts, CopyWall, RequestRecord
 
 __all__ = ["NewPages", "PrefixHit", "RankEngineBase", "RequestInFlight"]
 
@@ -53,6 +53,15 @@ class NewPages:
     locs: torch.Tensor
     pages: Optional[torch.Tensor] = None  # 0.5.18 CP: the allocator's CPU page mirror
     rotation_base: Optional[int] = None  # 0.5.23: the chain's rotation base
+
+
+def _page_bytes(kv_pool: Any, page_size: int) -> int:
+    """Bytes of one page in a DSA device pool: ``page_size`` KV rows and one
+    indexer row (keys + scales), every layer."""
+    kv_token = kv_pool.kv_buffer[0][0].numel() * kv_pool.kv_buffer[0].element_size()
+    index = kv_pool.index_k_with_scale_buffer[0]
+    index_page = index[0].numel() * index.element_size()
+    return int(kv_pool.layer_num * (page_size * kv_token + index_page))
 
 
 class RankEngineBase:
@@ -94,6 +103,9 @@ class RankEngineBase:
         # Page keys of the own pages L3 lookups restored (which run wrote
         # them is the launcher's to say: sim.l3_writers).
         self.l3_restored_keys: list[str] = []
+        self.page_bytes = _page_bytes(stack.kv_pool, self.page_size)
+        self.copy_wall = CopyWall()
+        self._time_l2_copies(stack.cache.cache_controller.l2_transfer_engine)
 
     def _record_l3_restores(self, l3: Any) -> None:
         """Note the page key of every own page a lookup restores, without
@@ -112,6 +124,33 @@ class RankEngineBase:
             return tokens
 
         prefetcher._settle = recorded
+
+    def _time_l2_copies(self, engine: Any) -> None:
+        """Wall time of every L2 copy submission, whatever runs it (this
+        library's kernels or upstream's ops): instance attributes shadow the
+        transfer engine's bound methods and change nothing else."""
+        wall = self.copy_wall
+        d2h, h2d = engine.submit_device_to_host, engine.submit_host_to_device
+
+        def timed_d2h(*args: Any, **kwargs: Any) -> Any:
+            start, cpu = time.perf_counter(), time.thread_time()
+            try:
+                return d2h(*args, **kwargs)
+            finally:
+                wall.d2h_seconds += time.perf_counter() - start
+                wall.d2h_cpu_seconds += time.thread_time() - cpu
+                wall.d2h_calls += 1
+
+        def timed_h2d(*args: Any, **kwargs: Any) -> Any:
+            start, cpu = time.perf_counter(), time.thread_time()
+            try:
+                return h2d(*args, **kwargs)
+            finally:
+                wall.h2d_seconds += time.perf_counter() - start
+                wall.h2d_cpu_seconds += time.thread_time() - cpu
+                wall.h2d_calls += 1
+
+        engine.submit_device_to_host, engine.submit_host_to_device = timed_d2h, timed_h2d
 
     # ---- one request --------------------------------------------------------
     def serve(self, index: int, tokens: Sequence[int]) -> RequestRecord:

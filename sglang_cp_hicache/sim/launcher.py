@@ -24,9 +24,9 @@ from typing import Optional
 
 from sglang_cp_hicache.sim.config import FailureInjection, RankSpec, SimConfig
 from sglang_cp_hicache.sim.packed import PackedRequests
-from sglang_cp_hicache.sim.progress import ProgressBar
+from sglang_cp_hicache.sim.progress import ProgressBar, StartupProgress
 from sglang_cp_hicache.sim.ranklog import RankLog, save_logs
-from sglang_cp_hicache.sim.records import Progress, RankFailure, RankReport
+from sglang_cp_hicache.sim.records import Progress, RankFailure, RankReport, StartupEvent
 from sglang_cp_hicache.sim.worker import rank_main
 
 __all__ = ["LaunchResult", "free_port", "launch"]
@@ -55,6 +55,7 @@ class LaunchResult:
     killed: list[int] = field(default_factory=list)  # ranks the launcher had to end
     log_dir: str = ""  # the kept logs of a failed run ("" when the run passed)
     wall_seconds: float = 0.0
+    startup_seconds: Optional[float] = None  # spawn to the last stack built (None: never got there)
     # time.monotonic() when the launcher saw each process exit (the ranks'
     # RankFailure.at uses the same clock)
     exit_seen_at: dict[int, float] = field(default_factory=dict)
@@ -96,6 +97,7 @@ def launch(
     procs: dict[int, mp.process.BaseProcess] = {}
     channels: dict[int, Connection] = {}
     logs: dict[int, RankLog] = {}
+    startup = StartupProgress(label, len(ranks), show=show_progress)
     bar = ProgressBar(label, len(requests)) if show_progress else None
     start = time.perf_counter()
     try:
@@ -107,7 +109,7 @@ def launch(
                 progress=show_progress and rank in (0, -1), failure=failure,
             )
             _spawn(ctx, spec, logs[rank].name, procs, channels)
-        _watch(config, procs, channels, result, bar)
+        _watch(config, procs, channels, result, startup, bar)
     except BaseException:  # Ctrl-C, SIGTERM (see cli), or a launcher bug: never leave ranks behind
         _stop(procs, [r for r, p in procs.items() if p.is_alive()])
         for log in logs.values():
@@ -119,6 +121,7 @@ def launch(
         for channel in channels.values():
             channel.close()
     _collect(result, procs, [logs[r] for r in ranks], start)
+    result.startup_seconds = startup.done_at
     return result
 
 
@@ -162,6 +165,7 @@ def _watch(
     procs: dict[int, mp.process.BaseProcess],
     channels: dict[int, Connection],
     result: LaunchResult,
+    startup: StartupProgress,
     bar: Optional[ProgressBar],
 ) -> None:
     """Read every pipe and watch every process until all are done."""
@@ -176,6 +180,10 @@ def _watch(
         if isinstance(msg, Progress):
             if bar is not None:
                 bar.update(msg.done)
+        elif isinstance(msg, StartupEvent):
+            startup.update(msg.rank, msg.phase)
+            if startup.done_at is not None and bar is not None:
+                bar.begin()  # the replay's clock starts when every stack is built
         elif isinstance(msg, RankReport):
             result.reports.append(msg)
         elif isinstance(msg, RankFailure):

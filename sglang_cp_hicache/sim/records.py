@@ -10,13 +10,20 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 __all__ = [
+    "AFTER_REPLAY",
     "AckCounts",
+    "CopyWall",
     "EngineTotals",
     "Progress",
     "RankFailure",
     "RankReport",
     "RequestRecord",
+    "StartupEvent",
 ]
+
+
+#: RankFailure.step of a failure after the last request (end-of-run checks, the report).
+AFTER_REPLAY = -1
 
 
 @dataclass
@@ -36,8 +43,28 @@ class RequestRecord:
     restored_pages_verified: int = 0  # of those, pages that load-back just restored
     corrupted_pages: int = 0
     l3_pages_verified: int = 0  # of the restored ones, pages whose host copy came from L3 (first load)
+    l3_hit_tokens: int = 0  # logical tokens L3 put on the host for this request (part of host_hit_tokens)
     host_slots: int = 0  # physical host slots in use after the request (this rank)
     skipped: bool = False  # did not fit on the device even after eviction
+
+
+@dataclass
+class CopyWall:
+    """Seconds inside the controller's L2 copy submissions (device to host,
+    host to device) and how many; on CPU a submission runs its copies on
+    the calling thread before it returns. ``*_seconds`` is wall time,
+    ``*_cpu_seconds`` that thread's CPU time (what the copies cost, however
+    busy the machine is)."""
+
+    d2h_seconds: float = 0.0
+    h2d_seconds: float = 0.0
+    d2h_cpu_seconds: float = 0.0
+    h2d_cpu_seconds: float = 0.0
+    d2h_calls: int = 0
+    h2d_calls: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
 
 
 @dataclass
@@ -114,10 +141,20 @@ class RankReport:
     copies: dict[str, Any] = field(default_factory=dict)  # kernels.transfer.copy_stats() of the replay
     indexer_pages_verified: int = 0  # owned pages whose indexer bytes were checked too
     copy_path_cpu: dict[str, Any] = field(default_factory=dict)  # 0.5.23: CPU s in the sharded copy path
+    page_bytes: int = 0  # bytes of one page on this rank: KV rows + indexer row, every layer
+    copy_wall: dict[str, Any] = field(default_factory=dict)  # CopyWall.as_dict(): wall s in the L2 copies
 
     @property
     def peak_host_slots(self) -> int:
         return max((r.host_slots for r in self.records), default=0)
+
+
+@dataclass
+class StartupEvent:
+    """A process reached a start-up phase (progress.STARTUP_PHASES)."""
+
+    rank: int
+    phase: str
 
 
 @dataclass
@@ -130,7 +167,7 @@ class Progress:
 @dataclass
 class RankFailure:
     rank: int
-    step: Optional[int]  # request index being served, None before the replay
+    step: Optional[int]  # request index being served, None before the replay, AFTER_REPLAY after it
     error: str  # "ExceptionType: message"
     traceback: str
     at: float = 0.0  # time.monotonic() when it failed (one clock for every process on a Linux host)

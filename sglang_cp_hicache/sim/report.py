@@ -27,7 +27,8 @@ from typing import Any, Optional
 from sglang_cp_hicache.sim.config import SimConfig
 from sglang_cp_hicache.sim.failures import describe_exit, first_cause, later_failures
 from sglang_cp_hicache.sim.launcher import LaunchResult, log_name
-from sglang_cp_hicache.sim.records import AckCounts, RankReport
+from sglang_cp_hicache.sim.rates import WorkloadFacts, capacity_fields, hit_fields, traffic_fields
+from sglang_cp_hicache.sim.records import AFTER_REPLAY, AckCounts, RankReport
 
 __all__ = [
     "CACHE_CPU_GOAL",
@@ -100,15 +101,24 @@ def summarize(
     non_cp: Optional[LaunchResult],
     *,
     allow_unverified: bool = False,
+    facts: Optional[WorkloadFacts] = None,
 ) -> tuple[dict[str, Any], Verdict]:
     """The JSON summary and whether the run passed. Only call with every
     rank's report present (``cp.ok``). A run that verified no page at all
-    proves nothing, so it fails unless ``allow_unverified``."""
+    proves nothing, so it fails unless ``allow_unverified``. ``facts``: the
+    prompt tokens and the ideal (:mod:`.rates`; without them, computed
+    from nothing: no ideal)."""
     reports = cp.reports
     sides = [_side(r) for r in reports]
     rank0 = next(r for r in reports if r.rank == 0)
+    if facts is None:
+        facts = WorkloadFacts(prompt_tokens=sum(rec.tokens for rec in rank0.records),
+                              ideal_hit_tokens=[0] * len(rank0.records))
     summary: dict[str, Any] = {
         **_run_fields(config, workload, num_requests),
+        **hit_fields(facts, rank0),
+        "l3_hit_tokens": 0,  # without --l3 (replaced by the L3 fields below)
+        **_timing_fields(cp),
         **_verified_fields(sides),
         **_cache_fields(reports, sides, rank0),
         **_agreement_fields(reports, rank0),
@@ -116,11 +126,14 @@ def summarize(
         **_copy_fields(reports),
         **(_bookkeeping_fields(reports, rank0) if config.sglang_version == "0.5.23" else {}),
         **(_l3_fields(config, reports) if config.l3_dir is not None else {}),
+        **traffic_fields(reports, config.page_size),
         "series": {
             "host_slots_per_rank": [[rec.host_slots for rec in r.records] for r in reports],
             "device_hit_tokens": [rec.device_hit_tokens for rec in rank0.records],
             "host_hit_tokens": [rec.host_hit_tokens for rec in rank0.records],
             "loaded_tokens": [rec.loaded_tokens for rec in rank0.records],
+            "l3_hit_tokens": [rec.l3_hit_tokens for rec in rank0.records],
+            "ideal_hit_tokens": list(facts.ideal_hit_tokens),
         },
     }
     problems = _cp_problems(summary, reports, allow_unverified)
@@ -129,6 +142,16 @@ def summarize(
     summary["ok"] = not problems
     summary["problems"] = problems
     return summary, Verdict(ok=not problems, problems=problems)
+
+
+def _timing_fields(cp: LaunchResult) -> dict[str, Any]:
+    """Start-up (spawn to the last stack built, as the launcher saw it) apart
+    from the replay (the slowest rank's, after its stack was built)."""
+    return {
+        "startup_wall_seconds": cp.startup_seconds,
+        "replay_wall_seconds": max(r.wall_seconds for r in cp.reports),
+        "run_wall_seconds": cp.wall_seconds,
+    }
 
 
 def _run_fields(config: SimConfig, workload: str, num_requests: int) -> dict[str, Any]:
@@ -213,7 +236,6 @@ def _cpu_fields(reports: list[RankReport]) -> dict[str, Any]:
         "collective_cpu_seconds_per_rank": [r.collective_cpu_seconds for r in reports],
         "collective_calls_per_rank": [r.collective_calls for r in reports],
         "startup_seconds_per_rank": [r.startup_seconds for r in reports],
-        "replay_wall_seconds": max(r.wall_seconds for r in reports),
     }
 
 
@@ -302,7 +324,7 @@ def _add_non_cp(
     summary["non_cp"] = {
         "group": _group_text(config),
         "processes": len(non_cp.reports),
-        "device_pages": config.logical_device_pages - 1,
+        "device_pages": config.non_cp_device_pages,
         "host_pages": config.host_pages * config.cp_size,
         **side,
         "acks": _acks_dict(ref.acks),
@@ -323,6 +345,9 @@ def _add_non_cp(
         "non_cp": mean([r.collective_calls for r in non_cp.reports]) / max(num_requests, 1),
     }
     summary["cache_cpu_ratio"] = summary["comparison"]["cache_cpu_ratio"]
+    summary.update(capacity_fields(summary, ref))
+    summary["non_cp"]["startup_wall_seconds"] = non_cp.startup_seconds
+    summary["series"]["non_cp_hit_tokens"] = [rec.device_hit_tokens + rec.host_hit_tokens for rec in ref.records]
     return problems
 
 
@@ -399,6 +424,8 @@ def failure_message(result: LaunchResult) -> str:
         return os.path.join(result.log_dir, f"{log_name(rank)}.log")
 
     def at(step: Optional[int]) -> str:
+        if step == AFTER_REPLAY:
+            return " after the replay"
         return f" at request {step}" if step is not None else " during startup"
 
     cause = first_cause(result)

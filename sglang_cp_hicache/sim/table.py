@@ -16,7 +16,8 @@ _CELL_WIDTH = 12
 
 def format_table(summary: dict[str, Any]) -> str:
     nc = summary.get("non_cp") or {}
-    lines = [*_header(summary, nc), "", *_per_rank_rows(summary, nc), "", *_totals_lines(summary, nc)]
+    lines = [*_header(summary, nc), "", *_per_rank_rows(summary, nc), "", *_rate_lines(summary),
+             *_totals_lines(summary, nc)]
     path_cpu = [c for c in summary["copy_path_cpu_seconds_per_rank"] if c]
     if path_cpu:
         prep = mean([c["prepare_seconds"] for c in path_cpu])
@@ -34,6 +35,45 @@ def format_table(summary: dict[str, Any]) -> str:
         lines += _comparison_lines(summary, summary["comparison"])
     lines.append(_result_line(summary))
     return "\n".join(lines)
+
+
+def _pct(value: Any) -> str:
+    return "-" if value is None else f"{100 * value:.1f} %"
+
+
+def _gb(n_bytes: int) -> str:
+    return f"{n_bytes / 1e9:.3f} GB"
+
+
+def _rate_lines(summary: dict[str, Any]) -> list[str]:
+    """Hits per tier against the prompt and the ideal, bytes per tier and
+    direction, the copy path's GB/s, start-up apart from the replay."""
+    tiers, rate = summary["hit_tokens_per_tier"], summary["hit_rate_per_tier"]
+    ratio = summary["hit_ratio_per_tier"]
+    moved, gbps = summary["bytes_moved"], summary["copy_gbps"]
+    lines = [
+        f"prompt tokens {summary['prompt_tokens']:,}; ideal (infinite cache, page-aligned) "
+        f"{summary['ideal_hit_tokens']:,} = {_pct(summary['ideal_hit_rate'])} of the prompt",
+        "hits: " + ", ".join(f"{t} {tiers[t]:,} ({_pct(rate[t])} of prompt, {_pct(ratio[t])} of ideal)"
+                             for t in ("device", "host", "l3"))
+        + f"; all {summary['hit_tokens']:,} = hit_ratio {_fmt(summary['hit_ratio'])} of the ideal",
+    ]
+    if "capacity_efficiency" in summary:
+        lines.append(
+            f"non-CP ({summary['non_cp']['device_pages']} device / {summary['non_cp']['host_pages']} host pages, "
+            f"no L3): hits {summary['non_cp_hit_tokens']:,} = {_fmt(summary['non_cp_hit_ratio'])} of the ideal; "
+            f"capacity_efficiency (CP hits / non-CP hits) {_fmt(summary['capacity_efficiency'])}"
+        )
+    lines += [
+        f"bytes moved (all ranks, page = {summary['page_bytes']:,} B): host d2h {_gb(moved['host_d2h'])}, "
+        f"h2d {_gb(moved['host_h2d'])}; L3 write {_gb(moved['l3_write'])}, read {_gb(moved['l3_read'])}; "
+        f"copy path (CPU s in the L2 copies) d2h {_fmt(gbps['d2h'])} GB/s, h2d {_fmt(gbps['h2d'])} GB/s "
+        "per rank",
+        f"time: start-up {_fmt(summary.get('startup_wall_seconds'))} s (spawn to every stack built), "
+        f"replay {_fmt(summary['replay_wall_seconds'])} s (slowest rank), whole run "
+        f"{_fmt(summary.get('run_wall_seconds'))} s",
+    ]
+    return lines
 
 
 def _header(summary: dict[str, Any], nc: dict[str, Any]) -> list[str]:

@@ -23,7 +23,14 @@ from typing import Any, Optional
 from sglang_cp_hicache import settings
 from sglang_cp_hicache.sim.config import FAIL_ENV, FailureInjection, RankSpec
 from sglang_cp_hicache.sim.lifetime import EXIT_LAUNCHER_GONE, die_with_launcher
-from sglang_cp_hicache.sim.records import Progress, RankFailure, RankReport, RequestRecord
+from sglang_cp_hicache.sim.records import (
+    AFTER_REPLAY,
+    Progress,
+    RankFailure,
+    RankReport,
+    RequestRecord,
+    StartupEvent,
+)
 
 __all__ = ["rank_main"]
 
@@ -153,12 +160,15 @@ def _build_0518(spec: RankSpec, group: Any) -> tuple[Any, Any]:
 
 
 def _build_0523(spec: RankSpec, group: Any) -> tuple[Any, Any]:
-    """One CP rank's SGLang 0.5.23 KV-sharded stack and its engine (the CLI
-    refuses a non-CP run on 0.5.23)."""
+    """One CP rank's SGLang 0.5.23 KV-sharded stack and its engine, or a
+    process of the non-CP baseline: a plain stack with N x the device and
+    host pages of a CP rank (the CP run's logical capacity)."""
     from sglang_cp_hicache.sim.engine_0523 import ShardedSimRankEngine
     from sglang_cp_hicache.testing.stack_0523 import ShardedStackConfig, build_sharded_rank_stack
 
     cfg = spec.config
+    if not spec.cp_mode:
+        return _build_0523_plain(spec, group)
     # Read when the library strategy builds the stack (upstream's copy path
     # has no L3); empty (off) without --l3, whatever the launcher's environment says.
     os.environ[settings.L3_DIR.name] = cfg.l3_dir if cfg.l3_dir is not None else ""
@@ -170,6 +180,22 @@ def _build_0523(spec: RankSpec, group: Any) -> tuple[Any, Any]:
         spec.rank, cp_group=group,
     )
     return stack, ShardedSimRankEngine(stack, content_seed=cfg.seed)
+
+
+def _build_0523_plain(spec: RankSpec, group: Any) -> tuple[Any, Any]:
+    from sglang_cp_hicache.sim.engine_0523_plain import PlainSimRankEngine
+    from sglang_cp_hicache.testing.stack_0523 import PlainStackConfig, build_plain_rank_stack
+
+    cfg = spec.config
+    os.environ[settings.L3_DIR.name] = ""  # the baseline runs without L3
+    stack = build_plain_rank_stack(
+        PlainStackConfig(
+            page_size=cfg.page_size, num_layers=cfg.num_layers,
+            device_pages=cfg.non_cp_device_pages, host_pages=cfg.host_pages * cfg.cp_size,
+        ),
+        tp_rank=-1 - spec.rank, tp_group=group,
+    )
+    return stack, PlainSimRankEngine(stack, content_seed=cfg.seed)
 
 
 def _join_group(spec: RankSpec, world: int, group_rank: int) -> Any:
@@ -192,9 +218,10 @@ def _join_group(spec: RankSpec, world: int, group_rank: int) -> Any:
     return dist.group.WORLD
 
 
-def _start_rank(spec: RankSpec) -> _RankSetup:
-    """Import SGLang, join the group, build the stack; the copy counters
-    start from zero afterwards, so they count the replay only."""
+def _start_rank(spec: RankSpec, channel: Any) -> _RankSetup:
+    """Import SGLang, join the group, build the stack (telling the launcher
+    as each is done); the copy counters start from zero afterwards, so they
+    count the replay only."""
     import torch
 
     from sglang_cp_hicache.testing.torchvision_standin import ensure_sglang_importable
@@ -203,18 +230,23 @@ def _start_rank(spec: RankSpec) -> _RankSetup:
     torch.set_num_threads(1)  # ranks share the machine's cores; no oversubscription
     warnings.filterwarnings("ignore", category=UserWarning)
     ensure_sglang_importable()
+    import sglang.srt.mem_cache.radix_cache  # noqa: F401  # the bulk of SGLang's import time
+
     from sglang_cp_hicache.kernels import transfer
 
+    _send(channel, StartupEvent(spec.rank, "imported"))
     cfg = spec.config
     world = cfg.cp_size if spec.cp_mode else cfg.non_cp_ranks
     group_rank = spec.rank if spec.cp_mode else -1 - spec.rank
     group = _join_group(spec, world, group_rank)
+    _send(channel, StartupEvent(spec.rank, "joined"))
     build = _build_0523 if cfg.sglang_version == "0.5.23" else _build_0518
     stack, engine = build(spec, group)
     if world > 1:
         torch.distributed.barrier()
         _set_collective_timeout(cfg.collective_timeout_s)
     transfer.reset_copy_stats()  # count the replay's copies only (not the warm-up)
+    _send(channel, StartupEvent(spec.rank, "built"))
     return _RankSetup(world, group_rank, group, stack, engine, time.perf_counter() - started)
 
 
@@ -236,7 +268,7 @@ def _replay(
             _send(channel, Progress(spec.rank, index + 1, total))
     cpu = time.process_time() - cpu0
     wall = time.perf_counter() - wall0
-    step_ref[0] = None
+    step_ref[0] = AFTER_REPLAY
     return records, cpu, wall
 
 
@@ -244,7 +276,7 @@ def _serve_all(spec: RankSpec, channel: Any, step_ref: list[Optional[int]]) -> R
     injected = spec.failure if spec.failure is not None and spec.failure.rank == spec.rank else None
     if injected is not None and injected.step is None:
         _inject(injected)  # before anything heavy is imported
-    setup = _start_rank(spec)
+    setup = _start_rank(spec, channel)
     engine = setup.engine
     records, cpu, wall = _replay(spec, engine, channel, step_ref, injected)
 
@@ -279,6 +311,8 @@ def _serve_all(spec: RankSpec, channel: Any, step_ref: list[Optional[int]]) -> R
         copies=copies,
         indexer_pages_verified=engine.indexer_pages_verified,  # every verified page's indexer row too
         copy_path_cpu=asdict(engine.copy_times) if hasattr(engine, "copy_times") else {},
+        page_bytes=engine.page_bytes,
+        copy_wall=engine.copy_wall.as_dict(),
     )
 
 

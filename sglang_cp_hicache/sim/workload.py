@@ -9,7 +9,9 @@ turn), extends one (the whole history + assistant reply + next user turn), or
 forks one at an earlier turn (same history up to there, a different user turn).
 Lengths are in tokens and deliberately not page-aligned.
 
-Trace (:func:`load_trace`): one JSON object per line, either
+Trace (:func:`load_trace`): one JSON object per line, in one of two formats
+detected from the file's first line. A Mooncake FAST'25 trace (lines with
+``hash_ids``: :mod:`.mooncake`), or this simulator's own: either
 ``{"tokens": [int, ...]}`` or
 ``{"prompt_len": int, "prefix_group": str | int, "shared_len": int}``
 (``shared_len`` optional, default ``prompt_len // 2``): the first
@@ -38,6 +40,13 @@ from pathlib import Path
 from collections.abc import Sequence
 from typing import Any, BinaryIO, Iterator, Optional
 
+from sglang_cp_hicache.sim.mooncake import (
+    DEFAULT_BLOCK_TOKENS,
+    MOONCAKE_BLOCK_TOKENS,
+    BlockTokens,
+    is_mooncake,
+    parse_mooncake,
+)
 from sglang_cp_hicache.sim.packed import PackedRequests
 
 __all__ = [
@@ -48,6 +57,7 @@ __all__ = [
     "SimRequest",
     "Trace",
     "TraceError",
+    "TraceInfo",
     "VOCAB_SIZE",
     "load_trace",
     "pack_requests",
@@ -80,14 +90,34 @@ class SimRequest:
         return len(self.tokens)
 
 
+@dataclass
+class TraceInfo:
+    """What a trace file was: its format and, for a Mooncake trace, the
+    block scale and the arrival times of the lines replayed."""
+
+    format: str = "tokens"  # "tokens" (tokens / prompt_len lines) or "mooncake"
+    block_tokens: Optional[int] = None  # Mooncake: tokens per hash id
+    first_timestamp_ms: Optional[int] = None
+    last_timestamp_ms: Optional[int] = None
+    distinct_blocks: int = 0  # Mooncake: hash ids in the lines replayed
+
+    def as_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"trace_format": self.format}
+        if self.format == "mooncake":
+            out.update(trace_block_tokens=self.block_tokens, trace_distinct_blocks=self.distinct_blocks,
+                       trace_timestamps_ms=[self.first_timestamp_ms, self.last_timestamp_ms])
+        return out
+
+
 class Trace(Sequence[SimRequest]):
     """A parsed trace: every request's ids packed (:attr:`packed`, what the
-    ranks get) and the line each came from. Indexing and iteration build a
-    :class:`SimRequest` per request on demand."""
+    ranks get), the line each came from and what the file was (:attr:`info`).
+    Indexing and iteration build a :class:`SimRequest` per request on demand."""
 
-    def __init__(self, packed: PackedRequests, line_numbers: array) -> None:
+    def __init__(self, packed: PackedRequests, line_numbers: array, info: Optional[TraceInfo] = None) -> None:
         self.packed = packed
         self.line_numbers = line_numbers
+        self.info = info if info is not None else TraceInfo()
 
     def __len__(self) -> int:
         return len(self.packed)
@@ -279,6 +309,9 @@ def _parse_line(
                 raise fail(f"'tokens'[{i}] must be an integer in [0, {_MAX_TOKEN_ID}], got {_short(t)}")
         return tokens
     if "prompt_len" not in obj:
+        if "hash_ids" in obj:
+            raise fail("a Mooncake line ('hash_ids') in a trace whose first line has 'tokens' or 'prompt_len': "
+                       "one format per file")
         raise fail("expected a 'tokens' list or a 'prompt_len' (with 'prefix_group')")
     prompt_len = obj["prompt_len"]
     if not _is_int(prompt_len) or prompt_len < 1:
@@ -326,22 +359,51 @@ def _decode_json(text: str, path: str, line_no: int) -> Any:
         raise TraceError(path, line_no, f"invalid JSON ({reason})") from None
 
 
+class _MooncakeReader:
+    """Turns a Mooncake file's lines into requests (:mod:`.mooncake`),
+    keeping its blocks and arrival order."""
+
+    def __init__(self, info: TraceInfo, block_tokens: int) -> None:
+        self.blocks = BlockTokens(block_tokens)
+        self.info = info
+        info.format, info.block_tokens = "mooncake", block_tokens
+        self._last: Optional[tuple[int, int]] = None  # (timestamp, line) of the previous request
+
+    def parse(self, obj: Any, path: str, line_no: int, max_tokens: Optional[int], budget: int) -> Sequence[int]:
+        line = parse_mooncake(
+            obj, lambda message: TraceError(path, line_no, message), self.blocks,
+            lambda n: _length_problem(n, max_tokens, budget), self._last,
+        )
+        self._last = (line.timestamp_ms, line_no)
+        if self.info.first_timestamp_ms is None:
+            self.info.first_timestamp_ms = line.timestamp_ms
+        self.info.last_timestamp_ms = line.timestamp_ms
+        self.info.distinct_blocks = len(self.blocks)
+        return line.tokens
+
+
 def load_trace(
     path: str | Path,
     *,
     seed: int,
     max_tokens: Optional[int] = None,
     limit: Optional[int] = None,
+    block_tokens: Optional[int] = None,
 ) -> Trace:
     """Parse a JSONL trace; raise :class:`TraceError` naming the first bad line.
 
+    The format is the first line's: Mooncake (``hash_ids``) or
+    ``tokens`` / ``prompt_len``; every line must be in it.
     ``max_tokens``: longest request the simulated device can hold (requests
     are capped at :data:`MAX_REQUEST_TOKENS` regardless).
     ``limit``: keep only the first ``limit`` requests (later lines are not read).
+    ``block_tokens``: a Mooncake trace's tokens per hash id (default
+    :data:`.mooncake.DEFAULT_BLOCK_TOKENS`); refused for the other format.
     The requests are packed as they are parsed (see :data:`MAX_TRACE_TOKENS`).
     """
     path = str(path)
     out = Trace(PackedRequests(), array("q"))
+    mooncake: Optional[_MooncakeReader] = None
     try:
         handle = open(path, "rb")
     except OSError as exc:
@@ -357,11 +419,31 @@ def load_trace(
                 if not line.strip():
                     continue
                 obj = _decode_json(line, path, line_no)
+                if not out and mooncake is None:  # the first request names the file's format
+                    mooncake = _first_line_format(obj, path, line_no, block_tokens, out.info)
                 budget = MAX_TRACE_TOKENS - out.packed.total_tokens
-                out.packed.append(_parse_line(obj, path, line_no, seed, max_tokens, budget))
+                if mooncake is not None:
+                    out.packed.append(mooncake.parse(obj, path, line_no, max_tokens, budget))
+                else:
+                    out.packed.append(_parse_line(obj, path, line_no, seed, max_tokens, budget))
                 out.line_numbers.append(line_no)
         except OSError as exc:
             raise TraceError(path, None, f"cannot read the trace: {exc.strerror or exc}") from None
     if not out:
         raise TraceError(path, None, "the trace holds no requests")
     return out
+
+
+def _first_line_format(
+    obj: Any, path: str, line_no: int, block_tokens: Optional[int], info: TraceInfo
+) -> Optional[_MooncakeReader]:
+    """A reader for a Mooncake file (None for the tokens / prompt_len format)."""
+    if is_mooncake(obj):
+        scale = DEFAULT_BLOCK_TOKENS if block_tokens is None else block_tokens
+        if not 1 <= scale <= MOONCAKE_BLOCK_TOKENS:
+            raise TraceError(path, None, f"--trace-block-tokens must be in [1, {MOONCAKE_BLOCK_TOKENS}], got {scale}")
+        return _MooncakeReader(info, scale)
+    if block_tokens is not None:
+        raise TraceError(path, line_no, "--trace-block-tokens applies to a Mooncake trace (lines with 'hash_ids'); "
+                                        "this one is in the 'tokens' / 'prompt_len' format")
+    return None

@@ -26,6 +26,13 @@ those stacks in the same order.
 
 Sizes are per rank and in pages: ``device_pages`` allocatable physical pages
 (plus SGLang's padding page), ``host_pages`` allocatable host pages.
+
+:func:`build_plain_rank_stack` builds the same release's plain (non-sharded)
+DSA HiCache stack -- ``DSATokenToKVPool`` + ``PagedTokenToKVPoolAllocator``
+-> ``UnifiedRadixCache`` -> upstream's DSA strategy (``MLATokenToKVPoolHost``
++ ``DSAIndexerPoolHost``) -- with the same rows: the baseline a CP run's hits
+are read against (one process, or each rank of a TP group holding the whole
+pool).
 """
 
 from __future__ import annotations
@@ -34,7 +41,7 @@ import atexit
 import os
 import time
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -43,7 +50,14 @@ from sglang_cp_hicache.placement import DSA_PAGE_SIZE, CpPlacement
 from sglang_cp_hicache.testing import cpu_0523, env
 from sglang_cp_hicache.validation import check_int
 
-__all__ = ["COPY_PATHS", "ShardedRankStack", "ShardedStackConfig", "build_sharded_rank_stack"]
+__all__ = [
+    "COPY_PATHS",
+    "PlainStackConfig",
+    "ShardedRankStack",
+    "ShardedStackConfig",
+    "build_plain_rank_stack",
+    "build_sharded_rank_stack",
+]
 
 COPY_PATHS = settings.COPY.choices
 _TREE_CORE_ENV = "SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND"
@@ -95,9 +109,43 @@ class ShardedStackConfig:
         return (self.host_pages + 0.5) / self.device_pages
 
 
+@dataclass(frozen=True)
+class PlainStackConfig:
+    """A plain (non-sharded) DSA HiCache stack: one pool holding every page."""
+
+    page_size: int = DSA_PAGE_SIZE
+    num_layers: int = 2
+    device_pages: int = 16  # allocatable device pages (plus SGLang's padding page)
+    host_pages: int = 32  # allocatable host pages
+    host_layout: str = "layer_first"
+    write_policy: str = "write_through"
+    kv_lora_rank: int = 512
+    qk_rope_head_dim: int = 64
+    index_head_dim: int = 128
+
+    def __post_init__(self) -> None:
+        for name in ("page_size", "num_layers", "device_pages", "host_pages"):
+            check_int(name, getattr(self, name), 1)
+        if self.host_layout not in ("layer_first", "page_first"):
+            raise ValueError(f"host_layout must be layer_first or page_first, got {self.host_layout!r}")
+
+    cp_size = 1  # one pool owns every page
+    copy_path = "upstream"  # a plain stack copies through upstream's ops
+
+    @property
+    def kv_row_bytes(self) -> int:
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    def hicache_ratio(self) -> float:
+        # Host rows = int(device rows * ratio) floored to pages, plus one page
+        # that a plain host pool allocates like any other: aim half a page
+        # below host_pages - 1 pages' worth, off the float rounding boundary.
+        return (self.host_pages - 0.5) / self.device_pages
+
+
 @dataclass
 class ShardedRankStack:
-    config: ShardedStackConfig
+    config: Any  # ShardedStackConfig, or PlainStackConfig for a plain stack
     cp_rank: int
     server_args: Any
     kv_pool: Any  # PageInterleaveDSATokenToKVPool
@@ -140,6 +188,25 @@ class _TpWorkerStandIn:
         self.counter = counter
 
 
+def _server_args(config: Any) -> Any:
+    """Server args of a CPU HiCache stack, published for the process."""
+    from sglang.srt import runtime_context
+
+    server_args = env.make_cpu_server_args(
+        page_size=config.page_size,
+        hicache_mem_layout=config.host_layout,
+        hicache_io_backend="kernel",
+        hicache_ratio=config.hicache_ratio(),
+        hicache_write_policy=config.write_policy,
+        hicache_storage_backend_extra_config=env.with_harness_deadlines(None),
+    )
+    env.publish_server_args(server_args)
+    # The DSA pool sizes its indexer from attn_dcp_size, which only a real
+    # parallel setup fills in.
+    runtime_context.get_parallel().override_permanently(attn_dcp_size=1)
+    return server_args
+
+
 def _shard_group(cp_group: torch.distributed.ProcessGroup, cp_rank: int, cp_size: int) -> cpu_0523.CpuShardGroup:
     size = torch.distributed.get_world_size(group=cp_group)
     if size != cp_size:
@@ -179,7 +246,6 @@ def build_sharded_rank_stack(
     os.environ.setdefault(_TREE_CORE_ENV, "python")
     cpu_0523.install_cpu_support()
 
-    from sglang.srt import runtime_context
     from sglang.srt.mem_cache.allocator.page_interleave import PageInterleavePoolAllocator
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
     from sglang.srt.mem_cache.page_interleave import PageShardSpec
@@ -187,18 +253,7 @@ def build_sharded_rank_stack(
     from sglang.srt.mem_cache.registry import TreeCacheBuildContext
 
     P, N = config.page_size, config.cp_size
-    server_args = env.make_cpu_server_args(
-        page_size=P,
-        hicache_mem_layout=config.host_layout,
-        hicache_io_backend="kernel",
-        hicache_ratio=config.hicache_ratio(),
-        hicache_write_policy=config.write_policy,
-        hicache_storage_backend_extra_config=env.with_harness_deadlines(None),
-    )
-    env.publish_server_args(server_args)
-    # The DSA pool sizes its indexer from attn_dcp_size, which only a real
-    # parallel setup fills in.
-    runtime_context.get_parallel().override_permanently(attn_dcp_size=1)
+    server_args = _server_args(config)
 
     shard_group = _shard_group(cp_group, cp_rank, N)
     spec = PageShardSpec(
@@ -231,3 +286,57 @@ def build_sharded_rank_stack(
     cache = _create_cache(ctx, config)
     cpu_0523.register_stack_buffers(cache.cache_controller.mem_pool_host)
     return ShardedRankStack(config, cp_rank, server_args, kv_pool, allocator, cache, time.perf_counter() - start)
+
+
+def build_plain_rank_stack(
+    config: PlainStackConfig,
+    *,
+    tp_rank: int = 0,
+    tp_group: Optional[torch.distributed.ProcessGroup] = None,
+) -> ShardedRankStack:
+    """A plain DSA HiCache stack (upstream's own strategy and copies); with
+    ``tp_group``, one TP rank of a group whose every rank holds the whole pool
+    (the cache all-reduces its acks over the group)."""
+    start = time.perf_counter()
+    os.environ.setdefault(_TREE_CORE_ENV, "python")
+    cpu_0523.install_cpu_support()
+
+    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
+    from sglang.srt.mem_cache.registry import TreeCacheBuildContext, create_tree_cache
+
+    from sglang_cp_hicache.sglang_0523 import strategy
+
+    if strategy.strategy_installed():
+        raise RuntimeError("a plain stack is upstream's: a strategy of this plugin is registered in this process")
+    P = config.page_size
+    tp_size = 1 if tp_group is None else torch.distributed.get_world_size(group=tp_group)
+    server_args = _server_args(config)
+    size = config.device_pages * P
+    kv_pool = DSATokenToKVPool(
+        size, page_size=P, dtype=torch.float8_e4m3fn, kv_lora_rank=config.kv_lora_rank,
+        qk_rope_head_dim=config.qk_rope_head_dim, layer_num=config.num_layers, device="cpu",
+        kv_cache_dim=config.kv_row_bytes, enable_memory_saver=False, start_layer=0, end_layer=config.num_layers,
+        index_head_dim=config.index_head_dim, index_kpool=1, index_kpool_compress=False, tail_extra_slots=0,
+        max_running_requests=4,
+    )
+    allocator = PagedTokenToKVPoolAllocator(
+        size, page_size=P, dtype=torch.float8_e4m3fn, device="cpu", kvcache=kv_pool, need_sort=True
+    )
+    params = CacheInitParams(
+        disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=allocator, page_size=P,
+        tp_cache_group=tp_group, attn_cp_cache_group=None, attn_tp_cache_group=None,
+    )
+    ctx = TreeCacheBuildContext(
+        server_args=server_args, params=params, is_hybrid_swa=False, is_hybrid_ssm=False,
+        enable_hierarchical_cache=True, disable_radix_cache=False, tp_worker=_TpWorkerStandIn(),
+        model_config=None, tp_size=tp_size, tp_rank=tp_rank, tp_group=tp_group, is_dsa=True,
+    )
+    cache = create_tree_cache(ctx)
+    host = cache.cache_controller.mem_pool_host
+    cpu_0523.register_stack_buffers(host)
+    if host.anchor_entry.host_pool.available_size() != config.host_pages * P:
+        raise RuntimeError(f"the plain host pool holds {host.anchor_entry.host_pool.available_size()} tokens, "
+                           f"not host_pages * page_size = {config.host_pages * P}")
+    return ShardedRankStack(config, 0, server_args, kv_pool, allocator, cache, time.perf_counter() - start)

@@ -32,14 +32,6 @@ def test_simulate_on_the_sharded_pool_through_the_library_kernels(tmp_path):
     assert all(c["copy_path"] == "library" and c["submit_calls"] > 0 for c in s["copy_path_cpu_seconds_per_rank"])
 
 
-def test_compare_non_cp_is_refused_on_0523():
-    proc = subprocess.run(
-        sim_command("--cp-size", "2", "--compare-non-cp"), cwd=ROOT, env=sim_env(),
-        capture_output=True, text=True, timeout=120,
-    )
-    assert proc.returncode == 2 and "--compare-non-cp needs --sglang 0.5.18" in proc.stderr
-
-
 @pytest.mark.slow(70)
 def test_simulate_with_l3_writes_own_pages_and_restores_them_bit_exact(tmp_path):
     out, directory = tmp_path / "l3.json", tmp_path / "l3"

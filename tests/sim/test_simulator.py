@@ -209,7 +209,8 @@ def test_progress_bar_without_a_terminal():
         bar.update(done)
     bar.close()
     lines = stream.getvalue().splitlines()
-    assert len(lines) == 11 and lines[-1].startswith("CP2 [") and "20/20 requests" in lines[-1]
+    assert len(lines) == 11 and lines[-1].startswith("CP2 replay [") and "20/20 requests" in lines[-1]
+    assert "left" in lines[5] and "left" not in lines[-1]  # an estimate while it runs
 
 
 def test_main_parses_and_rejects(tmp_path):
