@@ -53,7 +53,7 @@ def _tp_and_dp_rank(cp_rank: int) -> tuple[int, int]:
         if is_dp_attention_enabled():
             return int(get_parallel().attn_tp_rank), int(get_attention_dp_rank())
         return int(get_parallel().tp_rank), 0
-    except AssertionError:  # "... model parallel group is not initialized"
+    except (AssertionError, RuntimeError):  # no model-parallel group / rank written in this process
         return cp_rank, 0
 
 

@@ -27,6 +27,7 @@ from sglang_cp_hicache.l3.rank import L3Opening, RankL3, open_tier
 from sglang_cp_hicache.placement import CpPlacement
 from sglang_cp_hicache.sglang_0523.copy_engine import kv_host_pool_of
 from sglang_cp_hicache.sglang_0523.l3_cache import L3Driver
+from sglang_cp_hicache.sglang_0523.l3_metrics import install_metrics
 from sglang_cp_hicache.sglang_0523.l3_port import L3Port0523
 from sglang_cp_hicache.sglang_0523.l3_tier import L3Tier
 
@@ -92,11 +93,16 @@ def open_l3(
     return open_tier(location, build)
 
 
-def install_l3(cache: Any, tier: L3Tier, location: L3Location, host_room: Any) -> L3Driver:
-    """Put the L3 driver on ``cache`` (the scheduler's storage calls)."""
+def install_l3(cache: Any, tier: L3Tier, location: L3Location, host_room: Any, *,
+               enable_metrics: bool = False) -> L3Driver:
+    """Put the L3 driver on ``cache`` (the scheduler's storage calls);
+    ``enable_metrics`` (``--enable-metrics``): SGLang's storage metrics and
+    the library's counters, fed by this L3 (:mod:`.l3_metrics`)."""
     port = L3Port0523(cache, tier, host_room)
     driver = L3Driver(cache, RankL3(tier, port, location), port)
     driver.install()
+    if enable_metrics:
+        install_metrics(cache, driver.l3, port, tier.layout, location.backend if location.scheduler_driven else None)
     timeouts = location.timeouts
     logger.info(
         "sglang-cp-hicache: L3 in %s (%s; model %s; %s), deadline %.1f s + %.2f s per 1024 tokens (at most "
