@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Union
 
+from sglang_cp_hicache.l3.clear import ClearReport
 from sglang_cp_hicache.l3.keys import check_page_key
 from sglang_cp_hicache.l3.store import SizeMismatch, check_sizes
 
@@ -277,3 +279,26 @@ class MooncakePageStore:
                 rc = -1
             out.append(rc == 0)
         return out
+
+    def clear_namespaces(self, digests: Sequence[str]) -> ClearReport:
+        """Remove every object of the namespaces ``digests`` from the whole
+        store (every client's segment), by key pattern
+        (``remove_by_regex``): objects of other namespaces -- other
+        deployments, other models, SGLang's own keys -- stay, which
+        ``remove_all`` (SGLang's own clear) would take too. Objects under
+        Mooncake's read lease (any object looked up or read in the last
+        ``--default_kv_lease_ttl``, 10 s by default) go too (``force``): the
+        lease keeps unverified readers from reading reused memory, and every
+        reader of these keys verifies each object, so a read racing the clear
+        is refused -- a miss, never a wrong page."""
+        if isinstance(digests, str) or not digests or not all(
+                isinstance(d, str) and re.fullmatch(r"[0-9a-f]+", d) for d in digests):
+            raise ValueError(f"digests must be namespace digests (lowercase hex), got {digests!r}")
+        pattern = "^[0-9a-f]{64}_(?:" + "|".join(sorted(digests)) + ")$"
+        try:
+            removed = int(self._live().remove_by_regex(pattern, True))
+        except Exception as exc:  # an admin call answers, it never raises on the store
+            return ClearReport(0, 1, f"mooncake remove_by_regex failed: {exc}")
+        if removed < 0:
+            return ClearReport(0, 1, f"mooncake remove_by_regex returned error code {removed}")
+        return ClearReport(removed)

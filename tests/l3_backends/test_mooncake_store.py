@@ -254,3 +254,31 @@ def test_a_write_over_a_damaged_object_repairs_it(cluster):
     read, agreed = chain.read([cluster.stores[1]], [0] * NUM_PAGES)
     assert agreed == NUM_PAGES
     chain.check_restored(read, agreed)
+
+
+def test_clear_removes_this_deployments_namespaces_from_the_whole_store_and_nothing_else(cluster):
+    """Two clients (ranks) wrote KV and indexer objects of one deployment;
+    another namespace's objects and a key of SGLang's own form share the
+    store. Every rank's clear (alike) removes the deployment's objects
+    wherever they are mounted, each once, even those just read; the others
+    stay."""
+    from sglang_cp_hicache.l3.clear import clear_namespaces
+
+    kv, idx, other = NS, namespace(pool="indexer", row_bytes=132), namespace(model_id="another/model")
+    stores = cluster.stores[:2]
+    ours = {ns: Chain(900 + i, ns) for i, ns in enumerate((kv, idx))}
+    theirs = Chain(950, other)
+    for chain in (*ours.values(), theirs):
+        chain.write(stores, interleaved_owners(0, NUM_PAGES, 2))
+    sglang_key = "deepseek-ai-DeepSeek-V3.2_" + "f" * 64  # not a page key: the raw client writes it
+    assert stores[0]._client.put(sglang_key, b"sglang's own object") == 0
+    # Just looked up and read: under Mooncake's read lease, which the clear overrides.
+    assert stores[1].exists(ours[kv].keys) == [True] * NUM_PAGES and stores[1].get(ours[kv].keys[:1])[0]
+    reports = [clear_namespaces(store, [kv.digest(), idx.digest()]) for store in stores]
+    assert all(r.ok for r in reports) and sum(r.removed for r in reports) == 2 * NUM_PAGES
+    for store in stores:
+        assert store.exists(ours[kv].keys + ours[idx].keys) == [False] * (2 * NUM_PAGES)
+        assert store.exists(theirs.keys) == [True] * NUM_PAGES
+    assert stores[1]._client.is_exist(sglang_key) == 1
+    with pytest.raises(ValueError, match="digests"):
+        stores[0].clear_namespaces([".*"])
