@@ -115,26 +115,30 @@ class L3Location:
 
 
 def _read_config_file(path: str) -> Any:
+    """The object in an ``@path`` extra config file, read by its extension as
+    SGLang reads it (.json, .toml, .yaml / .yml, any case)."""
+    what = f"hicache_storage_backend_extra_config @{path}"
     ext = os.path.splitext(path)[1].lower()
-    try:
-        if ext == ".json":
-            with open(path) as f:
-                return json.load(f)
-        if ext == ".toml":
-            import tomllib
+    if ext not in (".json", ".toml", ".yaml", ".yml"):
+        raise ValueError(f"{what}: unsupported file type {ext!r} (use .json, .toml or .yaml)")
+    errors: tuple[type[BaseException], ...] = (OSError, ValueError)  # JSON and TOML errors are ValueErrors
+    if ext == ".json":
+        load, mode = json.load, "r"
+    elif ext == ".toml":
+        import tomllib
 
-            with open(path, "rb") as f:
-                return tomllib.load(f)
-        if ext in (".yaml", ".yml"):
+        load, mode = tomllib.load, "rb"
+    else:
+        try:
             import yaml
-
-            with open(path) as f:
-                return yaml.safe_load(f)
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"hicache_storage_backend_extra_config @{path}: cannot read it: {exc}") from None
-    raise ValueError(
-        f"hicache_storage_backend_extra_config @{path}: unsupported file type {ext!r} (use .json, .toml or .yaml)"
-    )
+        except ImportError:
+            raise ValueError(f"{what}: reading YAML needs PyYAML (pip install pyyaml)") from None
+        load, mode, errors = yaml.safe_load, "r", errors + (yaml.YAMLError,)
+    try:
+        with open(path, mode) as f:
+            return load(f)
+    except errors as exc:
+        raise ValueError(f"{what}: cannot read it: {exc}") from None
 
 
 def parse_extra_config(extra: Union[None, str, Mapping[str, Any]]) -> Mapping[str, Any]:
