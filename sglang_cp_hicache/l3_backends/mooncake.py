@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -42,19 +43,24 @@ MIN_SEGMENT_BYTES = 16 * _MIB
 
 
 def parse_size(name: str, value: object, minimum: int = 1) -> int:
-    """A byte count: an int, or text as SGLang's Mooncake backend reads it
-    (``"4gb"``, ``"512mb"`` or a plain number)."""
+    """A byte count as SGLang's Mooncake backend reads it: an int (or a whole
+    float, as JSON / YAML may give one), ``"<n>gb"`` (2**30 bytes each) or a
+    number as text (``int()``'s forms); and ``"<n>mb"``, which this library
+    also reads. Case and surrounding spaces do not matter."""
     if isinstance(value, bool):
         raise TypeError(f"{name} must be a byte count, got bool")
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
     if isinstance(value, int):
         size = value
     elif isinstance(value, str):
         text = value.strip().lower()
         scale = _GIB if text.endswith("gb") else _MIB if text.endswith("mb") else 1
         digits = text[:-2].strip() if scale > 1 else text
-        if not digits.isdigit():
-            raise ValueError(f"{name} must be a byte count such as 4gb, 512mb or 16777216, got {value!r}")
-        size = int(digits) * scale
+        try:
+            size = int(digits) * scale
+        except ValueError:
+            raise ValueError(f"{name} must be a byte count such as 4gb, 512mb or 16777216, got {value!r}") from None
     else:
         raise TypeError(f"{name} must be an int or text such as '4gb', got {type(value).__name__}")
     if size < minimum:
@@ -81,6 +87,9 @@ class MooncakeConfig:
     device_name: str = ""  # RDMA device(s); empty: auto / none for tcp
     global_segment_size: int = 4 * _GIB  # host memory this rank lends the store
     local_buffer_size: int = 16 * _MIB  # staging buffer: the largest object and batch
+    tenant_id: str = "default"  # the Mooncake tenant (another tenant's objects are out of reach)
+    enable_ssd_offload: bool = False  # the client offloads objects to SSD
+    ssd_offload_path: Optional[str] = None  # this rank's SSD offload directory (None: Mooncake's default)
 
     def __post_init__(self) -> None:
         master = _text("master_server_address", self.master_server_address)
@@ -91,6 +100,11 @@ class MooncakeConfig:
         _text("local_hostname", self.local_hostname)
         _text("protocol", self.protocol)
         _text("device_name", self.device_name, empty_ok=True)
+        _text("tenant_id", self.tenant_id)
+        if not isinstance(self.enable_ssd_offload, bool):
+            raise TypeError(f"enable_ssd_offload must be a bool, got {self.enable_ssd_offload!r}")
+        if self.ssd_offload_path is not None:
+            _text("ssd_offload_path", self.ssd_offload_path)
         for name, minimum in (("global_segment_size", MIN_SEGMENT_BYTES), ("local_buffer_size", 1)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
@@ -152,9 +166,18 @@ def _open_client(config: MooncakeConfig) -> Any:
             f"on a machine without CUDA): {exc}"
         ) from exc
     client = MooncakeDistributedStore()
+    options: dict[str, Any] = {}  # passed only when set, as SGLang does (older clients lack them)
+    if config.enable_ssd_offload:
+        options["enable_ssd_offload"] = True
+    if config.ssd_offload_path is not None:
+        os.makedirs(config.ssd_offload_path, exist_ok=True)
+        options["ssd_offload_path"] = config.ssd_offload_path
+    if config.tenant_id != "default":
+        options["tenant_id"] = config.tenant_id
     rc = client.setup(
         config.local_hostname, config.metadata_server, config.global_segment_size,
         config.local_buffer_size, config.protocol, config.device_name, config.master_server_address,
+        **options,
     )
     if rc != 0:
         raise RuntimeError(

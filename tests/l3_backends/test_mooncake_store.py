@@ -264,7 +264,9 @@ def test_clear_removes_this_deployments_namespaces_from_the_whole_store_and_noth
     stay."""
     from sglang_cp_hicache.l3.clear import clear_namespaces
 
-    kv, idx, other = NS, namespace(pool="indexer", row_bytes=132), namespace(model_id="another/model")
+    # namespaces of this test alone (the module's other tests share the store)
+    kv, idx = namespace(model_id="clear/me"), namespace(model_id="clear/me", pool="indexer", row_bytes=132)
+    other = namespace(model_id="another/model")
     stores = cluster.stores[:2]
     ours = {ns: Chain(900 + i, ns) for i, ns in enumerate((kv, idx))}
     theirs = Chain(950, other)
@@ -282,3 +284,35 @@ def test_clear_removes_this_deployments_namespaces_from_the_whole_store_and_noth
     assert stores[1]._client.is_exist(sglang_key) == 1
     with pytest.raises(ValueError, match="digests"):
         stores[0].clear_namespaces([".*"])
+
+
+@pytest.mark.parametrize("form", ["environment", "config file"])
+def test_the_store_opens_from_mooncakes_environment_and_config_file(cluster, tmp_path, monkeypatch, form):
+    """``--hicache-storage-backend mooncake`` with no extra config: the
+    master and the rest from ``MOONCAKE_*`` (Mooncake's SGLang guide) or
+    from the JSON file ``SGLANG_HICACHE_MOONCAKE_CONFIG_PATH`` names."""
+    import json
+
+    from sglang_cp_hicache.l3.location import l3_location
+
+    values = {"master_server_address": f"127.0.0.1:{cluster.rpc_port}", "metadata_server": cluster.metadata_server,
+              "local_hostname": "127.0.0.1", "protocol": "tcp", "global_segment_size": str(16 << 20)}
+    if form == "environment":
+        for key, var in (("master_server_address", "MOONCAKE_MASTER"), ("metadata_server",
+                         "MOONCAKE_TE_META_DATA_SERVER"), ("local_hostname", "MOONCAKE_LOCAL_HOSTNAME"),
+                         ("protocol", "MOONCAKE_PROTOCOL"), ("global_segment_size", "MOONCAKE_GLOBAL_SEGMENT_SIZE")):
+            monkeypatch.setenv(var, values[key])
+    else:
+        path = tmp_path / "mooncake.json"
+        path.write_text(json.dumps(values))
+        monkeypatch.setenv("SGLANG_HICACHE_MOONCAKE_CONFIG_PATH", str(path))
+    location = l3_location("mooncake", None)
+    assert location.source == ("MOONCAKE_MASTER" if form == "environment" else "SGLANG_HICACHE_MOONCAKE_CONFIG_PATH")
+    store = open_page_store(location.backend, location.directory, location.extra_config)
+    try:
+        chain = Chain(seed=77)
+        blob = pack(chain.keys[0], NS, chain.pages[0])
+        assert store.put(chain.keys[:1], [blob]) == [True]
+        assert cluster.stores[0].get(chain.keys[:1]) == [blob]  # another client of the same store sees it
+    finally:
+        store.close()
