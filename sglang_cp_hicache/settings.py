@@ -33,6 +33,7 @@ __all__ = [
     "L3_EVICTION",
     "L3_MODEL_ID",
     "L3_THREADS",
+    "MOONCAKE_SETTINGS",
     "SETTINGS",
     "SGLANG_FILE_DIR",
     "Setting",
@@ -192,10 +193,56 @@ SGLANG_FILE_DIR = Setting(
     "SGLANG_CP_HICACHE_L3_DIR is empty (as SGLang's file backend uses it).",
 )
 
+
+def _mooncake(name: str, meaning: str) -> Setting:
+    """A variable of SGLang's Mooncake backend or of Mooncake's SGLang guide,
+    read (never set) by the library for ``--hicache-storage-backend
+    mooncake`` only, as SGLang reads it; its default is SGLang's."""
+    return Setting(name, "", (), f"SGLang's / Mooncake's own variable, read (never set) for "
+                   f"--hicache-storage-backend mooncake when neither the extra config nor "
+                   f"SGLANG_HICACHE_MOONCAKE_CONFIG_PATH names a master: {meaning}")
+
+
+MOONCAKE_CONFIG_PATH = Setting(
+    "SGLANG_HICACHE_MOONCAKE_CONFIG_PATH",
+    "",
+    (),
+    "SGLang's own variable, read (never set) for --hicache-storage-backend mooncake when the extra "
+    "config names no master: a JSON file of the Mooncake store's settings (SGLang's keys; "
+    "master_server_address required under CP).",
+)
+MOONCAKE_MASTER = _mooncake("MOONCAKE_MASTER", "host:port of mooncake_master.")
+MOONCAKE_CLIENT = _mooncake("MOONCAKE_CLIENT", "a standalone Mooncake client's address (refused under CP: "
+                                               "each rank opens its own client, so a master is needed).")
+MOONCAKE_LOCAL_HOSTNAME = _mooncake("MOONCAKE_LOCAL_HOSTNAME", "this rank's address as other clients reach it "
+                                    "(SGLang 0.5.23: also over the extra config / file's local_hostname); "
+                                    "empty: LOCAL_HOSTNAME, else localhost.")
+LOCAL_HOSTNAME = _mooncake("LOCAL_HOSTNAME", "the legacy name of MOONCAKE_LOCAL_HOSTNAME.")
+MOONCAKE_METADATA_SERVER = _mooncake("MOONCAKE_TE_META_DATA_SERVER", "the transfer engine's metadata server; "
+                                     "empty: P2PHANDSHAKE.")
+MOONCAKE_SEGMENT_SIZE = _mooncake("MOONCAKE_GLOBAL_SEGMENT_SIZE", "host memory lent to the store per TP group "
+                                  "(4gb, 512mb or bytes; each rank lends its share, as SGLang does); empty: 4gb.")
+MOONCAKE_PROTOCOL = _mooncake("MOONCAKE_PROTOCOL", "rdma or tcp (SGLang 0.5.23: also when the extra config / "
+                              "file names none); empty: rdma.")
+MOONCAKE_DEVICE = _mooncake("MOONCAKE_DEVICE", "RDMA device(s), or a JSON map from TP rank to device; empty: auto.")
+MOONCAKE_TENANT_ID = _mooncake("MOONCAKE_TENANT_ID", "the Mooncake tenant; empty: default.")
+MOONCAKE_STANDALONE_STORAGE = _mooncake("MOONCAKE_STANDALONE_STORAGE", "true: a standalone store (refused "
+                                        "under CP).")
+MOONCAKE_SSD_OFFLOAD = _mooncake("MOONCAKE_ENABLE_SSD_OFFLOAD", "true: the client offloads to SSD.")
+MOONCAKE_SSD_PATH = _mooncake("MOONCAKE_OFFLOAD_FILE_STORAGE_PATH", "the SSD offload directory (each rank "
+                              "uses its own subdirectory rank_<tp rank>).")
+#: The Mooncake variables, in SGLang's reading order.
+MOONCAKE_SETTINGS: tuple[Setting, ...] = (
+    MOONCAKE_CONFIG_PATH, MOONCAKE_MASTER, MOONCAKE_CLIENT, MOONCAKE_LOCAL_HOSTNAME, LOCAL_HOSTNAME,
+    MOONCAKE_METADATA_SERVER, MOONCAKE_SEGMENT_SIZE, MOONCAKE_PROTOCOL, MOONCAKE_DEVICE, MOONCAKE_TENANT_ID,
+    MOONCAKE_STANDALONE_STORAGE, MOONCAKE_SSD_OFFLOAD, MOONCAKE_SSD_PATH,
+)
+
 #: Every setting, in the order the table shows them.
 SETTINGS: tuple[Setting, ...] = (
     COPY, HOST_BALANCE, HOST_TAIL, DEBUG, ALLOW_ANY_SGLANG, L3_DIR, L3_THREADS, L3_MODEL_ID, L3_EVICTION,
     SGLANG_FILE_DIR, FILE_MAX_SIZE, FILE_MIN_FREE, FILE_EVICTION_RATIO, HF_HUB_CACHE, HF_HOME,
+    *MOONCAKE_SETTINGS,
 )
 
 

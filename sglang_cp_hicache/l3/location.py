@@ -14,8 +14,11 @@ in the directory SGLang's file backend would use:
 
 ``--hicache-storage-backend mooncake`` is served the same way on a Mooncake
 distributed store (``sglang_cp_hicache.l3_backends``): no directory; the
-store's settings come from ``--hicache-storage-backend-extra-config`` (SGLang's
-keys, ``master_server_address`` required) and are checked when it opens.
+store's settings come from where SGLang reads them (:func:`mooncake_form`):
+``--hicache-storage-backend-extra-config`` when it names a master, else the
+JSON file ``SGLANG_HICACHE_MOONCAKE_CONFIG_PATH`` names, else ``MOONCAKE_MASTER``
+and the other ``MOONCAKE_*`` variables; a master is required, and the values
+are checked when the store opens.
 
 Any other backend is refused under CP: 3FS, NIXL, ... through SGLang's own
 storage classes key objects by the writer's rank and would be handed
@@ -35,9 +38,14 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Union
 
-from sglang_cp_hicache.settings import L3_DIR, SGLANG_FILE_DIR, read
+from sglang_cp_hicache.settings import (
+    L3_DIR, MOONCAKE_CLIENT, MOONCAKE_CONFIG_PATH, MOONCAKE_MASTER, SGLANG_FILE_DIR, read,
+)
 
-__all__ = ["DEFAULT_FILE_DIR", "L3Location", "L3Timeouts", "SUPPORTED_BACKENDS", "l3_location", "parse_extra_config"]
+__all__ = [
+    "DEFAULT_FILE_DIR", "MOONCAKE_FORMS", "L3Location", "L3Timeouts", "SUPPORTED_BACKENDS", "l3_location",
+    "mooncake_form", "parse_extra_config",
+]
 
 #: SGLang's file backend's default directory (both releases).
 DEFAULT_FILE_DIR = "/tmp/hicache"
@@ -115,26 +123,30 @@ class L3Location:
 
 
 def _read_config_file(path: str) -> Any:
+    """The object in an ``@path`` extra config file, read by its extension as
+    SGLang reads it (.json, .toml, .yaml / .yml, any case)."""
+    what = f"hicache_storage_backend_extra_config @{path}"
     ext = os.path.splitext(path)[1].lower()
-    try:
-        if ext == ".json":
-            with open(path) as f:
-                return json.load(f)
-        if ext == ".toml":
-            import tomllib
+    if ext not in (".json", ".toml", ".yaml", ".yml"):
+        raise ValueError(f"{what}: unsupported file type {ext!r} (use .json, .toml or .yaml)")
+    errors: tuple[type[BaseException], ...] = (OSError, ValueError)  # JSON and TOML errors are ValueErrors
+    if ext == ".json":
+        load, mode = json.load, "r"
+    elif ext == ".toml":
+        import tomllib
 
-            with open(path, "rb") as f:
-                return tomllib.load(f)
-        if ext in (".yaml", ".yml"):
+        load, mode = tomllib.load, "rb"
+    else:
+        try:
             import yaml
-
-            with open(path) as f:
-                return yaml.safe_load(f)
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"hicache_storage_backend_extra_config @{path}: cannot read it: {exc}") from None
-    raise ValueError(
-        f"hicache_storage_backend_extra_config @{path}: unsupported file type {ext!r} (use .json, .toml or .yaml)"
-    )
+        except ImportError:
+            raise ValueError(f"{what}: reading YAML needs PyYAML (pip install pyyaml)") from None
+        load, mode, errors = yaml.safe_load, "r", errors + (yaml.YAMLError,)
+    try:
+        with open(path, mode) as f:
+            return load(f)
+    except errors as exc:
+        raise ValueError(f"{what}: cannot read it: {exc}") from None
 
 
 def parse_extra_config(extra: Union[None, str, Mapping[str, Any]]) -> Mapping[str, Any]:
@@ -158,17 +170,45 @@ def parse_extra_config(extra: Union[None, str, Mapping[str, Any]]) -> Mapping[st
     return parsed
 
 
-def _mooncake_location(extra: Mapping[str, Any], timeouts: L3Timeouts) -> L3Location:
+#: Where a Mooncake store's settings come from (SGLang's ``MooncakeStoreConfig`` order).
+MOONCAKE_FORMS = ("hicache_storage_backend_extra_config", MOONCAKE_CONFIG_PATH.name, "environment")
+
+
+def mooncake_form(extra: Mapping[str, Any], environ: Optional[Mapping[str, str]] = None) -> str:
+    """Which form names a Mooncake store's settings, in SGLang's order: the
+    extra config when it names a master or a client, else the JSON file
+    ``SGLANG_HICACHE_MOONCAKE_CONFIG_PATH`` names when set, else the
+    environment (``MOONCAKE_MASTER``, ...)."""
+    if extra.get("master_server_address") is not None or extra.get("client_server_address") is not None:
+        return MOONCAKE_FORMS[0]
+    if read(MOONCAKE_CONFIG_PATH, environ):
+        return MOONCAKE_FORMS[1]
+    return MOONCAKE_FORMS[2]
+
+
+def _mooncake_location(extra: Mapping[str, Any], timeouts: L3Timeouts,
+                       environ: Optional[Mapping[str, str]]) -> L3Location:
     """A Mooncake L3: no directory (the file-store settings do not apply);
-    its master must be named, since a CP cache never guesses where it is."""
-    master = extra.get("master_server_address")
-    if not isinstance(master, str) or not master.strip():
+    its master must be named (a CP cache never guesses where it is, and each
+    rank opens its own client) in the form SGLang reads: the extra config,
+    the file ``SGLANG_HICACHE_MOONCAKE_CONFIG_PATH`` names (checked when the
+    store opens), or ``MOONCAKE_MASTER``."""
+    form, master = mooncake_form(extra, environ), None
+    if form == MOONCAKE_FORMS[0]:
+        master = extra.get("master_server_address")
+    elif form == MOONCAKE_FORMS[2]:
+        master = read(MOONCAKE_MASTER, environ) or None
+    if form != MOONCAKE_FORMS[1] and (not isinstance(master, str) or not master.strip()):
+        where = ("--hicache-storage-backend-extra-config" if form == MOONCAKE_FORMS[0]
+                 else f"{MOONCAKE_MASTER.name} (none in the extra config, {MOONCAKE_CONFIG_PATH.name} unset)")
         raise ValueError(
             "--hicache-storage-backend mooncake under CP shared KV (sglang-cp-hicache) needs "
-            "master_server_address (host:port) in --hicache-storage-backend-extra-config, "
-            f"got {master!r}"
+            "master_server_address (host:port): in --hicache-storage-backend-extra-config, in the JSON file "
+            f"{MOONCAKE_CONFIG_PATH.name} names, or as {MOONCAKE_MASTER.name}; a client-only store "
+            f"(client_server_address / {MOONCAKE_CLIENT.name}) is not supported; got {master!r} from {where}"
         )
-    return L3Location(None, True, "hicache_storage_backend_extra_config", "mooncake", dict(extra), timeouts)
+    source = {MOONCAKE_FORMS[2]: MOONCAKE_MASTER.name}.get(form, form)
+    return L3Location(None, True, source, "mooncake", dict(extra), timeouts)
 
 
 def l3_location(
@@ -194,7 +234,7 @@ def l3_location(
     for key in SGLANG_PREFETCH_KEYS:  # SGLang's own, as its backends never see them
         extra.pop(key, None)
     if storage_backend == "mooncake":
-        return _mooncake_location(extra, timeouts)
+        return _mooncake_location(extra, timeouts, environ)
     if own:
         return L3Location(own, True, L3_DIR.name, "file", extra, timeouts)
     sglang_dir = read(SGLANG_FILE_DIR, environ)

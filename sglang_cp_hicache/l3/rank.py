@@ -8,22 +8,29 @@ Start-up is in two steps, so that no rank is ever left waiting for a peer:
    one all-gather and every rank stops with the L3 message at once;
 2. :class:`RankL3` (after the agreement) puts the prefetch protocol and the
    writer on the tier with the release's :class:`~.prefetch.L3Port`.
+
+A rank's L3 is observable and clearable on its own (no collective): every
+fetch and store is timed (:mod:`.metrics`), :meth:`RankL3.publish_metrics`
+hands the step's figures to the release's metrics each scheduler step, and
+:meth:`RankL3.clear` removes its deployment's objects (:mod:`.clear`).
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
+from sglang_cp_hicache.l3.clear import ClearReport, clear_namespaces
 from sglang_cp_hicache.l3.host_tier import HostL3Tier, L3Counters
 from sglang_cp_hicache.l3.location import L3Location
+from sglang_cp_hicache.l3.metrics import L3IoMeter, L3MetricsSource, L3StepFigures, MeteredTier
 from sglang_cp_hicache.l3.prefetch import L3Port, L3Prefetcher
 from sglang_cp_hicache.l3.workers import L3Workers
 from sglang_cp_hicache.l3.writes import L3Writer
 from sglang_cp_hicache.settings import L3_THREADS, read_int
 
-__all__ = ["L3Opening", "RankL3", "open_tier"]
+__all__ = ["L3Opening", "L3MetricsSink", "RankL3", "open_tier"]
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +65,15 @@ def open_tier(location: L3Location, build: Callable[[], HostL3Tier]) -> L3Openin
     return L3Opening(location, tier, tier.describe())
 
 
+class L3MetricsSink:
+    """Where a release exports a rank's L3 figures (the adapter's): SGLang's
+    storage collector and the library's counters. Called on the scheduler
+    thread, once per step."""
+
+    def publish(self, figures: L3StepFigures, totals: dict[str, float]) -> None:
+        raise NotImplementedError
+
+
 class RankL3:
     """The rank's L3 once the ranks agree: its tier, the prefetch protocol
     (reads) and the writer, each on its own bounded I/O threads."""
@@ -68,14 +84,53 @@ class RankL3:
         self.tier = tier
         self.port = port
         self.location = location
+        self.io = L3IoMeter()
+        metered = MeteredTier(tier, self.io)  # every fetch and store timed
         self.read_workers = L3Workers(f"cp-hicache-l3-rank{rank}-read", threads)
         self.write_workers = L3Workers(f"cp-hicache-l3-rank{rank}-write", threads)
-        self.prefetcher = L3Prefetcher(tier, port, self.read_workers, location.timeouts)
-        self.writer = L3Writer(tier, self.write_workers, location.timeouts)
+        self.prefetcher = L3Prefetcher(metered, port, self.read_workers, location.timeouts)
+        self.writer = L3Writer(metered, self.write_workers, location.timeouts)
+        self.metrics = L3MetricsSource(tier.counters, self.io, tier.page_size)
+        self.metrics_sink: Optional[Any] = None  # an L3MetricsSink when --enable-metrics
 
     @property
     def counters(self) -> L3Counters:
         return self.tier.counters
+
+    def publish_metrics(self) -> None:
+        """Hand this step's figures to the release's metrics (a no-op
+        without them). Never raises: a metrics failure is logged, the
+        scheduler step goes on."""
+        if self.metrics_sink is None:
+            return
+        try:
+            self.metrics_sink.publish(self.metrics.step(), self.metrics.snapshot())
+        except Exception:
+            logger.exception("cp-hicache L3: publishing metrics failed on cp_rank %d", self.tier.layout.cp_rank)
+
+    def clear(self) -> ClearReport:
+        """Remove every object of this deployment's two namespaces (SGLang's
+        ``clear_hicache_storage``; call it alike on every rank): this rank's
+        queued writes go first (up to the longest L3 deadline), then the
+        whole namespaces, whatever rank wrote them. Never raises on I/O."""
+        rank = self.tier.layout.cp_rank
+        if not self.writer.wait(self.location.timeouts.max_s):
+            logger.warning("cp-hicache L3: writes still running on cp_rank %d at the clear; what they store "
+                           "afterwards stays", rank)
+        digests = [self.tier.kv_ns.digest(), self.tier.indexer_ns.digest()]
+        try:
+            report = clear_namespaces(self.tier.store, digests)
+        except Exception as exc:  # an admin call answers, it never takes the scheduler down
+            logger.exception("cp-hicache L3: clearing failed on cp_rank %d", rank)
+            report = ClearReport(0, 1, f"{type(exc).__name__}: {exc}")
+        self.io.record_cleared(report.removed)
+        if report.ok:
+            logger.info("cp-hicache L3: cleared namespaces %s on cp_rank %d (%d object(s) removed by this rank)",
+                        self.describe(), rank, report.removed)
+        else:
+            logger.error("cp-hicache L3: clearing namespaces %s on cp_rank %d left %d object(s) or listing(s) "
+                         "behind: %s", self.describe(), rank, report.errors, report.detail)
+        return report
 
     def describe(self) -> str:
         return self.tier.describe()

@@ -10,15 +10,19 @@ here may import its system's client, and does so only when it is opened.
 from __future__ import annotations
 
 import os
-from typing import Any, Mapping, Union
+from typing import Any, Mapping, Optional, Union
 
 from sglang_cp_hicache import settings
 from sglang_cp_hicache.l3.capacity import CapacityConfig
 from sglang_cp_hicache.l3.location import parse_extra_config
 from sglang_cp_hicache.l3.store import FilePageStore, PageStore
 from sglang_cp_hicache.l3_backends.mooncake import MooncakeConfig, MooncakePageStore
+from sglang_cp_hicache.l3_backends.mooncake_forms import SGLangRules, sglang_mooncake_config
 
-__all__ = ["MooncakeConfig", "MooncakePageStore", "file_capacity", "open_page_store"]
+__all__ = [
+    "MooncakeConfig", "MooncakePageStore", "SGLangRules", "file_capacity", "open_page_store",
+    "sglang_mooncake_config",
+]
 
 
 def file_capacity(extra_config: Union[None, str, Mapping[str, Any]]) -> CapacityConfig:
@@ -35,11 +39,15 @@ def open_page_store(
     backend: str,
     directory: Union[None, str, os.PathLike],
     extra_config: Union[None, str, Mapping[str, Any]] = None,
+    *,
+    mooncake_rules: Optional[SGLangRules] = None,
 ) -> PageStore:
     """This rank's store for ``backend``: ``"file"`` -> a
     :class:`FilePageStore` in ``directory``; ``"mooncake"`` -> a
-    :class:`MooncakePageStore` configured from ``extra_config`` (the
-    ``--hicache-storage-backend-extra-config`` object; ``directory`` unused).
+    :class:`MooncakePageStore` configured as SGLang configures its Mooncake
+    backend (the extra config, ``SGLANG_HICACHE_MOONCAKE_CONFIG_PATH`` or the
+    ``MOONCAKE_*`` environment; ``mooncake_rules``: the SGLang release and
+    this rank's place, see :mod:`.mooncake_forms`; ``directory`` unused).
     Raises ValueError naming the argument for a bad one, before any I/O of
     another backend."""
     if backend == "file":
@@ -47,5 +55,5 @@ def open_page_store(
             raise ValueError("directory is required for the file backend, got None")
         return FilePageStore(directory, capacity=file_capacity(extra_config))
     if backend == "mooncake":
-        return MooncakePageStore(MooncakeConfig.from_extra_config(extra_config))
+        return MooncakePageStore(sglang_mooncake_config(extra_config, mooncake_rules))
     raise ValueError(f"backend must be 'file' or 'mooncake', got {backend!r}")

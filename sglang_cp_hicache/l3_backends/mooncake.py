@@ -22,12 +22,15 @@ from __future__ import annotations
 import ctypes
 import json
 import logging
+import os
+import re
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Union
 
-from sglang_cp_hicache.l3.keys import check_page_key
+from sglang_cp_hicache.l3.clear import ClearReport
+from sglang_cp_hicache.l3.keys import PAGE_HASH_CHARS, PARENT_CHARS, ROOT_PARENT, check_page_key
 from sglang_cp_hicache.l3.store import SizeMismatch, check_sizes
 
 __all__ = ["MooncakeConfig", "MooncakePageStore"]
@@ -42,19 +45,24 @@ MIN_SEGMENT_BYTES = 16 * _MIB
 
 
 def parse_size(name: str, value: object, minimum: int = 1) -> int:
-    """A byte count: an int, or text as SGLang's Mooncake backend reads it
-    (``"4gb"``, ``"512mb"`` or a plain number)."""
+    """A byte count as SGLang's Mooncake backend reads it: an int (or a whole
+    float, as JSON / YAML may give one), ``"<n>gb"`` (2**30 bytes each) or a
+    number as text (``int()``'s forms); and ``"<n>mb"``, which this library
+    also reads. Case and surrounding spaces do not matter."""
     if isinstance(value, bool):
         raise TypeError(f"{name} must be a byte count, got bool")
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
     if isinstance(value, int):
         size = value
     elif isinstance(value, str):
         text = value.strip().lower()
         scale = _GIB if text.endswith("gb") else _MIB if text.endswith("mb") else 1
         digits = text[:-2].strip() if scale > 1 else text
-        if not digits.isdigit():
-            raise ValueError(f"{name} must be a byte count such as 4gb, 512mb or 16777216, got {value!r}")
-        size = int(digits) * scale
+        try:
+            size = int(digits) * scale
+        except ValueError:
+            raise ValueError(f"{name} must be a byte count such as 4gb, 512mb or 16777216, got {value!r}") from None
     else:
         raise TypeError(f"{name} must be an int or text such as '4gb', got {type(value).__name__}")
     if size < minimum:
@@ -81,6 +89,9 @@ class MooncakeConfig:
     device_name: str = ""  # RDMA device(s); empty: auto / none for tcp
     global_segment_size: int = 4 * _GIB  # host memory this rank lends the store
     local_buffer_size: int = 16 * _MIB  # staging buffer: the largest object and batch
+    tenant_id: str = "default"  # the Mooncake tenant (another tenant's objects are out of reach)
+    enable_ssd_offload: bool = False  # the client offloads objects to SSD
+    ssd_offload_path: Optional[str] = None  # this rank's SSD offload directory (None: Mooncake's default)
 
     def __post_init__(self) -> None:
         master = _text("master_server_address", self.master_server_address)
@@ -91,6 +102,11 @@ class MooncakeConfig:
         _text("local_hostname", self.local_hostname)
         _text("protocol", self.protocol)
         _text("device_name", self.device_name, empty_ok=True)
+        _text("tenant_id", self.tenant_id)
+        if not isinstance(self.enable_ssd_offload, bool):
+            raise TypeError(f"enable_ssd_offload must be a bool, got {self.enable_ssd_offload!r}")
+        if self.ssd_offload_path is not None:
+            _text("ssd_offload_path", self.ssd_offload_path)
         for name, minimum in (("global_segment_size", MIN_SEGMENT_BYTES), ("local_buffer_size", 1)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
@@ -152,9 +168,18 @@ def _open_client(config: MooncakeConfig) -> Any:
             f"on a machine without CUDA): {exc}"
         ) from exc
     client = MooncakeDistributedStore()
+    options: dict[str, Any] = {}  # passed only when set, as SGLang does (older clients lack them)
+    if config.enable_ssd_offload:
+        options["enable_ssd_offload"] = True
+    if config.ssd_offload_path is not None:
+        os.makedirs(config.ssd_offload_path, exist_ok=True)
+        options["ssd_offload_path"] = config.ssd_offload_path
+    if config.tenant_id != "default":
+        options["tenant_id"] = config.tenant_id
     rc = client.setup(
         config.local_hostname, config.metadata_server, config.global_segment_size,
         config.local_buffer_size, config.protocol, config.device_name, config.master_server_address,
+        **options,
     )
     if rc != 0:
         raise RuntimeError(
@@ -365,3 +390,28 @@ class MooncakePageStore:
                 rc = -1
             out.append(rc == 0)
         return out
+
+    def clear_namespaces(self, digests: Sequence[str]) -> ClearReport:
+        """Remove every object of the namespaces ``digests`` from the whole
+        store (every client's segment), by key pattern
+        (``remove_by_regex``): objects of other namespaces -- other
+        deployments, other models, SGLang's own keys -- stay, which
+        ``remove_all`` (SGLang's own clear) would take too. Objects under
+        Mooncake's read lease (any object looked up or read in the last
+        ``--default_kv_lease_ttl``, 10 s by default) go too (``force``): the
+        lease keeps unverified readers from reading reused memory, and every
+        reader of these keys verifies each object, so a read racing the clear
+        is refused -- a miss, never a wrong page."""
+        if isinstance(digests, str) or not digests or not all(
+                isinstance(d, str) and re.fullmatch(r"[0-9a-f]+", d) for d in digests):
+            raise ValueError(f"digests must be namespace digests (lowercase hex), got {digests!r}")
+        # page keys: <page hash>_<namespace digest>_<parent link>
+        pattern = ("^[0-9a-f]{%d}_(?:" % PAGE_HASH_CHARS + "|".join(sorted(digests))
+                   + ")_(?:%s|[0-9a-f]{%d})$" % (ROOT_PARENT, PARENT_CHARS))
+        try:
+            removed = int(self._live().remove_by_regex(pattern, True))
+        except Exception as exc:  # an admin call answers, it never raises on the store
+            return ClearReport(0, 1, f"mooncake remove_by_regex failed: {exc}")
+        if removed < 0:
+            return ClearReport(0, 1, f"mooncake remove_by_regex returned error code {removed}")
+        return ClearReport(removed)

@@ -58,6 +58,7 @@ from sglang_cp_hicache.sglang_0518.host_copies import cp_copies_installed, insta
 from sglang_cp_hicache.sglang_0518.host_tier import HostTierMixin, NoHostLeafSet
 from sglang_cp_hicache.l3.rank import RankL3
 from sglang_cp_hicache.sglang_0518.l3_cache import L3CacheMixin
+from sglang_cp_hicache.sglang_0518.l3_metrics import install_metrics
 from sglang_cp_hicache.sglang_0518.l3_port import L3Port0518
 from sglang_cp_hicache.sglang_0518.l3_requests import L3RequestsMixin, source_label
 from sglang_cp_hicache.sglang_0518.l3_tier import open_l3
@@ -179,6 +180,8 @@ class CpHiRadixCache(
         opening.raise_if_unusable()
         if opening.tier is not None:
             self.cp_l3 = RankL3(opening.tier, L3Port0518(self, opening.tier), location)
+            if params.enable_metrics:  # --enable-metrics: SGLang's storage metrics, fed by this L3
+                install_metrics(self, self.cp_l3, server_args)
         self._log_l3_start()
         # New pages go preferably to the ranks holding the fewest host slots.
         allocator.set_lane_bias(lambda: self._ledger.used)

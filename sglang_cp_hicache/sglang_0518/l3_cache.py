@@ -120,6 +120,21 @@ class L3CacheMixin:
     def _l3_abandon(self, error: BaseException) -> Exception:
         return self.cp_l3.prefetcher.abandon(error)
 
+    # ---- the scheduler's step and admin calls ------------------------------------------------
+    def check_hicache_events(self) -> None:
+        super().check_hicache_events()
+        if self.cp_l3 is not None:  # this step's L3 figures into the metrics (--enable-metrics)
+            self.cp_l3.publish_metrics()
+
+    def clear_storage_backend(self) -> bool:
+        """``clear_hicache_storage``: remove every object of this deployment's
+        L3 namespaces (alike on every rank, see :meth:`RankL3.clear`); True
+        when this rank's pass left none it could see behind."""
+        if self.cp_l3 is None:
+            logger.warning("Hierarchical cache storage backend is not enabled.")
+            return False
+        return self.cp_l3.clear().ok
+
     def l3_wait_io(self, timeout: Optional[float] = None) -> bool:
         """Block until this rank's L3 I/O is done: its lookups' reads (so its
         next words are ready) and its writes; False if ``timeout`` ran out first."""

@@ -14,6 +14,7 @@ rank once they have all reached the agreement.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, Optional
 
 from sglang.srt.mem_cache.utils import get_hash_str
@@ -25,7 +26,7 @@ from sglang_cp_hicache.l3.identity import ModelIdentity, identity_of_server_args
 from sglang_cp_hicache.l3.location import L3Location
 from sglang_cp_hicache.l3.rank import L3Opening, open_tier
 from sglang_cp_hicache.l3.store import PageStore
-from sglang_cp_hicache.l3_backends import open_page_store
+from sglang_cp_hicache.l3_backends import SGLangRules, open_page_store
 from sglang_cp_hicache.placement import CpPlacement
 
 __all__ = ["L3Counters", "L3Fetched", "L3Snapshot", "L3Tier", "balanced_owners", "open_l3", "server_identity"]
@@ -55,6 +56,18 @@ class L3Tier(HostL3Tier):
                          layer_start=layer_start, model_label=model_label)
 
 
+def storage_tp_size(server_args: Any, cp_size: int) -> int:
+    """The TP size SGLang's storage config has (attention TP under DP
+    attention): what a Mooncake ``global_segment_size`` is shared by."""
+    tp = getattr(server_args, "tp_size", None)
+    if not isinstance(tp, int) or tp < 1:
+        return cp_size  # the cache used directly (the simulator, tests): its CP ranks
+    dp = getattr(server_args, "dp_size", 1)
+    if getattr(server_args, "enable_dp_attention", False) and isinstance(dp, int) and dp > 1:
+        return max(1, tp // dp)
+    return tp
+
+
 def server_identity(server_args: Any) -> ModelIdentity:
     """The model identity of a server's arguments (the namespace's model)."""
     return identity_of_server_args(server_args, settings.read(settings.L3_MODEL_ID) or None)
@@ -69,8 +82,10 @@ def open_l3(
 
     def build() -> L3Tier:
         model = identity if identity is not None else server_identity(server_args)
-        store = open_tier_store(open_page_store, location.backend, location.directory, location.extra_config,
-                                source)
+        rules = SGLangRules("0.5.18", segment_ranks=storage_tp_size(server_args, cache.cp_layout.cp_size),
+                            rank=cache.cp_layout.cp_rank)
+        store = open_tier_store(partial(open_page_store, mooncake_rules=rules), location.backend,
+                                location.directory, location.extra_config, source)
         targets = cache.cp_copy_targets
         device_pool = cache.token_to_kv_pool_allocator.get_kvcache()
         return L3Tier(

@@ -24,9 +24,11 @@ from sglang_cp_hicache import settings
 from sglang_cp_hicache.l3.identity import ModelIdentity, identity_of_server_args
 from sglang_cp_hicache.l3.location import L3Location
 from sglang_cp_hicache.l3.rank import L3Opening, RankL3, open_tier
+from sglang_cp_hicache.l3_backends import SGLangRules
 from sglang_cp_hicache.placement import CpPlacement
 from sglang_cp_hicache.sglang_0523.copy_engine import kv_host_pool_of
 from sglang_cp_hicache.sglang_0523.l3_cache import L3Driver
+from sglang_cp_hicache.sglang_0523.l3_metrics import install_metrics
 from sglang_cp_hicache.sglang_0523.l3_port import L3Port0523
 from sglang_cp_hicache.sglang_0523.l3_tier import L3Tier
 
@@ -66,6 +68,19 @@ def _where(location: L3Location) -> str:
     return location.directory if location.backend == "file" else f"a {location.backend} store"
 
 
+def storage_ranks(server_args: Any, cp_size: int) -> int:
+    """The ranks a Mooncake ``global_segment_size`` is shared by, as SGLang
+    0.5.23 shares it: its storage config's TP size (attention TP under DP
+    attention) times the PP size."""
+    tp, pp = getattr(server_args, "tp_size", None), getattr(server_args, "pp_size", 1)
+    if not isinstance(tp, int) or tp < 1:
+        return cp_size  # the cache used directly (the simulator, tests): its CP ranks
+    dp = getattr(server_args, "dp_size", 1)
+    if getattr(server_args, "enable_dp_attention", False) and isinstance(dp, int) and dp > 1:
+        tp = max(1, tp // dp)
+    return tp * (pp if isinstance(pp, int) and pp >= 1 else 1)
+
+
 def server_identity(server_args: Any) -> ModelIdentity:
     """The model identity of a server's arguments (the namespace's model)."""
     return identity_of_server_args(server_args, settings.read(settings.L3_MODEL_ID) or None)
@@ -83,20 +98,26 @@ def open_l3(
         layout = CpPlacement(anchor.page_size, anchor.shard_size, anchor.shard_rank)
         kv_host = kv_host_pool_of(anchor)
         indexer_host = host_pool_group.entry_map[PoolName.INDEXER].host_pool
+        rules = SGLangRules("0.5.23", segment_ranks=storage_ranks(server_args, layout.cp_size), rank=layout.cp_rank)
         return L3Tier.open(
             location.directory, _source_text(location), layout, kv_host, indexer_host,
             backend=location.backend, extra_config=location.extra_config, model_id=model.text(),
-            layer_start=layer_start, model_label=model.short(),
+            layer_start=layer_start, model_label=model.short(), mooncake_rules=rules,
         )
 
     return open_tier(location, build)
 
 
-def install_l3(cache: Any, tier: L3Tier, location: L3Location, host_room: Any) -> L3Driver:
-    """Put the L3 driver on ``cache`` (the scheduler's storage calls)."""
+def install_l3(cache: Any, tier: L3Tier, location: L3Location, host_room: Any, *,
+               enable_metrics: bool = False) -> L3Driver:
+    """Put the L3 driver on ``cache`` (the scheduler's storage calls);
+    ``enable_metrics`` (``--enable-metrics``): SGLang's storage metrics and
+    the library's counters, fed by this L3 (:mod:`.l3_metrics`)."""
     port = L3Port0523(cache, tier, host_room)
     driver = L3Driver(cache, RankL3(tier, port, location), port)
     driver.install()
+    if enable_metrics:
+        install_metrics(cache, driver.l3, port, tier.layout, location.backend if location.scheduler_driven else None)
     timeouts = location.timeouts
     logger.info(
         "sglang-cp-hicache: L3 in %s (%s; model %s; %s), deadline %.1f s + %.2f s per 1024 tokens (at most "

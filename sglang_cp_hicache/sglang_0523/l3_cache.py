@@ -82,7 +82,7 @@ class L3Driver:
     # ---- installation --------------------------------------------------------
     _REPLACED = ("prefetch_from_storage", "check_prefetch_progress", "release_aborted_request",
                  "check_hicache_events", "_sync_hicache_ready_counts", "_all_reduce", "_finish_write_through_ack",
-                 "reset")
+                 "reset", "clear_storage_backend")
 
     def install(self) -> None:
         """Shadow the cache's methods on the instance (upstream's are kept and called)."""
@@ -197,8 +197,11 @@ class L3Driver:
 
     def check_hicache_events(self) -> None:
         self._upstream["check_hicache_events"]()
-        if not self.prefetcher.pending:
-            return
+        if self.prefetcher.pending:
+            self._settle_lookups()
+        self.l3.publish_metrics()  # this step's L3 figures (--enable-metrics)
+
+    def _settle_lookups(self) -> None:
         agreed = self._riding.agreed
         if agreed is None:
             # The ready-ack sync did not run this step (a path without it):
@@ -211,6 +214,13 @@ class L3Driver:
             agreed = [int(v) for v in words.tolist()]
         self._riding = _Riding()
         self.prefetcher.commit(agreed)
+
+    # ---- the admin API ----------------------------------------------------------------
+    def clear_storage_backend(self) -> bool:
+        """``clear_hicache_storage``: remove every object of this deployment's
+        L3 namespaces (alike on every rank, see :meth:`RankL3.clear`); True
+        when this rank's pass left none it could see behind."""
+        return self.l3.clear().ok
 
     def _abandon(self, error: BaseException) -> CpL3PrefetchAborted:
         self._riding = _Riding()

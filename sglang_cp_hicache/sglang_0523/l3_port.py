@@ -64,6 +64,7 @@ class L3Port0523:
         self.host_room = host_room
         self.placement = tier.layout
         self.page_size = tier.page_size
+        self.metrics: Any = None  # SGLang's storage-hit figures (--enable-metrics), see .l3_metrics
 
     # ---- what a lookup restores ---------------------------------------------------
     def plan(self, anchor_id: Any, new_input_tokens: Sequence[int], matched_prefix_tokens: Sequence[int],
@@ -114,11 +115,15 @@ class L3Port0523:
 
     def take_room(self, plan: ChainPlan, pages: int) -> Optional[HostRoom0523]:
         P, N = self.page_size, self.placement.cp_size
+        if self.metrics is not None:  # the query's MIN: pages present on their owners
+            self.metrics.hit(pages * P)
         start_class = plan.release.phase % N
         if self.host_room is not None:
             self.host_room.make_room(start_class, pages)
         slots = self.cache.cache_controller.mem_pool_host.alloc(pages * P, start_owner=start_class)
         if slots is None:  # identical on every rank: the host allocator is mirrored
+            if self.metrics is not None:
+                self.metrics.unfulfilled(pages * P, "host_capacity")
             return None
         slots = slots.to("cpu", torch.int64).reshape(-1)
         owners = plan.owners[:pages]
@@ -147,6 +152,8 @@ class L3Port0523:
                 node.rotation_base = plan.release.rotation_base
         if room.slots.numel() > kept:
             self.cache.cache_controller.mem_pool_host.free(room.slots[kept:])
+            if self.metrics is not None:  # present on their owners, not restored (alike on every rank)
+                self.metrics.unfulfilled(room.slots.numel() - kept, "storage_transfer")
         return kept
 
     def release_anchor(self, plan: ChainPlan) -> None:

@@ -25,7 +25,7 @@ from sglang.srt.mem_cache.utils import get_hash_str
 
 from sglang_cp_hicache.l3.host_tier import HostL3Tier, L3Counters, L3Fetched, namespaces, open_tier_store
 from sglang_cp_hicache.l3.store import PageStore
-from sglang_cp_hicache.l3_backends import open_page_store
+from sglang_cp_hicache.l3_backends import SGLangRules, open_page_store
 from sglang_cp_hicache.placement import CpPlacement
 
 __all__ = ["L3Counters", "L3Fetched", "L3Tier", "local_row", "namespaces"]
@@ -39,13 +39,15 @@ class L3Tier(HostL3Tier):
     @classmethod
     def open(
         cls, directory: Optional[str], source: str, layout: CpPlacement, kv_host: Any, indexer_host: Any, *,
-        backend: str = "file", extra_config: Optional[Mapping[str, Any]] = None, **kwargs: Any,
+        backend: str = "file", extra_config: Optional[Mapping[str, Any]] = None,
+        mooncake_rules: Optional[SGLangRules] = None, **kwargs: Any,
     ) -> "L3Tier":
         """An L3 on ``backend``'s page store: a :class:`FilePageStore` at
         ``directory`` (created and proven writable now), or a Mooncake store
         configured from ``extra_config``. A bad one stops start-up, naming
         ``source``, the setting or flag that chose it."""
-        store = open_tier_store(open_page_store, backend, directory, extra_config, source)
+        store = open_tier_store(partial(open_page_store, mooncake_rules=mooncake_rules), backend, directory,
+                                extra_config, source)
         return cls.on_store(store, layout, kv_host, indexer_host, **kwargs)
 
     @classmethod

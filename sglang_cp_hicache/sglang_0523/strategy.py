@@ -152,7 +152,8 @@ class LibraryDsaStrategy(assembler._DsaStrategy):
         controller.cp_warmup = warm_up_copies(result.host_pool_group, layout.cp_rank, layout.cp_size)
         controller.cp_l3 = None
         if opened and opened[0].tier is not None:
-            controller.cp_l3 = install_l3(cache, opened[0].tier, location, controller.cp_host_room)
+            controller.cp_l3 = install_l3(cache, opened[0].tier, location, controller.cp_host_room,
+                                          enable_metrics=bool(enable_storage_metrics))
         logger.info(
             "sglang-cp-hicache: library copy kernels on the sharded DSA HiCache path "
             "(cp_rank %d of %d, host layout %s)",

@@ -43,6 +43,7 @@ class CpStackConfig:
     storage_extra_config: Optional[str] = None
     # more ServerArgs fields, as (name, value) pairs (model_path, served_model_name, revision, ...)
     server_args: tuple[tuple[str, Any], ...] = ()
+    enable_metrics: bool = False  # --enable-metrics (CacheInitParams.enable_metrics)
 
     def __post_init__(self) -> None:
         for name in ("cp_size", "page_size", "num_layers", "device_pages", "host_pages"):
@@ -123,6 +124,7 @@ def build_cp_rank_stack(
         attn_cp_cache_group=group,
         attn_cp_rank=cp_rank,
         attn_cp_size=config.cp_size,
+        enable_metrics=config.enable_metrics,
     )
     cache = (CpHiRadixCache if config.cp_mode else HiRadixCache)(params, server_args)
     return CpRankStack(config, cp_rank, server_args, kv_pool, allocator, cache,

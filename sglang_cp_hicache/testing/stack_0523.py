@@ -80,6 +80,12 @@ class ShardedStackConfig:
     kv_lora_rank: int = 512
     qk_rope_head_dim: int = 64
     index_head_dim: int = 128  # DSATokenToKVPool asserts 128
+    # --hicache-storage-backend and its extra config (JSON), as a server passes them
+    storage_backend: Optional[str] = None
+    storage_extra_config: Optional[str] = None
+    enable_metrics: bool = False  # --enable-metrics (CacheInitParams.enable_metrics)
+    # more ServerArgs fields, as (name, value) pairs
+    server_args: tuple[tuple[str, Any], ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("cp_size", "page_size", "num_layers", "device_pages", "host_pages"):
@@ -131,6 +137,10 @@ class PlainStackConfig:
 
     cp_size = 1  # one pool owns every page
     copy_path = "upstream"  # a plain stack copies through upstream's ops
+    storage_backend = None  # no L3: a plain stack stands for the L1/L2 capacity only
+    storage_extra_config = None
+    enable_metrics = False
+    server_args: tuple[tuple[str, Any], ...] = ()
 
     @property
     def kv_row_bytes(self) -> int:
@@ -198,7 +208,9 @@ def _server_args(config: Any) -> Any:
         hicache_io_backend="kernel",
         hicache_ratio=config.hicache_ratio(),
         hicache_write_policy=config.write_policy,
-        hicache_storage_backend_extra_config=env.with_harness_deadlines(None),
+        hicache_storage_backend=config.storage_backend,
+        hicache_storage_backend_extra_config=env.with_harness_deadlines(config.storage_extra_config),
+        **dict(config.server_args),
     )
     env.publish_server_args(server_args)
     # The DSA pool sizes its indexer from attn_dcp_size, which only a real
@@ -254,6 +266,12 @@ def build_sharded_rank_stack(
 
     P, N = config.page_size, config.cp_size
     server_args = _server_args(config)
+    if config.enable_metrics:  # metric labels name the rank, as a server's parallel groups say it
+        from sglang.srt import runtime_context
+
+        runtime_context.get_parallel().override_permanently(
+            tp_rank=cp_rank, tp_size=N, attn_cp_rank=cp_rank, attn_cp_size=N, moe_tp_size=N, pp_rank=0, pp_size=1,
+        )
 
     shard_group = _shard_group(cp_group, cp_rank, N)
     spec = PageShardSpec(
@@ -276,7 +294,7 @@ def build_sharded_rank_stack(
     params = CacheInitParams(
         disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=allocator, page_size=P,
         tp_cache_group=cp_group, attn_cp_cache_group=cp_group, attn_tp_cache_group=None,
-        attn_cp_rank=cp_rank, attn_cp_size=N,
+        attn_cp_rank=cp_rank, attn_cp_size=N, enable_metrics=config.enable_metrics,
     )
     ctx = TreeCacheBuildContext(
         server_args=server_args, params=params, is_hybrid_swa=False, is_hybrid_ssm=False,

@@ -22,8 +22,9 @@ def _imports(path: pathlib.Path) -> list[tuple[int, str]]:
 
 
 #: Third-party modules l3 may import lazily, inside the one function that
-#: needs them: a YAML ``@file`` extra config (as SGLang reads it).
-LAZY_OPTIONAL = {"yaml"}
+#: needs them: a YAML ``@file`` extra config (as SGLang reads it); Prometheus
+#: counters (SGLang's metrics library, only with --enable-metrics).
+LAZY_OPTIONAL = {"yaml", "prometheus_client"}
 #: Declared dependencies besides torch (pyproject.toml): the envelope's checksum.
 DEPENDENCIES = {"xxhash"}
 

@@ -284,3 +284,65 @@ def test_reads_in_place_into_registered_buffers_and_writes_in_parts(cluster):
     short = bytes(pack(chain.keys[5], NS, chain.pages[5]))[:-3]
     assert store.put([chain.keys[5]], [short]) == [True]
     assert reader.read_into(chain.keys[5], HEADER_BYTES + NS.page_bytes, views) == SizeMismatch(len(short))
+
+
+def test_clear_removes_this_deployments_namespaces_from_the_whole_store_and_nothing_else(cluster):
+    """Two clients (ranks) wrote KV and indexer objects of one deployment;
+    another namespace's objects and a key of SGLang's own form share the
+    store. Every rank's clear (alike) removes the deployment's objects
+    wherever they are mounted, each once, even those just read; the others
+    stay."""
+    from sglang_cp_hicache.l3.clear import clear_namespaces
+
+    # namespaces of this test alone (the module's other tests share the store)
+    kv, idx = namespace(model_id="clear/me"), namespace(model_id="clear/me", pool="indexer", row_bytes=132)
+    other = namespace(model_id="another/model")
+    stores = cluster.stores[:2]
+    ours = {ns: Chain(900 + i, ns) for i, ns in enumerate((kv, idx))}
+    theirs = Chain(950, other)
+    for chain in (*ours.values(), theirs):
+        chain.write(stores, interleaved_owners(0, NUM_PAGES, 2))
+    sglang_key = "deepseek-ai-DeepSeek-V3.2_" + "f" * 64  # not a page key: the raw client writes it
+    assert stores[0]._client.put(sglang_key, b"sglang's own object") == 0
+    # Just looked up and read: under Mooncake's read lease, which the clear overrides.
+    assert stores[1].exists(ours[kv].keys) == [True] * NUM_PAGES and stores[1].get(ours[kv].keys[:1])[0]
+    reports = [clear_namespaces(store, [kv.digest(), idx.digest()]) for store in stores]
+    assert all(r.ok for r in reports) and sum(r.removed for r in reports) == 2 * NUM_PAGES
+    for store in stores:
+        assert store.exists(ours[kv].keys + ours[idx].keys) == [False] * (2 * NUM_PAGES)
+        assert store.exists(theirs.keys) == [True] * NUM_PAGES
+    assert stores[1]._client.is_exist(sglang_key) == 1
+    with pytest.raises(ValueError, match="digests"):
+        stores[0].clear_namespaces([".*"])
+
+
+@pytest.mark.parametrize("form", ["environment", "config file"])
+def test_the_store_opens_from_mooncakes_environment_and_config_file(cluster, tmp_path, monkeypatch, form):
+    """``--hicache-storage-backend mooncake`` with no extra config: the
+    master and the rest from ``MOONCAKE_*`` (Mooncake's SGLang guide) or
+    from the JSON file ``SGLANG_HICACHE_MOONCAKE_CONFIG_PATH`` names."""
+    import json
+
+    from sglang_cp_hicache.l3.location import l3_location
+
+    values = {"master_server_address": f"127.0.0.1:{cluster.rpc_port}", "metadata_server": cluster.metadata_server,
+              "local_hostname": "127.0.0.1", "protocol": "tcp", "global_segment_size": str(16 << 20)}
+    if form == "environment":
+        for key, var in (("master_server_address", "MOONCAKE_MASTER"), ("metadata_server",
+                         "MOONCAKE_TE_META_DATA_SERVER"), ("local_hostname", "MOONCAKE_LOCAL_HOSTNAME"),
+                         ("protocol", "MOONCAKE_PROTOCOL"), ("global_segment_size", "MOONCAKE_GLOBAL_SEGMENT_SIZE")):
+            monkeypatch.setenv(var, values[key])
+    else:
+        path = tmp_path / "mooncake.json"
+        path.write_text(json.dumps(values))
+        monkeypatch.setenv("SGLANG_HICACHE_MOONCAKE_CONFIG_PATH", str(path))
+    location = l3_location("mooncake", None)
+    assert location.source == ("MOONCAKE_MASTER" if form == "environment" else "SGLANG_HICACHE_MOONCAKE_CONFIG_PATH")
+    store = open_page_store(location.backend, location.directory, location.extra_config)
+    try:
+        chain = Chain(seed=77)
+        blob = pack(chain.keys[0], NS, chain.pages[0])
+        assert store.put(chain.keys[:1], [blob]) == [True]
+        assert cluster.stores[0].get(chain.keys[:1]) == [blob]  # another client of the same store sees it
+    finally:
+        store.close()

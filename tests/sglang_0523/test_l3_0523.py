@@ -285,8 +285,9 @@ SERVED = {
     "get_last_hash_value": "upstream", "is_backuped": "upstream", "is_root": "upstream",
     "waiting_storage_span": "upstream",  # buffer mode only (None in cache mode)
     "bind_prefetch_ticket": "upstream",  # pipeline parallelism only
-    # the admin API: SGLang's own backend (refused under sharding by SGLang itself)
-    "attach_storage_backend": "admin", "detach_storage_backend": "admin", "clear_storage_backend": "admin",
+    # the admin API: attach / detach are SGLang's own (refused under sharding by SGLang itself);
+    # clear_hicache_storage clears the library's L3 (the driver)
+    "attach_storage_backend": "admin", "detach_storage_backend": "admin", "clear_storage_backend": "driver",
 }
 
 
@@ -305,7 +306,10 @@ def _scheduler_storage_names() -> set[str]:
 
 
 def test_every_storage_call_of_the_scheduler_is_accounted_for():
+    from sglang_cp_hicache.sglang_0523.l3_cache import L3Driver
+
     assert _scheduler_storage_names() == set(SERVED)
+    assert {name for name, who in SERVED.items() if who == "driver"} <= set(L3Driver._REPLACED)
 
 
 def test_an_aborted_request_reaches_the_driver_through_finish():
