@@ -26,6 +26,7 @@ __all__ = [
     "L3_DIR",
     "SETTINGS",
     "SGLANG_FILE_DIR",
+    "SGLANG_PLUGINS",
     "Setting",
     "check_all",
     "describe",
@@ -105,8 +106,21 @@ SGLANG_FILE_DIR = Setting(
     "SGLANG_CP_HICACHE_L3_DIR is empty (as SGLang's file backend uses it).",
 )
 
+SGLANG_PLUGINS = Setting(
+    "SGLANG_PLUGINS",
+    "",
+    (),
+    "SGLang's own allow-list of plugin names (comma-separated); empty loads "
+    "every installed plugin. A list without cp_hicache (SGLang 0.5.18) or "
+    "cp_hicache_0523 (SGLang 0.5.23) runs that release without this library: "
+    "0.5.23 then serves upstream's copy path, 0.5.18 refuses "
+    "--radix-cache-backend cp-hicache as unregistered.",
+)
+
 #: Every setting, in the order the table shows them.
-SETTINGS: tuple[Setting, ...] = (COPY, HOST_BALANCE, DEBUG, ALLOW_ANY_SGLANG, L3_DIR, SGLANG_FILE_DIR)
+SETTINGS: tuple[Setting, ...] = (
+    COPY, HOST_BALANCE, DEBUG, ALLOW_ANY_SGLANG, L3_DIR, SGLANG_FILE_DIR, SGLANG_PLUGINS,
+)
 
 
 def read(setting: Setting, environ: Optional[Mapping[str, str]] = None) -> str:

@@ -16,8 +16,14 @@ tier itself (:mod:`.l3_resolution`, :mod:`.l3_cache`).
 own stack and only takes part in the CP ranks' start-up agreement, so that
 ranks started on different copy paths are refused on every rank instead of
 hanging (on another release, or one that changed a hooked name, ``upstream``
-registers nothing). ``SGLANG_PLUGINS`` (SGLang's allow-list) can leave the
-plugin out entirely (then that rank joins no agreement).
+registers nothing). Each rank logs one line naming the copy path its stack
+was built with. ``SGLANG_PLUGINS`` (SGLang's allow-list of plugin names) can
+leave this plugin out entirely: then nothing of it runs (no such line) and
+that rank joins no agreement.
+
+On SGLang 0.5.18 (no KV sharding) it registers nothing and says that the
+plugin ``cp_hicache`` serves that release (a WARNING when ``SGLANG_PLUGINS``
+leaves that one out).
 
 SGLang only logs a plugin that raises, so nothing here refuses by raising:
 a supported release registers the strategy, whose ``build`` runs the start-up
@@ -36,16 +42,18 @@ import importlib.util
 import logging
 from typing import Any, Callable
 
-from sglang_cp_hicache import settings
+from sglang_cp_hicache import releases, settings
 from sglang_cp_hicache.sglang_0523 import SUPPORTED_SGLANG, check_sglang_version
 
-__all__ = ["COPY_ENV", "COPY_PATHS", "copy_path_from_env", "register"]
+__all__ = ["COPY_ENV", "COPY_PATHS", "PLUGIN_NAME", "copy_path_from_env", "register"]
 
 logger = logging.getLogger(__name__)
 
 #: Environment variable that selects the copy path.
 COPY_ENV = settings.COPY.name
 COPY_PATHS = settings.COPY.choices
+#: This adapter's entry point name (``pyproject.toml``).
+PLUGIN_NAME = "cp_hicache_0523"
 
 _ASSEMBLER = "sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler"
 
@@ -80,7 +88,9 @@ def register() -> None:
 
     version = sglang.__version__
     if importlib.util.find_spec(_ASSEMBLER) is None:
-        logger.info("sglang-cp-hicache (0.5.23 adapter): sglang %s has no KV sharding; nothing to do", version)
+        # No KV sharding in this release: nothing to register.
+        is_warning, text = releases.not_my_release(PLUGIN_NAME, version)
+        logger.log(logging.WARNING if is_warning else logging.INFO, "%s (sglang %s has no KV sharding)", text, version)
         return
     try:
         path = copy_path_from_env()

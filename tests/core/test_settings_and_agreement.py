@@ -36,7 +36,8 @@ def test_values_are_trimmed_and_case_insensitive():
 
 def test_a_free_form_setting_is_trimmed_and_keeps_its_case():
     free = [s for s in settings.SETTINGS if s.is_free_form]
-    assert free == [settings.L3_DIR, settings.SGLANG_FILE_DIR]  # directories; every other setting has choices
+    # directories and SGLang's plugin allow-list; every other setting has choices
+    assert free == [settings.L3_DIR, settings.SGLANG_FILE_DIR, settings.SGLANG_PLUGINS]
     assert not settings.L3_DIR.is_flag
     env = {settings.L3_DIR.name: "  /Data/L3 Dir/ "}
     assert settings.read(settings.L3_DIR, env) == "/Data/L3 Dir/"
