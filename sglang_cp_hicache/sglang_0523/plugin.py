@@ -28,9 +28,10 @@ leaves that one out).
 SGLang only logs a plugin that raises, so nothing here refuses by raising:
 a supported release registers the strategy, whose ``build`` runs the start-up
 check and raises inside cache construction (which does stop the server). A
-release without KV sharding (0.5.18) is left alone; any other release that
-has the strategy seam, a release that lacks or changed a name in
-:data:`~.hooks.HOOKS`, or an unknown ``SGLANG_CP_HICACHE_COPY`` value, gets
+release without KV sharding (0.5.18, which has the strategy seam but no
+sharded pool) is left alone; any other release that has the seam and the
+pool, a release that lacks or changed a name in :data:`~.hooks.HOOKS`, or an
+unknown ``SGLANG_CP_HICACHE_COPY`` value, gets
 a strategy that refuses to build the sharded DSA stack with the reason --
 never a silent fallback to upstream's copies.
 """
@@ -56,6 +57,10 @@ COPY_PATHS = settings.COPY.choices
 PLUGIN_NAME = "cp_hicache_0523"
 
 _ASSEMBLER = "sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler"
+# The KV-sharded pool. SGLang 0.5.18 has the assembler (and its strategy seam)
+# but not this: there a strategy of ours must not be registered at all, since
+# every HiCache stack build would ask it to match.
+_SHARDED_POOL = "sglang.srt.mem_cache.page_interleave_pool"
 
 
 def copy_path_from_env() -> str:
@@ -70,7 +75,7 @@ def _refusing_strategy(refuse: Callable[[], None]) -> Any:
 
     class UnsupportedReleaseStrategy(assembler._DsaStrategy):
         def matches(self, kvcache: Any, components: set) -> bool:
-            pool = importlib.import_module("sglang.srt.mem_cache.page_interleave_pool")
+            pool = importlib.import_module(_SHARDED_POOL)
             return isinstance(kvcache, pool.PageInterleaveKVPoolMixin) and super().matches(
                 kvcache, components
             )
@@ -87,8 +92,8 @@ def register() -> None:
     import sglang
 
     version = sglang.__version__
-    if importlib.util.find_spec(_ASSEMBLER) is None:
-        # No KV sharding in this release: nothing to register.
+    if importlib.util.find_spec(_ASSEMBLER) is None or importlib.util.find_spec(_SHARDED_POOL) is None:
+        # No KV sharding in this release (0.5.18): nothing to register.
         is_warning, text = releases.not_my_release(PLUGIN_NAME, version)
         logger.log(logging.WARNING if is_warning else logging.INFO, "%s (sglang %s has no KV sharding)", text, version)
         return

@@ -216,3 +216,32 @@ def test_sglang_reads_the_allow_list_as_the_library_does(monkeypatch):
         monkeypatch.setenv("SGLANG_PLUGINS", value)
         loaded = set(load_plugins_by_group(GENERAL_PLUGINS_GROUP)) & ours
         assert loaded == {p for p in ours if releases.plugin_allowed(p)}, value
+
+
+def test_the_0523_plugin_on_0518_points_to_this_release_s_plugin(monkeypatch, caplog):
+    """SGLang 0.5.18 loads the 0.5.23 entry point too: it registers nothing and
+    names the plugin that serves 0.5.18 -- a WARNING when SGLANG_PLUGINS
+    leaves that one out (then --radix-cache-backend cp-hicache is unregistered)."""
+    from sglang.srt.mem_cache.hybrid_cache import hybrid_pool_assembler as assembler
+
+    from sglang_cp_hicache.sglang_0523 import plugin as plugin_0523
+
+    logger = "sglang_cp_hicache.sglang_0523.plugin"
+    monkeypatch.delenv("SGLANG_PLUGINS", raising=False)
+    before = list(assembler._STRATEGIES)
+    with caplog.at_level("INFO", logger=logger):
+        plugin_0523.register()
+    # 0.5.18 has the strategy seam but no sharded pool: a strategy of ours there
+    # would be asked to match every HiCache stack SGLang builds
+    assert assembler._STRATEGIES == before
+    [record] = [r for r in caplog.records if r.name == logger]
+    text = record.getMessage()
+    assert record.levelname == "INFO"
+    assert "the plugin cp_hicache serves it" in text and "--radix-cache-backend cp-hicache" in text, text
+    assert "no KV sharding" in text and "ALLOW_ANY" not in text, text
+    caplog.clear()
+    monkeypatch.setenv("SGLANG_PLUGINS", "cp_hicache_0523")
+    with caplog.at_level("INFO", logger=logger):
+        plugin_0523.register()
+    [record] = [r for r in caplog.records if r.name == logger]
+    assert record.levelname == "WARNING" and "leaves out 'cp_hicache'" in record.getMessage()
