@@ -451,15 +451,17 @@ def section_other_files(res: Results) -> list[str]:
 
 
 def share_summary(d: dict) -> str:
-    """"CP 4: every rank at 0.250 of the non-CP peak, at most 0 pages from 1/4"."""
+    """One CP size's host shares in words: the peak per rank against 1/N of non-CP's."""
     fractions = get(d, "comparison", "host_slots_fraction_per_rank") or []
     deviation = get(d, "comparison", "host_slots_deviation_pages_per_rank") or []
     cp = d.get("cp_size")
     if not fractions:
         return f"CP {cp}: –"
-    low, high = min(fractions), max(fractions)
-    span = f"{low:.3f}" if low == high else f"{low:.4f}–{high:.4f}"
-    return f"CP {cp}: {span} of the non-CP peak per rank, at most {max(abs(x) for x in deviation):g} pages from 1/{cp}"
+    worst = max((abs(x) for x in deviation), default=0)
+    if worst == 0:
+        return f"CP {cp}: every rank's peak exactly 1/{cp} of the non-CP peak"
+    return f"CP {cp}: every rank's peak within {worst:g} pages of 1/{cp} of the non-CP peak " \
+           f"({min(fractions):.4f}–{max(fractions):.4f})"
 
 
 def headline(res: Results) -> list[str]:
