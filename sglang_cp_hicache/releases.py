@@ -30,6 +30,7 @@ __all__ = [
     "ReleaseAdapter",
     "adapter_for",
     "adapter_for_plugin",
+    "allow_list_note",
     "allowed_plugins",
     "left_out_warning",
     "not_my_release",
@@ -112,6 +113,14 @@ def left_out_warning(plugin: str, environ: Optional[Mapping[str, str]] = None) -
         f"SGLang {adapter.sglang_version}: this server runs without sglang-cp-hicache (SGLang's own cache "
         f"path); add {plugin} to {PLUGINS_ENV} or unset it"
     )
+
+
+def allow_list_note(version: Optional[str], environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
+    """For ``python -m sglang_cp_hicache settings``: the warning when
+    ``SGLANG_PLUGINS`` leaves out the plugin of the installed SGLang release
+    ``version`` (None: no SGLang, or a release no adapter serves)."""
+    adapter = adapter_for(version) if version else None
+    return left_out_warning(adapter.plugin, environ) if adapter is not None else None
 
 
 def not_my_release(plugin: str, version: str, environ: Optional[Mapping[str, str]] = None) -> tuple[bool, str]:

@@ -69,3 +69,30 @@ def test_a_release_nobody_serves_is_a_warning():
 def test_the_allow_list_is_shown_with_the_settings():
     assert settings.SGLANG_PLUGINS in settings.SETTINGS and settings.SGLANG_PLUGINS.is_free_form
     assert "SGLANG_PLUGINS=" in settings.describe({})
+
+
+def test_settings_warns_when_the_allow_list_leaves_out_the_installed_release_s_plugin():
+    import importlib.metadata
+    import os
+    import subprocess
+    import sys
+
+    try:
+        installed = importlib.metadata.version("sglang")
+    except importlib.metadata.PackageNotFoundError:
+        installed = None
+    assert releases.allow_list_note(None, {"SGLANG_PLUGINS": "x"}) is None
+    assert releases.allow_list_note("0.5.30", {"SGLANG_PLUGINS": "x"}) is None
+    assert "leaves out 'cp_hicache_0523'" in releases.allow_list_note("0.5.23", {"SGLANG_PLUGINS": "cp_hicache"})
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SGLANG_")}
+    typo = subprocess.run([sys.executable, "-m", "sglang_cp_hicache", "settings"],
+                          env={**env, "SGLANG_PLUGINS": "cp-hicache"}, capture_output=True, text=True, timeout=120)
+    assert typo.returncode == 0, typo.stderr
+    adapter = releases.adapter_for(installed) if installed else None
+    if adapter is None:
+        assert "warning:" not in typo.stdout
+    else:
+        assert f"warning: sglang-cp-hicache: SGLANG_PLUGINS='cp-hicache' leaves out '{adapter.plugin}'" in typo.stdout
+    fine = subprocess.run([sys.executable, "-m", "sglang_cp_hicache", "settings"], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert fine.returncode == 0 and "warning:" not in fine.stdout
