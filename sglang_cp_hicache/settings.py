@@ -23,7 +23,11 @@ __all__ = [
     "COPY",
     "DEBUG",
     "HOST_BALANCE",
+    "HF_HOME",
+    "HF_HUB_CACHE",
     "L3_DIR",
+    "L3_MODEL_ID",
+    "L3_THREADS",
     "SETTINGS",
     "SGLANG_FILE_DIR",
     "SGLANG_PLUGINS",
@@ -32,6 +36,7 @@ __all__ = [
     "describe",
     "enabled",
     "read",
+    "read_int",
 ]
 
 _TRUE = ("1", "true", "yes", "on")
@@ -41,12 +46,14 @@ _FALSE = ("0", "false", "no", "off")
 @dataclass(frozen=True)
 class Setting:
     """One environment variable: ``choices`` are its valid (lower-case)
-    values; empty ``choices``: any text (a path), kept as written."""
+    values; empty ``choices``: any text (a path), kept as written, or with
+    ``integer`` a whole number >= 1."""
 
     name: str
     default: str
     choices: tuple[str, ...]
     meaning: str
+    integer: bool = False
 
     @property
     def is_flag(self) -> bool:
@@ -54,7 +61,7 @@ class Setting:
 
     @property
     def is_free_form(self) -> bool:
-        return not self.choices
+        return not self.choices and not self.integer
 
 
 COPY = Setting(
@@ -97,6 +104,41 @@ L3_DIR = Setting(
     "passed, else no L3. Every rank names one shared directory; pages are "
     "keyed by content and namespace, so deployments of any CP size share it.",
 )
+L3_THREADS = Setting(
+    "SGLANG_CP_HICACHE_L3_THREADS",
+    "4",
+    (),
+    "L3 I/O threads per CP rank for reads, and as many for writes (a whole "
+    "number >= 1). A thread stuck past its operation's deadline is replaced "
+    "by a spare (at most as many spares as threads), so one hung read never "
+    "holds up later ones.",
+    integer=True,
+)
+L3_MODEL_ID = Setting(
+    "SGLANG_CP_HICACHE_L3_MODEL_ID",
+    "",
+    (),
+    "Replaces the weights fingerprint in the L3 namespace (real path and "
+    "file listing of the checkpoint, or its Hub commit). Set the same text "
+    "only on deployments whose checkpoints are byte-identical but sit at "
+    "different paths; the revision, quantization, dtypes and model config "
+    "still enter the namespace. Empty: the fingerprint.",
+)
+HF_HUB_CACHE = Setting(
+    "HF_HUB_CACHE",
+    "",
+    (),
+    "Hugging Face's own variable, read (never set) by the library: where the "
+    "Hub cache lives, to name a Hub model in the L3 namespace by its commit. "
+    "Empty: HF_HOME/hub.",
+)
+HF_HOME = Setting(
+    "HF_HOME",
+    "",
+    (),
+    "Hugging Face's own variable, read (never set): its home, holding hub/ "
+    "(see HF_HUB_CACHE). Empty: ~/.cache/huggingface.",
+)
 SGLANG_FILE_DIR = Setting(
     "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR",
     "",
@@ -119,7 +161,8 @@ SGLANG_PLUGINS = Setting(
 
 #: Every setting, in the order the table shows them.
 SETTINGS: tuple[Setting, ...] = (
-    COPY, HOST_BALANCE, DEBUG, ALLOW_ANY_SGLANG, L3_DIR, SGLANG_FILE_DIR, SGLANG_PLUGINS,
+    COPY, HOST_BALANCE, DEBUG, ALLOW_ANY_SGLANG, L3_DIR, L3_THREADS, L3_MODEL_ID, SGLANG_FILE_DIR,
+    HF_HUB_CACHE, HF_HOME, SGLANG_PLUGINS,
 )
 
 
@@ -130,6 +173,13 @@ def read(setting: Setting, environ: Optional[Mapping[str, str]] = None) -> str:
     raw = env.get(setting.name, "")
     if setting.is_free_form:  # a path: case matters
         return raw.strip() or setting.default
+    if setting.integer:
+        value = raw.strip() or setting.default
+        if not value.isdigit() or int(value) < 1:
+            raise ValueError(
+                f"{setting.name}={raw!r} is not valid; use a whole number >= 1 (default {setting.default})"
+            )
+        return str(int(value))
     value = raw.strip().lower() or setting.default
     if value not in setting.choices:
         raise ValueError(
@@ -137,6 +187,13 @@ def read(setting: Setting, environ: Optional[Mapping[str, str]] = None) -> str:
             f"(default {setting.default})"
         )
     return value
+
+
+def read_int(setting: Setting, environ: Optional[Mapping[str, str]] = None) -> int:
+    """An integer setting's value."""
+    if not setting.integer:
+        raise TypeError(f"{setting.name} is not an integer setting; use read()")
+    return int(read(setting, environ))
 
 
 def enabled(setting: Setting, environ: Optional[Mapping[str, str]] = None) -> bool:
@@ -159,6 +216,9 @@ def describe(environ: Optional[Mapping[str, str]] = None) -> str:
             now = read(s, environ)
         except ValueError:
             now = "INVALID: " + (os.environ if environ is None else environ).get(s.name, "")
-        valid = "0/1, true/false, yes/no, on/off" if s.is_flag else "|".join(s.choices) or "any text"
+        valid = (
+            "0/1, true/false, yes/no, on/off" if s.is_flag
+            else "a whole number >= 1" if s.integer else "|".join(s.choices) or "any text"
+        )
         lines.append(f"{s.name}={now}  (valid: {valid}; default {s.default})\n    {s.meaning}")
     return "\n".join(lines)

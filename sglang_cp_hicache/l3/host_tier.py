@@ -19,14 +19,15 @@ attribute only (``kv_buffer``, ``kv_cache_dim``, ``layer_num``, ``layout``,
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Mapping, Optional
 
 import torch
 
 from sglang_cp_hicache.l3.consensus import local_usable_pages
 from sglang_cp_hicache.l3.keys import L3Namespace, page_keys
-from sglang_cp_hicache.l3.pages import fetch_owned, store_owned
+from sglang_cp_hicache.l3.pages import PutOutcome, fetch_owned, store_owned
 from sglang_cp_hicache.l3.plan import read_plan, write_plan
 from sglang_cp_hicache.l3.store import PageStore
 from sglang_cp_hicache.placement import CpPlacement
@@ -48,14 +49,32 @@ _KV_BYTE_ORDER = {"layer_first": "LPD", "page_first": "PLD", "page_first_direct"
 
 @dataclass
 class L3Counters:
-    written_pages: int = 0  # pages (KV + indexer both stored) this rank wrote
+    """One rank's L3 counters. Written from the scheduler thread and the L3
+    I/O threads alike: change them with :meth:`add` only."""
+
+    written_pages: int = 0  # own pages whose KV and indexer objects this rank stored (new or repaired)
+    kept_pages: int = 0  # own pages already in L3 and sound when written again (left alone)
+    repaired_pages: int = 0  # own pages whose damaged object(s) a write replaced
     write_failures: int = 0  # own pages whose KV or indexer put failed or raised
+    dropped_writes: int = 0  # own pages not written: too many writes queued
     fetched_pages: int = 0  # own pages fetched and verified, before the MIN
     rejected_pages: int = 0  # own objects found but refused (short, long, corrupt, other namespace or key)
     restored_pages: int = 0  # own pages put into the host pool and kept after the MIN
+    timeouts: int = 0  # lookups this rank gave up on at their deadline (answered "miss from here")
     prefetches: int = 0  # chains looked up (every rank alike)
+    joined_requests: int = 0  # requests that waited on another request's lookup (every rank alike)
     restored_nodes: int = 0  # host-only nodes inserted from L3 (every rank alike)
-    restored_tokens: int = 0  # logical tokens of those nodes (every rank alike; 0.5.23 counts them)
+    restored_tokens: int = 0  # logical tokens of those nodes (every rank alike)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def add(self, **deltas: int) -> None:
+        with self._lock:
+            for name, delta in deltas.items():
+                setattr(self, name, getattr(self, name) + delta)
+
+    def as_dict(self) -> dict[str, int]:
+        with self._lock:
+            return {f.name: getattr(self, f.name) for f in fields(self) if not f.name.startswith("_")}
 
 
 @dataclass(frozen=True)
@@ -132,6 +151,7 @@ class HostL3Tier:
     def __init__(
         self, store: PageStore, layout: CpPlacement, kv_host: Any, indexer_host: Any, *,
         model_id: str, page_hasher: PageHasher, layer_start: int = 0, host_row: Optional[HostRow] = None,
+        model_label: str = "",
     ) -> None:
         self.store = store
         self.layout = layout
@@ -140,6 +160,7 @@ class HostL3Tier:
         self.page_hasher = page_hasher
         self.host_row: HostRow = host_row if host_row is not None else _same_row
         self.kv_ns, self.indexer_ns = namespaces(model_id, kv_host, indexer_host, layer_start)
+        self.model_label = model_label or model_id  # what the start-up log names
         self.page_size = self.kv_ns.page_size
         self.counters = L3Counters()
 
@@ -193,11 +214,13 @@ class HostL3Tier:
         rank, N = self.layout.cp_rank, self.layout.cp_size
         kv_plan = write_plan(page_keys(snap.hashes, self.kv_ns), snap.owners, N, rank)
         idx_plan = write_plan(page_keys(snap.hashes, self.indexer_ns), snap.owners, N, rank)
-        kv_ok = store_owned(self.store, self.kv_ns, kv_plan, snap.kv)
-        idx_ok = store_owned(self.store, self.indexer_ns, idx_plan, snap.indexer)
-        whole = sum(1 for a, b in zip(kv_ok, idx_ok) if a and b)
-        self.counters.written_pages += whole
-        self.counters.write_failures += len(snap.kv) - whole
+        kv = store_owned(self.store, self.kv_ns, kv_plan, snap.kv)
+        idx = store_owned(self.store, self.indexer_ns, idx_plan, snap.indexer)
+        kept = sum(a is PutOutcome.KEPT and b is PutOutcome.KEPT for a, b in zip(kv, idx))
+        whole = sum(a.in_l3 and b.in_l3 for a, b in zip(kv, idx))
+        repaired = sum(PutOutcome.REPAIRED in (a, b) and a.in_l3 and b.in_l3 for a, b in zip(kv, idx))
+        self.counters.add(written_pages=whole - kept, kept_pages=kept, repaired_pages=repaired,
+                          write_failures=len(snap.kv) - whole)
         return whole
 
     # ---- L3 -> host ------------------------------------------------------------
@@ -224,12 +247,31 @@ class HostL3Tier:
         usable = min(kv.usable_pages, idx.usable_pages)
         idx_pages = dict(idx.restorable(usable))
         pages = {i: (page, idx_pages[i]) for i, page in kv.restorable(usable)}
-        self.counters.fetched_pages += len(pages)
         # A missing object is a miss, not a refusal: only objects found and refused count.
-        self.counters.rejected_pages += sum(
-            r is not None and r.reason != "missing" for r in kv.rejections + idx.rejections
+        self.counters.add(
+            fetched_pages=len(pages),
+            rejected_pages=sum(r is not None and r.reason != "missing" for r in kv.rejections + idx.rejections),
         )
         return L3Fetched(usable, pages)
+
+    def fetch_into(
+        self, hashes: list[str], owners: list[int], slots: list[int], publish: Callable[[Callable[[], None]], None]
+    ) -> int:
+        """Fetch, verify and put this rank's pages of a chain into its host
+        pools; returns its local usable prefix. ``slots``: the host slot of
+        each page this rank owns, in chain order; every host write goes
+        through ``publish`` (an L3 job's: a cancelled job writes nothing)."""
+        rank = self.layout.cp_rank
+        mine = [i for i, o in enumerate(owners) if o == rank]
+        if len(slots) != len(mine):
+            raise ValueError(f"slots must hold one host slot per owned page ({len(mine)}), got {len(slots)}")
+        fetched = self.fetch_pages(hashes, owners)
+        for index, slot in zip(mine, slots):
+            if index >= fetched.usable:
+                break
+            kv, idx = fetched.pages[index]
+            publish(lambda slot=slot, kv=kv, idx=idx: self.fill_host(slot, kv, idx))
+        return fetched.usable
 
     def fill_host(self, slot: int, kv_bytes: torch.Tensor, idx_bytes: torch.Tensor) -> None:
         """Put one verified own page into this rank's host pools at host slot ``slot``."""

@@ -20,22 +20,73 @@ keys, ``master_server_address`` required) and are checked when it opens.
 Any other backend is refused under CP: 3FS, NIXL, ... through SGLang's own
 storage classes key objects by the writer's rank and would be handed
 rank-local host slots.
+
+The extra config is read as SGLang reads it: a JSON object, or ``@path`` to
+a ``.json``, ``.toml`` or ``.yaml`` file. Its ``prefetch_timeout_base``,
+``prefetch_timeout_per_ki_token`` and ``prefetch_timeout_max`` (SGLang's
+prefetch timeout settings, same defaults) give every L3 operation its
+deadline (:class:`L3Timeouts`), with ``SGLANG_CP_HICACHE_L3_DIR`` alone too.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Union
 
 from sglang_cp_hicache.settings import L3_DIR, SGLANG_FILE_DIR, read
 
-__all__ = ["DEFAULT_FILE_DIR", "L3Location", "SUPPORTED_BACKENDS", "l3_location"]
+__all__ = ["DEFAULT_FILE_DIR", "L3Location", "L3Timeouts", "SUPPORTED_BACKENDS", "l3_location", "parse_extra_config"]
 
 #: SGLang's file backend's default directory (both releases).
 DEFAULT_FILE_DIR = "/tmp/hicache"
+#: Keys of the extra config that are SGLang's prefetch settings, not a store's.
+SGLANG_PREFETCH_KEYS = ("prefetch_threshold", "prefetch_timeout_base", "prefetch_timeout_per_ki_token",
+                        "prefetch_timeout_max", "hicache_storage_pass_prefix_keys")
 #: ``--hicache-storage-backend`` values a CP cache can serve.
 SUPPORTED_BACKENDS = ("file", "mooncake")
+
+
+@dataclass(frozen=True)
+class L3Timeouts:
+    """The deadline of an L3 operation on ``tokens`` tokens:
+    ``min(max_s, base_s + per_ki_token_s * tokens / 1024)`` seconds -- SGLang's
+    linear prefetch timeout, with its defaults. Past it a rank gives up on
+    the operation: a read answers "miss from here", a write is dropped."""
+
+    base_s: float = 2.0
+    per_ki_token_s: float = 0.1
+    max_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        for name in ("base_s", "per_ki_token_s", "max_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or value != value:
+                raise ValueError(f"{name} must be a number >= 0, got {value!r}")
+        if self.max_s <= 0:
+            raise ValueError(f"max_s must be > 0, got {self.max_s!r}")
+
+    def for_tokens(self, tokens: int) -> float:
+        return max(1e-3, min(self.max_s, self.base_s + self.per_ki_token_s * tokens / 1024))
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any], defaults: Optional["L3Timeouts"] = None) -> "L3Timeouts":
+        """From SGLang's keys in the extra config; ``defaults`` (the release's
+        own, else SGLang 0.5.18's) where absent."""
+        base = defaults if defaults is not None else cls()
+        values = {"base_s": base.base_s, "per_ki_token_s": base.per_ki_token_s, "max_s": base.max_s}
+        for key, name in (("prefetch_timeout_base", "base_s"), ("prefetch_timeout_per_ki_token", "per_ki_token_s"),
+                          ("prefetch_timeout_max", "max_s")):
+            if key in extra:
+                value = extra[key]
+                if isinstance(value, bool) or not isinstance(value, (int, float)):
+                    raise ValueError(f"{key} in hicache_storage_backend_extra_config must be a number, got {value!r}")
+                values[name] = float(value)
+        try:
+            return cls(**values)
+        except ValueError as exc:
+            raise ValueError(f"hicache_storage_backend_extra_config: {exc}") from None
 
 
 @dataclass(frozen=True)
@@ -55,6 +106,7 @@ class L3Location:
     source: str  # which rule chose the directory or store, for the start-up log
     backend: str = "file"
     extra_config: Mapping[str, Any] = field(default_factory=dict, hash=False)
+    timeouts: L3Timeouts = field(default_factory=L3Timeouts)
 
     @property
     def enabled(self) -> bool:
@@ -62,21 +114,51 @@ class L3Location:
         return self.backend != "file" or self.directory is not None
 
 
-def _extra_config(extra: Union[None, str, Mapping[str, Any]]) -> Mapping[str, Any]:
+def _read_config_file(path: str) -> Any:
+    ext = os.path.splitext(path)[1].lower()
+    try:
+        if ext == ".json":
+            with open(path) as f:
+                return json.load(f)
+        if ext == ".toml":
+            import tomllib
+
+            with open(path, "rb") as f:
+                return tomllib.load(f)
+        if ext in (".yaml", ".yml"):
+            import yaml
+
+            with open(path) as f:
+                return yaml.safe_load(f)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"hicache_storage_backend_extra_config @{path}: cannot read it: {exc}") from None
+    raise ValueError(
+        f"hicache_storage_backend_extra_config @{path}: unsupported file type {ext!r} (use .json, .toml or .yaml)"
+    )
+
+
+def parse_extra_config(extra: Union[None, str, Mapping[str, Any]]) -> Mapping[str, Any]:
+    """``--hicache-storage-backend-extra-config`` as SGLang reads it: a JSON
+    object, or ``@path`` to a .json / .toml / .yaml file holding one."""
     if extra is None or extra == "":
         return {}
     if isinstance(extra, Mapping):
         return extra
-    try:
-        parsed = json.loads(extra)
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"hicache_storage_backend_extra_config is not JSON: {extra!r} ({exc})") from None
+    if not isinstance(extra, str):
+        raise ValueError(f"hicache_storage_backend_extra_config must be a JSON object, got {extra!r}")
+    if extra.startswith("@"):
+        parsed = _read_config_file(extra[1:])
+    else:
+        try:
+            parsed = json.loads(extra)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"hicache_storage_backend_extra_config is not JSON: {extra!r} ({exc})") from None
     if not isinstance(parsed, dict):
         raise ValueError(f"hicache_storage_backend_extra_config must be a JSON object, got {extra!r}")
     return parsed
 
 
-def _mooncake_location(extra: Mapping[str, Any]) -> L3Location:
+def _mooncake_location(extra: Mapping[str, Any], timeouts: L3Timeouts) -> L3Location:
     """A Mooncake L3: no directory (the file-store settings do not apply);
     its master must be named, since a CP cache never guesses where it is."""
     master = extra.get("master_server_address")
@@ -86,7 +168,7 @@ def _mooncake_location(extra: Mapping[str, Any]) -> L3Location:
             "master_server_address (host:port) in --hicache-storage-backend-extra-config, "
             f"got {master!r}"
         )
-    return L3Location(None, True, "hicache_storage_backend_extra_config", "mooncake", dict(extra))
+    return L3Location(None, True, "hicache_storage_backend_extra_config", "mooncake", dict(extra), timeouts)
 
 
 def l3_location(
@@ -99,23 +181,28 @@ def l3_location(
     cannot serve (nothing is created here)."""
     own = read(L3_DIR, environ)
     if storage_backend is None:
-        return L3Location(own or None, False, L3_DIR.name if own else "off")
+        timeouts = L3Timeouts.from_extra_config(parse_extra_config(extra_config))
+        return L3Location(own or None, False, L3_DIR.name if own else "off", timeouts=timeouts)
     if storage_backend not in SUPPORTED_BACKENDS:
         raise ValueError(
             f"--hicache-storage-backend {storage_backend!r} is not supported under CP shared KV "
             f"(sglang-cp-hicache): use one of {', '.join(SUPPORTED_BACKENDS)}; its objects would be "
             "keyed by the writer's rank and filled from rank-local host slots"
         )
+    extra = dict(parse_extra_config(extra_config))
+    timeouts = L3Timeouts.from_extra_config(extra)
+    for key in SGLANG_PREFETCH_KEYS:  # SGLang's own, as its backends never see them
+        extra.pop(key, None)
     if storage_backend == "mooncake":
-        return _mooncake_location(_extra_config(extra_config))
+        return _mooncake_location(extra, timeouts)
     if own:
-        return L3Location(own, True, L3_DIR.name)
+        return L3Location(own, True, L3_DIR.name, "file", extra, timeouts)
     sglang_dir = read(SGLANG_FILE_DIR, environ)
     if sglang_dir:
-        return L3Location(sglang_dir, True, SGLANG_FILE_DIR.name)
-    path = _extra_config(extra_config).get("file_storage_path")
+        return L3Location(sglang_dir, True, SGLANG_FILE_DIR.name, "file", extra, timeouts)
+    path = extra.get("file_storage_path")
     if path:
         if not isinstance(path, str):
             raise ValueError(f"file_storage_path in hicache_storage_backend_extra_config must be a string, got {path!r}")
-        return L3Location(path, True, "file_storage_path")
-    return L3Location(DEFAULT_FILE_DIR, True, "default")
+        return L3Location(path, True, "file_storage_path", "file", extra, timeouts)
+    return L3Location(DEFAULT_FILE_DIR, True, "default", "file", extra, timeouts)

@@ -7,6 +7,7 @@ nothing of SGLang, only a :class:`PageStore`, a namespace and a plan.
 
 from __future__ import annotations
 
+import enum
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -15,15 +16,36 @@ from typing import Optional
 import torch
 
 from sglang_cp_hicache.l3.consensus import local_usable_pages
-from sglang_cp_hicache.l3.envelope import Rejection, pack, unpack
+from sglang_cp_hicache.l3.envelope import HEADER_BYTES, Rejection, pack, unpack
 from sglang_cp_hicache.l3.keys import L3Namespace, check_page_key
 from sglang_cp_hicache.l3.plan import L3ReadPlan, L3WritePlan
-from sglang_cp_hicache.l3.store import PageStore
+from sglang_cp_hicache.l3.store import PageStore, SizeMismatch
 from sglang_cp_hicache.validation import check_int
 
-__all__ = ["L3FetchResult", "fetch_owned", "store_owned"]
+__all__ = ["L3FetchResult", "PutOutcome", "checked_objects", "fetch_owned", "object_bytes", "store_owned"]
 
 logger = logging.getLogger(__name__)
+
+
+class PutOutcome(str, enum.Enum):
+    """What :func:`store_owned` did with one page's object."""
+
+    WRITTEN = "written"  # no object was there: stored
+    KEPT = "kept"  # a sound object was there (header, length, checksum): left alone
+    REPAIRED = "repaired"  # a damaged or foreign object was there: replaced
+    FAILED = "failed"  # the put failed: the page is absent, or a damaged object stays
+
+    @property
+    def in_l3(self) -> bool:
+        return self is not PutOutcome.FAILED
+
+    def __bool__(self) -> bool:  # truthy: the page's object is in L3 and sound
+        return self.in_l3
+
+
+def object_bytes(namespace: L3Namespace) -> int:
+    """The exact size of one stored object of ``namespace``."""
+    return HEADER_BYTES + namespace.page_bytes
 
 
 def _check_common(store: object, namespace: object) -> None:
@@ -33,14 +55,38 @@ def _check_common(store: object, namespace: object) -> None:
         raise TypeError(f"namespace must be an L3Namespace, got {type(namespace).__name__}")
 
 
+def checked_objects(
+    store: PageStore, namespace: L3Namespace, keys: Sequence[str]
+) -> list[torch.Tensor | Rejection]:
+    """Each key's page bytes if its object is sound, else why not; an object
+    of the wrong size is refused without reading it."""
+    if not keys:
+        return []
+    blobs = store.get(list(keys), [object_bytes(namespace)] * len(keys))
+    if len(blobs) != len(keys):
+        raise RuntimeError(f"store returned {len(blobs)} objects for {len(keys)} keys")
+    out: list[torch.Tensor | Rejection] = []
+    for key, blob in zip(keys, blobs):
+        if isinstance(blob, SizeMismatch):
+            want = object_bytes(namespace)
+            reason = "short" if blob.stored_bytes < want else "long"
+            out.append(Rejection(reason, f"object of {blob.stored_bytes} bytes, a page's has {want}"))
+        else:
+            out.append(unpack(key, namespace, blob))
+    return out
+
+
 def store_owned(
     store: PageStore, namespace: L3Namespace, plan: L3WritePlan, payloads: Sequence[torch.Tensor]
-) -> list[bool]:
-    """Store this rank's pages of a chain; one result per plan page.
+) -> list[PutOutcome]:
+    """Store this rank's pages of a chain; one outcome per plan page.
 
     ``payloads[j]``: the bytes of page ``plan.page_indices[j]`` (see
     ``envelope.pack``). Every page is packed (and so checked) before the
-    first is written: bad input writes nothing.
+    first is written: bad input writes nothing. An object already stored
+    under a page's key is read and verified first: a sound one is kept, a
+    damaged one (a flipped bit, a zero-filled file after a crash, another
+    page's or namespace's object) is replaced.
     """
     _check_common(store, namespace)
     if not isinstance(plan, L3WritePlan):
@@ -50,11 +96,22 @@ def store_owned(
     blobs = [pack(key, namespace, payload) for key, payload in zip(plan.keys, payloads)]
     if not blobs:
         return []
-    results = [bool(ok) for ok in store.put(list(plan.keys), blobs)]
-    for key, ok in zip(plan.keys, results):
-        if not ok:
-            logger.warning("L3 write failed: %s", key)
-    return results
+    keys = list(plan.keys)
+    present = [bool(p) for p in store.exists(keys)]
+    found = [i for i, here in enumerate(present) if here]
+    sound = {i for i, obj in zip(found, checked_objects(store, namespace, [keys[i] for i in found]))
+             if isinstance(obj, torch.Tensor)}
+    todo = [i for i in range(len(keys)) if i not in sound]
+    outcomes = [PutOutcome.KEPT] * len(keys)
+    if todo:
+        results = store.put([keys[i] for i in todo], [blobs[i] for i in todo])
+        for i, ok in zip(todo, results):
+            if not ok:
+                outcomes[i] = PutOutcome.FAILED
+                logger.warning("L3 write failed: %s", keys[i])
+            else:
+                outcomes[i] = PutOutcome.REPAIRED if present[i] else PutOutcome.WRITTEN
+    return outcomes
 
 
 @dataclass(frozen=True)
@@ -90,10 +147,7 @@ def fetch_owned(store: PageStore, namespace: L3Namespace, plan: L3ReadPlan) -> L
         raise TypeError(f"plan must be an L3ReadPlan, got {type(plan).__name__}")
     for i, key in enumerate(plan.keys):  # before any I/O
         check_page_key(f"plan.keys[{i}]", key, namespace)
-    blobs = store.get(list(plan.keys)) if plan.keys else []
-    if len(blobs) != len(plan.keys):
-        raise RuntimeError(f"store returned {len(blobs)} objects for {len(plan.keys)} keys")
-    checked = [unpack(key, namespace, blob) for key, blob in zip(plan.keys, blobs)]
+    checked = checked_objects(store, namespace, list(plan.keys))
     rejections = tuple(c if isinstance(c, Rejection) else None for c in checked)
     for key, bad in zip(plan.keys, rejections):
         if bad is not None and bad.reason != "missing":

@@ -1,8 +1,10 @@
 """Where L3 objects live: a storage-agnostic interface and a file store.
 
 A store moves opaque blobs by page key; it neither builds nor trusts them
-(readers verify every blob with ``envelope.unpack``). Any backend that can
-answer the three calls of :class:`PageStore` serves the library.
+(readers verify every blob with ``envelope.unpack``; writers decide whether
+an object already there is sound and may be kept, :func:`~.pages.store_owned`).
+Any backend that can answer the three calls of :class:`PageStore` serves the
+library.
 """
 
 from __future__ import annotations
@@ -11,18 +13,37 @@ import logging
 import os
 import tempfile
 import threading
+import time
 import uuid
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, Union, runtime_checkable
+from typing import Optional, Protocol, Union, runtime_checkable
 
 from sglang_cp_hicache.l3.keys import check_page_key
 
-__all__ = ["FilePageStore", "PageStore"]
+__all__ = ["FilePageStore", "PageStore", "SizeMismatch", "TMP_SUFFIX"]
 
 logger = logging.getLogger(__name__)
 
 Blob = Union[bytes, bytearray, memoryview]
+
+#: Temporary files (a write not yet renamed into place) end with this; no
+#: reader ever opens one.
+TMP_SUFFIX = ".tmp"
+#: A temporary file untouched this long belongs to a writer that died (a
+#: page is written in milliseconds to seconds): it is removed.
+STALE_TMP_S = 600.0
+#: How often a writing store looks for such files (besides at start-up).
+SWEEP_EVERY_S = 600.0
+
+
+@dataclass(frozen=True)
+class SizeMismatch:
+    """An object whose stored size is not the one the reader expects; its
+    bytes were not read (a reader never loads more than one page's object)."""
+
+    stored_bytes: int
 
 
 @runtime_checkable
@@ -33,12 +54,16 @@ class PageStore(Protocol):
         """Whether an object is stored under each key (unverified)."""
         ...
 
-    def get(self, keys: Sequence[str]) -> list[bytes | None]:
-        """Each key's object, ``None`` where there is none."""
+    def get(self, keys: Sequence[str], sizes: Optional[Sequence[int]] = None) -> list[bytes | SizeMismatch | None]:
+        """Each key's object, ``None`` where there is none. ``sizes``: the
+        byte size each object must have; one of another size comes back as
+        :class:`SizeMismatch` without its bytes being read."""
         ...
 
     def put(self, keys: Sequence[str], blobs: Sequence[Blob]) -> list[bool]:
-        """Store each blob under its key; False where the write failed."""
+        """Store each blob under its key, replacing what is there (atomically:
+        a reader sees the old object or the new one); False where the write
+        failed."""
         ...
 
 
@@ -46,6 +71,20 @@ def _check_keys(keys: object) -> list[str]:
     if isinstance(keys, str) or not isinstance(keys, Sequence):
         raise TypeError(f"keys must be a list of page keys, got {type(keys).__name__}")
     return [check_page_key(f"keys[{i}]", key) for i, key in enumerate(keys)]
+
+
+def check_sizes(sizes: object, count: int) -> list[Optional[int]]:
+    """``sizes`` of :meth:`PageStore.get`: None, or one byte size per key."""
+    if sizes is None:
+        return [None] * count
+    if isinstance(sizes, (str, bytes)) or not isinstance(sizes, Sequence):
+        raise TypeError(f"sizes must be a list of byte sizes, got {type(sizes).__name__}")
+    if len(sizes) != count:
+        raise ValueError(f"sizes must have one entry per key ({count}), got {len(sizes)}")
+    for i, size in enumerate(sizes):
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+            raise ValueError(f"sizes[{i}] must be an int >= 0, got {size!r}")
+    return list(sizes)
 
 
 def _check_directory(directory: object) -> Path:
@@ -77,11 +116,11 @@ class FilePageStore:
     SHA-256) keeps directories small. Writes go to a unique temporary file in
     the same subdirectory and are renamed into place (``os.replace``, atomic),
     so a reader sees a whole object or none, and concurrent writers of one
-    key end with one whole object. A key whose object already has the blob's
-    size is skipped (pages are immutable by key); a different size (a
-    truncated leftover) is replaced. ``fsync``: flush each object to disk
+    key end with one whole object. ``fsync``: flush each object to disk
     before the rename (durability across power loss; readers verify either
-    way).
+    way). Temporary files of writers that died (untouched for
+    :data:`STALE_TMP_S`) are removed when the store opens and, while it
+    writes, every :data:`SWEEP_EVERY_S`.
     """
 
     def __init__(self, directory: Union[str, os.PathLike], *, fsync: bool = False) -> None:
@@ -89,6 +128,10 @@ class FilePageStore:
             raise TypeError(f"fsync must be a bool, got {type(fsync).__name__}")
         self.directory = _check_directory(directory)
         self.fsync = fsync
+        self.swept_files = 0
+        self._sweep_lock = threading.Lock()
+        self._last_sweep = 0.0
+        self.sweep()
 
     def path_of(self, key: str) -> Path:
         """The file that holds ``key``'s object."""
@@ -98,8 +141,10 @@ class FilePageStore:
     def exists(self, keys: Sequence[str]) -> list[bool]:
         return [self.path_of(key).is_file() for key in _check_keys(keys)]
 
-    def get(self, keys: Sequence[str]) -> list[bytes | None]:
-        return [self._get_one(self.path_of(key)) for key in _check_keys(keys)]
+    def get(self, keys: Sequence[str], sizes: Optional[Sequence[int]] = None) -> list[bytes | SizeMismatch | None]:
+        checked = _check_keys(keys)
+        expected = check_sizes(sizes, len(checked))
+        return [self._get_one(self.path_of(key), size) for key, size in zip(checked, expected)]
 
     def put(self, keys: Sequence[str], blobs: Sequence[Blob]) -> list[bool]:
         checked = _check_keys(keys)
@@ -112,27 +157,67 @@ class FilePageStore:
             if not isinstance(blob, (bytes, bytearray, memoryview)):
                 raise TypeError(f"blobs[{i}] must be bytes-like, got {type(blob).__name__}")
             views.append(memoryview(blob).cast("B"))
-        return [self._put_one(self.path_of(k), v) for k, v in zip(checked, views)]
+        results = [self._put_one(self.path_of(k), v) for k, v in zip(checked, views)]
+        if time.monotonic() - self._last_sweep > SWEEP_EVERY_S:
+            self.sweep()
+        return results
 
-    def _get_one(self, path: Path) -> bytes | None:
+    def _get_one(self, path: Path, size: Optional[int]) -> bytes | SizeMismatch | None:
+        # The size comes from the open file (fstat), before any byte is read:
+        # a huge (or sparse) file under a key's name costs nothing.
         try:
-            return path.read_bytes()
+            with open(path, "rb", buffering=0) as f:
+                stored = os.fstat(f.fileno()).st_size
+                if size is not None and stored != size:
+                    return SizeMismatch(stored)
+                data = bytearray(stored)
+                got = f.readinto(data)
+                while got is not None and got < stored:
+                    more = f.readinto(memoryview(data)[got:])
+                    if not more:
+                        break
+                    got += more
+                return data if got == stored else SizeMismatch(got or 0)
         except FileNotFoundError:
             return None
         except OSError as err:  # unreadable counts as absent: a miss, never a crash
             logger.warning("L3 file store: cannot read %s: %s", path, err)
             return None
 
-    def _put_one(self, path: Path, view: memoryview) -> bool:
+    def sweep(self, max_age_s: float = STALE_TMP_S) -> int:
+        """Remove temporary files untouched for ``max_age_s`` seconds (their
+        writers died mid-write); returns how many."""
+        if not self._sweep_lock.acquire(blocking=False):
+            return 0  # another thread sweeps right now
+        removed = 0
         try:
-            if path.stat().st_size == len(view):
-                return True
-        except FileNotFoundError:
-            pass
+            self._last_sweep = time.monotonic()
+            cutoff = time.time() - max_age_s
+            for sub in os.scandir(self.directory):
+                if not sub.is_dir(follow_symlinks=False):
+                    continue
+                for entry in os.scandir(sub.path):
+                    if not entry.name.endswith(TMP_SUFFIX):
+                        continue
+                    try:
+                        if entry.stat(follow_symlinks=False).st_mtime < cutoff:
+                            os.unlink(entry.path)
+                            removed += 1
+                    except OSError:
+                        pass  # gone already, or another deployment's to remove
         except OSError as err:
-            logger.warning("L3 file store: cannot stat %s: %s", path, err)
-            return False
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.{uuid.uuid4().hex}.tmp")
+            logger.warning("L3 file store: cannot sweep %s: %s", self.directory, err)
+        finally:
+            self._sweep_lock.release()
+        if removed:
+            self.swept_files += removed
+            logger.info("L3 file store: removed %d temporary file(s) of dead writers in %s", removed, self.directory)
+        return removed
+
+    def _put_one(self, path: Path, view: memoryview) -> bool:
+        tmp = path.with_name(
+            f".{path.name}.{os.getpid()}.{threading.get_ident()}.{uuid.uuid4().hex}{TMP_SUFFIX}"
+        )
         try:
             path.parent.mkdir(exist_ok=True)
             with open(tmp, "wb") as f:

@@ -9,8 +9,12 @@ neither builds nor trusts them, and readers verify every object.
 
 Mooncake answers a missing object with empty bytes and a batch with one
 status for all its objects; both are mapped onto the per-key results of the
-interface (an envelope is never empty, so empty means missing). Nothing here
-raises on I/O: a failed read is a miss, a failed write is False and logged.
+interface (an envelope is never empty, so empty means missing). Every object
+of a batch passes through the client's staging buffer (``local_buffer_size``):
+objects past it come back empty. So reads and writes go in batches that fit
+it (the reader knows each object's size); an object larger than the buffer
+cannot be moved at all. Nothing here raises on I/O: a failed read is a miss,
+a failed write is False and logged.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Union
 
 from sglang_cp_hicache.l3.keys import check_page_key
+from sglang_cp_hicache.l3.store import SizeMismatch, check_sizes
 
 __all__ = ["MooncakeConfig", "MooncakePageStore"]
 
@@ -157,12 +162,25 @@ def _open_client(config: MooncakeConfig) -> Any:
     return client
 
 
+def fitting_batches(sizes: Sequence[int], limit: int) -> list[list[int]]:
+    """Indices of ``sizes`` in order, split so each batch's total is at most
+    ``limit``; an item larger than ``limit`` goes alone (and fails alone)."""
+    batches: list[list[int]] = []
+    total = 0
+    for i, size in enumerate(sizes):
+        if not batches or total + size > limit:
+            batches.append([])
+            total = 0
+        batches[-1].append(i)
+        total += size
+    return batches
+
+
 class MooncakePageStore:
     """Page objects in a Mooncake distributed store (one client per rank).
 
-    Pages are immutable by key, as in the file store: a key already holding
-    an object of the blob's size is left alone; any other object under it (a
-    damaged leftover) is replaced (``upsert``), so a later write repairs it.
+    A put replaces what is under the key (``upsert``): whether an object
+    already there is sound and may be kept is the writer's decision.
     ``client``: an already set-up ``MooncakeDistributedStore`` (or a
     stand-in with its calls); otherwise one is opened from ``config`` now (a
     bad setup raises).
@@ -197,19 +215,36 @@ class MooncakePageStore:
             return [False] * len(checked)
         return [flag == 1 for flag in flags] if len(flags) == len(checked) else [False] * len(checked)
 
-    def get(self, keys: Sequence[str]) -> list[bytes | None]:
+    def get(self, keys: Sequence[str], sizes: Optional[Sequence[int]] = None) -> list[bytes | SizeMismatch | None]:
         checked = _check_keys(keys)
+        expected = check_sizes(sizes, len(checked))
         client = self._live()
         if not checked:  # Mooncake answers an empty batch with one empty object
             return []
+        limit = self.config.local_buffer_size
+        # Without sizes nothing tells how objects fill the buffer: one at a time.
+        batches = fitting_batches([s if s is not None else limit for s in expected], limit)
+        out: list[bytes | SizeMismatch | None] = [None] * len(checked)
+        for batch in batches:
+            if expected[batch[0]] is not None and expected[batch[0]] > limit:
+                logger.warning("L3 mooncake store: an object of %d bytes cannot pass the %d-byte staging "
+                               "buffer (local_buffer_size)", expected[batch[0]], limit)
+                continue
+            for i, blob in zip(batch, self._get_batch([checked[i] for i in batch])):
+                if blob is not None and expected[i] is not None and len(blob) != expected[i]:
+                    blob = SizeMismatch(len(blob))
+                out[i] = blob
+        return out
+
+    def _get_batch(self, keys: list[str]) -> list[bytes | None]:
         try:
-            blobs = list(client.get_batch(checked))
+            blobs = list(self._client.get_batch(keys))
         except Exception as exc:  # a failed read is a miss, never a crash
-            logger.warning("L3 mooncake store: get failed for %d keys: %s", len(checked), exc)
-            return [None] * len(checked)
-        if len(blobs) != len(checked):
-            logger.warning("L3 mooncake store: get returned %d objects for %d keys", len(blobs), len(checked))
-            return [None] * len(checked)
+            logger.warning("L3 mooncake store: get failed for %d keys: %s", len(keys), exc)
+            return [None] * len(keys)
+        if len(blobs) != len(keys):
+            logger.warning("L3 mooncake store: get returned %d objects for %d keys", len(blobs), len(keys))
+            return [None] * len(keys)
         return [bytes(blob) if blob else None for blob in blobs]
 
     def put(self, keys: Sequence[str], blobs: Sequence[Blob]) -> list[bool]:
@@ -217,45 +252,13 @@ class MooncakePageStore:
         data = _check_blobs(blobs, len(checked))
         self._live()
         results = [False] * len(checked)
-        todo = []
-        for i, stored in enumerate(self._stored_sizes(checked)):
-            if stored == len(data[i]):
-                results[i] = True
-            else:
-                todo.append(i)
-        for batch in self._batches(todo, data):
+        for batch in fitting_batches([len(d) for d in data], self.config.local_buffer_size):
             for i, ok in zip(batch, self._upsert(batch, checked, data)):
                 results[i] = ok
         for key, ok in zip(checked, results):
             if not ok:
                 logger.warning("L3 mooncake store: cannot write %s", key)
         return results
-
-    def _stored_sizes(self, keys: list[str]) -> list[int]:
-        """Each key's stored object size, -1 where there is none (or the
-        store cannot tell: then the write is attempted)."""
-        present = self.exists(keys)
-        sizes = []
-        for key, here in zip(keys, present):
-            try:
-                sizes.append(int(self._client.get_size(key)) if here else -1)
-            except Exception:
-                sizes.append(-1)
-        return sizes
-
-    def _batches(self, todo: list[int], data: list[bytes]) -> list[list[int]]:
-        """``todo`` split so each batch fits the staging buffer (Mooncake
-        fails a whole batch that does not); an object larger than the
-        buffer goes alone and fails alone."""
-        batches: list[list[int]] = []
-        size = 0
-        for i in todo:
-            if not batches or size + len(data[i]) > self.config.local_buffer_size:
-                batches.append([])
-                size = 0
-            batches[-1].append(i)
-            size += len(data[i])
-        return batches
 
     def _upsert(self, batch: list[int], keys: list[str], data: list[bytes]) -> list[bool]:
         """One status per object: the batch's, or on its failure each

@@ -56,10 +56,11 @@ from sglang_cp_hicache.sglang_0518.checks import (
 from sglang_cp_hicache.sglang_0518.hooks import check_hooks
 from sglang_cp_hicache.sglang_0518.host_copies import cp_copies_installed, install_cp_copies
 from sglang_cp_hicache.sglang_0518.host_tier import HostTierMixin, NoHostLeafSet
+from sglang_cp_hicache.l3.rank import RankL3
 from sglang_cp_hicache.sglang_0518.l3_cache import L3CacheMixin
-from sglang_cp_hicache.sglang_0518.l3_io import L3Io
+from sglang_cp_hicache.sglang_0518.l3_port import L3Port0518
 from sglang_cp_hicache.sglang_0518.l3_requests import L3RequestsMixin, source_label
-from sglang_cp_hicache.sglang_0518.l3_tier import tier_for
+from sglang_cp_hicache.sglang_0518.l3_tier import open_l3
 from sglang_cp_hicache.sglang_0518.load_back import LoadBackMixin
 from sglang_cp_hicache.sglang_0518.step_protocol import CpHiCacheTransferError, StepProtocolMixin
 from sglang_cp_hicache.sglang_0518.step_status import StepStatus, Vote
@@ -163,24 +164,21 @@ class CpHiRadixCache(
         # rank failed to allocate, until the step's all-reduce takes them back.
         self._load_shadow = [0] * self.cp_layout.cp_size
         self._warned_device_page_read = False
-        self.cp_l3 = None
-        self._l3_pending: list = []
-        self._l3_waiting: dict = {}
-        self._l3_writes: list = []  # L3 writes not known done (their jobs)
-        self.cp_l3_io = L3Io(self.cp_layout.cp_rank)  # L3 reads run on its worker thread
+        self.cp_l3: Optional[RankL3] = None
         super().__init__(params, _without_storage(server_args))
         self.evictable_host_leaves = NoHostLeafSet()  # the ordered index replaces SGLang's set
         self.cp_copy_targets = install_cp_copies(self.cache_controller, self.cp_layout)
         if not cp_copies_installed(self.cp_copy_targets):
             raise RuntimeError("CP copies did not take on this cache's host pools; refusing to start")
         self.cp_transfer = CpTransferAdapter(self.cache_controller, self.cp_layout, allocator)
-        model_id = getattr(server_args, "served_model_name", None) or getattr(server_args, "model_path", None)
-        self.cp_l3 = tier_for(
-            self, location.directory, model_id, source=source_label(location),
-            backend=location.backend, extra_config=location.extra_config,
-        ) if location.enabled else None
+        # Opened before the agreement, raised after it: a rank whose L3 is
+        # unusable never leaves its peers waiting in the all-gather.
+        opening = open_l3(self, location, source_label(location), server_args=server_args)
         self.cp_l3_location = location
-        self._ledger = self._agree_with_peers()
+        self._ledger = self._agree_with_peers(opening.view)
+        opening.raise_if_unusable()
+        if opening.tier is not None:
+            self.cp_l3 = RankL3(opening.tier, L3Port0518(self, opening.tier), location)
         self._log_l3_start()
         # New pages go preferably to the ranks holding the fewest host slots.
         allocator.set_lane_bias(lambda: self._ledger.used)
@@ -213,7 +211,7 @@ class CpHiRadixCache(
         )
         return report
 
-    def _agree_with_peers(self) -> HostSlotLedger:
+    def _agree_with_peers(self, l3_view: str) -> HostSlotLedger:
         """The host ledger, once every CP rank has the same view (one
         all-gather at start-up, :mod:`sglang_cp_hicache.agreement`): every
         value below decides what a rank does without asking the others, so
@@ -228,9 +226,10 @@ class CpHiRadixCache(
             HOST_BALANCE_ENV: self.cp_host_balance,
             "copy_backend": transfer.select_backend(device),
             "copy_path": "library",
-            # L3 on or off, and its namespaces: a rank reading another
-            # namespace would miss where the others hit.
-            "l3": self.cp_l3.describe() if self.cp_l3 is not None else "off",
+            # L3 on or off, and its namespaces (or why this rank's L3 is
+            # unusable): a rank reading another namespace would miss where
+            # the others hit.
+            "l3": l3_view,
         })
         try:
             gather_and_check(view, self._cp_group())
@@ -269,9 +268,8 @@ class CpHiRadixCache(
         self._inflight_writes = {}
         self._step_status = StepStatus()
         self._load_shadow = [0] * self.cp_layout.cp_size
-        self.cp_l3_io.wait([p.job for p in self._l3_pending])  # no read may land in the cleared pool
-        self._l3_pending = []  # the host pool was cleared with the tree
-        self._l3_waiting = {}
+        if self.cp_l3 is not None:  # the lookups go with the tree and host pool (their I/O writes no more)
+            self.cp_l3.prefetcher.reset()
         if self._ledger is not None:
             self._ledger = HostSlotLedger(list(self._ledger.capacity))
 

@@ -11,14 +11,24 @@ every arriving request and holds it while the prefetch runs:
   ``pop_prefetch_loaded_tokens`` (upstream's, unchanged) as its storage hit;
 * aborts call :meth:`release_aborted_request`.
 
-Here a prefetch is the cache's own L3 protocol (:mod:`.l3_cache`: the query
-MIN, then the fetch MIN, then a host-only node), so a request waits two
-steps at most, and the state after each MIN is identical on every rank:
-every rank releases the same requests in the same step. An aborted
-request's prefetch is not taken out of the pending list (its word rides the
-step's MIN, the same count on every rank): it votes 0, so the MIN drops it
-on every rank alike -- slots, ledger charge and the anchor's protection
-given back when it settles -- even on a rank that has not seen the abort.
+Here a prefetch is the library's L3 protocol (:mod:`sglang_cp_hicache.l3.prefetch`:
+the query MIN, then the fetch MIN, then a host-only node), so a request
+waits two steps for a hit while every rank's I/O is done in time, and never
+longer than the operation's deadline (SGLang's ``prefetch_timeout_*``
+settings) plus one step; the state after each MIN is identical on every
+rank: every rank releases the same requests in the same step. An aborted
+request's lookup is not taken out of the pending list (its word rides the
+step's MIN, the same count on every rank): it answers 0 whatever its I/O is
+doing, so the MIN drops it on every rank alike -- slots, ledger charge and
+the anchor's protection given back -- even on a rank that has not seen the
+abort.
+
+Requests with an ``extra_key`` (a LoRA adapter) or a ``cache_salt`` never
+look up L3: their pages are another namespace's. The scheduler does not pass
+them to ``prefetch_from_storage``, but it matches the request's key (which
+carries both) just before: :meth:`L3RequestsMixin.match_prefix` remembers the
+last key it matched, and a lookup whose tokens are not that plain key's is
+skipped.
 
 SGLang's own storage controller, threads and backends are never built (the
 base cache is built without the flag): attaching or detaching a storage
@@ -31,11 +41,12 @@ import logging
 from array import array
 from typing import List, Optional, Sequence
 
+from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
 from sglang.srt.mem_cache.radix_cache import RadixKey, TreeNode
 
 from sglang_cp_hicache.l3.location import L3Location
 from sglang_cp_hicache.settings import SGLANG_FILE_DIR
-from sglang_cp_hicache.sglang_0518.l3_cache import L3Ticket, _path_tokens
+from sglang_cp_hicache.sglang_0518.l3_port import path_tokens, plain_key
 
 logger = logging.getLogger(__name__)
 
@@ -70,17 +81,22 @@ def source_label(location: L3Location) -> str:
 class L3RequestsMixin:
     """The scheduler's prefetch calls, for :class:`CpHiRadixCache`."""
 
+    _l3_last_match: Optional[RadixKey] = None
+
     # ---- start-up ---------------------------------------------------------------
     def _log_l3_start(self) -> None:
-        """One line per rank: where L3 lives, what chose it, its namespaces."""
+        """One line per rank: where L3 lives, what chose it, its model and namespaces."""
         location, rank = self.cp_l3_location, self.cp_layout.cp_rank
         if self.cp_l3 is None:
             return
+        tier = self.cp_l3.tier
         where = f"directory {location.directory}" if location.backend == "file" else f"{location.backend} store"
+        timeouts = location.timeouts
         logger.info(
-            "cp-hicache L3 on cp_rank %d/%d: %s (from %s), %s, scheduler prefetch %s",
-            rank, self.cp_layout.cp_size, where, source_label(location), self.cp_l3.describe(),
-            "on" if location.scheduler_driven else "off",
+            "cp-hicache L3 on cp_rank %d/%d: %s (from %s), model %s, %s, deadline %.1f s + %.2f s per 1024 "
+            "tokens (at most %.0f s), scheduler prefetch %s",
+            rank, self.cp_layout.cp_size, where, source_label(location), tier.model_label, tier.describe(),
+            timeouts.base_s, timeouts.per_ki_token_s, timeouts.max_s, "on" if location.scheduler_driven else "off",
         )
         if not location.scheduler_driven:
             logger.warning(
@@ -89,6 +105,23 @@ class L3RequestsMixin:
             )
 
     # ---- arrival --------------------------------------------------------------------
+    def match_prefix(self, params: MatchPrefixParams):
+        self._l3_last_match = params.key
+        return super().match_prefix(params)
+
+    def _l3_request_is_plain(self, anchor: TreeNode, new_input_tokens: Sequence[int]) -> bool:
+        """The request's key has no extra key or cache salt: below a node,
+        the node's key says (a request only matches its own namespace); at
+        the root, the key the scheduler matched just before (its tokens must
+        be these)."""
+        if anchor is not self.root_node:
+            return plain_key(anchor.key)
+        last = self._l3_last_match
+        if last is None or not plain_key(last):
+            return False
+        n = len(new_input_tokens)
+        return len(last) >= n and list(last.token_ids[:n]) == list(new_input_tokens)
+
     def prefetch_from_storage(
         self,
         req_id: str,
@@ -97,61 +130,37 @@ class L3RequestsMixin:
         last_hash: Optional[str] = None,
         prefix_keys: Optional[List[str]] = None,
     ) -> None:
-        """Start (or join) the L3 prefetch of the whole pages of
+        """Start (or join) the L3 lookup of the whole pages of
         ``new_input_tokens`` below ``last_host_node`` for request ``req_id``
         (the scheduler calls it alike on every rank). Hashes come from the
         token ids, so ``last_hash`` / ``prefix_keys`` are not needed."""
-        if self.cp_l3 is None or req_id in self._l3_waiting:
+        if self.cp_l3 is None:
+            return
+        prefetcher = self.cp_l3.prefetcher
+        if prefetcher.is_waiting(req_id):
             return  # a retracted request re-queued keeps its wait
         whole = len(new_input_tokens) // self.page_size * self.page_size
-        if whole == 0:
+        if whole == 0 or not self._l3_request_is_plain(last_host_node, new_input_tokens[:whole]):
             return
-        joined = self._l3_join(req_id, last_host_node, new_input_tokens[: self.page_size])
-        if joined:
+        if prefetcher.join(last_host_node, tuple(new_input_tokens[: self.page_size]), req_id):
             return
-        key = RadixKey(
-            _same_kind(_path_tokens(last_host_node), new_input_tokens[:whole]),
-            extra_key=last_host_node.key.extra_key,
-            is_bigram=self.is_eagle,
-            cache_salt=last_host_node.key.cache_salt,
-        )
-        ticket = L3Ticket(asker=req_id, rids={req_id})
-        if self.l3_prefetch(key, ticket) > 0:
-            self._l3_waiting[req_id] = ticket
-
-    def _l3_join(self, req_id: str, anchor: TreeNode, first_page: List[int]) -> bool:
-        """Wait on a prefetch already pending below ``anchor`` for the same
-        first page (two requests with one prefix arrive together): only one
-        chain can hang there."""
-        for p in self._l3_pending:
-            ticket = p.ticket
-            if p.anchor is not anchor or ticket is None or ticket.dropped:
-                continue
-            if list(p.key.token_ids[: self.page_size]) != list(first_page):
-                continue
-            ticket.rids.add(req_id)
-            self._l3_waiting[req_id] = ticket
-            return True
-        return False
+        key = RadixKey(_same_kind(path_tokens(last_host_node), new_input_tokens[:whole]), is_bigram=self.is_eagle)
+        self.l3_prefetch(key, req_id)
 
     # ---- the waiting queue ----------------------------------------------------------
     def check_prefetch_progress(self, req_id: str) -> bool:
-        """True once ``req_id``'s prefetch settled (restored or missed) or it
+        """True once ``req_id``'s lookup settled (restored or missed) or it
         has none; False while it waits for the step's MIN."""
-        return req_id not in self._l3_waiting
+        return self.cp_l3 is None or not self.cp_l3.prefetcher.is_waiting(req_id)
 
     # ---- aborts -----------------------------------------------------------------------
     def release_aborted_request(self, rid: str) -> None:
-        """Forget an aborted request's storage hit and its wait; a prefetch no
-        request waits on any more votes 0 at the next MIN and is dropped
+        """Forget an aborted request's storage hit and its wait; a lookup no
+        request waits on any more answers 0 at the next MIN and is dropped
         there on every rank (nothing is taken out of the pending list here)."""
         self.prefetch_loaded_tokens_by_reqid.pop(rid, None)
-        ticket = self._l3_waiting.pop(rid, None)
-        if ticket is None:
-            return
-        ticket.rids.discard(rid)
-        if not ticket.rids:
-            ticket.dropped = True
+        if self.cp_l3 is not None:
+            self.cp_l3.prefetcher.abort(rid)
 
     # ---- runtime attach / detach: refused ----------------------------------------------
     def attach_storage_backend(

@@ -21,6 +21,7 @@ from typing import Optional
 import torch
 from sglang.srt.mem_cache.radix_cache import TreeNode
 
+from sglang_cp_hicache.l3.prefetch import CpL3PrefetchAborted
 from sglang_cp_hicache.sglang_0518.load_back import LoadBackRecord
 from sglang_cp_hicache.sglang_0518.step_status import Vote
 from sglang_cp_hicache.sglang_0518.transfer_adapter import WriteState
@@ -31,11 +32,6 @@ __all__ = ["CpHiCacheTransferError", "CpL3PrefetchAborted", "StepProtocolMixin"]
 
 class CpHiCacheTransferError(RuntimeError):
     """A CP HiCache copy failed on some rank; every rank rolled back and raises."""
-
-
-class CpL3PrefetchAborted(RuntimeError):
-    """The step all-reduce failed (a CP rank died) while L3 prefetches were
-    between their MINs: none is inserted on this rank."""
 
 
 class StepProtocolMixin:
@@ -101,12 +97,7 @@ class StepProtocolMixin:
                 raise
             # A peer died or left between two MINs of an L3 prefetch: nothing
             # of it is inserted here, and what this rank holds for it goes back.
-            self._l3_abandon(exc)
-            raise CpL3PrefetchAborted(
-                f"CP step all-reduce failed with {len(l3_words)} L3 prefetch(es) pending on cp_rank "
-                f"{self.cp_layout.cp_rank} (a CP rank died or left the group?); none was inserted, "
-                f"their host slots and ledger charges were given back: {exc!r}"
-            ) from exc
+            raise self._l3_abandon(exc) from exc
         reduced = vec.tolist()
         cut = len(reduced) - len(l3_words)
         reduced, l3_agreed = reduced[:cut], reduced[cut:]

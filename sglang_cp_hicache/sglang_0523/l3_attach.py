@@ -16,36 +16,27 @@ the all-gather.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from typing import Any, Optional
 
 from sglang.srt.mem_cache.hicache_storage import PoolName
 
+from sglang_cp_hicache import settings
+from sglang_cp_hicache.l3.identity import ModelIdentity, identity_of_server_args
 from sglang_cp_hicache.l3.location import L3Location
+from sglang_cp_hicache.l3.rank import L3Opening, RankL3, open_tier
 from sglang_cp_hicache.placement import CpPlacement
 from sglang_cp_hicache.sglang_0523.copy_engine import kv_host_pool_of
 from sglang_cp_hicache.sglang_0523.l3_cache import L3Driver
+from sglang_cp_hicache.sglang_0523.l3_port import L3Port0523
 from sglang_cp_hicache.sglang_0523.l3_tier import L3Tier
 
-__all__ = ["L3Opening", "check_served_here", "install_l3", "open_l3", "served_here"]
+__all__ = ["L3Opening", "check_served_here", "install_l3", "open_l3", "served_here", "server_identity"]
 
 #: The stores this adapter opens (through ``l3_backends.open_page_store``),
 #: as the 0.5.18 adapter does.
 SERVED_BACKENDS = ("file", "mooncake")
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class L3Opening:
-    """The L3 of one rank: ``tier`` (None: off or unusable), ``view`` (its
-    start-up agreement value: ``off``, the namespaces, or the problem) and
-    ``error`` (raised once the ranks agree)."""
-
-    location: L3Location
-    tier: Optional[L3Tier] = None
-    view: str = "off"
-    error: Optional[Exception] = None
 
 
 def served_here(location: L3Location) -> bool:
@@ -75,35 +66,42 @@ def _where(location: L3Location) -> str:
     return location.directory if location.backend == "file" else f"a {location.backend} store"
 
 
-def open_l3(location: L3Location, host_pool_group: Any, *, model_id: Optional[str], layer_start: int) -> L3Opening:
+def server_identity(server_args: Any) -> ModelIdentity:
+    """The model identity of a server's arguments (the namespace's model)."""
+    return identity_of_server_args(server_args, settings.read(settings.L3_MODEL_ID) or None)
+
+
+def open_l3(
+    location: L3Location, host_pool_group: Any, *, server_args: Any = None, layer_start: int,
+    identity: Optional[ModelIdentity] = None,
+) -> L3Opening:
     """This rank's L3 on ``host_pool_group`` (never raises: see :class:`L3Opening`)."""
-    if not location.enabled:
-        return L3Opening(location)
-    try:
-        if not model_id:
-            raise ValueError("L3 needs a model id (--served-model-name or --model-path)")
+
+    def build() -> L3Tier:
+        model = identity if identity is not None else server_identity(server_args)
         anchor = host_pool_group.anchor_entry.host_pool
         layout = CpPlacement(anchor.page_size, anchor.shard_size, anchor.shard_rank)
         kv_host = kv_host_pool_of(anchor)
         indexer_host = host_pool_group.entry_map[PoolName.INDEXER].host_pool
-        tier = L3Tier.open(
+        return L3Tier.open(
             location.directory, _source_text(location), layout, kv_host, indexer_host,
-            backend=location.backend, extra_config=location.extra_config, model_id=model_id,
-            layer_start=layer_start,
+            backend=location.backend, extra_config=location.extra_config, model_id=model.text(),
+            layer_start=layer_start, model_label=model.short(),
         )
-    # ImportError, RuntimeError: a store client missing or refusing to start
-    # (Mooncake) is this rank's view too, raised only after the agreement.
-    except (ValueError, TypeError, AttributeError, KeyError, ImportError, RuntimeError) as exc:
-        return L3Opening(location, None, f"unusable: {exc}", exc)
-    return L3Opening(location, tier, tier.describe())
+
+    return open_tier(location, build)
 
 
-def install_l3(cache: Any, tier: L3Tier, location: L3Location) -> L3Driver:
+def install_l3(cache: Any, tier: L3Tier, location: L3Location, host_room: Any) -> L3Driver:
     """Put the L3 driver on ``cache`` (the scheduler's storage calls)."""
-    driver = L3Driver(cache, tier)
+    port = L3Port0523(cache, tier, host_room)
+    driver = L3Driver(cache, RankL3(tier, port, location), port)
     driver.install()
+    timeouts = location.timeouts
     logger.info(
-        "sglang-cp-hicache: L3 in %s (%s; %s), cp_rank %d of %d writes and reads its own pages",
-        _where(location), _source_text(location), tier.describe(), tier.layout.cp_rank, tier.layout.cp_size,
+        "sglang-cp-hicache: L3 in %s (%s; model %s; %s), deadline %.1f s + %.2f s per 1024 tokens (at most "
+        "%.0f s), cp_rank %d of %d writes and reads its own pages",
+        _where(location), _source_text(location), tier.model_label, tier.describe(), timeouts.base_s,
+        timeouts.per_ki_token_s, timeouts.max_s, tier.layout.cp_rank, tier.layout.cp_size,
     )
     return driver

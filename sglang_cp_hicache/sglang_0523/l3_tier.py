@@ -11,8 +11,8 @@ read and written at its translated local row, and only on its owner.
 
 Pages are keyed as on 0.5.18 (page hash + namespace digest, never CP rank or
 size), so deployments of any CP size -- and the 0.5.18 adapter, for an
-identical configuration -- share one store. Everything here runs on the
-scheduler thread.
+identical configuration -- share one store. Its I/O runs on the rank's L3
+I/O threads (:mod:`sglang_cp_hicache.l3.rank`).
 """
 
 from __future__ import annotations
@@ -51,12 +51,12 @@ class L3Tier(HostL3Tier):
     @classmethod
     def on_store(
         cls, store: PageStore, layout: CpPlacement, kv_host: Any, indexer_host: Any, *,
-        model_id: str, layer_start: int = 0,
+        model_id: str, layer_start: int = 0, model_label: str = "",
     ) -> "L3Tier":
         """The tier on an opened ``store``: SGLang's page hash, and each
         logical host slot at this rank's local row."""
         tier = cls(store, layout, kv_host, indexer_host, model_id=model_id, page_hasher=get_hash_str,
-                   layer_start=layer_start, host_row=partial(local_row, layout))
+                   layer_start=layer_start, host_row=partial(local_row, layout), model_label=model_label)
         if tier.page_size != layout.page_size:
             raise ValueError(f"host page size {tier.page_size} != the placement's {layout.page_size}")
         return tier

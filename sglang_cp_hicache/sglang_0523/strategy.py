@@ -35,6 +35,7 @@ loaded (interpreter) for the stack's pools (:mod:`.warmup`).
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import Any, Callable, Optional
 
 import torch
@@ -50,7 +51,7 @@ from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 from sglang.srt.runtime_context import get_memory
 
 from sglang_cp_hicache.kernels._checks import HOST_LAYOUTS
-from sglang_cp_hicache.l3.location import l3_location
+from sglang_cp_hicache.l3.location import L3Location, L3Timeouts, l3_location, parse_extra_config
 from sglang_cp_hicache.sglang_0523 import check_sglang_version
 from sglang_cp_hicache.sglang_0523.controller import LibraryCopyController
 from sglang_cp_hicache.sglang_0523.copy_engine import LibraryL2TransferEngine, kv_host_pool_of
@@ -73,6 +74,20 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+
+#: SGLang 0.5.23's prefetch timeout defaults (it has no maximum: the
+#: library keeps its own, so no lookup waits more than 30 s).
+TIMEOUT_DEFAULTS = L3Timeouts(base_s=1.0, per_ki_token_s=0.25, max_s=30.0)
+
+
+def with_release_timeouts(location: L3Location) -> L3Location:
+    """``location`` with the deadlines of the server's extra config as
+    written (SGLang 0.5.23 hands the strategy the config with its prefetch
+    keys already taken out), on 0.5.23's defaults."""
+    raw = get_memory().hicache_storage_backend_extra_config
+    timeouts = L3Timeouts.from_extra_config(parse_extra_config(raw), TIMEOUT_DEFAULTS)
+    return replace(location, timeouts=timeouts)
 
 
 class LibraryStackError(RuntimeError):
@@ -105,14 +120,12 @@ class LibraryDsaStrategy(assembler._DsaStrategy):
         # it would key objects by rank and read rank-local rows as logical
         # slots); any backend it cannot serve (``file``, ``mooncake``) is
         # refused here, naming the flag.
-        location = l3_location(storage_backend, storage_backend_extra_config)
+        location = with_release_timeouts(l3_location(storage_backend, storage_backend_extra_config))
         check_served_here(location)
-        model_id = model_name or getattr(server_args, "served_model_name", None) or getattr(
-            server_args, "model_path", None)
         opened: list[L3Opening] = []
 
         def open_rank_l3(host_pool_group: Any) -> L3Opening:
-            opened.append(open_l3(location, host_pool_group, model_id=model_id,
+            opened.append(open_l3(location, host_pool_group, server_args=server_args,
                                   layer_start=int(getattr(kvcache, "start_layer", 0) or 0)))
             return opened[-1]
 
@@ -134,7 +147,7 @@ class LibraryDsaStrategy(assembler._DsaStrategy):
         controller.cp_warmup = warm_up_copies(result.host_pool_group, layout.cp_rank, layout.cp_size)
         controller.cp_l3 = None
         if opened and opened[0].tier is not None:
-            controller.cp_l3 = install_l3(cache, opened[0].tier, location)
+            controller.cp_l3 = install_l3(cache, opened[0].tier, location, controller.cp_host_room)
         logger.info(
             "sglang-cp-hicache: library copy kernels on the sharded DSA HiCache path "
             "(cp_rank %d of %d, host layout %s). Copy path: library (SGLANG_CP_HICACHE_COPY=library)",
@@ -206,8 +219,8 @@ def _build_dsa_stack(
     # Before anything a rank could refuse alone: every rank reaches the all-gather.
     l3 = l3_opener(host_pool_group) if l3_opener is not None else None
     agree_at_start_up(kvcache, host_pool_group, copy_path=copy_path, l3=l3.view if l3 is not None else "off")
-    if l3 is not None and l3.error is not None:
-        raise ValueError(str(l3.error)) from l3.error
+    if l3 is not None:
+        l3.raise_if_unusable()
     memory = get_memory()
     cache_controller = controller_class(
         params.token_to_kv_pool_allocator,

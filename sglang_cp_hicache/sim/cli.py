@@ -26,6 +26,7 @@ from sglang_cp_hicache.sim.config import (
     parse_failure_injection,
     seconds_problem,
 )
+from sglang_cp_hicache.sim.l3_writers import object_names, restored_by_writer, write_manifest, writers_of
 from sglang_cp_hicache.sim.outputs import OutputPathError, check_output_paths
 from sglang_cp_hicache.sim.plot import PlotUnavailable, check_matplotlib, plot_summary
 from sglang_cp_hicache.sim.workload import (
@@ -232,6 +233,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     token_lists = pack_requests(requests)  # what every rank gets: ids packed, pickled as raw bytes
 
     show = not args.no_progress
+    l3_before = object_names(config.l3_dir) if config.l3_dir is not None else set()
     cp = launch(config, token_lists, cp_mode=True, failure=failure, show_progress=show)
     if not cp.ok or len(cp.reports) != config.cp_size:
         print(failure_message(cp), file=sys.stderr)
@@ -244,11 +246,25 @@ def run_simulate(args: argparse.Namespace) -> int:
             return 1
     summary, verdict = summarize(config, workload, len(requests), cp, non_cp,
                                  allow_unverified=args.allow_unverified)
+    if config.l3_dir is not None:
+        _attribute_l3(summary, config, cp.reports, l3_before)
     print(format_table(summary))
     written = _write_outputs(args, summary)
     if written != 0:
         return written
     return 0 if verdict.ok else 1
+
+
+def _attribute_l3(summary: dict[str, Any], config: SimConfig, reports: list, before: set[str]) -> None:
+    """Which run wrote the objects the ranks restored from (by release), and
+    this run's own manifest for later runs."""
+    keys = [k for r in reports for k in r.totals.l3_restored_keys]
+    by_writer = restored_by_writer(keys, before, writers_of(config.l3_dir))
+    summary["l3_restored_pages_by_writer"] = by_writer
+    summary["l3_restored_from_other_release"] = sum(
+        n for writer, n in by_writer.items() if writer in SGLANG_VERSIONS and writer != config.sglang_version
+    )
+    write_manifest(config.l3_dir, config.sglang_version, object_names(config.l3_dir) - before)
 
 
 def _prepare(

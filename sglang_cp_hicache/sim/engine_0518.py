@@ -82,6 +82,7 @@ class SimRankEngine(RankEngineBase):
         self._l3_inserted_tokens = 0
         if self.l3 is not None:
             self._record_l3_nodes()
+            self._record_l3_restores(self.l3)
 
     # ---- instrumentation --------------------------------------------------
     def _count_backups(self) -> None:
@@ -320,8 +321,9 @@ class SimRankEngine(RankEngineBase):
             out.append(f"nodes still locked: {locked[:8]}")
         if self._l3_storage_hit_tokens != self._l3_inserted_tokens:
             out.append(f"L3 storage hits reported {self._l3_storage_hit_tokens} != inserted {self._l3_inserted_tokens}")
-        if self.l3 is not None and (self.cache._l3_pending or self.cache._l3_waiting):
-            out.append(f"L3 prefetches left: {len(self.cache._l3_pending)} pending, {len(self.cache._l3_waiting)} waiting")
+        prefetcher = self.l3.prefetcher if self.l3 is not None else None
+        if prefetcher is not None and (prefetcher.pending or prefetcher.waiting):
+            out.append(f"L3 prefetches left: {len(prefetcher.pending)} pending, {len(prefetcher.waiting)} waiting")
         ctrl = self.cache.cache_controller
         if ctrl.ack_write_queue or ctrl.ack_load_queue:
             out.append(f"unconsumed acks: {len(ctrl.ack_write_queue)} write, {len(ctrl.ack_load_queue)} load")
@@ -367,3 +369,4 @@ class SimRankEngine(RankEngineBase):
         totals.l3_written_pages = c.written_pages
         totals.l3_hit_tokens = c.restored_pages * self.page_size
         totals.l3_rejected_objects = c.rejected_pages
+        totals.l3_restored_keys = list(self.l3_restored_keys)

@@ -126,8 +126,10 @@ class ShardedSimRankEngine(RankEngineBase):
         self._time_copy_path()
         self._count_transfers()
         self._count_bookkeeping()
-        # L3 (the library stack with an L3 directory): its tier.
+        # L3 (the library stack with an L3 directory): its driver.
         self.l3 = getattr(self.cache.cache_controller, "cp_l3", None)
+        if self.l3 is not None:
+            self._record_l3_restores(self.l3)
 
     # ---- instrumentation (instance attributes shadow the bound methods) ------
     def _owned_tokens(self, logical: torch.Tensor) -> int:
@@ -268,6 +270,10 @@ class ShardedSimRankEngine(RankEngineBase):
         for _ in range(3):  # a lookup settles in two steps (query, fetch)
             if cache.check_prefetch_progress(handle):
                 break
+            # A server skips the request while reads run; here nothing else
+            # runs, so wait for this rank's L3 reads: the steps are then the
+            # query's MIN and the fetch's, as in every run.
+            self.l3.wait_io()
             self._check_events()
         else:
             raise RuntimeError(f"L3 lookup of request {request.record.index} still pending after 3 steps")
@@ -278,11 +284,13 @@ class ShardedSimRankEngine(RankEngineBase):
     def _l3_totals(self, totals: EngineTotals) -> None:
         if self.l3 is None:
             return
+        self.l3.wait_io()  # the last writes run on the L3 I/O threads
         c = self.l3.counters
         totals.l3_enabled = True
         totals.l3_written_pages = c.written_pages
         totals.l3_hit_tokens = c.restored_pages * self.page_size
         totals.l3_rejected_objects = c.rejected_pages
+        totals.l3_restored_keys = list(self.l3_restored_keys)
 
     # ---- SGLang calls -------------------------------------------------------
     def _reserve_tokens(self, new_tokens: int) -> int:

@@ -91,6 +91,29 @@ class RankEngineBase:
         # a page's content key names its whole prefix, so it identifies the
         # page in any later request.
         self._l3_page_keys: set[int] = set()
+        # Page keys of the own pages L3 lookups restored (which run wrote
+        # them is the launcher's to say: sim.l3_writers).
+        self.l3_restored_keys: list[str] = []
+
+    def _record_l3_restores(self, l3: Any) -> None:
+        """Note the page key of every own page a lookup restores, without
+        changing what it does (``l3``: the rank's L3, with its prefetch
+        protocol and tier)."""
+        from sglang_cp_hicache.l3.keys import page_key
+
+        prefetcher, tier = l3.prefetcher, l3.tier
+        settle = prefetcher._settle
+
+        def recorded(lookup: Any, pages: int) -> int:
+            tokens = settle(lookup, pages)
+            kept = tokens // tier.page_size
+            plan, rank = lookup.plan, tier.layout.cp_rank
+            self.l3_restored_keys.extend(
+                page_key(h, tier.kv_ns) for h, o in zip(plan.hashes[:kept], plan.owners[:kept]) if o == rank
+            )
+            return tokens
+
+        prefetcher._settle = recorded
 
     # ---- one request --------------------------------------------------------
     def serve(self, index: int, tokens: Sequence[int]) -> RequestRecord:

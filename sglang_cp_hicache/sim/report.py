@@ -242,6 +242,9 @@ def _l3_fields(config: SimConfig, reports: list[RankReport]) -> dict[str, Any]:
         "l3_pages_verified_per_rank": verified,
         "l3_rejected_objects": sum(x.l3_rejected_objects for x in t),
         "l3_rejected_objects_per_rank": [x.l3_rejected_objects for x in t],
+        # filled in by the launcher from the directory's writer manifests (sim.l3_writers)
+        "l3_restored_pages_by_writer": {},
+        "l3_restored_from_other_release": 0,
     }
 
 

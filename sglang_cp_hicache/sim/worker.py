@@ -99,6 +99,13 @@ def _agreement_of(gathered: list[Any]) -> dict[str, Any]:
     }
 
 
+#: The KV rows of both releases' stacks: DeepSeek-V3.2's raw FP8 rows (576
+#: bytes: kv_lora_rank 512 + rope 64, one byte each), as SGLang 0.5.23's KV
+#: sharding requires; the same row format on both releases, so one L3
+#: directory serves both.
+KV_DTYPE = "float8_e4m3fn"
+
+
 @dataclass
 class _RankSetup:
     """A started rank: its group (None without one), stack and engine."""
@@ -113,6 +120,8 @@ class _RankSetup:
 
 def _build_0518(spec: RankSpec, group: Any) -> tuple[Any, Any]:
     """One rank's SGLang 0.5.18 stack (CP, or a non-CP baseline process) and its engine."""
+    import torch
+
     from sglang_cp_hicache.sim.engine_0518 import SimRankEngine
     from sglang_cp_hicache.testing.stack_0518 import CpStackConfig, build_cp_rank_stack
 
@@ -124,7 +133,7 @@ def _build_0518(spec: RankSpec, group: Any) -> tuple[Any, Any]:
     if spec.cp_mode:
         stack_config = CpStackConfig(
             cp_size=cfg.cp_size, page_size=cfg.page_size, num_layers=cfg.num_layers,
-            device_pages=cfg.device_pages, host_pages=cfg.host_pages, cp_mode=True,
+            device_pages=cfg.device_pages, host_pages=cfg.host_pages, cp_mode=True, dtype=getattr(torch, KV_DTYPE),
         )
         rank = spec.rank
     else:
@@ -135,7 +144,7 @@ def _build_0518(spec: RankSpec, group: Any) -> tuple[Any, Any]:
         stack_config = CpStackConfig(
             cp_size=1, page_size=cfg.page_size, num_layers=cfg.num_layers,
             device_pages=cfg.logical_device_pages - 1, host_pages=cfg.host_pages * cfg.cp_size,
-            cp_mode=False,
+            cp_mode=False, dtype=getattr(torch, KV_DTYPE),
         )
         rank = 0
     stack = build_cp_rank_stack(stack_config, rank, cp_group=group)

@@ -27,6 +27,7 @@ environment change here holds :data:`ENVIRON_LOCK`.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import threading
 from typing import TYPE_CHECKING, Any, Iterator
@@ -43,6 +44,7 @@ __all__ = [
     "ENVIRON_LOCK",
     "TINY_MODEL_CONFIG",
     "make_cpu_server_args",
+    "with_harness_deadlines",
     "make_local_gloo_group",
     "preserved_environ",
     "publish_server_args",
@@ -89,6 +91,20 @@ def preserved_environ() -> Iterator[None]:
             for key, value in before.items():
                 if os.environ.get(key) != value:
                     os.environ[key] = value
+
+
+#: L3 deadlines of the CPU harness (seconds): generous, since its machines
+#: run many processes on two cores (a test of a deadline names its own).
+HARNESS_DEADLINES = {"prefetch_timeout_base": 60.0, "prefetch_timeout_max": 120.0}
+
+
+def with_harness_deadlines(extra_config: str | None) -> str:
+    """``--hicache-storage-backend-extra-config`` JSON with
+    :data:`HARNESS_DEADLINES` where it names no deadline of its own."""
+    extra = json.loads(extra_config) if extra_config else {}
+    for key, value in HARNESS_DEADLINES.items():
+        extra.setdefault(key, value)
+    return json.dumps(extra)
 
 
 def make_cpu_server_args(

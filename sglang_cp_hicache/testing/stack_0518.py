@@ -41,6 +41,8 @@ class CpStackConfig:
     # --hicache-storage-backend and its extra config (JSON), as a server passes them
     storage_backend: Optional[str] = None
     storage_extra_config: Optional[str] = None
+    # more ServerArgs fields, as (name, value) pairs (model_path, served_model_name, revision, ...)
+    server_args: tuple[tuple[str, Any], ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("cp_size", "page_size", "num_layers", "device_pages", "host_pages"):
@@ -105,7 +107,8 @@ def build_cp_rank_stack(
         hicache_write_policy=config.write_policy,
         device=config.device,
         hicache_storage_backend=config.storage_backend,
-        hicache_storage_backend_extra_config=config.storage_extra_config,
+        hicache_storage_backend_extra_config=env.with_harness_deadlines(config.storage_extra_config),
+        **dict(config.server_args),
     )
     env.publish_server_args(server_args)
     kv_pool = _make_kv_pool(config)

@@ -193,6 +193,7 @@ def build_sharded_rank_stack(
         hicache_io_backend="kernel",
         hicache_ratio=config.hicache_ratio(),
         hicache_write_policy=config.write_policy,
+        hicache_storage_backend_extra_config=env.with_harness_deadlines(None),
     )
     env.publish_server_args(server_args)
     # The DSA pool sizes its indexer from attn_dcp_size, which only a real

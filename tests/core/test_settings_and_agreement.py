@@ -36,8 +36,10 @@ def test_values_are_trimmed_and_case_insensitive():
 
 def test_a_free_form_setting_is_trimmed_and_keeps_its_case():
     free = [s for s in settings.SETTINGS if s.is_free_form]
-    # directories and SGLang's plugin allow-list; every other setting has choices
-    assert free == [settings.L3_DIR, settings.SGLANG_FILE_DIR, settings.SGLANG_PLUGINS]
+    # directories, the operator's model id and SGLang's plugin allow-list; every other
+    # setting has choices or is a number
+    assert free == [settings.L3_DIR, settings.L3_MODEL_ID, settings.SGLANG_FILE_DIR, settings.HF_HUB_CACHE,
+                    settings.HF_HOME, settings.SGLANG_PLUGINS]
     assert not settings.L3_DIR.is_flag
     env = {settings.L3_DIR.name: "  /Data/L3 Dir/ "}
     assert settings.read(settings.L3_DIR, env) == "/Data/L3 Dir/"

@@ -21,8 +21,15 @@ def _imports(path: pathlib.Path) -> list[tuple[int, str]]:
     return out
 
 
+#: Third-party modules l3 may import lazily, inside the one function that
+#: needs them: a YAML ``@file`` extra config (as SGLang reads it).
+LAZY_OPTIONAL = {"yaml"}
+
+
 def _allowed(module: str) -> bool:
     top = module.split(".")[0]
+    if top in LAZY_OPTIONAL:
+        return True
     if top == "sglang_cp_hicache":
         return module in CORE or module.startswith("sglang_cp_hicache.l3")
     return top == "torch" or top in sys.stdlib_module_names

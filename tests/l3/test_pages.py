@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from sglang_cp_hicache.l3.consensus import agreed_usable_pages
 from sglang_cp_hicache.l3.envelope import HEADER_BYTES, pack
 from sglang_cp_hicache.l3.keys import page_keys
-from sglang_cp_hicache.l3.pages import fetch_owned, store_owned
+from sglang_cp_hicache.l3.pages import PutOutcome, fetch_owned, store_owned
 from sglang_cp_hicache.l3.plan import interleaved_owners, read_plan, write_plan
 from sglang_cp_hicache.l3.store import FilePageStore
 from tests.l3.common import hash_chain, namespace, payload
@@ -154,7 +154,7 @@ def test_a_failed_write_on_one_rank_is_reported_and_later_read_as_a_miss(tmp_pat
     owners = interleaved_owners(0, NUM_PAGES, 4)
     with caplog.at_level(logging.WARNING, logger="sglang_cp_hicache.l3"):
         results = _write(store, 4, owners)
-    assert results[owners[5]][write_plan(KEYS, owners, 4, owners[5]).page_indices.index(5)] is False
+    assert results[owners[5]][write_plan(KEYS, owners, 4, owners[5]).page_indices.index(5)] is PutOutcome.FAILED
     assert sum(not ok for r in results for ok in r) == 1
     assert f"L3 write failed: {KEYS[5]}" in caplog.text
     read, agreed = _read(store, 8, interleaved_owners(3, NUM_PAGES, 8))
@@ -188,3 +188,62 @@ def test_restorable_refuses_a_prefix_past_the_local_one(written):
     with pytest.raises(ValueError, match="agreed_pages"):
         res.restorable(5)
     assert [i for i, _ in res.restorable(4)] == [0, 1, 2, 3]
+
+
+class _CountingStore(FilePageStore):
+    """Records which keys were put."""
+
+    def __init__(self, directory):
+        super().__init__(directory)
+        self.puts: list[str] = []
+
+    def put(self, keys, blobs):
+        self.puts.extend(keys)
+        return super().put(keys, blobs)
+
+
+@pytest.mark.parametrize("damage", ["flipped", "zero-filled", "symlink", "truncated", "foreign"])
+def test_a_write_over_a_damaged_object_repairs_it(tmp_path, damage):
+    """A flipped bit, a zero-filled file after a crash, a symlink to another
+    page's object, a torn leftover, another namespace's object under the key:
+    the next write of the page finds it unsound and replaces it; a sound
+    object is left alone."""
+    store = _CountingStore(tmp_path)
+    plan = write_plan(KEYS, [0] * NUM_PAGES, 1, 0)
+    assert all(store_owned(store, NS, plan, PAGES))
+    path = store.path_of(KEYS[3])
+    blob = path.read_bytes()
+    if damage == "flipped":
+        flipped = bytearray(blob)
+        flipped[-10] ^= 0x01
+        path.write_bytes(bytes(flipped))
+    elif damage == "zero-filled":
+        path.write_bytes(bytes(len(blob)))
+    elif damage == "symlink":
+        path.unlink()
+        path.symlink_to(store.path_of(KEYS[4]))
+    elif damage == "truncated":
+        path.write_bytes(blob[:-1])
+    else:
+        other = namespace(model_id="another-model")
+        path.write_bytes(pack(page_keys(HASHES, other)[3], other, PAGES[3]))
+    store.puts.clear()
+    outcomes = store_owned(store, NS, plan, PAGES)
+    assert outcomes[3] is PutOutcome.REPAIRED
+    assert all(o is PutOutcome.KEPT for i, o in enumerate(outcomes) if i != 3)
+    assert store.puts == [KEYS[3]]  # only the damaged page was written
+    assert not path.is_symlink() and path.read_bytes() == blob
+    assert store.path_of(KEYS[4]).read_bytes() == pack(KEYS[4], NS, PAGES[4])  # the link's target untouched
+    res = fetch_owned(store, NS, read_plan(KEYS, [0] * NUM_PAGES, 1, 0))
+    assert res.usable_pages == NUM_PAGES
+
+
+def test_an_object_of_the_wrong_size_is_refused_unread(tmp_path):
+    store = FilePageStore(tmp_path)
+    plan = write_plan(KEYS, [0] * NUM_PAGES, 1, 0)
+    store_owned(store, NS, plan, PAGES)
+    path = store.path_of(KEYS[2])
+    with open(path, "r+b") as f:
+        f.truncate(64 << 30)  # sparse: reading it would cost 64 GiB
+    res = fetch_owned(store, NS, read_plan(KEYS, [0] * NUM_PAGES, 1, 0))
+    assert res.usable_pages == 2 and res.rejections[2].reason == "long"

@@ -6,13 +6,14 @@ import os
 import shutil
 import tempfile
 import threading
+import time
 
 import pytest
 import torch
 
-from sglang_cp_hicache.l3.envelope import Rejection, pack, unpack
+from sglang_cp_hicache.l3.envelope import HEADER_BYTES, Rejection, pack, unpack
 from sglang_cp_hicache.l3.keys import page_key, page_keys
-from sglang_cp_hicache.l3.store import FilePageStore, PageStore
+from sglang_cp_hicache.l3.store import STALE_TMP_S, FilePageStore, PageStore, SizeMismatch
 from tests.l3.common import hash_chain, namespace, payload
 
 NS = namespace()
@@ -38,16 +39,57 @@ def test_round_trip_layout_and_misses(tmp_path):
     assert _leftovers(tmp_path) == []
 
 
-def test_an_object_of_the_same_size_is_kept_and_a_truncated_one_replaced(tmp_path):
+def test_a_put_replaces_what_is_there_atomically(tmp_path):
+    """The store replaces; deciding to keep a sound object is the writer's
+    (``pages.store_owned`` verifies it first)."""
     store = FilePageStore(tmp_path)
     key = page_key("3" * 64, NS)
     first, second = pack(key, NS, payload(NS, 1)), pack(key, NS, payload(NS, 2))
     assert store.put([key], [first]) == [True]
-    assert store.put([key], [second]) == [True]  # pages are immutable by key: skipped
-    assert store.get([key]) == [first]
+    assert bytes(store.get([key])[0]) == first
     store.path_of(key).write_bytes(first[:100])  # a torn leftover
     assert store.put([key], [second]) == [True]
-    assert store.get([key]) == [second]
+    assert bytes(store.get([key])[0]) == second
+    assert not list(tmp_path.rglob("*.tmp"))
+
+
+def test_get_checks_the_size_before_reading_a_byte(tmp_path):
+    """An object of another size than the caller expects comes back as a
+    SizeMismatch, unread: a 100 GiB sparse file under a key's name costs no
+    memory (the test would be killed if it were read)."""
+    store = FilePageStore(tmp_path)
+    key = page_key("4" * 64, NS)
+    want = HEADER_BYTES + NS.page_bytes
+    path = store.path_of(key)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "wb") as f:
+        f.truncate(100 << 30)  # sparse: no disk used
+    assert store.get([key], [want]) == [SizeMismatch(100 << 30)]
+    path.write_bytes(b"x" * (want - 1))
+    assert store.get([key], [want]) == [SizeMismatch(want - 1)]
+    blob = pack(key, NS, payload(NS, 3))
+    assert store.put([key], [blob]) == [True]
+    assert bytes(store.get([key], [want])[0]) == blob
+    assert store.get([page_key("5" * 64, NS)], [want]) == [None]
+    with pytest.raises(ValueError, match="sizes must have one entry per key"):
+        store.get([key], [want, want])
+
+
+def test_temporary_files_of_dead_writers_are_swept_never_read(tmp_path):
+    key = page_key("6" * 64, NS)
+    store = FilePageStore(tmp_path)
+    sub = store.path_of(key).parent
+    sub.mkdir(parents=True, exist_ok=True)
+    old = sub / f".{key}.bin.123.456.deadbeef.tmp"
+    fresh = sub / f".{key}.bin.789.456.cafebabe.tmp"
+    for f in (old, fresh):
+        f.write_bytes(b"half a page")
+    ten_min_ago = time.time() - STALE_TMP_S - 5
+    os.utime(old, (ten_min_ago, ten_min_ago))
+    assert store.get([key]) == [None]  # a temporary file is never an object
+    assert FilePageStore(tmp_path).swept_files == 1  # at start-up: the dead writer's only
+    assert not old.exists() and fresh.exists()
+    assert store.sweep(max_age_s=0) == 1 and not fresh.exists()
 
 
 def test_a_path_that_is_a_regular_file_is_refused(tmp_path):

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from sglang_cp_hicache.l3.keys import page_keys
-from sglang_cp_hicache.l3.store import FilePageStore
+from sglang_cp_hicache.l3.store import FilePageStore, SizeMismatch
 from sglang_cp_hicache.l3_backends import MooncakeConfig, MooncakePageStore, open_page_store
 from tests.l3.common import hash_chain, namespace
 
@@ -151,14 +151,35 @@ def test_a_failed_batch_is_retried_per_object_and_only_the_failure_is_false(capl
     assert store.exists(keys) == [True, True, False, True]
 
 
-def test_same_size_objects_are_kept_and_others_replaced():
+def test_a_put_replaces_what_is_there():
+    """Deciding to keep a sound object is the writer's (pages.store_owned
+    verifies it first); the store upserts."""
     keys = _keys(3)
     client = _StandIn()
     client.objects = {keys[0]: b"old!", keys[1]: b"short"}
     store = MooncakePageStore(MooncakeConfig(MASTER), client=client)
     assert store.put(keys, [b"new!", b"longer one", b"x"]) == [True, True, True]
-    assert client.objects == {keys[0]: b"old!", keys[1]: b"longer one", keys[2]: b"x"}
-    assert client.batches == [[keys[1], keys[2]]]
+    assert client.objects == {keys[0]: b"new!", keys[1]: b"longer one", keys[2]: b"x"}
+    assert client.batches == [keys]
+
+
+def test_reads_go_in_batches_that_fit_the_staging_buffer_and_sizes_are_checked():
+    keys = _keys(5)
+    client = _StandIn()
+    buffer = 16 << 20
+    client.objects = {k: bytes(buffer // 3) for k in keys[:4]}
+    client.objects[keys[4]] = b"x"
+    reads = []
+    get_batch = client.get_batch
+    client.get_batch = lambda ks: (reads.append(list(ks)), get_batch(ks))[1]
+    store = MooncakePageStore(MooncakeConfig(MASTER, local_buffer_size=buffer), client=client)
+    got = store.get(keys, [buffer // 3] * 5)
+    assert reads == [keys[0:3], keys[3:5]]  # three objects fill the buffer, the rest go next
+    assert got[:4] == [bytes(buffer // 3)] * 4 and got[4] == SizeMismatch(1)
+    reads.clear()
+    assert store.get(keys[:2]) == [bytes(buffer // 3)] * 2 and reads == [keys[:1], keys[1:2]]  # sizes unknown
+    reads.clear()
+    assert store.get(keys[:1], [buffer + 1]) == [None] and reads == []  # larger than the buffer: never fetched
 
 
 def test_batches_fit_the_staging_buffer():

@@ -222,3 +222,35 @@ def test_open_page_store_on_the_http_metadata_server(tmp_path):
         chain.check_restored(read, agreed)
     finally:
         cl.stop()
+
+
+def test_a_40_page_chain_of_deepseek_pages_restores_whole_through_the_default_staging_buffer(cluster):
+    """DeepSeek-V3.2 KV pages (61 layers x 64 tokens x 656 B = 2.44 MiB) and
+    Mooncake's default 16 MiB staging buffer: a read of the whole chain goes
+    in batches that fit the buffer (6 objects each), so all 40 pages come
+    back, bit-exact, instead of the first 6."""
+    ns = namespace(row_bytes=656, page_size=64, layer_end=61)
+    assert ns.page_bytes == 2_561_024
+    keys = page_keys(hash_chain(40, seed=40, page_size=64), ns)
+    pages = [torch.full((ns.page_bytes,), i, dtype=torch.uint8) for i in range(40)]
+    store = cluster.open_store(global_segment_size=256 << 20)  # the default buffer: 16 MiB
+    assert store.config.local_buffer_size == 16 << 20
+    plan = write_plan(keys, [0] * 40, 1, 0)
+    assert all(store_owned(store, ns, plan, pages))
+    got = fetch_owned(cluster.stores[0], ns, read_plan(keys, [0] * 40, 1, 0))
+    assert got.usable_pages == 40
+    assert all(torch.equal(page, pages[i]) for i, page in got.restorable(40))
+
+
+def test_a_write_over_a_damaged_object_repairs_it(cluster):
+    chain = Chain(seed=9)
+    store = cluster.stores[0]
+    plan = write_plan(chain.keys, [0] * NUM_PAGES, 1, 0)
+    assert all(store_owned(store, NS, plan, chain.pages))
+    bad, _ = _damaged(chain, 4, "bit_flip")
+    assert store.put([chain.keys[4]], [bad]) == [True]
+    outcomes = store_owned(store, NS, plan, chain.pages)
+    assert [o.value for o in outcomes].count("repaired") == 1 and outcomes[4].value == "repaired"
+    read, agreed = chain.read([cluster.stores[1]], [0] * NUM_PAGES)
+    assert agreed == NUM_PAGES
+    chain.check_restored(read, agreed)

@@ -23,7 +23,10 @@ from sglang.srt.mem_cache.radix_cache import RadixKey
 
 from sglang_cp_hicache import settings
 from sglang_cp_hicache.l3.keys import page_key
-from sglang_cp_hicache.sglang_0518.l3_tier import balanced_owners, tier_for
+from sglang_cp_hicache.l3.identity import ModelIdentity
+from sglang_cp_hicache.l3.rank import RankL3
+from sglang_cp_hicache.sglang_0518.l3_port import L3Port0518
+from sglang_cp_hicache.sglang_0518.l3_tier import balanced_owners, open_l3
 from sglang_cp_hicache.testing.stack_0518 import CpStackConfig
 
 from tests.helpers.cp_cluster import CpCluster
@@ -63,7 +66,7 @@ def read_back(cl: CpCluster, tokens=TOKENS) -> list[int]:
     cl.step()  # the query's MIN: which pages exist on their owners
     io_done(cl)
     cl.step()  # the fetch's MIN: which pages verified; the node is inserted
-    assert all(not c._l3_pending for c in cl.caches)
+    assert all(not c.cp_l3.prefetcher.pending for c in cl.caches)
     cl.load_back(tokens)
     return [int(locs.numel()) for locs in cl.device_locs(tokens)]
 
@@ -151,7 +154,7 @@ def test_a_damaged_object_on_one_rank_gives_every_rank_the_same_shorter_prefix(
     try:
         bad = 3
         assert balanced_owners([0, 0], PAGES, P)[bad] == 1  # the damaged page is rank 1's
-        tier = cl.caches[0].cp_l3
+        tier = cl.caches[0].cp_l3.tier
         ns = tier.kv_ns if pool == "kv" else tier.indexer_ns
         _damage(tier.store.path_of(page_key(tier.page_hashes(TOKENS)[bad], ns)), how)
         assert read_back(cl) == [bad * P, bad * P]
@@ -169,7 +172,7 @@ def test_a_damaged_object_on_one_rank_gives_every_rank_the_same_shorter_prefix(
 @pytest.mark.parametrize("failure", ["returns False", "raises"])
 def test_a_failed_put_on_one_rank_keeps_every_rank_alike(tmp_path, monkeypatch, failure):
     def break_rank_2(cl):
-        store = cl.caches[2].cp_l3.store
+        store = cl.caches[2].cp_l3.tier.store
         if failure == "returns False":
             store.put = lambda keys, blobs: [False] * len(keys)
         else:
@@ -203,7 +206,7 @@ def test_a_store_call_that_raises_on_one_rank_restores_nothing_anywhere(written,
     try:
         def broken(keys):
             raise OSError("I/O error (injected)")
-        setattr(cl.caches[1].cp_l3.store, method, broken)
+        setattr(cl.caches[1].cp_l3.tier.store, method, broken)
         assert read_back(cl) == [0, 0]
         assert all(not c.root_node.children for c in cl.caches)
         assert [c.host_slot_ledger.used for c in cl.caches] == [[0, 0], [0, 0]]
@@ -218,7 +221,8 @@ def test_another_models_namespace_in_the_same_directory_misses(written, monkeypa
     cl = cluster(2)
     try:
         for c in cl.caches:
-            c.cp_l3 = tier_for(c, str(directory), model_id="another-model")
+            other = open_l3(c, c.cp_l3_location, "test", identity=ModelIdentity("name:another-model"))
+            c.cp_l3 = RankL3(other.tier, L3Port0518(c, other.tier), c.cp_l3_location)
         assert read_back(cl) == [0, 0]
         assert all(not c.root_node.children for c in cl.caches)
         assert all(c.cp_l3.counters.restored_pages == 0 for c in cl.caches)
@@ -333,11 +337,11 @@ def test_a_write_stores_the_pages_as_they_were_at_its_ack_on_the_worker_thread(t
     try:
         callers = set(cl.each(lambda s: threading.current_thread().name))
         for c in cl.caches:
-            def recorded(keys, blobs, _real=c.cp_l3.store.put):
+            def recorded(keys, blobs, _real=c.cp_l3.tier.store.put):
                 threads.append(threading.current_thread().name)
+                assert release.wait(20)  # every write waits until the host slots were reused
                 return _real(keys, blobs)
-            c.cp_l3.store.put = recorded
-            c.cp_l3_io.submit(lambda: int(release.wait(20)))  # the worker is busy until released
+            c.cp_l3.tier.store.put = recorded
         cl.insert(TOKENS)
         cl.step()  # the ack is consumed: the pages are copied, the writes queued
         cl.evict_device(PAGES * P)
@@ -353,6 +357,7 @@ def test_a_write_stores_the_pages_as_they_were_at_its_ack_on_the_worker_thread(t
         io_done(cl)
         assert sum(c.cp_l3.counters.written_pages for c in cl.caches) == 5 * PAGES
         assert threads and all(t.startswith("cp-hicache-l3-rank") and t not in callers for t in threads)
+        assert all("-write-" in t for t in threads)
     finally:
         release.set()
         cl.close()
@@ -362,3 +367,95 @@ def test_a_write_stores_the_pages_as_they_were_at_its_ack_on_the_worker_thread(t
         assert reader.check(TOKENS) == {}
     finally:
         reader.close()
+
+
+# ---- the model's identity ---------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """Two checkpoints of one architecture (different weights), a link to
+    the first, and an L3 directory that checkpoint A, served as "prod",
+    wrote TOKENS to."""
+    from sglang_cp_hicache.testing.env import tiny_model_dir
+
+    root = tmp_path_factory.mktemp("models")
+    for name, weights in (("A", b"a" * 256), ("B", b"b" * 256)):
+        (root / name).mkdir()
+        (root / name / "config.json").write_bytes((Path(tiny_model_dir()) / "config.json").read_bytes())
+        (root / name / "model.safetensors").write_bytes(weights)
+    (root / "A-link").symlink_to(root / "A")
+    directory = root / "l3"
+    mp = pytest.MonkeyPatch()
+    try:
+        mp.setenv(settings.L3_DIR.name, str(directory))
+        cl = CpCluster(_served(2, root / "A", served_model_name="prod"), threaded=True, timeout_s=30)
+        try:
+            cl.insert(TOKENS)
+            cl.step()
+            io_done(cl)
+            assert sum(c.cp_l3.counters.written_pages for c in cl.caches) == PAGES
+        finally:
+            cl.close()
+    finally:
+        mp.undo()
+    return root, directory
+
+
+def _served(n: int, model: Path, **args) -> CpStackConfig:
+    return CpStackConfig(cp_size=n, device_pages=8, host_pages=10,
+                         server_args=(("model_path", str(model)), *sorted(args.items())))
+
+
+@pytest.mark.parametrize("model,args,restores", [
+    ("B", {"served_model_name": "prod"}, False),  # another checkpoint under the same alias
+    ("A", {"served_model_name": "prod", "revision": "v2"}, False),
+    ("A", {"served_model_name": "prod", "quantization": "fp8"}, False),
+    ("A", {"served_model_name": "prod", "json_model_override_args": '{"rope_scaling": {"factor": 4.0}}'}, False),
+    ("A", {"served_model_name": "another-alias"}, True),  # the same checkpoint under another alias
+    ("A-link", {"served_model_name": "prod"}, True),  # ... and through a link to it
+], ids=["other-checkpoint", "revision", "quantization", "override-args", "other-alias", "link"])
+def test_only_the_same_models_bytes_are_restored(checkpoints, monkeypatch, model, args, restores):
+    root, directory = checkpoints
+    monkeypatch.setenv(settings.L3_DIR.name, str(directory))
+    cl = CpCluster(_served(2, root / model, **args), threaded=True, timeout_s=30)
+    try:
+        restored = read_back(cl)
+        assert restored == ([PAGES * P] * 2 if restores else [0, 0])
+        assert sum(c.cp_l3.counters.restored_pages for c in cl.caches) == (PAGES if restores else 0)
+        assert all(c.cp_l3.counters.rejected_pages == 0 for c in cl.caches)  # another model's keys: a plain miss
+        if restores:
+            assert cl.check(TOKENS) == {}
+        assert_alike(cl)
+    finally:
+        cl.close()
+
+
+def test_one_ranks_unusable_directory_stops_every_rank_at_once_with_the_l3_message(tmp_path, monkeypatch):
+    """Rank 1's L3 directory is a file: rank 1 does not raise before the
+    start-up agreement (its peers would wait in the all-gather until the
+    collective timeout); its problem is its agreement view, so every rank
+    stops at once, naming it."""
+    import time
+
+    from sglang_cp_hicache.agreement import CpAgreementError
+    from sglang_cp_hicache.l3.location import L3Location
+    from sglang_cp_hicache.sglang_0518 import hiradix
+    from tests.helpers.cp_cluster import RankSetup, build_each_rank, building_rank
+
+    not_a_dir = tmp_path / "a-file"
+    not_a_dir.write_text("x")
+    monkeypatch.setenv(settings.L3_DIR.name, str(tmp_path / "l3"))
+    real_location = hiradix.storage_location
+    monkeypatch.setattr(
+        hiradix, "storage_location",
+        lambda args: L3Location(str(not_a_dir), False, "SGLANG_CP_HICACHE_L3_DIR") if building_rank() == 1
+        else real_location(args),
+    )
+    start = time.monotonic()
+    outcomes = build_each_rank(CpStackConfig(cp_size=2, device_pages=8, host_pages=10), lambda r: RankSetup(r),
+                               timeout_s=120)
+    assert time.monotonic() - start < 60  # not the collective timeout
+    assert all(isinstance(o, CpAgreementError) for o in outcomes), outcomes
+    assert all("disagree on l3" in str(o) and "L3 directory unusable" in str(o) and "a-file" in str(o)
+               for o in outcomes)

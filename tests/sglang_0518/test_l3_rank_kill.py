@@ -57,7 +57,7 @@ def _rank_main(rank: int, world: int, init_file: str, l3_dir: str, out_dir: str)
     report = {"startup_s": time.monotonic() - began, "looked_up": cache.l3_prefetch(RadixKey(TOKENS))}
     cache.l3_wait_io(timeout=10)
     cache.check_hicache_events()  # the query's MIN: every rank starts fetching its own pages
-    report["after_query"] = [p.stage for p in cache._l3_pending]
+    report["after_query"] = [p.stage.value for p in cache.cp_l3.prefetcher.pending]
     report["host_used_after_query"] = cache.host_slot_ledger.used
     Path(f"{out_dir}/query{rank}.done").touch()
     if rank == VICTIM:
@@ -74,7 +74,7 @@ def _rank_main(rank: int, world: int, init_file: str, l3_dir: str, out_dir: str)
     report["seconds"] = time.monotonic() - start
     host = cache.cache_controller.mem_pool_host
     report.update(
-        pending=len(cache._l3_pending),
+        pending=len(cache.cp_l3.prefetcher.pending),
         children=len(cache.root_node.children),
         host_free=host.available_size() == host.size,
         ledger=cache.host_slot_ledger.used,
@@ -135,14 +135,14 @@ def test_a_rank_killed_between_the_query_and_the_fetch(tmp_path, monkeypatch):
     assert report["pending"] == 0 and report["children"] == 0 and report["restored"] == 0
     assert report["host_free"] and report["ledger"] == [0, 0] and report["root_host_refs"] == 0
     log = (out / "rank0.log").read_text()
-    assert "cp-hicache L3: the step all-reduce failed on cp_rank 0 with 1 prefetch(es) pending" in log
+    assert "cp-hicache L3: the step all-reduce failed on cp_rank 0 with 1 L3 lookup(s) pending" in log
 
     # The directory: exactly the objects CP 4 wrote, each whole and valid.
     after = {f: f.read_bytes() for f in directory.rglob("*.bin")}
     assert after == before and not list(directory.rglob("*.tmp*"))
     reader = CpCluster(CpStackConfig(cp_size=2, device_pages=8, host_pages=10), threaded=True, timeout_s=30)
     try:
-        tier = reader.caches[0].cp_l3
+        tier = reader.caches[0].cp_l3.tier
         for f, blob in after.items():
             ns = tier.kv_ns if f.stem.endswith(tier.kv_ns.digest()) else tier.indexer_ns
             assert not isinstance(unpack(f.stem, ns, blob), Rejection), f

@@ -18,12 +18,14 @@ import json
 import logging
 import sys
 import threading
+import time
 import types
 from array import array
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from sglang_cp_hicache import settings
 from sglang_cp_hicache.testing.stack_0518 import CpStackConfig, build_cp_rank_stack
@@ -170,7 +172,8 @@ def assert_alike(cl: CpCluster) -> None:
 
 def assert_nothing_held(cl: CpCluster) -> None:
     for c in cl.caches:
-        assert not c._l3_pending and not c._l3_waiting and not c.prefetch_loaded_tokens_by_reqid
+        assert not c.cp_l3.prefetcher.pending and not c.cp_l3.prefetcher.waiting
+        assert not c.prefetch_loaded_tokens_by_reqid
         assert c.root_node.host_ref_counter == 0
         host = c.cache_controller.mem_pool_host
         assert host.available_size() == host.size
@@ -186,7 +189,7 @@ def test_cp4_writes_cp2_reads_bit_exact_through_the_scheduler(written):
     try:
         assert all(c.cp_l3 is not None and c.enable_storage is False for c in cl.caches)
         queues = arrive(cl, ["a"])
-        assert all(c._l3_waiting.keys() == {"a"} for c in cl.caches)
+        assert all(c.cp_l3.prefetcher.waiting.keys() == {"a"} for c in cl.caches)
         assert waiting_pass(cl, queues) == [[], []]  # the query's MIN: still waiting
         assert waiting_pass(cl, queues) == [["a"], ["a"]]  # the fetch's MIN: restored
         for q in queues:
@@ -218,14 +221,15 @@ def test_requests_with_one_prefix_wait_on_one_prefetch(written):
     cl = cluster(2, written)
     try:
         queues = arrive(cl, ["a", "b"])
-        assert all(len(c._l3_pending) == 1 for c in cl.caches)
+        assert all(len(c.cp_l3.prefetcher.pending) == 1 for c in cl.caches)
+        assert all(c.cp_l3.counters.joined_requests == 1 for c in cl.caches)
         assert waiting_pass(cl, queues) == [[], []]
         assert waiting_pass(cl, queues) == [["a", "b"], ["a", "b"]]
         for q in queues:  # the asker counts the storage hit; both find the pages on host
             assert (q["a"].storage_hit_length, q["b"].storage_hit_length) == (PAGES * P, 0)
             assert q["b"].host_hit_length == PAGES * P
         arrive(cl, ["a"])  # arriving again (a retraction): nothing new to fetch
-        assert all(not c._l3_pending for c in cl.caches)
+        assert all(not c.cp_l3.prefetcher.pending for c in cl.caches)
         assert_alike(cl)
     finally:
         cl.close()
@@ -276,13 +280,13 @@ def test_l3_reads_run_on_the_worker_thread_not_the_scheduler_thread(written):
     try:
         seen: list[tuple[str, str]] = []
         for c in cl.caches:
-            store = c.cp_l3.store
+            store = c.cp_l3.tier.store
             for method in ("exists", "get"):
                 real = getattr(store, method)
 
-                def recorded(keys, _real=real, _method=method):
+                def recorded(keys, *args, _real=real, _method=method):
                     seen.append((_method, threading.current_thread().name))
-                    return _real(keys)
+                    return _real(keys, *args)
                 setattr(store, method, recorded)
         callers = set(cl.each(lambda s: threading.current_thread().name))
         queues = arrive(cl, ["a"])
@@ -290,6 +294,7 @@ def test_l3_reads_run_on_the_worker_thread_not_the_scheduler_thread(written):
         assert waiting_pass(cl, queues) == [["a"], ["a"]]
         assert {m for m, _ in seen} == {"exists", "get"}
         assert all(name.startswith("cp-hicache-l3-rank") and name not in callers for _, name in seen)
+        assert all("-read-" in name for m, name in seen if m == "exists")
     finally:
         cl.close()
 
@@ -302,12 +307,12 @@ def test_slow_io_on_one_rank_keeps_every_rank_waiting_alike(written, method):
     cl = cluster(2, written)
     release = threading.Event()
     try:
-        store = cl.caches[1].cp_l3.store
+        store = cl.caches[1].cp_l3.tier.store
         real = getattr(store, method)
 
-        def slow(keys):
+        def slow(keys, *args):
             assert release.wait(20)
-            return real(keys)
+            return real(keys, *args)
         setattr(store, method, slow)
         queues = arrive(cl, ["a"])
         if method == "get":  # the query is not slowed: let it settle first
@@ -316,7 +321,7 @@ def test_slow_io_on_one_rank_keeps_every_rank_waiting_alike(written, method):
         assert cl.caches[0].l3_wait_io(timeout=10)  # rank 0 is ready; rank 1 is not
         for _ in range(3):
             assert waiting_pass(cl, queues, wait_io=False) == [[], []]
-            assert [[p.stage for p in c._l3_pending] for c in cl.caches] == [[stage], [stage]]
+            assert [[p.stage for p in c.cp_l3.prefetcher.pending] for c in cl.caches] == [[stage], [stage]]
             assert all(not c.root_node.children for c in cl.caches)
         release.set()
         if method == "exists":
@@ -331,29 +336,151 @@ def test_slow_io_on_one_rank_keeps_every_rank_waiting_alike(written, method):
         cl.close()
 
 
-def test_an_abort_while_one_ranks_fetch_still_runs_waits_for_it_then_drops_alike(written):
-    """The slots a running fetch writes into are freed only once it is done
-    on every rank: the aborted prefetch waits (NOT_READY), then votes 0."""
+def test_an_abort_while_one_ranks_fetch_still_runs_settles_at_the_next_min_and_the_fetch_writes_nothing(written):
+    """An aborted lookup answers 0 at once, whatever its I/O is doing: every
+    rank settles it at the next MIN and gives its host slots back, while
+    rank 1's fetch is still blocked in the store. That fetch is cancelled:
+    when its read returns it writes nothing into the (freed) host slots."""
     cl = cluster(2, written)
     release = threading.Event()
     try:
-        store = cl.caches[1].cp_l3.store
+        store = cl.caches[1].cp_l3.tier.store
         real = store.get
-        store.get = lambda keys: (release.wait(20), real(keys))[1]
+        store.get = lambda keys, *args: (release.wait(20), real(keys, *args))[1]
         queues = arrive(cl, ["x"])
         assert waiting_pass(cl, queues) == [[], []]  # the fetch runs now
+        job = cl.caches[1].cp_l3.prefetcher.pending[0].job
+        host = cl.caches[1].cache_controller.mem_pool_host
+        before = host.kv_buffer.clone()
         cl.each(lambda s: s.cache.release_aborted_request("x"))
         for q in queues:
             q.pop("x")
-        assert cl.caches[0].l3_wait_io(timeout=10)
         waiting_pass(cl, queues, wait_io=False)
-        assert all(len(c._l3_pending) == 1 for c in cl.caches)  # rank 1's fetch still writes its slots
-        release.set()
-        waiting_pass(cl, queues)
-        assert_nothing_held(cl)
+        assert not job.done()  # rank 1's read is still blocked ...
+        assert_nothing_held(cl)  # ... and yet every rank gave everything back
         assert all(not c.root_node.children for c in cl.caches)
+        release.set()
+        assert job.wait(10)
+        assert torch.equal(host.kv_buffer, before)  # the cancelled fetch wrote nothing
     finally:
         release.set()
+        cl.close()
+
+
+@pytest.mark.parametrize("namespace", ["extra_key", "cache_salt"])
+def test_a_lora_or_salted_request_never_looks_up_the_plain_chain(written, namespace):
+    """A request with an extra key (a LoRA adapter) or a cache salt matches
+    nothing (its namespace is empty) and is anchored at the root, like a
+    plain request; it must not look up, fetch or insert the plain chain --
+    though L3 holds it -- nor report it as its storage hit."""
+    cl = cluster(2, written)
+    try:
+        def run(s):
+            req = request("lora")
+            setattr(req, namespace, "adapter-7")
+            Scheduler._prefetch_kvcache(scheduler(s), req)
+            return {"lora": req}
+        queues = cl.each(run)
+        assert all(c.cp_l3.counters.prefetches == 0 for c in cl.caches)
+        assert waiting_pass(cl, queues) == [["lora"], ["lora"]]
+        assert all(q["lora"].storage_hit_length == 0 and q["lora"].host_hit_length == 0 for q in queues)
+        assert all(not c.root_node.children for c in cl.caches)
+        # the same tokens without the namespace do look L3 up
+        queues = arrive(cl, ["plain"])
+        assert all(c.cp_l3.counters.prefetches == 1 for c in cl.caches)
+        waiting_pass(cl, queues)
+        assert waiting_pass(cl, queues) == [["plain"], ["plain"]]
+    finally:
+        cl.close()
+
+
+def test_a_chain_that_one_rank_cannot_hash_is_a_miss_on_every_rank_not_a_missing_lookup(written):
+    """SGLang's page hasher is a native extension compiled on first use; if
+    it fails on one rank, that rank must still have the lookup (the count of
+    words in the step's MIN must match on every rank) and answer 0."""
+    cl = cluster(2, written)
+    try:
+        tier = cl.caches[1].cp_l3.tier
+        real = tier.page_hasher
+
+        def fails_once(*args, **kwargs):
+            tier.page_hasher = real
+            raise RuntimeError("Failed to load HiCache native hash extension (injected)")
+        tier.page_hasher = fails_once
+        queues = arrive(cl, ["a"])
+        assert [c.cp_l3.counters.prefetches for c in cl.caches] == [1, 1]
+        assert waiting_pass(cl, queues) == [["a"], ["a"]]  # the MIN: a miss everywhere, in one step
+        assert all(q["a"].storage_hit_length == 0 for q in queues)
+        assert_nothing_held(cl)
+        queues = arrive(cl, ["b"])  # the next lookup hashes fine and restores
+        waiting_pass(cl, queues)
+        assert waiting_pass(cl, queues) == [["b"], ["b"]]
+        assert all(q["b"].storage_hit_length == PAGES * P for q in queues)
+    finally:
+        cl.close()
+
+
+def _deadline_config(n: int, directory: Path, deadline_s: float) -> CpStackConfig:
+    extra = {"file_storage_path": str(directory), "prefetch_timeout_base": deadline_s,
+             "prefetch_timeout_per_ki_token": 0.0, "prefetch_timeout_max": deadline_s}
+    return CpStackConfig(cp_size=n, device_pages=8, host_pages=10, storage_backend="file",
+                         storage_extra_config=json.dumps(extra))
+
+
+OTHER = list(range(60_000, 60_000 + 3 * P))  # a second chain, written beside TOKENS
+OTHER_SERVED = array("q", OTHER)
+
+
+@pytest.mark.parametrize("method", ["exists", "get"])  # the query's I/O, the fetch's
+def test_a_read_that_blocks_forever_on_one_rank_settles_at_its_deadline_and_holds_up_nothing(
+    tmp_path, method
+):
+    """Rank 1's store call for one chain never returns. Every rank settles
+    that lookup in the step after its deadline (rank 1 answers "miss from
+    here"), nothing it held stays held, and the next request's lookup -- on
+    a spare I/O thread -- restores its chain bit-exact."""
+    deadline = 1.0
+    writer = CpCluster(_deadline_config(2, tmp_path, deadline), threaded=True, timeout_s=30)
+    try:
+        for tokens in (TOKENS, OTHER):
+            writer.insert(tokens)
+            writer.step()
+        assert all(writer.each(lambda s: s.cache.l3_wait_io(timeout=10)))
+    finally:
+        writer.close()
+    cl = CpCluster(_deadline_config(2, tmp_path, deadline), threaded=True, timeout_s=30)
+    never = threading.Event()
+    try:
+        store = cl.caches[1].cp_l3.tier.store
+        real = getattr(store, method)
+        stuck_keys = set(cl.caches[1].cp_l3.tier.page_hashes(TOKENS))
+
+        def hangs(keys, *args):
+            if any(k.split("_")[0] in stuck_keys for k in keys):
+                never.wait()  # until the test ends: a read that never returns
+            return real(keys, *args)
+        setattr(store, method, hangs)
+        queues = arrive(cl, ["a"])
+        if method == "get":  # the query is not held: it settles first
+            assert waiting_pass(cl, queues) == [[], []]
+        start = time.monotonic()
+        staged = waiting_pass(cl, queues)  # waits for each rank's word: done, or past the deadline
+        took = time.monotonic() - start
+        assert staged == [["a"], ["a"]] and took < deadline + 10.0, took  # the deadline, not the blocked read
+        assert all(q["a"].storage_hit_length == 0 for q in queues)
+        assert cl.caches[1].cp_l3.counters.timeouts == 1 and cl.caches[0].cp_l3.counters.timeouts == 0
+        assert_nothing_held(cl)
+        # The held thread is replaced: another chain's lookup goes on.
+        later = {r: {"b": request("b", OTHER)} for r in range(2)}
+        cl.each(lambda s: Scheduler._prefetch_kvcache(scheduler(s), later[s.cp_rank]["b"]))
+        assert waiting_pass(cl, later) == [[], []]
+        assert waiting_pass(cl, later) == [["b"], ["b"]]
+        assert all(q["b"].storage_hit_length == len(OTHER) for q in later.values())
+        cl.load_back(OTHER_SERVED)
+        assert cl.check(OTHER_SERVED) == {}
+        assert_alike(cl)
+    finally:
+        never.set()
         cl.close()
 
 

@@ -69,10 +69,10 @@ def _lie_about_page_size(monkeypatch, rank: int, page_size: int) -> None:
     no stack can really be built with one)."""
     agree = CpHiRadixCache._agree_with_peers
 
-    def lying(self):
+    def lying(self, l3_view):
         if building_rank() == rank:
             self.page_size = page_size
-        return agree(self)
+        return agree(self, l3_view)
 
     monkeypatch.setattr(CpHiRadixCache, "_agree_with_peers", lying)
 
@@ -147,9 +147,9 @@ def test_a_lone_rank_checks_its_own_view(monkeypatch):
     itself (cp_rank outside cp_size) is still refused."""
     agree = CpHiRadixCache._agree_with_peers
 
-    def out_of_range(self):
+    def out_of_range(self, l3_view):
         self.cp_layout = types.SimpleNamespace(cp_rank=5, cp_size=2)
-        return agree(self)
+        return agree(self, l3_view)
 
     monkeypatch.setattr(CpHiRadixCache, "_agree_with_peers", out_of_range)
     with pytest.raises(CpAgreementError, match=r"group rank 0 has cp_rank 5, outside 0..1"):

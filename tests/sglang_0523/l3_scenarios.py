@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import threading
+import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -55,32 +57,43 @@ def _run(world: int, rank: int, group: Any, l3_dir: str, patch: Optional[Callabl
     # the scheduler's storage calls reach the driver (before any test patch)
     surface = {name: getattr(getattr(stack.cache, name), "__self__", None) is driver for name in driver._REPLACED}
     written: list[str] = []
+    io_threads: set[str] = set()
+    lock = threading.Lock()
     put = driver.tier.store.put
 
-    def recorded_put(keys: Any, blobs: Any) -> list[bool]:
+    def recorded_put(keys: Any, blobs: Any) -> list[bool]:  # on the L3 write threads
+        io_threads.add(threading.current_thread().name)
         results = put(keys, blobs)
-        written.extend(k for k, ok in zip(keys, results) if ok)
+        with lock:
+            written.extend(k for k, done in zip(keys, results) if done)
         return results
 
     driver.tier.store.put = recorded_put
-    store_pages, store_calls = driver.tier.store_pages, []
+    write, write_calls = driver.l3.writer.write, []
 
-    def recorded_store(hashes: list, owners: list, slots: list) -> int:
-        start = len(written)
-        try:
-            return store_pages(hashes, owners, slots)
-        finally:
-            store_calls.append((list(hashes), list(owners), written[start:]))
+    def recorded_write(hashes: list, owners: list, slots: list) -> None:  # on the scheduler thread
+        write_calls.append((list(hashes), list(owners)))
+        return write(hashes, owners, slots)
 
-    driver.tier.store_pages = recorded_store
+    driver.l3.writer.write = recorded_write
+    for method in ("exists", "get"):  # put is recorded above
+        real = getattr(driver.tier.store, method)
+
+        def recorded(keys: Any, *args: Any, _real: Any = real) -> Any:
+            io_threads.add(threading.current_thread().name)
+            return _real(keys, *args)
+
+        setattr(driver.tier.store, method, recorded)
     if patch is not None:
         patch(driver, rank)
     records = [engine.serve(i, r.tokens) for i, r in enumerate(_requests())]
-    totals = engine.totals()
+    totals = engine.totals()  # waits for the last writes
     out = {
-        "counters": asdict(driver.counters),
+        "counters": driver.counters.as_dict(),
         "written_keys": written,
-        "store_calls": store_calls,
+        "write_calls": write_calls,
+        "io_threads": sorted(io_threads),
+        "scheduler_thread": threading.current_thread().name,
         "corrupted_pages": sum(r.corrupted_pages for r in records),
         "l3_pages_verified": sum(r.l3_pages_verified for r in records),
         "restored_pages_verified": sum(r.restored_pages_verified for r in records),
@@ -146,7 +159,7 @@ def _abort_every_third_lookup(driver: Any, rank: int) -> None:
     def aborting(request: Any, *args: Any, **kwargs: Any) -> Any:
         out = prefetch(request, *args, **kwargs)
         calls[0] += 1
-        if calls[0] % 3 == 0 and any(p.handle == request for p in driver.pending):
+        if calls[0] % 3 == 0 and driver.prefetcher.is_waiting(request):
             driver.aborted_lookups = getattr(driver, "aborted_lookups", 0) + 1
             cache.finish(request, CacheRequestOutcome.ABORT)
         return out
@@ -156,22 +169,140 @@ def _abort_every_third_lookup(driver: Any, rank: int) -> None:
 
 def _other_model(rank: int, group: Any, l3_dir: str) -> dict[str, Any]:
     """A CP 2 reader whose namespace names another model."""
+    from sglang_cp_hicache.l3.identity import ModelIdentity
     from sglang_cp_hicache.sglang_0523 import strategy
 
     open_l3 = strategy.open_l3
 
-    def other(location: Any, group_: Any, *, model_id: Any, layer_start: int) -> Any:
-        return open_l3(location, group_, model_id="another/model", layer_start=layer_start)
+    def other(location: Any, group_: Any, *, server_args: Any, layer_start: int) -> Any:
+        return open_l3(location, group_, identity=ModelIdentity("name:another/model"), layer_start=layer_start)
 
     def no_writes(driver: Any, rank_: int) -> None:
         # Nothing of its own in L3: anything restored would be the other model's.
-        driver.tier.store_pages = lambda hashes, owners, slots: 0
+        driver.l3.writer.write = lambda hashes, owners, slots: None
 
     strategy.open_l3 = other
     try:
         return _run(2, rank, group, l3_dir, no_writes)
     finally:
         strategy.open_l3 = open_l3
+
+
+#: The lookup deadline of the stuck-read run (seconds).
+STUCK_DEADLINE_S = 1.0
+
+
+def _stuck_read_on_rank_1(method: str) -> Callable[[Any, int], None]:
+    """Rank 1's first store ``method`` call (``exists``: a query; ``get``: a
+    fetch) never returns while the run lasts; every lookup's start and settle
+    time and every step's time are recorded in ``driver.timing``."""
+
+    def patch(driver: Any, rank: int) -> None:
+        from sglang_cp_hicache.l3.location import L3Timeouts
+
+        driver.prefetcher.timeouts = L3Timeouts(STUCK_DEADLINE_S, 0.0, STUCK_DEADLINE_S)
+        timing = driver.timing = {"lookups": [], "steps": [], "release": threading.Event()}
+        prefetcher, cache = driver.prefetcher, driver.cache
+        start, commit, events = prefetcher.start, prefetcher.commit, cache.check_hicache_events
+        began: dict[int, float] = {}
+
+        def timed_start(plan: Any, rid: Any = None) -> None:
+            start(plan, rid)
+            began[id(prefetcher.pending[-1].plan)] = time.monotonic()
+
+        def timed_commit(agreed: list) -> None:
+            before = {id(lookup.plan) for lookup in prefetcher.pending}
+            commit(agreed)
+            after = {id(lookup.plan) for lookup in prefetcher.pending}
+            for gone in before - after:
+                timing["lookups"].append(time.monotonic() - began.pop(gone))
+
+        def timed_events() -> None:
+            t0 = time.monotonic()
+            events()
+            timing["steps"].append(time.monotonic() - t0)
+
+        prefetcher.start, prefetcher.commit, cache.check_hicache_events = timed_start, timed_commit, timed_events
+        if rank != 1:
+            return
+        store = driver.tier.store
+        real, calls = getattr(store, method), [0]
+
+        def hangs(keys: Any, *args: Any) -> Any:
+            calls[0] += 1
+            if calls[0] == 1:
+                timing["release"].wait()  # until the run is over
+            return real(keys, *args)
+
+        setattr(store, method, hangs)
+
+    return patch
+
+
+def _stuck(rank: int, group: Any, l3_dir: str, method: str) -> dict[str, Any]:
+    holder: dict[str, Any] = {}
+
+    def patch(driver: Any, rank_: int) -> None:
+        _stuck_read_on_rank_1(method)(driver, rank_)
+        holder["driver"] = driver
+
+    try:
+        out = _run(2, rank, group, l3_dir, patch)
+    finally:
+        if "driver" in holder:
+            holder["driver"].timing["release"].set()
+    timing = holder["driver"].timing
+    out["timing"] = {"lookups": timing["lookups"], "steps": timing["steps"]}
+    return out
+
+
+def _joined(rank: int, group: Any, l3_dir: str, k: int = 4) -> dict[str, Any]:
+    """K requests with one prefix arrive before a step: one lookup, one
+    fetch; the first request reports the storage hit, the others find the
+    pages in the host tier; every restored page is verified on the device."""
+    from array import array
+
+    from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle, MatchPrefixParams
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+
+    from sglang_cp_hicache.sim.engine_0523 import ShardedSimRankEngine
+
+    stack = _stack(2, rank, group, l3_dir)
+    engine = ShardedSimRankEngine(stack, content_seed=1)
+    driver, cache = stack.controller.cp_l3, stack.cache
+    fetches = [0]
+    fetch_into = driver.tier.fetch_into
+
+    def counted(*args: Any) -> int:
+        fetches[0] += 1
+        return fetch_into(*args)
+
+    driver.tier.fetch_into = counted
+    tokens = list(_requests()[0].tokens)
+    handles = [CacheRequestHandle(f"joined-{i}", 0) for i in range(k)]
+    for handle in handles:  # the scheduler's _prefetch_kvcache, alike on every rank
+        match = cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", tokens))))
+        matched = int(match.device_prefix_len) + int(match.host_hit_length)
+        anchor = match.last_host_node
+        cache.prefetch_from_storage(handle, anchor, tokens[matched: len(tokens) - 1],
+                                    cache.get_last_hash_value(anchor), None, matched_prefix_tokens=tokens[:matched])
+    steps = 0
+    while not all(cache.check_prefetch_progress(h) for h in handles):
+        assert driver.wait_io(timeout=30)
+        engine._check_events()
+        steps += 1
+        assert steps < 5, "the joined lookup did not settle"
+    spans = [list(cache.pop_prefetch_loaded_span(h)) for h in handles]
+    records = [engine.serve(i, tokens) for i in range(k)]
+    out = {
+        "counters": driver.counters.as_dict(), "fetches": fetches[0], "steps": steps, "spans": spans,
+        "corrupted_pages": sum(r.corrupted_pages for r in records),
+        "host_hit_tokens": [r.host_hit_tokens for r in records],
+        "restored_pages_verified": sum(r.restored_pages_verified for r in records),
+        "violations": engine.invariant_violations(),
+    }
+    stack.close()
+    return out
 
 
 def _unusable(rank: int, group: Any, path: str) -> str:
@@ -195,7 +326,8 @@ def l3_suite(rank: int, world: int, *, l3_root: str) -> dict[str, Any]:
         out["cp3_write"] = _run(3, rank, group3, str(base / "d3"))
     dist.barrier()
     if rank == 0:
-        for name, source in (("r4", "d4"), ("r3", "d3"), ("bad", "d4"), ("fetch", "d4"), ("other", "d4")):
+        for name, source in (("r4", "d4"), ("r3", "d3"), ("bad", "d4"), ("fetch", "d4"), ("other", "d4"),
+                             ("stuck_q", "d4"), ("stuck_f", "d4"), ("joined", "d4")):
             shutil.copytree(base / source, base / name)
         out["damaged"] = _damage(base / "bad")
         (base / "a-file").write_text("not a directory")
@@ -208,6 +340,9 @@ def l3_suite(rank: int, world: int, *, l3_root: str) -> dict[str, Any]:
         out["put_fails"] = _run(2, rank, group2, str(base / "puts"), _raise_on_rank_1("put"))
         out["after_put_fails"] = _run(2, rank, group2, str(base / "puts"))
         out["other_model"] = _other_model(rank, group2, str(base / "other"))
+        out["stuck_query"] = _stuck(rank, group2, str(base / "stuck_q"), "exists")
+        out["stuck_fetch"] = _stuck(rank, group2, str(base / "stuck_f"), "get")
+        out["joined"] = _joined(rank, group2, str(base / "joined"))
         out["unusable"] = _unusable(rank, group2, str(base / "a-file"))
     dist.barrier()
     if rank == 0:

@@ -56,14 +56,12 @@ def test_each_rank_writes_exactly_its_own_pages(l3_ranks, name, world):
     assert len(runs) == world
     _alike(runs, name)
     kv, idx = (part.split(":")[1] for part in runs[0]["namespaces"].split("|"))
-    calls = [r["store_calls"] for r in runs]
-    assert len({len(c) for c in calls}) == 1 and len(calls[0]) > 0, name  # every rank stores every node
-    for i in range(len(calls[0])):
-        hashes, owners, _ = calls[0][i]
-        assert all(c[i][:2] == (hashes, owners) for c in calls), (name, i)  # the same node, the same owners
-        for rank, c in enumerate(calls):
-            mine = {f"{h}_{d}" for h, o in zip(hashes, owners) if o == rank for d in (kv, idx)}
-            assert sorted(c[i][2]) == sorted(mine), (name, i, rank)  # exactly its own pages, KV + indexer
+    calls = [r["write_calls"] for r in runs]
+    assert len(calls[0]) > 0 and all(c == calls[0] for c in calls), name  # every node, the same owners, everywhere
+    for rank, run in enumerate(runs):
+        mine = {f"{h}_{d}" for hashes, owners in calls[0] for h, o in zip(hashes, owners) if o == rank
+                for d in (kv, idx)}
+        assert sorted(run["written_keys"]) == sorted(mine), (name, rank)  # exactly its own pages, KV + indexer
     for rank, run in enumerate(runs):
         assert len(run["written_keys"]) == 2 * run["counters"]["written_pages"] > 0, (name, rank)
         assert run["counters"]["write_failures"] == 0, (name, rank)
@@ -75,6 +73,14 @@ def test_each_rank_writes_exactly_its_own_pages(l3_ranks, name, world):
     for r in runs:
         assert 0.5 / world < r["counters"]["written_pages"] / total < 1.5 / world, name
     assert all(r["surface"] == {k: True for k in r["surface"]} for r in runs)
+
+
+@pytest.mark.parametrize("name", ["cp4_write", "cp4_to_cp2"])
+def test_every_l3_read_and_write_runs_on_the_l3_io_threads(l3_ranks, name):
+    for run in _runs(l3_ranks, name):
+        threads = run["io_threads"]
+        assert threads and run["scheduler_thread"] not in threads, threads
+        assert all(t.startswith("cp-hicache-l3-rank") for t in threads), threads
 
 
 # ---- cross-topology reads --------------------------------------------------------------------
@@ -104,7 +110,13 @@ def test_damaged_objects_are_refused_and_every_rank_restores_the_same_shorter_pr
     _alike(runs, "damaged")
     assert runs[0]["aborted_lookups"] == runs[1]["aborted_lookups"] > 0
     assert set(l3_ranks[0]["damaged"]) == {"deleted", "truncated", "flipped"}
-    assert sum(r["counters"]["rejected_pages"] for r in runs) >= 1  # truncated / flipped found and refused
+    # Truncated / flipped objects are found and refused by a reader, or --
+    # when a write of the same page comes first (a deleted page earlier in
+    # the chain makes the reader compute and write the rest) -- found damaged
+    # by that write and replaced.
+    refused = sum(r["counters"]["rejected_pages"] for r in runs)
+    repaired = sum(r["counters"]["repaired_pages"] for r in runs)
+    assert refused + repaired >= 2, [r["counters"] for r in runs]
     assert sum(r["counters"]["restored_pages"] for r in runs) < sum(r["counters"]["restored_pages"] for r in clean)
 
 
@@ -142,6 +154,33 @@ def test_an_unusable_l3_directory_stops_start_up_on_every_rank(l3_ranks):
     for message in _runs(l3_ranks, "unusable"):
         assert "SGLANG_CP_HICACHE_L3_DIR: L3 directory unusable" in message
         assert "a-file" in message and "is not a directory" in message
+
+
+@pytest.mark.parametrize("name", ["stuck_query", "stuck_fetch"])
+def test_a_read_that_blocks_on_one_rank_settles_alike_at_its_deadline_and_holds_up_nothing(l3_ranks, name):
+    """Rank 1's first exists (a query) / get (a fetch) never returns while
+    the run lasts: every rank settles that lookup within the deadline plus
+    a step, every later lookup goes on (on a spare I/O thread) and restores
+    pages, the ranks stay alike, nothing leaks, nothing is corrupted."""
+    runs = _runs(l3_ranks, name)
+    _alike(runs, name)
+    assert runs[1]["counters"]["timeouts"] == 1 and runs[0]["counters"]["timeouts"] == 0
+    for rank, run in enumerate(runs):
+        steps, lookups = run["timing"]["steps"], run["timing"]["lookups"]
+        assert lookups and max(lookups) < l3_scenarios.STUCK_DEADLINE_S + 2 * max(steps) + 0.5, (rank, run["timing"])
+        assert run["counters"]["restored_pages"] > 0, rank  # later lookups went on
+
+
+def test_k_requests_sharing_a_chain_do_one_lookup_and_one_fetch(l3_ranks):
+    runs = _runs(l3_ranks, "joined")
+    assert len(runs) == 2
+    for rank, run in enumerate(runs):
+        c = run["counters"]
+        assert (c["prefetches"], c["joined_requests"], run["fetches"]) == (1, 3, 1), (rank, run)
+        assert run["steps"] == 2  # the query's MIN, the fetch's
+        assert run["spans"][0][0] > 0 and all(span[0] == 0 for span in run["spans"][1:])  # the asker's hit
+        assert run["corrupted_pages"] == 0 and run["violations"] == [] and run["restored_pages_verified"] > 0
+    assert runs[0]["spans"] == runs[1]["spans"]
 
 
 # ---- the lifted refusal (SGLang's own resolution step) ------------------------------------
@@ -287,8 +326,11 @@ def test_an_aborted_request_reaches_the_driver_through_finish():
 def _driver_on_stand_ins(seen: list):
     import torch
 
+    from sglang_cp_hicache.l3.location import L3Location
+    from sglang_cp_hicache.l3.prefetch import ChainPlan, L3Lookup, Stage
+    from sglang_cp_hicache.l3.rank import RankL3
     from sglang_cp_hicache.placement import CpPlacement
-    from sglang_cp_hicache.sglang_0523.l3_cache import L3Driver, L3Lookup
+    from sglang_cp_hicache.sglang_0523.l3_cache import L3Driver
     from sglang_cp_hicache.sglang_0523.l3_tier import L3Counters
 
     cache = SimpleNamespace()
@@ -307,11 +349,13 @@ def _driver_on_stand_ins(seen: list):
                  "check_hicache_events", "_finish_write_through_ack", "reset"):
         setattr(cache, name, lambda *a, **k: seen.append(("upstream", a)))
     tier = SimpleNamespace(layout=CpPlacement(64, 2, 0), counters=L3Counters(), page_size=64)
-    driver = L3Driver(cache, tier)
+    l3 = RankL3(tier, None, L3Location("/unused", False, "test"))
+    driver = L3Driver(cache, l3, None)
     driver.install()
 
-    def lookup(usable):
-        return L3Lookup("query", object(), 1, None, None, [], 0, 0, [], 0, usable)
+    def lookup(word):
+        plan = ChainPlan(object(), None, (), ["0" * 64] * 9, [0] * 9)
+        return L3Lookup(Stage.QUERY, plan, 9, None, word=word)
 
     return driver, cache, lookup
 
@@ -319,20 +363,20 @@ def _driver_on_stand_ins(seen: list):
 def test_the_lookup_words_ride_the_ready_ack_all_reduce():
     seen: list = []
     driver, cache, lookup = _driver_on_stand_ins(seen)
-    driver.pending = [lookup(3), lookup(8)]
+    driver.prefetcher.pending = [lookup(3), lookup(8)]
     assert cache._sync_hicache_ready_counts() == [4, 1]  # upstream's own words, reduced as before
     assert len(seen) == 1 and seen[0].tolist() == [7, 2, 3, 8]  # one all-reduce, two more words
     assert driver._riding.agreed == [3, 8]
     # no pending lookup: upstream's tensor, untouched
     seen.clear()
-    driver.pending = []
+    driver.prefetcher.pending = []
     assert cache._sync_hicache_ready_counts() == [4, 1] and seen[0].tolist() == [7, 2]
 
 
 def test_a_reset_drops_the_pending_lookups():
     seen: list = []
     driver, cache, lookup = _driver_on_stand_ins(seen)
-    driver.pending = [lookup(1)]
+    driver.prefetcher.pending = [lookup(1)]
     cache.reset()
     assert driver.pending == [] and ("upstream", ()) in seen
 
@@ -383,6 +427,15 @@ def test_file_and_mooncake_are_served_and_any_other_store_is_refused_naming_the_
 # ---- Mooncake wiring: open_l3 on stand-in host pools (a file store stands in for Mooncake) ----
 
 P64 = 64
+
+
+def _tiny_identity() -> Any:
+    from sglang_cp_hicache.l3.identity import ModelIdentity
+
+    return ModelIdentity("name:tiny/dsa")
+
+
+TINY = _tiny_identity()
 
 
 class _KvHost:
@@ -459,14 +512,14 @@ def test_mooncake_opens_the_library_page_store_and_reads_back_bit_exact_at_local
     from sglang_cp_hicache.sglang_0523.l3_attach import open_l3
 
     m = mooncake_0523
-    writer = open_l3(m.location, _rank1_group(0, monkeypatch, distinct_rows=True), model_id="tiny/dsa", layer_start=0)
+    writer = open_l3(m.location, _rank1_group(0, monkeypatch, distinct_rows=True), identity=TINY, layer_start=0)
     assert writer.error is None and writer.tier is not None and writer.view == writer.tier.describe()
     assert m.opened == [("mooncake", None, {"master_server_address": "127.0.0.1:50051"})]
     hashes = [f"{i:064x}" for i in (7, 8, 9)]
     owners = [1, 0, 1]
     # logical slots P and 3P are rank 1's local rows 0 and P
     assert writer.tier.store_pages(hashes, owners, [P64, 3 * P64]) == 2
-    reader = open_l3(m.location, _rank1_group(0xEE, monkeypatch), model_id="tiny/dsa", layer_start=0)
+    reader = open_l3(m.location, _rank1_group(0xEE, monkeypatch), identity=TINY, layer_start=0)
     got = reader.tier.fetch_pages(hashes, owners)
     assert got.usable == 3 and sorted(got.pages) == [0, 2]
     kv_host = writer.tier.kv_host
@@ -493,5 +546,5 @@ def test_an_unusable_mooncake_store_is_this_ranks_view_not_a_crash(mooncake_0523
         raise error
 
     monkeypatch.setattr(mooncake_0523.l3_tier, "open_page_store", refuse)
-    opening = open_l3(mooncake_0523.location, _rank1_group(0, monkeypatch), model_id="tiny/dsa", layer_start=0)
+    opening = open_l3(mooncake_0523.location, _rank1_group(0, monkeypatch), identity=TINY, layer_start=0)
     assert opening.tier is None and opening.view == f"unusable: {message}" and str(opening.error) == message

@@ -107,8 +107,9 @@ def _rank_main(rank: int, world: int, init_file: str, l3_dir: str, out_dir: str)
     report["host_available_before"] = int(host.available_size())
     report["violations_before"] = engine.invariant_violations()
     _lookup(engine, TOKENS)
+    assert driver.wait_io(timeout=30)  # the query's I/O (an L3 thread) is done: its word is ready
     engine._check_events()  # the query's MIN: every rank fetches its own pages
-    report["after_query"] = [p.stage for p in driver.pending]
+    report["after_query"] = [p.stage.value for p in driver.pending]
     report["host_available_after_query"] = int(host.available_size())
     report["host_locks_after_query"] = _host_locks(engine)
     Path(f"{out_dir}/query{rank}.done").touch()
@@ -119,6 +120,7 @@ def _rank_main(rank: int, world: int, init_file: str, l3_dir: str, out_dir: str)
     while not Path(f"{out_dir}/query{VICTIM}.done").exists():
         time.sleep(0.01)
     time.sleep(0.5)  # the victim is gone (or going)
+    assert driver.wait_io(timeout=30)  # this rank's fetch is done: its word is ready
     nodes = len(engine._nodes())
     start = time.monotonic()
     try:
@@ -203,7 +205,7 @@ def test_a_rank_killed_between_the_query_and_the_fetch(tmp_path):
     assert report["violations_before"] == []
     assert report["after_query"] == ["fetch"]
     assert report["host_available_after_query"] < report["host_available_before"]  # the fetch held host room
-    assert report["outcome"] == "CpL3LookupAborted", report
+    assert report["outcome"] == "CpL3PrefetchAborted", report
     assert report["cause"] != "" and "none was inserted" in report["error"]
     assert report["seconds"] < BOUND_S
     assert report["pending"] == 0 and report["nodes_after"] == report["nodes_before"]
@@ -239,7 +241,13 @@ def test_the_fallback_min_failing_gives_back_every_pending_lookup(caplog):
     from tests.sglang_0523 import l3_scenarios
 
     l3_scenarios._setup()
-    from sglang_cp_hicache.sglang_0523.l3_cache import CpL3LookupAborted, L3Driver, L3Lookup
+    from sglang_cp_hicache.l3.location import L3Location
+    from sglang_cp_hicache.l3.prefetch import ChainPlan, L3Lookup, Stage
+    from sglang_cp_hicache.l3.rank import RankL3
+    from sglang_cp_hicache.placement import CpPlacement
+    from sglang_cp_hicache.sglang_0523.l3_cache import CpL3LookupAborted, L3Driver
+    from sglang_cp_hicache.sglang_0523.l3_port import ChainRelease, HostRoom0523, L3Port0523
+    from sglang_cp_hicache.sglang_0523.l3_tier import L3Counters
 
     freed, released, inserted = [], [], []
 
@@ -252,13 +260,19 @@ def test_the_fallback_min_failing_gives_back_every_pending_lookup(caplog):
         dec_host_lock_ref=lambda node_id, lock: released.append((node_id, lock)),
         tree_core=SimpleNamespace(insert_host=lambda *a: inserted.append(a)),
     )
-    driver = L3Driver(cache, SimpleNamespace(layout=SimpleNamespace(cp_rank=1)))
+    tier = SimpleNamespace(layout=CpPlacement(64, 2, 1), counters=L3Counters(), page_size=64)
+    port = L3Port0523(cache, tier, None)
+    driver = L3Driver(cache, RankL3(tier, port, L3Location("/unused", False, "test")), port)
     driver._upstream["check_hicache_events"] = lambda: None
-    lookup = dict(handle="r", key=None, hashes=["a", "b"], rotation_base=0, phase=0, owners=[0, 1],
-                  storage_start=0, usable=2)
-    driver.pending = [L3Lookup("fetch", anchor_id=7, anchor_lock="lock7", slots=torch.arange(128), **lookup),
-                      L3Lookup("query", anchor_id=9, anchor_lock="lock9", **lookup)]
-    with caplog.at_level(logging.ERROR, logger="sglang_cp_hicache.sglang_0523.l3_cache"):
+
+    def plan(anchor: int) -> ChainPlan:
+        return ChainPlan(anchor, None, (), ["a", "b"], [0, 1], ChainRelease(f"lock{anchor}", 0, 0, 0))
+
+    driver.prefetcher.pending = [
+        L3Lookup(Stage.FETCH, plan(7), 2, None, word=2, room=HostRoom0523(torch.arange(128), [64])),
+        L3Lookup(Stage.QUERY, plan(9), 2, None, word=2),
+    ]
+    with caplog.at_level(logging.ERROR, logger="sglang_cp_hicache.l3.prefetch"):
         with pytest.raises(CpL3LookupAborted, match="2 L3 lookup.s. pending on cp_rank 1") as info:
             driver.check_hicache_events()
     assert isinstance(info.value.__cause__, RuntimeError) and "injected" in str(info.value.__cause__)
