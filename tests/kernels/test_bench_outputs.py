@@ -31,13 +31,14 @@ def _committed():
 @pytest.mark.parametrize("name", SCRIPTS)
 def test_a_run_without_out_gets_a_fresh_path_outside_the_committed_results(name):
     module = _load(name)
-    first = pathlib.Path(module.new_out_path("probe", ".csv"))
-    assert first.parent == RUNS and first.name.startswith("probe_") and first.suffix == ".csv"
+    stem = f"probe-{name}-{os.getpid()}"  # parallel workers never share a probe file
+    first = pathlib.Path(module.new_out_path(stem, ".csv"))
+    assert first.parent == RUNS and first.name.startswith(f"{stem}_") and first.suffix == ".csv"
     assert not first.exists()
     RUNS.mkdir(parents=True, exist_ok=True)
     first.touch()
     try:
-        second = pathlib.Path(module.new_out_path("probe", ".csv"))
+        second = pathlib.Path(module.new_out_path(stem, ".csv"))
         assert second != first and second.parent == RUNS and not second.exists()
     finally:
         first.unlink()
