@@ -5,10 +5,13 @@ PY_0523 ?= .venv-0523/bin/python
 
 # One-time setup of both environments (CPU builds, no GPU deps): .venv with
 # SGLang 0.5.18, .venv-0523 with SGLang 0.5.23 (one distribution name: two venvs).
+# One line per step; pip's own output goes to build/install-0518.log and
+# build/install-0523.log, named with its last lines when a step fails.
 install: install-0518 install-0523
+	@echo "install: done: .venv (SGLang 0.5.18) and .venv-0523 (SGLang 0.5.23); next: make test"
 
 install-0518:
-	bash scripts/install.sh
+	@bash scripts/install.sh
 
 # The test command (README and .ci/run run exactly this): both suites.
 test: test-0518 test-0518-interpreted test-0523
@@ -65,7 +68,7 @@ simulate:
 # One-time setup of .venv-0523: CPU torch 2.13.0 and SGLang 0.5.23 (no GPU deps).
 .PHONY: install-0523
 install-0523:
-	bash scripts/install-0523.sh
+	@bash scripts/install-0523.sh
 
 # Both releases' CP cache state machines under the hypothesis dev profile
 # with random seeds, SOAK_MINUTES minutes each (0.5.18 in .venv, 0.5.23 in

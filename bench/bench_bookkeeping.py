@@ -2,7 +2,10 @@
 the load plan (with the allocator checkpoint the adapter opens per load-back
 to undo a refused one), host eviction.
 
-Usage: python bench/bench_bookkeeping.py [--out bench/results/bookkeeping.csv]
+Usage: python bench/bench_bookkeeping.py [--out FILE.csv]
+
+Without ``--out`` it writes a new file under ``build/bench-results/``;
+``--out bench/results/bookkeeping.csv`` replaces the committed figures.
 
 Host eviction is timed for L = 1e2 .. 1e5 evictable leaves, evicting k = 100
 of them per call: with the incremental index the cost per evicted leaf stays
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import datetime
 import heapq
 import os
 import platform
@@ -35,6 +39,18 @@ from sglang_cp_hicache.policy_0518 import (
     plan_write,
     set_host_state,
 )
+
+
+def new_out_path(stem: str, ext: str = "") -> str:
+    """Where a run not told ``--out`` writes: a fresh ``<stem>_<UTC time><ext>``
+    under ``build/bench-results`` (git-ignored), so a committed result in
+    ``bench/results`` is replaced only by naming it with ``--out``."""
+    root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "build", "bench-results")
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    path, n = os.path.join(root, f"{stem}_{stamp}{ext}"), 1
+    while os.path.exists(path):
+        path, n = os.path.join(root, f"{stem}_{stamp}_{n}{ext}"), n + 1
+    return path
 
 
 @dataclass(eq=False)
@@ -227,10 +243,17 @@ def bench_host_eviction(rows: list, num_leaves: int, evict_k: int = 100, rounds:
     rows.append(("rebuild_heap_baseline_k100", page_size, cp_size, "", num_leaves, statistics.median(base), base[-1]))
 
 
-def main() -> int:
+def parse(argv: Optional[list[str]] = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="bench/results/bookkeeping.csv")
-    args = ap.parse_args()
+    ap.add_argument("--out", default=None,
+                    help="CSV to write (default: a new build/bench-results/bookkeeping_<UTC time>.csv)")
+    args = ap.parse_args(argv)
+    args.out = args.out or new_out_path("bookkeeping", ".csv")
+    return args
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parse(argv)
     torch.set_num_threads(1)
     rows: list = []
     for tokens in (64, 1024, 16384):

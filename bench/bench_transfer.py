@@ -26,7 +26,9 @@ CPU copy path of a server without ``TRITON_INTERPRET``) on a small sweep
 against a plain memcpy ceiling.
 
 Output: a long-format CSV (one row per measurement) and one PNG per direction
-with the ceiling drawn, in ``--out`` (default ``bench/results``).
+with the ceiling drawn, in ``--out`` (default: a new directory
+``build/bench-results/transfer_<UTC time>``; name ``--out bench/results`` to
+replace the committed figures).
 
 Usage::
 
@@ -568,13 +570,26 @@ def plot(rows: list[dict], ceiling: dict, direction: str, path: str, title: str)
     plt.close(fig)
 
 
+def new_out_path(stem: str, ext: str = "") -> str:
+    """Where a run not told ``--out`` writes: a fresh ``<stem>_<UTC time><ext>``
+    under ``build/bench-results`` (git-ignored), so a committed result in
+    ``bench/results`` is replaced only by naming it with ``--out``."""
+    root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "build", "bench-results")
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    path, n = os.path.join(root, f"{stem}_{stamp}{ext}"), 1
+    while os.path.exists(path):
+        path, n = os.path.join(root, f"{stem}_{stamp}_{n}{ext}"), n + 1
+    return path
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="small sweep")
     mode = ap.add_mutually_exclusive_group()
     mode.add_argument("--cpu", action="store_true", help="CPU mode (reference backend) even if CUDA is available")
     mode.add_argument("--gpu", action="store_true", help="GPU mode; an error if CUDA is not available")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    ap.add_argument("--out", default=None,
+                    help="results directory (default: a new build/bench-results/transfer_<UTC time>)")
     ap.add_argument("--layers", type=int, default=4, help="layers in the device pool (backups copy all)")
     ap.add_argument("--cp-sizes", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 8],
                     help="comma-separated CP group sizes (real owner mix; the benchmark runs rank 0)")
@@ -590,6 +605,7 @@ def main(argv=None) -> int:
     ap.add_argument("--ceiling-mib", type=int, default=256, help="CPU mode: size of the memcpy ceiling copy")
     ap.add_argument("--threads", type=int, default=1, help="CPU mode: torch intra-op threads")
     args = ap.parse_args(argv)
+    args.out = args.out or new_out_path("transfer")
     unknown = sorted(set(args.kinds or ()) - set(KINDS))
     if unknown:
         ap.error(f"--kinds: unknown {unknown}; choose from {list(KINDS)}")

@@ -42,6 +42,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import platform
@@ -367,12 +368,26 @@ def _import_sglang(device: torch.device) -> str | None:
     return None
 
 
+def new_out_path(stem: str, ext: str = "") -> str:
+    """Where a run not told ``--out`` writes: a fresh ``<stem>_<UTC time><ext>``
+    under ``build/bench-results`` (git-ignored), so a committed result in
+    ``bench/results`` is replaced only by naming it with ``--out``."""
+    root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "build", "bench-results")
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    path, n = os.path.join(root, f"{stem}_{stamp}{ext}"), 1
+    while os.path.exists(path):
+        path, n = os.path.join(root, f"{stem}_{stamp}_{n}{ext}"), n + 1
+    return path
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--out", default=None,
+                    help="results directory (default: a new build/bench-results/gpu_check_0523_<UTC time>)")
     ap.add_argument("--cp-sizes", default=",".join(map(str, CP_SIZES)))
     args = ap.parse_args(argv)
+    args.out = args.out or new_out_path("gpu_check_0523")
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda needs CUDA")

@@ -31,9 +31,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _show_settings(args: argparse.Namespace) -> int:
-    from sglang_cp_hicache import settings
+    import importlib.metadata
+
+    from sglang_cp_hicache import releases, settings
 
     print(settings.describe())
+    try:
+        installed = importlib.metadata.version("sglang")
+    except importlib.metadata.PackageNotFoundError:
+        installed = None
+    note = releases.allow_list_note(installed)
+    if note is not None:  # not an invalid setting of ours: said, exit status unchanged
+        print(f"warning: {note}")
     try:
         settings.check_all()
     except ValueError as exc:

@@ -36,6 +36,7 @@ __all__ = [
     "MOONCAKE_SETTINGS",
     "SETTINGS",
     "SGLANG_FILE_DIR",
+    "SGLANG_PLUGINS",
     "Setting",
     "check_all",
     "describe",
@@ -193,6 +194,17 @@ SGLANG_FILE_DIR = Setting(
     "SGLANG_CP_HICACHE_L3_DIR is empty (as SGLang's file backend uses it).",
 )
 
+SGLANG_PLUGINS = Setting(
+    "SGLANG_PLUGINS",
+    "",
+    (),
+    "SGLang's own allow-list of plugin names (comma-separated); empty loads "
+    "every installed plugin. A list without cp_hicache (SGLang 0.5.18) or "
+    "cp_hicache_0523 (SGLang 0.5.23) runs that release without this library: "
+    "0.5.23 then serves upstream's copy path, 0.5.18 refuses "
+    "--radix-cache-backend cp-hicache as unregistered.",
+)
+
 
 def _mooncake(name: str, meaning: str) -> Setting:
     """A variable of SGLang's Mooncake backend or of Mooncake's SGLang guide,
@@ -241,7 +253,7 @@ MOONCAKE_SETTINGS: tuple[Setting, ...] = (
 #: Every setting, in the order the table shows them.
 SETTINGS: tuple[Setting, ...] = (
     COPY, HOST_BALANCE, HOST_TAIL, DEBUG, ALLOW_ANY_SGLANG, L3_DIR, L3_THREADS, L3_MODEL_ID, L3_EVICTION,
-    SGLANG_FILE_DIR, FILE_MAX_SIZE, FILE_MIN_FREE, FILE_EVICTION_RATIO, HF_HUB_CACHE, HF_HOME,
+    SGLANG_FILE_DIR, FILE_MAX_SIZE, FILE_MIN_FREE, FILE_EVICTION_RATIO, HF_HUB_CACHE, HF_HOME, SGLANG_PLUGINS,
     *MOONCAKE_SETTINGS,
 )
 

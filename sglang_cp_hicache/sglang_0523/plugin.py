@@ -16,15 +16,22 @@ tier itself (:mod:`.l3_resolution`, :mod:`.l3_cache`).
 own stack and only takes part in the CP ranks' start-up agreement, so that
 ranks started on different copy paths are refused on every rank instead of
 hanging (on another release, or one that changed a hooked name, ``upstream``
-registers nothing). ``SGLANG_PLUGINS`` (SGLang's allow-list) can leave the
-plugin out entirely (then that rank joins no agreement).
+registers nothing). Each rank logs one line naming the copy path its stack
+was built with. ``SGLANG_PLUGINS`` (SGLang's allow-list of plugin names) can
+leave this plugin out entirely: then nothing of it runs (no such line) and
+that rank joins no agreement.
+
+On SGLang 0.5.18 (no KV sharding) it registers nothing and says that the
+plugin ``cp_hicache`` serves that release (a WARNING when ``SGLANG_PLUGINS``
+leaves that one out).
 
 SGLang only logs a plugin that raises, so nothing here refuses by raising:
 a supported release registers the strategy, whose ``build`` runs the start-up
 check and raises inside cache construction (which does stop the server). A
-release without KV sharding (0.5.18) is left alone; any other release that
-has the strategy seam, a release that lacks or changed a name in
-:data:`~.hooks.HOOKS`, or an unknown ``SGLANG_CP_HICACHE_COPY`` value, gets
+release without KV sharding (0.5.18, which has the strategy seam but no
+sharded pool) is left alone; any other release that has the seam and the
+pool, a release that lacks or changed a name in :data:`~.hooks.HOOKS`, or an
+unknown ``SGLANG_CP_HICACHE_COPY`` value, gets
 a strategy that refuses to build the sharded DSA stack with the reason --
 never a silent fallback to upstream's copies.
 """
@@ -36,18 +43,24 @@ import importlib.util
 import logging
 from typing import Any, Callable
 
-from sglang_cp_hicache import settings
+from sglang_cp_hicache import releases, settings
 from sglang_cp_hicache.sglang_0523 import SUPPORTED_SGLANG, check_sglang_version
 
-__all__ = ["COPY_ENV", "COPY_PATHS", "copy_path_from_env", "register"]
+__all__ = ["COPY_ENV", "COPY_PATHS", "PLUGIN_NAME", "copy_path_from_env", "register"]
 
 logger = logging.getLogger(__name__)
 
 #: Environment variable that selects the copy path.
 COPY_ENV = settings.COPY.name
 COPY_PATHS = settings.COPY.choices
+#: This adapter's entry point name (``pyproject.toml``).
+PLUGIN_NAME = "cp_hicache_0523"
 
 _ASSEMBLER = "sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler"
+# The KV-sharded pool. SGLang 0.5.18 has the assembler (and its strategy seam)
+# but not this: there a strategy of ours must not be registered at all, since
+# every HiCache stack build would ask it to match.
+_SHARDED_POOL = "sglang.srt.mem_cache.page_interleave_pool"
 
 
 def copy_path_from_env() -> str:
@@ -62,7 +75,7 @@ def _refusing_strategy(refuse: Callable[[], None]) -> Any:
 
     class UnsupportedReleaseStrategy(assembler._DsaStrategy):
         def matches(self, kvcache: Any, components: set) -> bool:
-            pool = importlib.import_module("sglang.srt.mem_cache.page_interleave_pool")
+            pool = importlib.import_module(_SHARDED_POOL)
             return isinstance(kvcache, pool.PageInterleaveKVPoolMixin) and super().matches(
                 kvcache, components
             )
@@ -79,8 +92,10 @@ def register() -> None:
     import sglang
 
     version = sglang.__version__
-    if importlib.util.find_spec(_ASSEMBLER) is None:
-        logger.info("sglang-cp-hicache (0.5.23 adapter): sglang %s has no KV sharding; nothing to do", version)
+    if importlib.util.find_spec(_ASSEMBLER) is None or importlib.util.find_spec(_SHARDED_POOL) is None:
+        # No KV sharding in this release (0.5.18): nothing to register.
+        is_warning, text = releases.not_my_release(PLUGIN_NAME, version)
+        logger.log(logging.WARNING if is_warning else logging.INFO, "%s (sglang %s has no KV sharding)", text, version)
         return
     try:
         path = copy_path_from_env()

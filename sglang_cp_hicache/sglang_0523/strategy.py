@@ -156,7 +156,7 @@ class LibraryDsaStrategy(assembler._DsaStrategy):
                                           enable_metrics=bool(enable_storage_metrics))
         logger.info(
             "sglang-cp-hicache: library copy kernels on the sharded DSA HiCache path "
-            "(cp_rank %d of %d, host layout %s)",
+            "(cp_rank %d of %d, host layout %s). Copy path: library (SGLANG_CP_HICACHE_COPY=library)",
             layout.cp_rank, layout.cp_size, result.host_pool_group.layout,
         )
         return result
@@ -190,12 +190,18 @@ class UpstreamDsaStrategy(assembler._DsaStrategy):
         model_name=None,
         enable_storage_metrics=False,
     ) -> assembler.StackBuildResult:
-        return _build_dsa_stack(
+        result = _build_dsa_stack(
             HybridCacheController, "upstream", kvcache=kvcache, params=params, load_cache_event=load_cache_event,
             storage_backend=storage_backend, storage_backend_extra_config=storage_backend_extra_config,
             prefetch_threshold=prefetch_threshold, model_name=model_name,
             enable_storage_metrics=enable_storage_metrics,
         )
+        logger.info(
+            "sglang-cp-hicache: SGLang's own copies on the sharded DSA HiCache path (cp_rank %d of %d, "
+            "host layout %s). Copy path: upstream (SGLANG_CP_HICACHE_COPY=upstream)",
+            kvcache.shard_rank, kvcache.shard_size, result.host_pool_group.layout,
+        )
+        return result
 
 
 def _build_dsa_stack(

@@ -36,12 +36,12 @@ def test_values_are_trimmed_and_case_insensitive():
 
 def test_a_free_form_setting_is_trimmed_and_keeps_its_case():
     free = [s for s in settings.SETTINGS if s.is_free_form]
-    # directories, the operator's model id, SGLang's file-backend bounds and SGLang's / Mooncake's own
-    # variables (read as SGLang reads them, only for the backend that uses them); every other setting
-    # has choices or is a number
+    # directories, the operator's model id, SGLang's file-backend bounds, SGLang's plugin allow-list and
+    # SGLang's / Mooncake's own variables (read as SGLang reads them, only for the backend that uses them);
+    # every other setting has choices or is a number
     assert free == [settings.L3_DIR, settings.L3_MODEL_ID, settings.SGLANG_FILE_DIR, settings.FILE_MAX_SIZE,
                     settings.FILE_MIN_FREE, settings.FILE_EVICTION_RATIO, settings.HF_HUB_CACHE, settings.HF_HOME,
-                    *settings.MOONCAKE_SETTINGS]
+                    settings.SGLANG_PLUGINS, *settings.MOONCAKE_SETTINGS]
     assert not settings.L3_DIR.is_flag
     env = {settings.L3_DIR.name: "  /Data/L3 Dir/ "}
     assert settings.read(settings.L3_DIR, env) == "/Data/L3 Dir/"

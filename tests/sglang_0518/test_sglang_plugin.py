@@ -46,12 +46,18 @@ def stack_params(stack):
                            attn_cp_cache_group=stack.cache.tp_group)
 
 
-def test_factory_builds_cp_cache_for_cp_allocator():
+def test_factory_builds_cp_cache_for_cp_allocator(caplog):
     stack = build_cp_rank_stack(CpStackConfig(cp_size=2), 1)
     try:
         ctx = ctx_for(stack)
-        cache = plugin.cp_hicache_factory(ctx)
+        with caplog.at_level("INFO", logger="sglang_cp_hicache.sglang_0518.plugin"):
+            cache = plugin.cp_hicache_factory(ctx)
         assert isinstance(cache, CpHiRadixCache) and cache.cp_layout.cp_rank == 1
+        # one start-up line per rank says which copy path runs
+        [line] = [r.getMessage() for r in caplog.records if "Copy path:" in r.getMessage()]
+        assert "cp_rank 1 of 2" in line and f"Copy path: library (this library's kernels, backend " \
+            f"{cache.cp_warmup.backend})" in line
+        assert [r.levelname for r in caplog.records if r.name.endswith("plugin")] == ["INFO"]
         assert ctx.tp_worker.counters == [cache.cache_controller.layer_done_counter]
         with pytest.raises(ValueError, match="enable-hierarchical-cache"):
             plugin.cp_hicache_factory(ctx_for(stack, hierarchical=False))
@@ -59,7 +65,10 @@ def test_factory_builds_cp_cache_for_cp_allocator():
         stack.close()
 
 
-def test_factory_defers_to_sglang_without_cp_allocator():
+def test_factory_without_cp_allocator_warns_what_is_missing_and_defers_to_sglang(caplog):
+    """Stock SGLang 0.5.18 builds no CP shared KV pool: the backend cannot run
+    CP there, and says so at WARNING on every rank -- what it needs, what it
+    found, and which path runs instead -- before handing over to SGLang."""
     stack = build_cp_rank_stack(CpStackConfig(cp_size=1, cp_mode=False), 0)
     try:
         seen = []
@@ -69,11 +78,30 @@ def test_factory_defers_to_sglang_without_cp_allocator():
         registry.default_radix_cache_factory = lambda ctx: seen.append(ctx) or "default"
         try:
             ctx = ctx_for(stack)
-            assert plugin.cp_hicache_factory(ctx) == "default" and seen == [ctx]
+            assert not isinstance(stack.allocator, plugin_allocator_class())
+            with caplog.at_level("INFO", logger="sglang_cp_hicache.sglang_0518.plugin"):
+                assert plugin.cp_hicache_factory(ctx) == "default" and seen == [ctx]
         finally:
             registry.default_radix_cache_factory = orig
     finally:
         stack.close()
+    [record] = [r for r in caplog.records if r.name == "sglang_cp_hicache.sglang_0518.plugin"]
+    text = record.getMessage()
+    assert record.levelname == "WARNING", text
+    assert plugin.CP_ALLOCATOR in text and "CpSharedPagedTokenToKVPoolAllocator" in text
+    found = type(stack.allocator)
+    assert f"this server's is {found.__module__}.{found.__qualname__}" in text
+    assert "Stock SGLang 0.5.18 never builds one" in text
+    assert "Copy path: SGLang's default cache, no CP HiCache on this rank" in text
+
+
+def plugin_allocator_class():
+    from sglang_cp_hicache.sglang_0518.allocator import CpSharedPagedTokenToKVPoolAllocator
+
+    assert plugin.CP_ALLOCATOR == (
+        f"{CpSharedPagedTokenToKVPoolAllocator.__module__}.{CpSharedPagedTokenToKVPoolAllocator.__qualname__}"
+    )
+    return CpSharedPagedTokenToKVPoolAllocator
 
 
 def test_other_sglang_releases_are_refused(monkeypatch):
@@ -122,18 +150,98 @@ def test_factory_warms_the_copy_kernels_up_for_this_server(monkeypatch, caplog):
         stack.close()
 
 
-def test_register_does_nothing_under_another_sglang(monkeypatch, caplog):
+def _register_as(version, monkeypatch, caplog, *, hiradix=True):
+    """The plugin's registrations and its one log record, on SGLang ``version``."""
+    import importlib.util
+
     import sglang
     from sglang.srt.mem_cache import registry
 
     seen = []
-    monkeypatch.setattr(registry, "register_radix_cache_backend", lambda *a: seen.append(a))
+
+    def register_radix_cache_backend(name, factory):  # upstream's parameter names: the hook check passes
+        seen.append((name, factory))
+
+    monkeypatch.setattr(registry, "register_radix_cache_backend", register_radix_cache_backend)
     monkeypatch.setattr(registry, "get_radix_cache_factory", lambda name: None)
-    monkeypatch.setattr(sglang, "__version__", "0.5.23")
-    monkeypatch.delenv("SGLANG_CP_HICACHE_ALLOW_ANY_SGLANG", raising=False)
+    monkeypatch.setattr(sglang, "__version__", version)
+    if not hiradix:
+        real = importlib.util.find_spec
+        monkeypatch.setattr(importlib.util, "find_spec",
+                            lambda name, *a: None if name.endswith(".hiradix_cache") else real(name, *a))
+    caplog.clear()
     with caplog.at_level("INFO", logger="sglang_cp_hicache.sglang_0518.plugin"):
         plugin.register()
-    assert seen == [] and "registers nothing" in caplog.text
-    monkeypatch.setattr(sglang, "__version__", "0.5.18")
-    plugin.register()
+    records = [r for r in caplog.records if r.name == "sglang_cp_hicache.sglang_0518.plugin"]
+    return seen, records
+
+
+def test_register_does_nothing_under_another_sglang_and_says_what_is_right_there(monkeypatch, caplog):
+    monkeypatch.delenv("SGLANG_CP_HICACHE_ALLOW_ANY_SGLANG", raising=False)
+    monkeypatch.delenv("SGLANG_PLUGINS", raising=False)
+    # 0.5.23: this package's other plugin serves it; no advice that is wrong there
+    seen, [record] = _register_as("0.5.23", monkeypatch, caplog)
+    text = record.getMessage()
+    assert seen == [] and record.levelname == "INFO"
+    assert "the plugin cp_hicache_0523 serves it" in text and "ALLOW_ANY" not in text, text
+    # a release that still ships HiRadixCache: the way to try anyway
+    seen, [record] = _register_as("0.5.20", monkeypatch, caplog)
+    text = record.getMessage()
+    assert seen == [] and record.levelname == "WARNING"
+    assert "SGLang 0.5.20 has no adapter" in text and "SGLANG_CP_HICACHE_ALLOW_ANY_SGLANG=1" in text, text
+    # one without it: no such advice (the adapter cannot work there)
+    seen, [record] = _register_as("0.5.22", monkeypatch, caplog, hiradix=False)
+    text = record.getMessage()
+    assert seen == [] and record.levelname == "WARNING"
+    assert "no HiRadixCache (0.5.21 removed it)" in text and "ALLOW_ANY" not in text, text
+    monkeypatch.undo()
+    monkeypatch.delenv("SGLANG_CP_HICACHE_ALLOW_ANY_SGLANG", raising=False)
+    seen, records = _register_as("0.5.18", monkeypatch, caplog)
     assert seen == [("cp-hicache", plugin.cp_hicache_factory)]
+    assert [r for r in records if r.levelno >= 30] == []
+
+
+def test_sglang_reads_the_allow_list_as_the_library_does(monkeypatch):
+    """Which of this package's plugins SGLang 0.5.18's loader loads, for
+    allow-lists with a typo, spaces, both names, and none: exactly those
+    ``releases.plugin_allowed`` says. On 0.5.18 a list without cp_hicache
+    leaves --radix-cache-backend cp-hicache unregistered, which SGLang refuses."""
+    from sglang.srt.plugins import GENERAL_PLUGINS_GROUP, load_plugins_by_group
+
+    from sglang_cp_hicache import releases
+
+    ours = {r.plugin for r in releases.RELEASES}
+    for value in ("", "cp_hicache", " cp_hicache , other", "cp-hicache", "cp_hicache_0523",
+                  "cp_hicache,cp_hicache_0523", ",", "  "):
+        monkeypatch.setenv("SGLANG_PLUGINS", value)
+        loaded = set(load_plugins_by_group(GENERAL_PLUGINS_GROUP)) & ours
+        assert loaded == {p for p in ours if releases.plugin_allowed(p)}, value
+
+
+def test_the_0523_plugin_on_0518_points_to_this_release_s_plugin(monkeypatch, caplog):
+    """SGLang 0.5.18 loads the 0.5.23 entry point too: it registers nothing and
+    names the plugin that serves 0.5.18 -- a WARNING when SGLANG_PLUGINS
+    leaves that one out (then --radix-cache-backend cp-hicache is unregistered)."""
+    from sglang.srt.mem_cache.hybrid_cache import hybrid_pool_assembler as assembler
+
+    from sglang_cp_hicache.sglang_0523 import plugin as plugin_0523
+
+    logger = "sglang_cp_hicache.sglang_0523.plugin"
+    monkeypatch.delenv("SGLANG_PLUGINS", raising=False)
+    before = list(assembler._STRATEGIES)
+    with caplog.at_level("INFO", logger=logger):
+        plugin_0523.register()
+    # 0.5.18 has the strategy seam but no sharded pool: a strategy of ours there
+    # would be asked to match every HiCache stack SGLang builds
+    assert assembler._STRATEGIES == before
+    [record] = [r for r in caplog.records if r.name == logger]
+    text = record.getMessage()
+    assert record.levelname == "INFO"
+    assert "the plugin cp_hicache serves it" in text and "--radix-cache-backend cp-hicache" in text, text
+    assert "no KV sharding" in text and "ALLOW_ANY" not in text, text
+    caplog.clear()
+    monkeypatch.setenv("SGLANG_PLUGINS", "cp_hicache_0523")
+    with caplog.at_level("INFO", logger=logger):
+        plugin_0523.register()
+    [record] = [r for r in caplog.records if r.name == logger]
+    assert record.levelname == "WARNING" and "leaves out 'cp_hicache'" in record.getMessage()

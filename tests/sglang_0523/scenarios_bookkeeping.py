@@ -7,6 +7,8 @@ library's owner-aware host room on the same requests."""
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import traceback
 from array import array
 from dataclasses import dataclass
@@ -247,6 +249,26 @@ def _attribute_names(stack: Any) -> dict[str, list[str]]:
     return {name: sorted(vars(obj)) for name, obj in objs.items()}
 
 
+@contextlib.contextmanager
+def _start_up_lines():
+    """The INFO lines the adapter's strategies log while a stack is built."""
+    lines: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.getMessage())
+
+    log = logging.getLogger("sglang_cp_hicache.sglang_0523.strategy")
+    handler, level = Keep(logging.INFO), log.level
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    try:
+        yield lines
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+
+
 def upstream_untouched(rank: int, world: int) -> dict[str, Any]:
     """Upstream's stack built by upstream's strategy and by the plugin's
     upstream strategy: classes, instance attributes, and the same requests
@@ -259,12 +281,14 @@ def upstream_untouched(rank: int, world: int) -> dict[str, Any]:
 
     from sglang_cp_hicache.testing.stack_0523 import ShardedStackConfig, build_sharded_rank_stack
 
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {"copy_path_lines": {}}
     runs = {}
     for name, extra in (("upstream", {}), ("via_plugin", {"upstream_via_plugin": True}),
                         ("library", {"copy_path": "library"})):
         config = ShardedStackConfig(cp_size=world, device_pages=10, host_pages=24, **extra)
-        stack = build_sharded_rank_stack(config, rank, cp_group=dist.group.WORLD)
+        with _start_up_lines() as lines:
+            stack = build_sharded_rank_stack(config, rank, cp_group=dist.group.WORLD)
+        out["copy_path_lines"][name] = [line for line in lines if "Copy path:" in line]
         if name == "library":
             out["library_replaced"] = _replaced_on_instances(stack)
             stack.close()

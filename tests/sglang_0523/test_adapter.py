@@ -119,6 +119,14 @@ def test_upstream_stack_is_built_untouched(two_ranks):
         assert untouched["same_records"] and untouched["same_digest"], rank
         assert untouched["host_bytes_equal"] == [True, True] and untouched["device_bytes_equal"], rank
         assert untouched["same_nodes"], rank
+        # one start-up line per stack built by the plugin's strategies names the copy path
+        lines = untouched["copy_path_lines"]
+        assert lines["upstream"] == [], rank  # upstream's own strategy: nothing of ours ran
+        assert len(lines["via_plugin"]) == 1 and lines["via_plugin"][0].endswith(
+            "Copy path: upstream (SGLANG_CP_HICACHE_COPY=upstream)"), (rank, lines)
+        assert f"cp_rank {rank} of 2" in lines["via_plugin"][0], (rank, lines)
+        assert len(lines["library"]) == 1 and lines["library"][0].endswith(
+            "Copy path: library (SGLANG_CP_HICACHE_COPY=library)"), (rank, lines)
         # the library stack, built in the same process, does replace them
         assert sorted(untouched["library_replaced"]) == [
             "allocator.free", "allocator.free_group_end", "allocator.free_segment", "cache._execute_kv_backup",
@@ -174,3 +182,70 @@ def test_engine_arguments():
         LibraryL2TransferEngine("kernel", (64, 2, 0))
     with pytest.raises(ValueError, match="io_backend must be 'kernel'"):
         LibraryL2TransferEngine("direct", CpPlacement(64, 2, 0))
+
+
+# ---- each plugin's words on the release it runs on -----------------------------
+
+
+def test_the_0518_plugin_on_0523_points_to_this_release_s_plugin(monkeypatch, caplog):
+    """SGLang 0.5.23 loads the 0.5.18 entry point too: it must import here,
+    register nothing, and name the plugin that serves 0.5.23 -- never advise
+    SGLANG_CP_HICACHE_ALLOW_ANY_SGLANG, which is wrong on this release."""
+    from sglang.srt.mem_cache import registry
+
+    from sglang_cp_hicache.sglang_0518 import plugin as plugin_0518
+
+    monkeypatch.delenv(ALLOW_ANY_ENV, raising=False)
+    monkeypatch.delenv("SGLANG_PLUGINS", raising=False)
+    before = registry.registered_radix_cache_backends()
+    with caplog.at_level("INFO", logger="sglang_cp_hicache.sglang_0518.plugin"):
+        plugin_0518.register()
+    assert registry.registered_radix_cache_backends() == before
+    [record] = [r for r in caplog.records if r.name == "sglang_cp_hicache.sglang_0518.plugin"]
+    text = record.getMessage()
+    assert record.levelname == "INFO", text
+    assert "cp_hicache_0523 serves it" in text and "SGLang 0.5.23" in text, text
+    assert ALLOW_ANY_ENV not in text and "0.5.21" not in text, text
+
+
+def test_an_allow_list_without_this_release_s_plugin_is_a_warning(monkeypatch, caplog):
+    """SGLANG_PLUGINS=cp_hicache (the 0.5.18 name) on 0.5.23 leaves the 0.5.23
+    plugin out: the server would serve upstream's path without a word from
+    SGLang above INFO. The 0.5.18 plugin, which does run, says so."""
+    from sglang_cp_hicache.sglang_0518 import plugin as plugin_0518
+
+    monkeypatch.delenv(ALLOW_ANY_ENV, raising=False)
+    monkeypatch.setenv("SGLANG_PLUGINS", "cp_hicache")
+    with caplog.at_level("INFO", logger="sglang_cp_hicache.sglang_0518.plugin"):
+        plugin_0518.register()
+    [record] = [r for r in caplog.records if r.name == "sglang_cp_hicache.sglang_0518.plugin"]
+    text = record.getMessage()
+    assert record.levelname == "WARNING", text
+    assert "SGLANG_PLUGINS='cp_hicache' leaves out 'cp_hicache_0523'" in text, text
+    assert "without sglang-cp-hicache" in text, text
+
+
+def test_sglang_reads_the_allow_list_as_the_library_does(monkeypatch):
+    """Which of this package's plugins SGLang 0.5.23's loader loads, for
+    allow-lists with a typo, spaces, both names, and none: exactly those
+    ``releases.plugin_allowed`` says."""
+    from sglang.srt.plugins import GENERAL_PLUGINS_GROUP, load_plugins_by_group
+
+    from sglang_cp_hicache import releases
+
+    ours = {r.plugin for r in releases.RELEASES}
+    for value in ("", "cp_hicache_0523", " cp_hicache_0523 , other", "cp-hicache_0523", "cp_hicache",
+                  "cp_hicache,cp_hicache_0523", ",", "  "):
+        monkeypatch.setenv("SGLANG_PLUGINS", value)
+        loaded = set(load_plugins_by_group(GENERAL_PLUGINS_GROUP)) & ours
+        assert loaded == {p for p in ours if releases.plugin_allowed(p)}, value
+
+
+def test_the_0523_plugin_says_nothing_wrong_when_it_registers(strategies, monkeypatch, caplog):
+    monkeypatch.delenv(plugin.COPY_ENV, raising=False)
+    monkeypatch.delenv("SGLANG_PLUGINS", raising=False)
+    strategy.uninstall_strategy()
+    with caplog.at_level("INFO", logger="sglang_cp_hicache.sglang_0523.plugin"):
+        plugin.register()
+    assert "library copy kernels registered" in caplog.text
+    assert "WARNING" not in [r.levelname for r in caplog.records]

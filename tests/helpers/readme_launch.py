@@ -1,0 +1,32 @@
+"""The README's launch lines, parsed by the installed SGLang's own argument
+parser (tests for each release use it with their release)."""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import shlex
+
+README = pathlib.Path(__file__).resolve().parents[2] / "README.md"
+LAUNCH = "python -m sglang.launch_server"
+
+
+def launch_line(marker: str) -> list[str]:
+    """The arguments of the README code block whose first line is the comment
+    starting with ``marker`` (continuation lines joined)."""
+    text = README.read_text()
+    start = text.index(f"# {marker}")
+    block = text[start:text.index("```", start)]
+    command = " ".join(line.rstrip("\\").strip() for line in block.splitlines()[1:] if line.strip())
+    assert command.startswith(LAUNCH), command
+    return shlex.split(command[len(LAUNCH):])
+
+
+def parse_with_sglang(args: list[str]) -> argparse.Namespace:
+    """``args`` through SGLang's ``ServerArgs.add_cli_args`` parser: an unknown
+    flag, an abbreviated one or a value outside its choices exits (SystemExit)."""
+    from sglang.srt.server_args import ServerArgs
+
+    parser = argparse.ArgumentParser(allow_abbrev=False)  # the README spells every flag out
+    ServerArgs.add_cli_args(parser)
+    return parser.parse_args(args)
