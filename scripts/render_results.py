@@ -36,6 +36,7 @@ from results_sections import (  # noqa: E402
     section_l3,
     section_other_files,
     section_other_sims,
+    section_traces,
     section_sim_0518,
     section_sim_0523,
     section_transfer,
@@ -119,7 +120,7 @@ def render_doc(res: Results) -> str:
         *headline(res),
         "",
     ]
-    for section in (section_sim_0518, section_sim_0523, section_l3, section_other_sims,
+    for section in (section_sim_0518, section_sim_0523, section_l3, section_traces, section_other_sims,
                     section_bookkeeping, section_transfer, section_other_files):
         lines += section(res)
     return "\n".join(lines).rstrip() + "\n"

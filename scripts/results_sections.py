@@ -282,6 +282,46 @@ def section_l3(res: Results) -> list[str]:
 # ---- any other simulator summary (traces, new runs) --------------------------------
 
 
+def section_traces(res: Results) -> list[str]:
+    """The Mooncake conversation trace runs (bench/sim_traces.sh): hits per
+    tier against the trace's own ideal, and the non-CP stack of the same
+    capacity."""
+    names = sorted(f for f in res.json if f.startswith("traces/") and f not in res.used
+                   and isinstance(res.json[f], dict) and "ideal_hit_tokens" in res.json[f])
+    if not names:
+        return []
+    rows, ideal = [], None
+    for name in names:
+        d = res.take(name)
+        tiers = d.get("hit_tokens_per_tier") or {}
+        ideal = d
+        efficiency = d.get("capacity_efficiency")
+        rows.append([
+            link(name), n(d.get("sglang_version")), n(d.get("copy_path")), n(d.get("cp_size")),
+            "yes" if tiers.get("l3") else "no", n(tiers.get("device")), n(tiers.get("host")), n(tiers.get("l3")),
+            n(d.get("hit_tokens")), f"{d.get('hit_ratio', 0):.3f}",
+            "–" if efficiency is None else f"{efficiency:.3f}",
+            f"{n(d.get('verified_pages'))} / {n(d.get('corrupted_pages'))}", n(d.get("ranks_agree")),
+        ])
+        res.companions(name)
+    if "traces/README.md" in res.files:
+        res.used.add("traces/README.md")
+    return [
+        "## Mooncake conversation trace",
+        "",
+        f"The first {n(ideal.get('requests'))} requests of Kimi's production conversation trace (Mooncake "
+        f"FAST'25), {n(ideal.get('trace_block_tokens'))} tokens a hash id; ideal (infinite cache, "
+        f"page-aligned): {n(ideal.get('ideal_hit_tokens'))} of {n(ideal.get('prompt_tokens'))} prompt tokens. "
+        "`hit_ratio` = all hits / ideal; `capacity_efficiency` = CP hits / hits of a non-CP stack of the "
+        "same release with N x a rank's pages. How they were made: "
+        f"{link('traces/README.md')}.",
+        "",
+        *table(["file", "SGLang", "copy path", "CP", "L3", "device hits", "host hits", "L3 hits", "all hits",
+                "hit_ratio", "capacity_efficiency", "pages verified / corrupted", "ranks agree"], rows),
+        "",
+    ]
+
+
 def section_other_sims(res: Results) -> list[str]:
     names = [f for f in res.json if f not in res.used and isinstance(res.json[f], dict)
              and SIM_KEYS <= set(res.json[f])]
