@@ -129,9 +129,11 @@ class L3IoMeter:
 
 
 class MeteredTier:
-    """A rank's tier as its prefetcher and writer call it: every fetch
-    (``fetch_into``) and store (``store_snapshot``) is timed into ``meter``;
-    everything else is the tier's own. A failed operation records nothing."""
+    """A rank's tier as its prefetcher and writer call it: every page read
+    (``read_page``) and stored (``store_page``) on the I/O threads is timed
+    into ``meter``, one sample per operation; everything else is the tier's
+    own. A page that failed (missing, refused, not stored) or raised records
+    nothing."""
 
     def __init__(self, tier: Any, meter: L3IoMeter, clock: Callable[[], float] = time.perf_counter) -> None:
         self._tier = tier
@@ -142,20 +144,19 @@ class MeteredTier:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._tier, name)
 
-    def fetch_into(self, hashes: list[str], owners: list[int], slots: list[int], publish: Any) -> int:
+    def read_page(self, kv_key: str, idx_key: str, slot: int, publish: Any) -> bool:
         start = self._clock()
-        usable = self._tier.fetch_into(hashes, owners, slots, publish)
-        seconds = self._clock() - start
-        rank = self._tier.layout.cp_rank
-        pages = sum(1 for i, owner in enumerate(owners[:usable]) if owner == rank)
-        self._meter.record_read(pages, pages * self._page_bytes, seconds)
-        return usable
+        ok = self._tier.read_page(kv_key, idx_key, slot, publish)
+        if ok:
+            self._meter.record_read(1, self._page_bytes, self._clock() - start)
+        return ok
 
-    def store_snapshot(self, snap: Any) -> int:
+    def store_page(self, kv_key: str, idx_key: str, kv: Any, idx: Any) -> bool:
         start = self._clock()
-        whole = self._tier.store_snapshot(snap)
-        self._meter.record_write(whole, whole * self._page_bytes, self._clock() - start)
-        return whole
+        ok = self._tier.store_page(kv_key, idx_key, kv, idx)
+        if ok:
+            self._meter.record_write(1, self._page_bytes, self._clock() - start)
+        return ok
 
 
 @dataclass

@@ -27,8 +27,6 @@ The library's counters go out beside them as ``sglang_cp_hicache:l3_*_total``.
 
 from __future__ import annotations
 
-import copy
-import threading
 from typing import Any, Optional
 
 from sglang.srt.observability.metrics_collector import (
@@ -38,13 +36,11 @@ from sglang.srt.observability.metrics_collector import (
     resolve_collector_class,
 )
 
-from sglang_cp_hicache.l3.metrics import L3StepFigures, PrometheusL3Counters
-from sglang_cp_hicache.l3.rank import L3MetricsSink, RankL3
+from sglang_cp_hicache.l3.metrics import PrometheusL3Counters
+from sglang_cp_hicache.l3.rank import RankL3
+from sglang_cp_hicache.l3.storage_metrics import StorageCollectorSink, shared_collector, storage_labels
 
-__all__ = ["L3Metrics0523", "install_metrics", "storage_collector", "storage_labels"]
-
-_SHARED: dict[type, Any] = {}
-_SHARED_LOCK = threading.Lock()
+__all__ = ["install_metrics", "rank_labels"]
 
 
 def _tp_and_dp_rank(cp_rank: int) -> tuple[int, int]:
@@ -63,77 +59,19 @@ def _tp_and_dp_rank(cp_rank: int) -> tuple[int, int]:
         return cp_rank, 0
 
 
-def storage_labels(cache: Any, layout: Any, storage_backend: Optional[str],
-                   extra_metric_labels: Optional[dict]) -> dict[str, Any]:
+def rank_labels(cache: Any, placement: Any, storage_backend: Optional[str],
+                extra_metric_labels: Optional[dict]) -> dict[str, Any]:
     """The labels SGLang gives its storage metrics (``_resolve_metrics_collector``)."""
-    tp_rank, dp_rank = _tp_and_dp_rank(layout.cp_rank)
-    labels: dict[str, Any] = {
-        "storage_backend": storage_backend,
-        "tp_rank": tp_rank,
-        "dp_rank": dp_rank,
-        "pp_rank": cache.pp_rank,
-        "pp_size": cache.pp_size,
-        "attn_cp_rank": layout.cp_rank,
-        "attn_cp_size": layout.cp_size,
-    }
-    if extra_metric_labels:
-        labels.update(extra_metric_labels)
-    return labels
+    tp_rank, dp_rank = _tp_and_dp_rank(placement.cp_rank)
+    return storage_labels(
+        storage_backend=storage_backend, tp_rank=tp_rank, dp_rank=dp_rank, pp_rank=cache.pp_rank,
+        pp_size=cache.pp_size, cp_rank=placement.cp_rank, cp_size=placement.cp_size,
+        extra_metric_labels=extra_metric_labels,
+    )
 
 
-def storage_collector(labels: dict[str, Any]) -> Any:
-    """SGLang's storage collector with ``labels``; its metrics are registered
-    once per process (ranks simulated in one process, or a stack built again,
-    share them with their own labels, as SGLang relabels on re-attach)."""
-    cls = resolve_collector_class(STAT_LOGGER_ROLE_STORAGE, StorageMetricsCollector)
-    with _SHARED_LOCK:
-        base = _SHARED.get(cls)
-        if base is None:
-            base = _SHARED[cls] = cls(labels=dict(labels))
-            return base
-    if set(base.labels) != set(labels):
-        raise ValueError(f"storage metric labels {sorted(labels)} differ from this process's "
-                         f"{sorted(base.labels)} (extra_metric_labels must be the same for every cache)")
-    view = copy.copy(base)
-    view.labels = dict(labels)
-    return view
-
-
-class L3Metrics0523(L3MetricsSink):
-    """One rank's L3 figures into SGLang's storage collector (None until
-    storage turns on) and the library's counters."""
-
-    def __init__(self, library: PrometheusL3Counters) -> None:
-        self.collector: Optional[Any] = None
-        self.library = library
-
-    def publish(self, figures: L3StepFigures, totals: dict[str, float]) -> None:
-        c = self.collector
-        if c is not None and figures:
-            c.log_prefetched_tokens(figures.restored_tokens)
-            c.log_backuped_tokens(figures.backed_up_tokens)
-            c.log_backup_dropped_tokens(figures.dropped_backup_tokens)
-            reads = [s for s in figures.reads if s.pages]
-            writes = [s for s in figures.writes if s.pages]
-            if reads or writes:
-                c.log_storage_metrics(StorageMetrics(
-                    prefetch_pgs=[s.pages for s in reads], backup_pgs=[s.pages for s in writes],
-                    prefetch_bandwidth=[s.gib_per_s for s in reads if s.seconds > 0],
-                    backup_bandwidth=[s.gib_per_s for s in writes if s.seconds > 0],
-                ))
-        self.library.publish(totals)
-
-    # ---- the port's figures (scheduler thread) ---------------------------------------
-    def hit(self, tokens: int) -> None:
-        if self.collector is not None:
-            self.collector.log_storage_prefetch_hit_tokens(tokens)
-
-    def unfulfilled(self, tokens: int, reason: str) -> None:
-        if self.collector is not None:
-            self.collector.log_storage_prefetch_unfulfilled_tokens(tokens, reason)
-
-
-def install_metrics(cache: Any, l3: RankL3, port: Any, layout: Any, storage_backend: Optional[str]) -> L3Metrics0523:
+def install_metrics(cache: Any, l3: RankL3, port: Any, placement: Any,
+                    storage_backend: Optional[str]) -> StorageCollectorSink:
     """Metrics for ``cache``'s L3 (``--enable-metrics``): the library's
     counters now; SGLang's storage collector when storage turns on (the
     cache's ``apply_runtime_config``, taken over on the instance: see the
@@ -141,8 +79,8 @@ def install_metrics(cache: Any, l3: RankL3, port: Any, layout: Any, storage_back
     ``cache.storage_metrics_collector`` is SGLang's name for the collector;
     ``cache.enable_storage_metrics`` stays False (it gates the feeds of
     SGLang's storage controller, which CP never attaches)."""
-    labels = storage_labels(cache, layout, storage_backend or "none", getattr(cache, "extra_metric_labels", None))
-    sink = L3Metrics0523(PrometheusL3Counters(labels, l3.metrics.snapshot()))
+    labels = rank_labels(cache, placement, storage_backend or "none", getattr(cache, "extra_metric_labels", None))
+    sink = StorageCollectorSink(PrometheusL3Counters(labels, l3.metrics.snapshot()), StorageMetrics)
     l3.metrics_sink = sink
     port.metrics = sink
     attachment = cache._storage_attachment
@@ -151,8 +89,9 @@ def install_metrics(cache: Any, l3: RankL3, port: Any, layout: Any, storage_back
     def apply_runtime_config(**kwargs: Any) -> None:
         upstream(**{**kwargs, "enable_storage_metrics": False})
         if kwargs.get("enable_storage_metrics"):
-            labels = storage_labels(cache, layout, kwargs.get("storage_backend"), kwargs.get("extra_metric_labels"))
-            sink.collector = cache.storage_metrics_collector = storage_collector(labels)
+            labels = rank_labels(cache, placement, kwargs.get("storage_backend"), kwargs.get("extra_metric_labels"))
+            cls = resolve_collector_class(STAT_LOGGER_ROLE_STORAGE, StorageMetricsCollector)
+            sink.collector = cache.storage_metrics_collector = shared_collector(cls, labels)
 
     attachment.apply_runtime_config = apply_runtime_config
     return sink

@@ -32,15 +32,15 @@ class _Tier:
         self.usable, self.whole, self.fail = usable, whole, fail
         self.page_size = 4
 
-    def fetch_into(self, hashes, owners, slots, publish):
+    def read_page(self, kv_key, idx_key, slot, publish):
         if self.fail:
             raise OSError("injected")
-        return self.usable
+        return self.usable > 0
 
-    def store_snapshot(self, snap):
+    def store_page(self, kv_key, idx_key, kv, idx):
         if self.fail:
             raise OSError("injected")
-        return self.whole
+        return self.whole > 0
 
 
 def _clock(*ticks):
@@ -48,32 +48,33 @@ def _clock(*ticks):
     return lambda: next(it)
 
 
-def test_a_fetch_counts_this_ranks_pages_below_the_usable_prefix():
+def test_a_page_read_is_one_sample_and_a_miss_none():
     meter = L3IoMeter()
-    tier = _Tier(rank=1, usable=5)
+    tier = _Tier(rank=1, usable=1)
     metered = MeteredTier(tier, meter, clock=_clock(10.0, 10.5))
-    owners = [0, 1, 1, 0, 1, 1, 1]  # own pages at 1, 2, 4 below 5; 5 and 6 past it
-    assert metered.fetch_into(["h"] * 7, owners, [0, 1, 2, 3, 4], None) == 5
+    assert metered.read_page("k", "i", 3, None) is True
+    assert MeteredTier(_Tier(rank=1, usable=0), meter, clock=_clock(0.0, 1.0)).read_page("k", "i", 3, None) is False
     page = tier.kv_ns.page_bytes + tier.indexer_ns.page_bytes
     reads, writes = meter.drain()
-    assert reads == [IoSample(3, 3 * page, 0.5)] and writes == []
-    assert reads[0].gib_per_s == pytest.approx(3 * page / (1 << 30) / 0.5)
-    assert meter.totals()["read_bytes"] == 3 * page and meter.totals()["read_seconds"] == 0.5
+    assert reads == [IoSample(1, page, 0.5)] and writes == []
+    assert reads[0].gib_per_s == pytest.approx(page / (1 << 30) / 0.5)
+    assert meter.totals()["read_bytes"] == page and meter.totals()["read_seconds"] == 0.5
     assert meter.drain() == ([], [])  # drained once
     assert metered.page_size == 4 and metered.layout is tier.layout  # everything else is the tier's
 
 
-def test_a_store_counts_the_pages_stored_whole_and_a_failure_nothing():
+def test_a_page_stored_is_one_sample_and_a_failure_nothing():
     meter = L3IoMeter()
-    metered = MeteredTier(_Tier(rank=0, whole=2), meter, clock=_clock(1.0, 1.25))
-    assert metered.store_snapshot(object()) == 2
+    metered = MeteredTier(_Tier(rank=0, whole=1), meter, clock=_clock(1.0, 1.25))
+    assert metered.store_page("k", "i", None, None) is True
+    assert MeteredTier(_Tier(rank=0, whole=0), meter, clock=_clock(0.0, 1.0)).store_page("k", "i", None, None) is False
     failing = MeteredTier(_Tier(rank=0, fail=True), meter)
     with pytest.raises(OSError):
-        failing.store_snapshot(object())
+        failing.store_page("k", "i", None, None)
     with pytest.raises(OSError):
-        failing.fetch_into([], [], [], None)
+        failing.read_page("k", "i", 0, None)
     reads, writes = meter.drain()
-    assert reads == [] and [(s.pages, s.seconds) for s in writes] == [(2, 0.25)]
+    assert reads == [] and [(s.pages, s.seconds) for s in writes] == [(1, 0.25)]
     assert meter.totals()["write_seconds"] == 0.25
 
 

@@ -89,7 +89,8 @@ def write(cl: CpCluster) -> None:
 
 def own_objects(directory: Path, cache) -> list[Path]:
     digests = (cache.cp_l3.tier.kv_ns.digest(), cache.cp_l3.tier.indexer_ns.digest())
-    return [p for p in directory.rglob("*.bin") if p.stem.endswith(digests)]
+    # page keys: <page hash>_<namespace digest>_<parent link>
+    return [p for p in directory.rglob("*.bin") if p.stem.split("_")[1] in digests]
 
 
 def test_sglangs_storage_metrics_move_with_cp_l3_traffic(tmp_path):
@@ -166,7 +167,7 @@ def test_clear_hicache_storage_removes_this_deployments_namespaces_on_every_rank
         assert len(ours) == 2 * PAGES
         # Another deployment's objects (another namespace) in the same directory.
         other = FilePageStore(tmp_path)
-        foreign = [f"{i:064x}_{'ab' * 8}" for i in range(3)]
+        foreign = [f"{i:064x}_{'ab' * 8}_root" for i in range(3)]
         assert other.put(foreign, [b"x" * 10] * 3) == [True] * 3
         before = samples(cl, "sglang_cp_hicache:l3_cleared_objects_total")
 

@@ -131,7 +131,7 @@ def observable_suite(rank: int, world: int, *, l3_root: str) -> dict[str, Any]:
     out["read"] = _serve(rank, dist.group.WORLD, directory)
     dist.barrier()
     if rank == 0:  # another deployment's objects in the same directory
-        foreign = [f"{i:064x}_{FOREIGN}" for i in range(3)]
+        foreign = [f"{i:064x}_{FOREIGN}_root" for i in range(3)]
         assert FilePageStore(directory).put(foreign, [b"x" * 10] * 3) == [True] * 3
         out["objects_before_clear"] = len(list(Path(directory).rglob("*.bin")))
     dist.barrier()
