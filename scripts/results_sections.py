@@ -290,7 +290,7 @@ def section_traces(res: Results) -> list[str]:
                    and isinstance(res.json[f], dict) and "ideal_hit_tokens" in res.json[f])
     if not names:
         return []
-    rows, ideal = [], None
+    rows, ideal, printed = [], None, []
     for name in names:
         d = res.take(name)
         tiers = d.get("hit_tokens_per_tier") or {}
@@ -303,7 +303,7 @@ def section_traces(res: Results) -> list[str]:
             "–" if efficiency is None else f"{efficiency:.3f}",
             f"{n(d.get('verified_pages'))} / {n(d.get('corrupted_pages'))}", n(d.get("ranks_agree")),
         ])
-        res.companions(name)
+        printed += res.companions(name)
     if "traces/README.md" in res.files:
         res.used.add("traces/README.md")
     return [
@@ -319,6 +319,8 @@ def section_traces(res: Results) -> list[str]:
         *table(["file", "SGLang", "copy path", "CP", "L3", "device hits", "host hits", "L3 hits", "all hits",
                 "hit_ratio", "capacity_efficiency", "pages verified / corrupted", "ranks agree"], rows),
         "",
+        *([f"Printed tables (with the exact command and the run's time): {', '.join(link(x) for x in printed)}.", ""]
+          if printed else []),
     ]
 
 

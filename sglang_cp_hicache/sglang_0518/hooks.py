@@ -44,6 +44,8 @@ _UTILS = "sglang.srt.mem_cache.utils"
 _EVENTS = "sglang.srt.disaggregation.kv_events"
 _METRICS = "sglang.srt.observability.metrics_collector"
 _SA = "sglang.srt.server_args"
+_RT = "sglang.srt.runtime_context"
+_DPA = "sglang.srt.layers.dp_attention"
 _SB = "sglang.srt.managers.schedule_batch"
 
 _COPY_D2H = ("self", "device_pool", "host_indices", "device_indices", "io_backend")
@@ -89,6 +91,14 @@ def _classes() -> tuple[Hook, ...]:
         cls(_SA, "ServerArgs", "refuses server settings CP cannot honour"),
         cls(_SB, "Req", "sizes the load-back quota from the request"),
         cls(_METRICS, "RadixCacheMetricsCollector", "observes load-back durations as upstream"),
+        cls(_METRICS, "StorageMetricsCollector", "feeds SGLang's storage metrics from the CP L3"),
+        cls(_METRICS, "StorageMetrics", "logs per-operation L3 pages and bandwidth as SGLang's storage"),
+        cls(_METRICS, "STAT_LOGGER_ROLE_STORAGE", "resolves the storage collector class as HiRadixCache"),
+        cls(_METRICS, "resolve_collector_class", "resolves the storage collector class as HiRadixCache"),
+        cls(_RT, "get_server_args", "reads the stat-logger settings of this server"),
+        cls(_RT, "get_parallel", "labels the storage metrics with this rank's TP rank"),
+        cls(_DPA, "is_dp_attention_enabled", "labels the storage metrics as SGLang under DP attention"),
+        cls(_DPA, "get_attention_dp_rank", "labels the storage metrics as SGLang under DP attention"),
         cls(_BPC, "MatchResult", "returns match results as upstream (keywords)", (
             "device_indices", "last_device_node", "last_host_node", "best_match_node", "host_hit_length",
             "swa_host_hit_length", "mamba_host_hit_length", "mamba_branching_seqlen", "cache_protected_len",
@@ -150,6 +160,8 @@ def _overrides() -> tuple[Hook, ...]:
             "self", "storage_backend", "storage_backend_extra_config_json", "served_model_name",
             "hicache_storage_prefetch_policy", "hicache_write_policy"), "refuses a runtime attach under CP"),
         _cache("detach_storage_backend", "override", ("self",), "refuses a runtime detach under CP"),
+        _cache("clear_storage_backend", "override", ("self",), "clears this deployment's CP L3 namespaces"),
+        _cache("check_hicache_events", "override", ("self",), "publishes the step's L3 metrics after upstream's"),
         Hook(_RC, "TreeNode", "__init__", "override", ("self", "id", "priority"), "builds CpTreeNode as upstream"),
         Hook(_RC, "TreeNode", "backuped", "override", None, "answers backuped from the CP host state"),
         Hook(_ALLOC, "BaseTokenToKVPoolAllocator", "clear", "override", ("self",), "allocates by owner lanes"),

@@ -76,17 +76,17 @@ def test_a_changed_figure_changes_the_rendered_doc(renderer, tmp_path):
 def test_unknown_and_future_files_are_listed_not_dropped(renderer, tmp_path):
     root = _results_copy(tmp_path)
     results = root / "bench" / "results"
-    (results / "traces").mkdir()
-    trace_run = json.loads((results / "sim_cp4.json").read_text())
-    trace_run["workload"] = "trace: chat-a.jsonl"
-    trace_run["prompt_tokens"] = 424242
-    (results / "traces" / "chat_a.json").write_text(json.dumps(trace_run))
+    (results / "later").mkdir()
+    later_run = json.loads((results / "sim_cp4.json").read_text())
+    later_run["workload"] = "trace: chat-a.jsonl"
+    later_run["prompt_tokens"] = 424242
+    (results / "later" / "chat_a.json").write_text(json.dumps(later_run))
     (results / "l3_bench.json").write_text(json.dumps({"backend": "file", "put_gbps": 1.5, "pages": 64}))
     (results / "odd_list.json").write_text("[1, 2, 3]")
     (results / "broken.json").write_text("{not json")
     (results / "notes.txt").write_text("hello")
     doc = renderer.render(root)["docs/results.md"]
-    assert "## Other simulator runs" in doc and "traces/chat_a.json" in doc and "424,242" in doc
+    assert "## Other simulator runs" in doc and "later/chat_a.json" in doc and "424,242" in doc
     assert "## Other files" in doc
     assert "`l3_bench.json`" in doc and "`backend` = file" in doc and "`put_gbps` = 1.50" in doc
     assert "`odd_list.json`" in doc and "JSON list of 3" in doc

@@ -528,7 +528,7 @@ def test_mooncake_is_served_through_the_library_page_store(written, monkeypatch,
 
     opened = []
 
-    def fake_open(backend, directory, extra_config=None):
+    def fake_open(backend, directory, extra_config=None, *, mooncake_rules=None):
         opened.append((backend, directory, dict(extra_config or {})))
         return FilePageStore(written)
 

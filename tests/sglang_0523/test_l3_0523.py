@@ -501,7 +501,7 @@ def mooncake_0523(tmp_path, monkeypatch):
 
     opened: list = []
 
-    def fake_open(backend, directory, extra_config=None):
+    def fake_open(backend, directory, extra_config=None, *, mooncake_rules=None):
         opened.append((backend, directory, dict(extra_config or {})))
         return FilePageStore(tmp_path / "mooncake")
 
@@ -546,7 +546,7 @@ def test_an_unusable_mooncake_store_is_this_ranks_view_not_a_crash(mooncake_0523
     """Raised only after the start-up agreement, so no rank waits alone."""
     from sglang_cp_hicache.sglang_0523.l3_attach import open_l3
 
-    def refuse(backend, directory, extra_config=None):
+    def refuse(backend, directory, extra_config=None, *, mooncake_rules=None):
         raise error
 
     monkeypatch.setattr(mooncake_0523.l3_tier, "open_page_store", refuse)
