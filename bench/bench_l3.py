@@ -1,11 +1,12 @@
 """L3 file store: this library vs SGLang's ``HiCacheFile`` vs the raw floor.
 
-Usage: python bench/bench_l3.py [--pages 64] [--threads 4] [--prefix-tokens 100000] [--out FILE.json]
+Usage: python bench/bench_l3.py [--pages 64] [--threads 4] [--rounds 3] [--prefix-tokens 100000] [--out FILE.json]
 
 Per DeepSeek-V3.2 page object -- KV (61 layers x 64 tokens x 656 B =
 2,561,024 B) and DSA indexer (61 x 64 x 132 B = 515,328 B) -- write then
-read ``--pages`` pages, page-cache hot and (dropped with
-``posix_fadvise(DONTNEED)``) cold, on three paths:
+read ``--pages`` pages, page-cache hot (``--rounds`` rounds, the paths'
+order rotated each round, the median reported) and once cold (dropped with
+``posix_fadvise(DONTNEED)``), on three paths:
 
 * ``library``: the library's path, as its L3 I/O threads run it
   (``--threads`` of them, each page its own job): write = read the object
@@ -38,6 +39,7 @@ import datetime
 import json
 import os
 import shutil
+import statistics
 import tempfile
 import threading
 import time
@@ -119,108 +121,146 @@ class _LayerFirstPool:
         self.buffer[:, i * P:(i + 1) * P] = flat.view(LAYERS, P, self.row)
 
 
-def bench_kind(kind: str, pages: int, threads: int, root: Path) -> dict[str, Any]:
+class _RawPath:
+    """The floor: ``tofile`` / ``readinto`` a preallocated tensor, one thread."""
+
+    def __init__(self, data: list[torch.Tensor], ns: L3Namespace, row: int, threads: int) -> None:
+        self.data, self.dest = data, torch.empty((len(data), ns.page_bytes), dtype=torch.uint8)
+
+    def write(self, directory: Path) -> None:
+        self.directory = directory
+        for i, page in enumerate(self.data):
+            page.numpy().tofile(directory / f"{i}.bin")
+
+    def read(self, threads: int | None = None) -> None:
+        self.dest.zero_()
+        for i in range(len(self.data)):
+            with open(self.directory / f"{i}.bin", "rb", buffering=0) as f:
+                f.readinto(memoryview(self.dest[i].numpy()))
+
+    def check(self) -> bool:
+        return all(torch.equal(self.dest[i], page) for i, page in enumerate(self.data))
+
+
+class _HiCacheFilePath:
+    """SGLang's HiCacheFile, from and to a host pool as SGLang's own L3 path does."""
+
+    def __init__(self, data: list[torch.Tensor], ns: L3Namespace, row: int, threads: int) -> None:
+        self.data, self.ns = data, ns
+        self.keys = _hashes(len(data), 1)
+        self.host = _LayerFirstPool(len(data), row)
+        for i, page in enumerate(data):
+            self.host.fill(i, page)
+
+    def write(self, directory: Path) -> None:
+        from sglang.srt.mem_cache.hicache_storage import HiCacheFile, HiCacheStorageConfig
+
+        config = HiCacheStorageConfig(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
+                                      is_mla_model=True, enable_storage_metrics=False, is_page_first_layout=False,
+                                      model_name="bench")
+        self.hf = HiCacheFile(config, file_path=str(directory))
+        flats = [self.host.page(i).reshape(-1).contiguous() for i in range(len(self.data))]
+        assert self.hf.batch_set(self.keys, flats)
+
+    def read(self, threads: int | None = None) -> None:
+        self.host.buffer.zero_()
+        got = self.hf.batch_get(self.keys, [torch.empty(self.ns.page_bytes, dtype=torch.uint8) for _ in self.data])
+        for i, flat in enumerate(got):
+            self.host.fill(i, flat)
+
+    def check(self) -> bool:
+        return all(torch.equal(self.host.page(i).reshape(-1), page) for i, page in enumerate(self.data))
+
+
+class _LibraryPath:
+    """This library, through its L3 threads, every byte verified."""
+
+    def __init__(self, data: list[torch.Tensor], ns: L3Namespace, row: int, threads: int) -> None:
+        self.data, self.ns, self.threads = data, ns, threads
+        self.keys = page_keys(_hashes(len(data), 2), ns)
+        self.host = _LayerFirstPool(len(data), row)
+        for i, page in enumerate(data):
+            self.host.fill(i, page)
+        self.scratch = threading.local()
+
+    def _buffers(self) -> tuple[memoryview, memoryview, torch.Tensor]:
+        s = self.scratch
+        if not hasattr(s, "page"):
+            s.head, s.page = memoryview(bytearray(HEADER_BYTES)), torch.empty(self.ns.page_bytes, dtype=torch.uint8)
+        return s.head, byte_view(s.page), s.page
+
+    def write(self, directory: Path) -> None:
+        self.store = FilePageStore(directory)
+
+        def write_page(i: int) -> None:
+            snapshot = self.host.page(i).reshape(-1).contiguous()  # what the writer copies out at the ack
+            head, payload, _ = self._buffers()
+            assert store_verified(self.store, self.ns, self.keys[i], snapshot, (head, payload)).in_l3
+
+        _parallel(self.threads, [lambda i=i: write_page(i) for i in range(len(self.data))])
+
+    def read(self, threads: int | None = None) -> None:
+        self.host.buffer.zero_()
+
+        def read_page(i: int) -> None:
+            head, payload, page = self._buffers()
+            assert read_verified(self.store, self.ns, self.keys[i], head, payload) is None
+            self.host.fill(i, page)
+
+        _parallel(threads or self.threads, [lambda i=i: read_page(i) for i in range(len(self.data))])
+
+    def check(self) -> bool:
+        return all(torch.equal(self.host.page(i).reshape(-1), page) for i, page in enumerate(self.data))
+
+
+PATHS = {"raw": _RawPath, "hicachefile": _HiCacheFilePath, "library": _LibraryPath}
+
+
+def _timed(fn: Callable[[], Any]) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def bench_kind(kind: str, pages: int, threads: int, root: Path, rounds: int) -> dict[str, Any]:
+    """Write then read ``pages`` pages on each path, ``rounds`` times, the
+    paths' order rotated each round (the first writer into a fresh page cache
+    pays for it), every round into a fresh directory; the median of the
+    rounds is reported, then one page-cache-cold read per path."""
     row = KINDS[kind]
     ns = _namespace(kind if kind == "kv" else "indexer", row)
     data = [torch.randint(0, 256, (ns.page_bytes,), dtype=torch.uint8) for _ in range(pages)]
     total = pages * ns.page_bytes
-    out: dict[str, Any] = {"page_bytes": ns.page_bytes, "pages": pages}
-
-    # raw floor
-    raw_dir = root / f"raw-{kind}"
-    raw_dir.mkdir()
-    t = time.perf_counter()
-    for i, page in enumerate(data):
-        page.numpy().tofile(raw_dir / f"{i}.bin")
-    out["raw_write_GBps"] = _gbps(total, time.perf_counter() - t)
-    dest = torch.empty((pages, ns.page_bytes), dtype=torch.uint8)
-
-    def raw_read() -> float:
-        t0 = time.perf_counter()
-        for i in range(pages):
-            with open(raw_dir / f"{i}.bin", "rb", buffering=0) as f:
-                f.readinto(memoryview(dest[i].numpy()))
-        return time.perf_counter() - t0
-
-    out["raw_read_GBps"] = _gbps(total, raw_read())
-    _drop_cache(raw_dir)
-    out["raw_read_cold_GBps"] = _gbps(total, raw_read())
-    assert all(torch.equal(dest[i], data[i]) for i in range(pages))
-
-    # SGLang's HiCacheFile, from and to a host pool as SGLang's own L3 path does
-    from sglang.srt.mem_cache.hicache_storage import HiCacheFile, HiCacheStorageConfig
-
-    hf_dir = root / f"hicachefile-{kind}"
-    hf_dir.mkdir()
-    config = HiCacheStorageConfig(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
-                                  is_mla_model=True, enable_storage_metrics=False, is_page_first_layout=False,
-                                  model_name="bench")
-    hf = HiCacheFile(config, file_path=str(hf_dir))
-    keys = _hashes(pages, 1)
-    hf_host = _LayerFirstPool(pages, row)
-    for i, page in enumerate(data):
-        hf_host.fill(i, page)
-    t = time.perf_counter()
-    assert hf.batch_set(keys, [hf_host.page(i).reshape(-1).contiguous() for i in range(pages)])
-    out["hicachefile_write_GBps"] = _gbps(total, time.perf_counter() - t)
-
-    def hf_read() -> float:
-        hf_host.buffer.zero_()
-        t0 = time.perf_counter()
-        got = hf.batch_get(keys, [torch.empty(ns.page_bytes, dtype=torch.uint8) for _ in range(pages)])
-        for i, flat in enumerate(got):
-            hf_host.fill(i, flat)
-        return time.perf_counter() - t0
-
-    out["hicachefile_read_GBps"] = _gbps(total, hf_read())
-    _drop_cache(hf_dir)
-    out["hicachefile_read_cold_GBps"] = _gbps(total, hf_read())
-    assert all(torch.equal(hf_host.page(i).reshape(-1), data[i]) for i in range(pages))
-
-    # this library, through its L3 threads, every byte verified
-    lib_dir = root / f"library-{kind}"
-    store = FilePageStore(lib_dir)
-    lib_keys = page_keys(_hashes(pages, 2), ns)
-    host = _LayerFirstPool(pages, row)
-    for i, page in enumerate(data):
-        host.fill(i, page)
-    scratch = threading.local()
-
-    def buffers() -> tuple[memoryview, memoryview, torch.Tensor]:
-        if not hasattr(scratch, "page"):
-            scratch.head, scratch.page = memoryview(bytearray(HEADER_BYTES)), torch.empty(ns.page_bytes,
-                                                                                        dtype=torch.uint8)
-        return scratch.head, byte_view(scratch.page), scratch.page
-
-    def write_page(i: int) -> None:
-        snapshot = host.page(i).reshape(-1).contiguous()  # what the writer copies out at the ack
-        head, payload, _ = buffers()
-        assert store_verified(store, ns, lib_keys[i], snapshot, (head, payload)).in_l3
-
-    t = time.perf_counter()
-    _parallel(threads, [lambda i=i: write_page(i) for i in range(pages)])
-    out["library_write_GBps"] = _gbps(total, time.perf_counter() - t)
-    host.buffer.zero_()
-
-    def read_page(i: int) -> None:
-        head, payload, page = buffers()
-        assert read_verified(store, ns, lib_keys[i], head, payload) is None
-        host.fill(i, page)
-
-    def lib_read(n_threads: int) -> float:
-        host.buffer.zero_()
-        t0 = time.perf_counter()
-        _parallel(n_threads, [lambda i=i: read_page(i) for i in range(pages)])
-        return time.perf_counter() - t0
-
-    out["library_read_GBps"] = _gbps(total, lib_read(threads))
-    out["library_read_1thread_GBps"] = _gbps(total, lib_read(1))
-    _drop_cache(lib_dir)
-    out["library_read_cold_GBps"] = _gbps(total, lib_read(threads))
-    assert all(torch.equal(host.page(i).reshape(-1), data[i]) for i in range(pages))
-    for path in ("raw", "hicachefile"):
-        out[f"library_over_{path}_read"] = round(out["library_read_GBps"] / out[f"{path}_read_GBps"], 3)
-        out[f"library_over_{path}_write"] = round(out["library_write_GBps"] / out[f"{path}_write_GBps"], 3)
+    paths = {name: cls(data, ns, row, threads) for name, cls in PATHS.items()}
+    names = list(paths)
+    samples: dict[str, dict[str, list[float]]] = {name: {"write": [], "read": []} for name in names}
+    one_thread: list[float] = []
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            path, directory = paths[name], root / f"{name}-{kind}-{r}"
+            directory.mkdir()
+            samples[name]["write"].append(_timed(lambda: path.write(directory)))
+            samples[name]["read"].append(_timed(path.read))
+            assert path.check(), f"{name} read back other bytes"
+            if name == "library":
+                one_thread.append(_timed(lambda: path.read(1)))
+                assert path.check()
+            if r < rounds - 1:
+                shutil.rmtree(directory)
+    out: dict[str, Any] = {"page_bytes": ns.page_bytes, "pages": pages, "rounds": rounds}
+    for name in names:
+        for op in ("write", "read"):
+            out[f"{name}_{op}_GBps"] = _gbps(total, statistics.median(samples[name][op]))
+            out[f"{name}_{op}_GBps_rounds"] = [_gbps(total, x) for x in samples[name][op]]
+    out["library_read_1thread_GBps"] = _gbps(total, statistics.median(one_thread))
+    for name in names:
+        path = paths[name]
+        _drop_cache(path.directory if name == "raw" else root / f"{name}-{kind}-{rounds - 1}")
+        out[f"{name}_read_cold_GBps"] = _gbps(total, _timed(path.read))
+        assert path.check(), f"{name} read back other bytes (cold)"
+    for name in ("raw", "hicachefile"):
+        for op in ("read", "write"):
+            out[f"library_over_{name}_{op}"] = round(out[f"library_{op}_GBps"] / out[f"{name}_{op}_GBps"], 3)
     return out
 
 
@@ -318,6 +358,7 @@ def main() -> None:
     ap.add_argument("--pages", type=int, default=64, help="pages per path and kind (default 64)")
     ap.add_argument("--threads", type=int, default=int(os.environ.get("SGLANG_CP_HICACHE_L3_THREADS", "4")),
                     help="the library's L3 I/O threads (default SGLANG_CP_HICACHE_L3_THREADS, else 4)")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of the per-page comparison, median reported")
     ap.add_argument("--prefix-tokens", type=int, default=100_000)
     ap.add_argument("--cp", default="1,2,4,8", help="CP sizes of the prefix restore (default 1,2,4,8)")
     ap.add_argument("--dir", default=None, help="where to write (default: a new directory under /tmp)")
@@ -338,7 +379,7 @@ def main() -> None:
             "checksums": bench_checksums(),
         }
         for kind in KINDS:
-            result[kind] = bench_kind(kind, args.pages, args.threads, root)
+            result[kind] = bench_kind(kind, args.pages, args.threads, root, args.rounds)
         result["prefix"] = bench_prefix(args.prefix_tokens, [int(x) for x in args.cp.split(",")], args.threads, root)
         result["load_average_after"] = os.getloadavg()
         result["seconds"] = round(time.time() - started, 1)
