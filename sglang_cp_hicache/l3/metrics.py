@@ -139,7 +139,11 @@ class MeteredTier:
         self._tier = tier
         self._meter = meter
         self._clock = clock
-        self._page_bytes = int(tier.kv_ns.page_bytes) + int(tier.indexer_ns.page_bytes)
+
+    @property
+    def _page_bytes(self) -> int:
+        # both objects of a page (read on the I/O threads; namespaces are fixed)
+        return int(self._tier.kv_ns.page_bytes) + int(self._tier.indexer_ns.page_bytes)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._tier, name)

@@ -91,7 +91,13 @@ class RankL3:
         self.prefetcher = L3Prefetcher(metered, port, self.read_workers, location.timeouts)
         self.writer = L3Writer(metered, self.write_workers, location.timeouts)
         self.metrics = L3MetricsSource(tier.counters, self.io, tier.page_size)
-        self.metrics_sink: Optional[Any] = None  # an L3MetricsSink when --enable-metrics
+        self.metrics_sink: Optional[L3MetricsSink] = None  # set by attach_metrics (--enable-metrics)
+
+    def attach_metrics(self, sink: L3MetricsSink) -> None:
+        """Export this rank's figures to ``sink`` from the next step on."""
+        if not isinstance(sink, L3MetricsSink):
+            raise TypeError(f"sink must be an L3MetricsSink, got {type(sink).__name__}")
+        self.metrics_sink = sink
 
     @property
     def counters(self) -> L3Counters:

@@ -77,6 +77,10 @@ class StorageCollectorSink(L3MetricsSink):
         self.library = library
         self._storage_metrics = storage_metrics
 
+    def attach_collector(self, collector: Any) -> None:
+        """Feed ``collector`` (SGLang's, once storage turns on) from the next step on."""
+        self.collector = collector
+
     def publish(self, figures: L3StepFigures, totals: dict[str, float]) -> None:
         c = self.collector
         if c is not None and figures:

@@ -81,5 +81,5 @@ def install_metrics(cache: Any, l3: RankL3, server_args: Any) -> StorageCollecto
     counter_cls = getattr(collector, "_counter_cls", None)
     library = PrometheusL3Counters(labels, l3.metrics.snapshot(), counter_cls)
     sink = StorageCollectorSink(library, StorageMetrics, collector)
-    l3.metrics_sink = sink
+    l3.attach_metrics(sink)
     return sink

@@ -55,6 +55,7 @@ _RADIX = "sglang.srt.mem_cache.radix_cache"
 _MC_UTILS = "sglang.srt.mem_cache.utils"
 _COMMON = "sglang.srt.mem_cache.common"
 _SB = "sglang.srt.managers.schedule_batch"
+_METRICS = "sglang.srt.observability.metrics_collector"
 _ACTIONS = "sglang.srt.mem_cache.unified_cache.cache_action"
 _STEP_PARAMS = ("self", "transfers", "transfer_layer_id_max", "start_event", "on_layer_done")
 _BUILD_PARAMS = (
@@ -320,6 +321,8 @@ def _l3() -> tuple[Hook, ...]:
              "writes each rank's own pages of a node to L3 once its host copy is final"),
         Hook(_URC, "UnifiedRadixCache", "reset", urc, ("self",),
              "drops the pending L3 lookups with the tree and host pools a flush clears"),
+        Hook(_URC, "UnifiedRadixCache", "clear_storage_backend", urc, ("self",),
+             "clear_hicache_storage removes this deployment's CP L3 namespaces, alike on every rank"),
         Hook(_URC, "UnifiedRadixCache", "_all_reduce_attn_groups", "private-helper", ("self", "tensor", "op"),
              "agrees on the lookup words when the ready-ack sync did not run"),
         Hook(_URC, "UnifiedRadixCache", "inc_host_lock_ref", "call", ("self", "node_id"),
@@ -351,6 +354,26 @@ def _l3() -> tuple[Hook, ...]:
         *_reads(_PH_DSA, "DSAIndexerPoolHost", "get_data_page set_from_flat_data_page indexer_page_stride_size",
                 "reads and writes one page's indexer bytes at its local row"),
         *_reads(_MEMPOOL, "KVCache", "start_layer", "puts the absolute layer range in the namespace"),
+        # SGLang's storage metrics, fed from the CP L3 (--enable-metrics)
+        Hook(_URC, "UnifiedRadixCache", "_storage_attachment", "attribute", None,
+             "reaches the attachment whose runtime config turns storage (and its metrics) on"),
+        Hook("sglang.srt.mem_cache.unified_cache.storage_attachment", "StorageAttachment", "apply_runtime_config",
+             urc, ("self", "storage_backend", "prefetch_threshold", "prefetch_timeout_base",
+                   "prefetch_timeout_per_ki_token", "hicache_storage_pass_prefix_keys", "enable_storage",
+                   "enable_storage_metrics", "extra_metric_labels"),
+             "runs upstream's with its own storage feeds off, then builds SGLang's storage collector for CP"),
+        Hook(_URC, "UnifiedRadixCache", "storage_metrics_collector", urc, None,
+             "holds SGLang's storage collector, fed from the CP L3"),
+        Hook(_METRICS, None, "StorageMetricsCollector", "attribute", None, "builds SGLang's storage collector"),
+        Hook(_METRICS, None, "StorageMetrics", "attribute", None, "logs per-page L3 operations as SGLang's storage"),
+        Hook(_METRICS, None, "STAT_LOGGER_ROLE_STORAGE", "attribute", None,
+             "resolves the storage collector class as SGLang"),
+        Hook(_METRICS, None, "resolve_collector_class", "call", ("role", "default_cls"),
+             "resolves the storage collector class as SGLang"),
+        Hook("sglang.srt.layers.dp_attention", None, "is_dp_attention_enabled", "call", (),
+             "labels the storage metrics as SGLang under DP attention"),
+        Hook("sglang.srt.runtime_context", None, "get_parallel", "call", (),
+             "labels the storage metrics with this rank's TP / DP ranks"),
     )
 
 

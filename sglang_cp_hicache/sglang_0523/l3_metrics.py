@@ -81,7 +81,7 @@ def install_metrics(cache: Any, l3: RankL3, port: Any, placement: Any,
     SGLang's storage controller, which CP never attaches)."""
     labels = rank_labels(cache, placement, storage_backend or "none", getattr(cache, "extra_metric_labels", None))
     sink = StorageCollectorSink(PrometheusL3Counters(labels, l3.metrics.snapshot()), StorageMetrics)
-    l3.metrics_sink = sink
+    l3.attach_metrics(sink)
     port.metrics = sink
     attachment = cache._storage_attachment
     upstream = attachment.apply_runtime_config
@@ -91,7 +91,8 @@ def install_metrics(cache: Any, l3: RankL3, port: Any, placement: Any,
         if kwargs.get("enable_storage_metrics"):
             labels = rank_labels(cache, placement, kwargs.get("storage_backend"), kwargs.get("extra_metric_labels"))
             cls = resolve_collector_class(STAT_LOGGER_ROLE_STORAGE, StorageMetricsCollector)
-            sink.collector = cache.storage_metrics_collector = shared_collector(cls, labels)
+            cache.storage_metrics_collector = shared_collector(cls, labels)
+            sink.attach_collector(cache.storage_metrics_collector)
 
     attachment.apply_runtime_config = apply_runtime_config
     return sink
