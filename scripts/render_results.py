@@ -34,6 +34,7 @@ from results_sections import (  # noqa: E402
     n,
     section_bookkeeping,
     section_l3,
+    section_l3_bench,
     section_other_files,
     section_other_sims,
     section_traces,
@@ -100,10 +101,28 @@ def headline(res: Results) -> list[str]:
         rows.append(["L3 written at one CP size, read at another", f"{len(reads)} reader runs, "
                      f"{sum(d.get('l3_pages_verified') or 0 for d in reads):,} L3 pages verified, "
                      f"{sum(d.get('corrupted_pages') or 0 for d in reads)} corrupted"])
+    l3 = res.json.get("l3_file.json")
+    if isinstance(l3, dict) and isinstance(l3.get("kv"), dict):
+        kv = l3["kv"]
+        rows.append(["L3 file store, DeepSeek-V3.2 KV pages, GB/s: library (verified) / SGLang's HiCacheFile / raw "
+                     "floor", f"read {n(kv.get('library_read_GBps'))} / {n(kv.get('hicachefile_read_GBps'))} / "
+                     f"{n(kv.get('raw_read_GBps'))}; write {n(kv.get('library_write_GBps'))} / "
+                     f"{n(kv.get('hicachefile_write_GBps'))} / {n(kv.get('raw_write_GBps'))} (page cache hot)"])
+    traces = {f: d for f, d in res.json.items() if f.startswith("traces/") and isinstance(d, dict)
+              and "ideal_hit_tokens" in d}
+    lib, up = traces.get("traces/0523-library-cp4.json"), traces.get("traces/0523-upstream-cp4.json")
+    if lib and up:
+        with_l3 = traces.get("traces/0523-library-cp4-l3.json")
+        rows.append(["Mooncake conversation trace (first 1,000 requests), 0.5.23 CP 4: hits / ideal, and against "
+                     "a non-CP cache of the same capacity", f"library {lib.get('hit_ratio', 0):.3f} "
+                     f"(capacity efficiency {lib.get('capacity_efficiency', 0):.3f}), upstream "
+                     f"{up.get('hit_ratio', 0):.3f} ({up.get('capacity_efficiency', 0):.3f})"
+                     + (f"; library with L3 {with_l3.get('hit_ratio', 0):.3f}" if with_l3 else "")])
     gpu = [f for f in res.files if re.match(r"^(transfer_gpu|gpu_check_)", f)]
     rows.append(["GPU copy bandwidth, 100K-token restore time", "committed: see results" if gpu
                  else "**not measured yet** (no GPU run committed)"])
-    return table(["claim", "measured (CPU simulator: real SGLang classes, gloo ranks, 2 layers)"], rows)
+    return table(["claim", "measured on CPU (simulator: real SGLang classes, gloo ranks, 2 layers; benches as named)"],
+                 rows)
 
 
 def render_doc(res: Results) -> str:
@@ -120,7 +139,7 @@ def render_doc(res: Results) -> str:
         *headline(res),
         "",
     ]
-    for section in (section_sim_0518, section_sim_0523, section_l3, section_traces, section_other_sims,
+    for section in (section_sim_0518, section_sim_0523, section_l3, section_l3_bench, section_traces, section_other_sims,
                     section_bookkeeping, section_transfer, section_other_files):
         lines += section(res)
     return "\n".join(lines).rstrip() + "\n"
