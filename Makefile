@@ -1,7 +1,7 @@
 PY ?= .venv/bin/python
 PY_0523 ?= .venv-0523/bin/python
 
-.PHONY: install install-0518 test test-0518 test-0518-interpreted bench-bookkeeping simulate gpu-check
+.PHONY: install install-0518 test lint test-0518 test-0518-interpreted bench-bookkeeping simulate gpu-check
 
 # One-time setup of both environments (CPU builds, no GPU deps): .venv with
 # SGLang 0.5.18, .venv-0523 with SGLang 0.5.23 (one distribution name: two venvs).
@@ -13,8 +13,12 @@ install: install-0518 install-0523
 install-0518:
 	@bash scripts/install.sh
 
-# The test command (README and .ci/run run exactly this): both suites.
-test: test-0518 test-0518-interpreted test-0523
+# The test command (README and .ci/run run exactly this): the linter, then both suites.
+test: lint test-0518 test-0518-interpreted test-0523
+
+# ruff (pyproject.toml [tool.ruff]: pyflakes and statement errors) over the whole tree, a second or two.
+lint:
+	$(PY) -m ruff check .
 
 # Each part runs on pytest-xdist, one worker per core (PYTEST_XDIST_AUTO_NUM_WORKERS
 # overrides the count; PYTEST_PAR= runs in one process). loadgroup keeps the

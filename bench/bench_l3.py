@@ -52,7 +52,7 @@ import torch
 from sglang_cp_hicache.l3.envelope import HEADER_BYTES, byte_view
 from sglang_cp_hicache.l3.host_tier import HostL3Tier
 from sglang_cp_hicache.l3.keys import L3Namespace, page_keys
-from sglang_cp_hicache.l3.pages import object_bytes, read_verified, store_verified
+from sglang_cp_hicache.l3.pages import read_verified, store_verified
 from sglang_cp_hicache.l3.store import FilePageStore
 from sglang_cp_hicache.l3.workers import L3Workers
 from sglang_cp_hicache.placement import CpPlacement

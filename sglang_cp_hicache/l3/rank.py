@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 from sglang_cp_hicache.l3.clear import ClearReport, clear_namespaces
 from sglang_cp_hicache.l3.host_tier import HostL3Tier, L3Counters

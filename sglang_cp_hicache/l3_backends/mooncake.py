@@ -259,7 +259,7 @@ class MooncakePageStore:
     def get(self, keys: Sequence[str], sizes: Optional[Sequence[int]] = None) -> list[bytes | SizeMismatch | None]:
         checked = _check_keys(keys)
         expected = check_sizes(sizes, len(checked))
-        client = self._live()
+        self._live()  # a closed store raises here, before any batch
         if not checked:  # Mooncake answers an empty batch with one empty object
             return []
         limit = self.config.local_buffer_size

@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Optional
 
 from sglang_cp_hicache import hook_registry
-from sglang_cp_hicache.hook_registry import KINDS, Hook, HookMismatchError, Kind, find_problem
+from sglang_cp_hicache.hook_registry import Hook, HookMismatchError, find_problem
 from sglang_cp_hicache.sglang_0523 import SUPPORTED_SGLANG
 
 __all__ = ["HOOKS", "READ_FROM", "Hook", "HookMismatchError", "check_hooks", "find_problem"]

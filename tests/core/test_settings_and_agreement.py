@@ -4,7 +4,6 @@ valid ones) and the start-up agreement check (each kind of mismatch named)."""
 import threading
 
 import pytest
-import torch
 import torch.distributed as dist
 
 from sglang_cp_hicache import settings

@@ -10,7 +10,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from sglang_cp_hicache.l3.capacity import CapacityConfig, parse_size
 from sglang_cp_hicache.l3.envelope import HEADER_BYTES

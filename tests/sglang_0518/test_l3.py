@@ -22,7 +22,6 @@ import pytest
 from sglang.srt.mem_cache.radix_cache import RadixKey
 
 from sglang_cp_hicache import settings
-from sglang_cp_hicache.l3.keys import page_key
 from sglang_cp_hicache.l3.identity import ModelIdentity
 from sglang_cp_hicache.l3.rank import RankL3
 from sglang_cp_hicache.sglang_0518.l3_port import L3Port0518

@@ -15,7 +15,6 @@ import os
 import shutil
 import threading
 import time
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable, Optional
 

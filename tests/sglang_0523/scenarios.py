@@ -82,7 +82,6 @@ def _nodes(stack: Any) -> dict[tuple, tuple]:
 
 def _drive(stack: Any) -> dict[str, Any]:
     """The round trip on one stack; returns snapshots and per-request records."""
-    import torch
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
     from sglang_cp_hicache.sim.content import poison_device

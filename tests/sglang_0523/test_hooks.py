@@ -16,7 +16,7 @@ import pytest
 from sglang.srt.mem_cache.hybrid_cache import hybrid_pool_assembler as assembler
 
 from sglang_cp_hicache import hook_registry
-from sglang_cp_hicache.sglang_0523 import hooks, plugin, strategy
+from sglang_cp_hicache.sglang_0523 import plugin, strategy
 from sglang_cp_hicache.sglang_0523.hooks import HOOKS, Hook, HookMismatchError, check_hooks, find_problem
 
 ADAPTER = pathlib.Path(strategy.__file__).parent

@@ -11,7 +11,6 @@ from types import SimpleNamespace
 from typing import Any, Callable
 
 import pytest
-import torch
 import torch.distributed as dist
 
 from sglang_cp_hicache import settings
