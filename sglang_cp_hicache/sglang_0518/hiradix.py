@@ -152,6 +152,12 @@ class CpHiRadixCache(
                 "CP shared KV HiCache needs a DSATokenToKVPool device pool, got "
                 f"{type(allocator.get_kvcache()).__name__}"
             )
+        if params.page_size != allocator.layout.page_size:
+            # the tree would cut keys into pages the allocator does not place
+            raise ValueError(
+                f"params.page_size ({params.page_size}) must equal the CP allocator's page size "
+                f"({allocator.layout.page_size})"
+            )
         self.cp_layout = allocator.layout
         self.cp_counters = CpHiCacheCounters()
         self._host_leaves = HostLeafIndex(self._host_priority)
