@@ -40,10 +40,9 @@ free group: upstream's splits them by owner with ``torch.unique`` and masks).
 from __future__ import annotations
 
 import hashlib
-import time
 from array import array
 from dataclasses import asdict, dataclass, replace
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 from sglang.srt.mem_cache.base_prefix_cache import (
@@ -57,6 +56,7 @@ from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 from sglang.srt.mem_cache.unified_cache.components.base import EvictLayer
 
+from sglang_cp_hicache.sim.copy_path_times import CopyPathTimes, timed as _timed
 from sglang_cp_hicache.sim.engine_base import NewPages, PrefixHit, RankEngineBase, RequestInFlight
 from sglang_cp_hicache.sim.records import EngineTotals
 from sglang_cp_hicache.testing.requests_0523 import SchedulerRequests
@@ -66,21 +66,6 @@ __all__ = ["CopyPathTimes", "ShardedSimRankEngine"]
 
 _EMPTY = torch.empty((0,), dtype=torch.int64)
 _FULL = ComponentType.FULL
-
-
-@dataclass
-class CopyPathTimes:
-    """Process CPU seconds and calls in the sharded copy path on one rank."""
-
-    copy_path: str
-    prepare_seconds: float = 0.0  # _move_write_operation + _move_op_indices
-    submit_seconds: float = 0.0  # L2 engine submit_device_to_host + submit_host_to_device
-    prepare_calls: int = 0
-    submit_calls: int = 0
-
-    @property
-    def total_seconds(self) -> float:
-        return self.prepare_seconds + self.submit_seconds
 
 
 @dataclass
@@ -102,19 +87,6 @@ class _LoadBackRequest:
 
 class _NoMamba:
     mamba_pool_idx = None
-
-
-def _timed(fn: Callable[..., Any], add: Callable[[float], None]) -> Callable[..., Any]:
-    """``fn``, passing the process CPU seconds of every call to ``add``."""
-
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        start = time.process_time()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            add(time.process_time() - start)
-
-    return wrapper
 
 
 class ShardedSimRankEngine(RankEngineBase):

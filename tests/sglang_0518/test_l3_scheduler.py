@@ -12,14 +12,11 @@ saw the abort; requests with one prefix wait on one prefetch.
 
 from __future__ import annotations
 
-import importlib.util
 import inspect
 import json
 import logging
-import sys
 import threading
 import time
-import types
 from array import array
 from pathlib import Path
 from types import SimpleNamespace
@@ -32,26 +29,13 @@ from sglang_cp_hicache.testing.stack_0518 import CpStackConfig, build_cp_rank_st
 
 from tests.helpers.cp_cluster import CpCluster
 from tests.helpers.rank_snapshot import rank_state, shared_view
+from tests.helpers.scheduler_import import scheduler_class
 
-# The scheduler module imports a web stack and helpers the CPU harness does not
-# install; the methods under test use none of them (import-only stand-ins).
-def _stand_in_attribute(name: str):
-    if name.startswith("__"):  # module metadata (__file__, __spec__, ...) stays absent
-        raise AttributeError(name)
-    return type(name, (), {})
-
-
-for _top, _subs in (("setproctitle", ()), ("einops", ()), ("uvicorn", ()), ("fastapi", ("responses",))):
-    if _top in sys.modules or importlib.util.find_spec(_top) is not None:
-        continue
-    for _name in (_top, *(f"{_top}.{sub}" for sub in _subs)):
-        _stub = types.ModuleType(_name)
-        _stub.__path__ = []
-        _stub.__getattr__ = _stand_in_attribute
-        sys.modules[_name] = _stub
+# The scheduler module imports a web stack the CPU harness does not install
+# (import-only stand-ins, tests/helpers/scheduler_import.py).
+Scheduler = scheduler_class()
 
 from sglang.srt.managers.schedule_batch import Req  # noqa: E402
-from sglang.srt.managers.scheduler import Scheduler  # noqa: E402
 from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
 
 P = 64
