@@ -1,4 +1,9 @@
-"""Start simulator processes (spawn), watch them, collect their reports.
+"""Start simulator processes, watch them, collect their reports.
+
+The processes are forked by one spawned zygote that imported what a rank
+needs once (:mod:`.zygote`): a clean interpreter with the launcher's
+environment, as ``spawn`` gives each rank, without paying SGLang's import in
+every process.
 
 The CP ranks join one gloo group on a free localhost port, bounded by the
 start-up and collective timeouts. Each process has its own pipe to the
@@ -13,6 +18,7 @@ reports the lost peer), then they are terminated, then killed.
 
 from __future__ import annotations
 
+import functools
 import multiprocessing as mp
 import os
 import signal
@@ -27,7 +33,8 @@ from sglang_cp_hicache.sim.packed import PackedRequests
 from sglang_cp_hicache.sim.progress import ProgressBar, StartupProgress
 from sglang_cp_hicache.sim.ranklog import RankLog, save_logs
 from sglang_cp_hicache.sim.records import Progress, RankFailure, RankReport, StartupEvent
-from sglang_cp_hicache.sim.worker import rank_main
+from sglang_cp_hicache.sim.worker import forked_rank_main, preload_rank
+from sglang_cp_hicache.sim.zygote import ForkedProcess, ForkJob, Zygote
 
 __all__ = ["LaunchResult", "free_port", "launch"]
 
@@ -94,13 +101,15 @@ def launch(
     port = free_port() if len(ranks) > 1 else 0
     label = f"CP{config.cp_size}" if cp_mode else "non-CP"
     result = LaunchResult(label=label)
-    procs: dict[int, mp.process.BaseProcess] = {}
+    procs: dict[int, ForkedProcess] = {}
     channels: dict[int, Connection] = {}
     logs: dict[int, RankLog] = {}
     startup = StartupProgress(label, len(ranks), show=show_progress)
     bar = ProgressBar(label, len(requests)) if show_progress else None
     start = time.perf_counter()
+    zygote: Optional[Zygote] = None
     try:
+        jobs = []
         for rank in ranks:
             logs[rank] = RankLog(log_name(rank))
             spec = RankSpec(
@@ -108,10 +117,20 @@ def launch(
                 log=logs[rank].for_child(), launcher_pid=os.getpid(),
                 progress=show_progress and rank in (0, -1), failure=failure,
             )
-            _spawn(ctx, spec, logs[rank].name, procs, channels)
+            channels[rank], writer = ctx.Pipe(duplex=False)
+            jobs.append(ForkJob(key=rank, args=(spec, writer), owned=(writer, spec.log)))
+        try:
+            zygote = Zygote(ctx, functools.partial(preload_rank, config), forked_rank_main, jobs,
+                            launcher_pid=os.getpid(), name=f"sim-{label}-zygote")
+        finally:
+            for job in jobs:
+                job.args[1].close()  # each process holds the only write end of its pipe: EOF when it exits
+        procs.update({rank: zygote.process(rank) for rank in ranks})
         _watch(config, procs, channels, result, startup, bar)
     except BaseException:  # Ctrl-C, SIGTERM (see cli), or a launcher bug: never leave ranks behind
         _stop(procs, [r for r, p in procs.items() if p.is_alive()])
+        if zygote is not None:
+            zygote.join(timeout=2.0)
         for log in logs.values():
             log.close()
         raise
@@ -121,30 +140,13 @@ def launch(
         for channel in channels.values():
             channel.close()
     _collect(result, procs, [logs[r] for r in ranks], start)
+    zygote.join(timeout=5.0)
     result.startup_seconds = startup.done_at
     return result
 
 
-def _spawn(
-    ctx: mp.context.BaseContext,
-    spec: RankSpec,
-    name: str,
-    procs: dict[int, mp.process.BaseProcess],
-    channels: dict[int, Connection],
-) -> None:
-    """Start one process with its own pipe to the launcher."""
-    reader, writer = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=rank_main, args=(spec, writer), name=f"sim-{name}", daemon=True)
-    channels[spec.rank] = reader
-    try:
-        proc.start()
-    finally:
-        writer.close()  # the child holds the only write end: EOF when it exits
-    procs[spec.rank] = proc
-
-
 def _collect(
-    result: LaunchResult, procs: dict[int, mp.process.BaseProcess], logs: list[RankLog], start: float
+    result: LaunchResult, procs: dict[int, ForkedProcess], logs: list[RankLog], start: float
 ) -> None:
     """Exit codes, failures in the order they happened, reports by rank,
     the run's wall time; the logs are kept only when the run failed."""
@@ -162,7 +164,7 @@ def _collect(
 
 def _watch(
     config: SimConfig,
-    procs: dict[int, mp.process.BaseProcess],
+    procs: dict[int, ForkedProcess],
     channels: dict[int, Connection],
     result: LaunchResult,
     startup: StartupProgress,
@@ -192,7 +194,9 @@ def _watch(
                 first_failure_at = time.monotonic()
 
     while open_channels or running:
-        waitables = list(open_channels.values()) + [p.sentinel for p in running.values()]
+        # the processes share one sentinel (the zygote's status pipe): wait on it once
+        sentinels = {id(p.sentinel): p.sentinel for p in running.values()}
+        waitables = list(open_channels.values()) + list(sentinels.values())
         ready = set(wait(waitables, timeout=_POLL_S))
         for rank, channel in list(open_channels.items()):
             if channel not in ready:
@@ -224,7 +228,7 @@ def _watch(
             stop_deadline = time.monotonic() + _STOP_WAIT_S
 
 
-def _stop(procs: dict[int, mp.process.BaseProcess], ranks: list[int]) -> None:
+def _stop(procs: dict[int, ForkedProcess], ranks: list[int]) -> None:
     for rank in ranks:
         procs[rank].terminate()
         try:  # a stopped process (SIGSTOP) acts on the SIGTERM only once continued

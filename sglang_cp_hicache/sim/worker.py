@@ -16,12 +16,12 @@ import sys
 import time
 import traceback
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from datetime import timedelta
 from typing import Any, Optional
 
 from sglang_cp_hicache import settings
-from sglang_cp_hicache.sim.config import FAIL_ENV, FailureInjection, RankSpec
+from sglang_cp_hicache.sim.config import FAIL_ENV, FailureInjection, RankSpec, SimConfig
 from sglang_cp_hicache.sim.lifetime import EXIT_LAUNCHER_GONE, die_with_launcher
 from sglang_cp_hicache.sim.records import (
     AFTER_REPLAY,
@@ -32,7 +32,7 @@ from sglang_cp_hicache.sim.records import (
     StartupEvent,
 )
 
-__all__ = ["rank_main"]
+__all__ = ["forked_rank_main", "preload_rank", "preload_release", "rank_main"]
 
 
 class InjectedFailure(RuntimeError):
@@ -314,6 +314,43 @@ def _serve_all(spec: RankSpec, channel: Any, step_ref: list[Optional[int]]) -> R
         page_bytes=engine.page_bytes,
         copy_wall=engine.copy_wall.as_dict(),
     )
+
+
+def preload_release(version: str) -> None:
+    """What every rank process of ``version`` (an SGLang release) imports
+    first, done once in the zygote that forks them: torch, SGLang, the
+    release's stack and engine modules, and the hook check's parse of
+    SGLang's source (kept per class). Starts no thread and runs no torch op
+    (the zygote forks afterwards)."""
+    import torch  # noqa: F401
+
+    from sglang_cp_hicache.testing.torchvision_standin import ensure_sglang_importable
+
+    warnings.filterwarnings("ignore", category=UserWarning)
+    ensure_sglang_importable()
+    import sglang.srt.mem_cache.radix_cache  # noqa: F401
+
+    from sglang_cp_hicache.kernels import transfer  # noqa: F401
+
+    if version == "0.5.23":
+        from sglang_cp_hicache.sglang_0523.hooks import check_hooks
+        from sglang_cp_hicache.sim import engine_0523, engine_0523_plain  # noqa: F401
+        from sglang_cp_hicache.testing import stack_0523  # noqa: F401
+    else:
+        from sglang_cp_hicache.sglang_0518.hooks import check_hooks
+        from sglang_cp_hicache.sim import engine_0518  # noqa: F401
+        from sglang_cp_hicache.testing import stack_0518  # noqa: F401
+    check_hooks()
+
+
+def preload_rank(config: SimConfig) -> None:
+    """:func:`preload_release` for this run's release."""
+    preload_release(config.sglang_version)
+
+
+def forked_rank_main(spec: RankSpec, channel: Any, zygote_pid: int) -> None:
+    """:func:`rank_main` in a process the zygote forked: it lives as long as the zygote."""
+    rank_main(replace(spec, launcher_pid=zygote_pid), channel)
 
 
 def rank_main(spec: RankSpec, channel: Any) -> None:

@@ -2,9 +2,9 @@
 
 :func:`tests.sglang_0523.ranks.run_ranks` runs one function per rank to
 completion. A stateful test needs the ranks to stay up between steps: a
-:class:`RankPool` spawns ``world`` processes once (SGLang's runtime context
-is process-global, so each CP rank of the sharded stack needs its own
-process), each holding one object built from ``factory(rank, world)``, and
+:class:`RankPool` starts ``world`` processes once, forked by one spawned
+zygote that imported SGLang once (SGLang's runtime context is process-global,
+so each CP rank of the sharded stack needs its own process), each holding one object built from ``factory(rank, world)``, and
 :meth:`RankPool.call` sends every rank the same method call and returns the
 per-rank results in rank order. A rank that raises, or one that gives no
 answer within ``timeout_s`` (a peer stuck in a collective), breaks the pool:
@@ -22,7 +22,9 @@ import traceback
 from multiprocessing.connection import Connection, wait
 from typing import Any, Callable
 
-from tests.sglang_0523.ranks import RankError
+from sglang_cp_hicache.sim.lifetime import die_with_launcher
+from sglang_cp_hicache.sim.zygote import ForkJob, Zygote
+from tests.sglang_0523.ranks import PRELOAD, RankError
 
 __all__ = ["RankPool"]
 
@@ -59,6 +61,14 @@ def _serve(factory: Callable[[int, int], Any], rank: int, world: int, store: str
             conn.send((False, traceback.format_exc()))
 
 
+def _forked_serve(
+    factory: Callable[[int, int], Any], rank: int, world: int, store: str, conn: Connection, zygote_pid: int
+) -> None:
+    """:func:`_serve` in a process the zygote forked: it lives as long as the zygote."""
+    die_with_launcher(zygote_pid)
+    _serve(factory, rank, world, store, conn)
+
+
 class RankPool:
     """``world`` rank processes answering :meth:`call` in lockstep."""
 
@@ -69,14 +79,17 @@ class RankPool:
         store = os.path.join(self._dir.name, "gloo-store")
         ctx = multiprocessing.get_context("spawn")
         self._conns: list[Connection] = []
-        self._procs = []
+        jobs = []
         for rank in range(world):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_serve, args=(factory, rank, world, store, child), daemon=True)
-            proc.start()
-            child.close()
             self._conns.append(parent)
-            self._procs.append(proc)
+            jobs.append(ForkJob(key=rank, args=(factory, rank, world, store, child), owned=(child,)))
+        try:
+            self._zygote = Zygote(ctx, PRELOAD, _forked_serve, jobs, launcher_pid=os.getpid(), name="rank-pool-zygote")
+        finally:
+            for job in jobs:
+                job.args[-1].close()  # each rank holds the only other end of its pipe
+        self._procs = [self._zygote.process(rank) for rank in range(world)]
         self._collect("start-up")
 
     @property
@@ -130,5 +143,7 @@ class RankPool:
                 proc.join()
         for conn in self._conns:
             conn.close()
+        if self._procs:
+            self._zygote.join(timeout=5)
         self._procs, self._conns = [], []
         self._dir.cleanup()

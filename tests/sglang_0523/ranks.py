@@ -1,9 +1,10 @@
 """Run one function on N rank processes over a gloo group; collect their results.
 
 SGLang 0.5.23's runtime context is process-global, so each CP rank of the
-sharded stack needs its own process. :func:`run_ranks` spawns ``world``
-processes (``spawn``: a clean interpreter each, sys.path inherited), joins a
-gloo group through a FileStore in ``workdir`` and calls
+sharded stack needs its own process. :func:`run_ranks` starts ``world``
+processes (forked by one spawned zygote that imported SGLang once: a clean
+interpreter with this process's environment and sys.path), joins a gloo
+group through a FileStore in ``workdir`` and calls
 ``fn(rank, world, **kwargs)`` in every one. It returns the per-rank results in
 rank order, or raises :class:`RankError` with every failing rank's traceback;
 a rank still running past ``timeout_s`` is terminated and reported.
@@ -13,11 +14,16 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import multiprocessing
 import os
 import queue as queue_mod
 import traceback
 from typing import Any, Callable, Iterator
+
+from sglang_cp_hicache.sim.lifetime import die_with_launcher
+from sglang_cp_hicache.sim.worker import preload_release
+from sglang_cp_hicache.sim.zygote import ForkJob, Zygote
 
 __all__ = ["RankError", "run_ranks"]
 
@@ -41,6 +47,21 @@ def _child(fn: Callable[..., Any], rank: int, world: int, store: str, kwargs: di
         out.put((rank, True, result))
     except BaseException:  # report anything to the parent
         out.put((rank, False, traceback.format_exc()))
+
+
+def _forked_child(
+    fn: Callable[..., Any], rank: int, world: int, store: str, kwargs: dict, out: Any, zygote_pid: int
+) -> None:
+    """:func:`_child` in a process the zygote forked: it lives as long as the
+    zygote, and flushes its result before the fork's immediate exit."""
+    die_with_launcher(zygote_pid)
+    _child(fn, rank, world, store, kwargs, out)
+    out.close()
+    out.join_thread()
+
+
+#: What every rank process imports first, once in the zygote.
+PRELOAD = functools.partial(preload_release, "0.5.23")
 
 
 @contextlib.contextmanager
@@ -74,10 +95,10 @@ def run_ranks(
     ctx = multiprocessing.get_context("spawn")
     out = ctx.Queue()
     store = os.path.join(workdir, f"gloo-store-{world}")
+    jobs = [ForkJob(key=r, args=(fn, r, world, store, kwargs, out)) for r in range(world)]
     with _environ(env or {}):
-        procs = [ctx.Process(target=_child, args=(fn, r, world, store, kwargs, out)) for r in range(world)]
-        for proc in procs:
-            proc.start()
+        zygote = Zygote(ctx, PRELOAD, _forked_child, jobs, launcher_pid=os.getpid(), name=f"ranks-{world}-zygote")
+    procs = [zygote.process(r) for r in range(world)]
     results: dict[int, Any] = {}
     failures: dict[int, str] = {}
     try:
@@ -96,6 +117,7 @@ def run_ranks(
             if proc.is_alive():
                 proc.terminate()
                 proc.join()
+        zygote.join(timeout=5)
     if failures:
         raise RankError("\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(failures.items())))
     return [results[r] for r in range(world)]

@@ -51,8 +51,11 @@ def descendants(pid: int) -> list[int]:
 
 
 def spawned_ranks(pid: int) -> list[int]:
-    """Children started by multiprocessing's spawn (not its resource tracker)."""
-    return [c for c in children(pid) if "spawn_main" in cmdline(c)]
+    """A launcher's rank processes: the children of the zygote it spawned
+    (the launcher's child started by multiprocessing's spawn, not its
+    resource tracker)."""
+    zygotes = [c for c in children(pid) if "spawn_main" in cmdline(c)]
+    return [rank for zygote in zygotes for rank in children(zygote)]
 
 
 def fd_target(pid: int, fd: int) -> str:

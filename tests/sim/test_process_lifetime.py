@@ -76,7 +76,7 @@ def test_a_launcher_already_gone_ends_the_process_at_once():
 
 
 def _kill_launcher_and_check(launcher: subprocess.Popen, tmp_dir: str) -> None:
-    tree = descendants(launcher.pid)  # ranks and multiprocessing's resource tracker
+    tree = descendants(launcher.pid)  # the zygote, its ranks, multiprocessing's resource tracker
     assert len(tree) >= 2
     os.kill(launcher.pid, signal.SIGKILL)
     launcher.wait()
@@ -90,14 +90,15 @@ def _kill_launcher_and_check(launcher: subprocess.Popen, tmp_dir: str) -> None:
 
 
 def test_sigkill_of_the_launcher_during_startup_leaves_no_rank_and_no_file(tmp_path):
-    # rank 0 hangs before importing SGLang; rank 1 waits for it at the rendezvous
+    # rank 0 hangs first thing at start-up; rank 1 waits for it at the rendezvous
     launcher = subprocess.Popen(
         sim_command("--cp-size", "2", "--requests", "5"), cwd=ROOT,
         env=sim_env({FAIL_ENV: "0:startup:hang", "TMPDIR": str(tmp_path)}),
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
     try:
-        assert wait_until(lambda: len(spawned_ranks(launcher.pid)) == 2, 60)
+        # the ranks appear once the zygote has imported SGLang (seconds; more on a loaded machine)
+        assert wait_until(lambda: len(spawned_ranks(launcher.pid)) == 2, 120)
         ranks = spawned_ranks(launcher.pid)
         # a rank redirects its stderr to its unnamed log right after arming its
         # guards: kill the launcher once both ranks are there (a rank still in
