@@ -1,6 +1,6 @@
 """A pool of long-lived rank processes on one gloo group, driven call by call.
 
-:func:`tests.sglang_0523.ranks.run_ranks` runs one function per rank to
+:func:`tests.helpers.sglang_0523.ranks.run_ranks` runs one function per rank to
 completion. A stateful test needs the ranks to stay up between steps: a
 :class:`RankPool` spawns ``world`` processes once (SGLang's runtime context
 is process-global, so each CP rank of the sharded stack needs its own
@@ -8,7 +8,7 @@ process), each holding one object built from ``factory(rank, world)``, and
 :meth:`RankPool.call` sends every rank the same method call and returns the
 per-rank results in rank order. A rank that raises, or one that gives no
 answer within ``timeout_s`` (a peer stuck in a collective), breaks the pool:
-every process is ended and :class:`~tests.sglang_0523.ranks.RankError`
+every process is ended and :class:`~tests.helpers.sglang_0523.ranks.RankError`
 carries each failing rank's traceback.
 """
 
@@ -22,7 +22,7 @@ import traceback
 from multiprocessing.connection import Connection, wait
 from typing import Any, Callable
 
-from tests.sglang_0523.ranks import RankError
+from tests.helpers.sglang_0523.ranks import RankError
 
 __all__ = ["RankPool"]
 
