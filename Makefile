@@ -80,8 +80,8 @@ install-0523:
 SOAK_MINUTES ?= 20
 .PHONY: soak
 soak:
-	$(PY) -m tests.sglang_0518.soak --release 0.5.18 --minutes $(SOAK_MINUTES) --python $(PY)
-	$(PY) -m tests.sglang_0518.soak --release 0.5.23 --minutes $(SOAK_MINUTES) --python $(PY_0523)
+	$(PY) -m tests.soak --release 0.5.18 --minutes $(SOAK_MINUTES) --python $(PY)
+	$(PY) -m tests.soak --release 0.5.23 --minutes $(SOAK_MINUTES) --python $(PY_0523)
 
 # The SGLang 0.5.23 suite (collected only under 0.5.23).
 .PHONY: test-0523

@@ -10,7 +10,7 @@ Profiles: HYPOTHESIS_PROFILE=ci (default) runs >= 5000 steps, derandomized;
 =dev explores randomly (``--hypothesis-seed=N`` repeats a run) with
 STATE_MACHINE_EXAMPLES examples (default 400). Every run prints its step count
 (``-s``) and, when STATE_MACHINE_REPORT names a file, appends it there as a
-JSON line, failed runs included: ``make soak`` (tests/sglang_0518/soak.py) runs
+JSON line, failed runs included: ``make soak`` (tests/soak/__main__.py) runs
 this test with random seeds for a given time and adds the counts up.
 DSATokenToKVPool requires page_size 64 outside ROCm, so the real stack runs
 at P=64; page sizes 1 and 16 are covered by the core property tests

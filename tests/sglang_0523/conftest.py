@@ -39,8 +39,8 @@ SIM_REQUESTS = 40
 
 @pytest.fixture(scope="session")
 def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    from tests.sglang_0523 import scenarios
-    from tests.sglang_0523.ranks import run_ranks
+    from tests.helpers.sglang_0523 import scenarios
+    from tests.helpers.sglang_0523.ranks import run_ranks
 
     return run_ranks(
         scenarios.two_rank_suite, 2, str(tmp_path_factory.mktemp("ranks2")), env=RANK_ENV,
@@ -50,8 +50,8 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
 
 @pytest.fixture(scope="session")
 def three_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    from tests.sglang_0523 import scenarios
-    from tests.sglang_0523.ranks import run_ranks
+    from tests.helpers.sglang_0523 import scenarios
+    from tests.helpers.sglang_0523.ranks import run_ranks
 
     return run_ranks(
         scenarios.differential, 3, str(tmp_path_factory.mktemp("ranks3")), env=RANK_ENV,

@@ -1,6 +1,6 @@
 """A kept prefix goes first (the host room's refined tail rule, the default
 ``SGLANG_CP_HICACHE_HOST_TAIL=covering``), on the real 0.5.23 stack, CP 2
-(tests/sglang_0523/host_room_scenarios.py::prefix_first): a later run short
+(tests/helpers/sglang_0523/host_room_scenarios.py::prefix_first): a later run short
 of a class the kept prefix holds takes the prefix's last page, not an older
 leaf's; the older leaf and what stayed of the prefix load back bit-exact;
 both ranks agree. The same requests under the two other rules: ``shortest``
@@ -19,14 +19,14 @@ RULES = ("covering", "shortest", "whole")
 
 
 def _all_rules(rank: int, world: int) -> dict[str, Any]:
-    from tests.sglang_0523.host_room_scenarios import prefix_first
+    from tests.helpers.sglang_0523.host_room_scenarios import prefix_first
 
     return {rule: prefix_first(rank, world, rule) for rule in RULES}
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    from tests.sglang_0523.ranks import run_ranks
+    from tests.helpers.sglang_0523.ranks import run_ranks
 
     return run_ranks(_all_rules, 2, str(tmp_path_factory.mktemp("prefix_first")), env=RANK_ENV)
 

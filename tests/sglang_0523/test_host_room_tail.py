@@ -15,8 +15,8 @@ P = 64
 
 
 def _run(tmp_path_factory: pytest.TempPathFactory, forge_hashes: bool) -> list[dict[str, Any]]:
-    from tests.sglang_0523 import host_room_scenarios
-    from tests.sglang_0523.ranks import run_ranks
+    from tests.helpers.sglang_0523 import host_room_scenarios
+    from tests.helpers.sglang_0523.ranks import run_ranks
 
     return run_ranks(host_room_scenarios.tail_eviction, 2, str(tmp_path_factory.mktemp("host_room_tail")),
                      env=RANK_ENV, forge_hashes=forge_hashes)

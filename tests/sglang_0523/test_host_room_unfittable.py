@@ -14,8 +14,8 @@ from tests.sglang_0523.conftest import RANK_ENV
 
 @pytest.fixture(scope="module")
 def unfittable(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    from tests.sglang_0523 import host_room_scenarios
-    from tests.sglang_0523.ranks import run_ranks
+    from tests.helpers.sglang_0523 import host_room_scenarios
+    from tests.helpers.sglang_0523.ranks import run_ranks
 
     return run_ranks(host_room_scenarios.unfittable_runs, 2, str(tmp_path_factory.mktemp("host_room")), env=RANK_ENV)
 

@@ -1,6 +1,6 @@
 """The library's L3 on SGLang 0.5.23's KV-sharded stack.
 
-Multi-rank results come from :func:`tests.sglang_0523.l3_scenarios.l3_suite`
+Multi-rank results come from :func:`tests.helpers.sglang_0523.l3_scenarios.l3_suite`
 (4 rank processes: CP 4 and CP 3 write, CP 2 reads, faults); the resolution
 hook and the scheduler-call surface are checked in this process against
 SGLang's own code.
@@ -16,14 +16,14 @@ from typing import Any
 
 import pytest
 
-from tests.sglang_0523 import l3_scenarios
+from tests.helpers.sglang_0523 import l3_scenarios
 
 SCHEDULER = "managers/scheduler.py"
 
 
 @pytest.fixture(scope="module")
 def l3_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    from tests.sglang_0523.ranks import run_ranks
+    from tests.helpers.sglang_0523.ranks import run_ranks
 
     workdir = tmp_path_factory.mktemp("l3-0523")
     return run_ranks(l3_scenarios.l3_suite, 4, str(workdir), timeout_s=1200, l3_root=str(workdir))

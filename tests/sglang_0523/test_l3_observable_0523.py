@@ -1,5 +1,5 @@
 """L3 metrics and ``clear_hicache_storage`` on SGLang 0.5.23's sharded stack
-(2 rank processes, :func:`tests.sglang_0523.l3_observable_scenarios.observable_suite`).
+(2 rank processes, :func:`tests.helpers.sglang_0523.l3_observable_scenarios.observable_suite`).
 
 * ``--enable-metrics``: SGLang's own storage metrics move with the library's
   L3 traffic -- ``sglang:backuped_tokens_total`` by the tokens each rank
@@ -17,14 +17,14 @@ from typing import Any
 
 import pytest
 
-from tests.sglang_0523 import l3_observable_scenarios as scenarios
+from tests.helpers.sglang_0523 import l3_observable_scenarios as scenarios
 
 pytest.importorskip("prometheus_client")
 
 
 @pytest.fixture(scope="module")
 def suite(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    from tests.sglang_0523.ranks import run_ranks
+    from tests.helpers.sglang_0523.ranks import run_ranks
 
     workdir = tmp_path_factory.mktemp("l3-observable-0523")
     return run_ranks(scenarios.observable_suite, 2, str(workdir), timeout_s=400, l3_root=str(workdir))

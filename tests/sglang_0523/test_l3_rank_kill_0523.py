@@ -46,7 +46,7 @@ def _write_chain(rank: int, l3_dir: str) -> None:
     from sglang_cp_hicache.sim.engine_0523 import ShardedSimRankEngine
     import torch.distributed as dist
 
-    from tests.sglang_0523 import l3_scenarios
+    from tests.helpers.sglang_0523 import l3_scenarios
 
     stack = l3_scenarios._stack(2, rank, dist.group.WORLD, l3_dir)
     engine = ShardedSimRankEngine(stack, content_seed=1)
@@ -86,7 +86,7 @@ def _rank_main(rank: int, world: int, init_file: str, l3_dir: str, out_dir: str)
     import logging
 
     logging.basicConfig(filename=f"{out_dir}/rank{rank}.log", level=logging.WARNING)
-    from tests.sglang_0523 import l3_scenarios
+    from tests.helpers.sglang_0523 import l3_scenarios
 
     l3_scenarios._setup()
     import torch
@@ -149,7 +149,7 @@ def _rank_main(rank: int, world: int, init_file: str, l3_dir: str, out_dir: str)
 def _read_back(rank: int, world: int, *, l3_dir: str) -> dict[str, Any]:
     """A fresh CP 2 group: every object unpacks in its namespace, then the
     chain is served with L3 and each restored page verified bit-exact."""
-    from tests.sglang_0523 import l3_scenarios
+    from tests.helpers.sglang_0523 import l3_scenarios
 
     l3_scenarios._setup()
     from sglang_cp_hicache.l3.envelope import Rejection, unpack
@@ -195,7 +195,7 @@ def _spawn_kill_run(tmp_path: Path) -> tuple[list[Any], Path]:
 
 @pytest.mark.slow(45)
 def test_a_rank_killed_between_the_query_and_the_fetch(tmp_path):
-    from tests.sglang_0523.ranks import run_ranks
+    from tests.helpers.sglang_0523.ranks import run_ranks
 
     procs, out = _spawn_kill_run(tmp_path)
     assert procs[VICTIM].exitcode == -signal.SIGKILL
@@ -239,7 +239,7 @@ def test_the_fallback_min_failing_gives_back_every_pending_lookup(caplog):
 
     import torch
 
-    from tests.sglang_0523 import l3_scenarios
+    from tests.helpers.sglang_0523 import l3_scenarios
 
     l3_scenarios._setup()
     from sglang_cp_hicache.l3.location import L3Location

@@ -3,11 +3,11 @@ library stack: the tree's duplicate frees during the insert and the frees
 of a request's own pages (its unaligned tail, its whole row when the insert
 is declined), inside and outside a free group, through upstream's own
 ``release_kv_cache`` on real ``Req`` objects
-(tests/sglang_0523/scenarios_request_free.py::no_sync_requests, two ranks,
+(tests/helpers/sglang_0523/scenarios_request_free.py::no_sync_requests, two ranks,
 one launch of its own).
 
 Every device loc the allocator hands out and every ``req_to_token`` row is a
-:class:`~tests.sglang_0523.device_index.DeviceIndex`. Upstream's stack,
+:class:`~tests.helpers.sglang_0523.device_index.DeviceIndex`. Upstream's stack,
 driven the same way, reads them at the first free of request pages: the
 check can fail.
 """
@@ -23,8 +23,8 @@ from tests.sglang_0523.conftest import RANK_ENV
 
 @pytest.fixture(scope="module")
 def released(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    from tests.sglang_0523.ranks import run_ranks
-    from tests.sglang_0523.scenarios_request_free import no_sync_requests
+    from tests.helpers.sglang_0523.ranks import run_ranks
+    from tests.helpers.sglang_0523.scenarios_request_free import no_sync_requests
 
     return run_ranks(no_sync_requests, 2, str(tmp_path_factory.mktemp("no_sync_requests")), env=RANK_ENV)
 

@@ -1,5 +1,5 @@
 """The simulator's rank engine on 0.5.23 (two rank processes, both copy paths;
-runs in tests/sglang_0523/scenarios.py::SIM_RUNS)."""
+runs in tests/helpers/sglang_0523/scenarios.py::SIM_RUNS)."""
 
 from __future__ import annotations
 

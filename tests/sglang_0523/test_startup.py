@@ -26,7 +26,7 @@ from sglang_cp_hicache.sglang_0523.startup import (
 
 from tests.helpers.gloo_gather import object_all_gather
 
-# ---- real stacks, two rank processes (tests/sglang_0523/scenarios.py::agreement) -----
+# ---- real stacks, two rank processes (tests/helpers/sglang_0523/scenarios.py::agreement) -----
 
 REFUSED = {
     "host_layout": "CP ranks disagree on host_layout: cp_rank 1 has 'page_first', cp_rank 0 has 'layer_first'; "

@@ -42,8 +42,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule, run_state_machine_as_test
 
-from tests.sglang_0523.machine_rank import PATHS, make_rank
-from tests.sglang_0523.rank_pool import RankPool
+from tests.helpers.sglang_0523.machine_rank import PATHS, make_rank
+from tests.helpers.sglang_0523.rank_pool import RankPool
 
 P = 64
 # Steps per example vary with the data (hypothesis stops an example early

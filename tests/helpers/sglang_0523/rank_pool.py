@@ -1,6 +1,6 @@
 """A pool of long-lived rank processes on one gloo group, driven call by call.
 
-:func:`tests.sglang_0523.ranks.run_ranks` runs one function per rank to
+:func:`tests.helpers.sglang_0523.ranks.run_ranks` runs one function per rank to
 completion. A stateful test needs the ranks to stay up between steps: a
 :class:`RankPool` starts ``world`` processes once, forked by one spawned
 zygote that imported SGLang once (SGLang's runtime context is process-global,
@@ -8,7 +8,7 @@ so each CP rank of the sharded stack needs its own process), each holding one ob
 :meth:`RankPool.call` sends every rank the same method call and returns the
 per-rank results in rank order. A rank that raises, or one that gives no
 answer within ``timeout_s`` (a peer stuck in a collective), breaks the pool:
-every process is ended and :class:`~tests.sglang_0523.ranks.RankError`
+every process is ended and :class:`~tests.helpers.sglang_0523.ranks.RankError`
 carries each failing rank's traceback.
 """
 
@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 from sglang_cp_hicache.sim.lifetime import die_with_launcher
 from sglang_cp_hicache.sim.zygote import ForkJob, Zygote
-from tests.sglang_0523.ranks import PRELOAD, RankError
+from tests.helpers.sglang_0523.ranks import PRELOAD, RankError
 
 __all__ = ["RankPool"]
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from tests.sglang_0523.l3_scenarios import DEVICE_PAGES, HOST_PAGES, _requests
+from tests.helpers.sglang_0523.l3_scenarios import DEVICE_PAGES, HOST_PAGES, _requests
 
 #: SGLang's and the library's metric names the suite reads.
 NAMES = (
@@ -117,7 +117,7 @@ def _clear(rank: int, group: Any, directory: str) -> dict[str, Any]:
 
 
 def observable_suite(rank: int, world: int, *, l3_root: str) -> dict[str, Any]:
-    from tests.sglang_0523.scenarios import _setup
+    from tests.helpers.sglang_0523.scenarios import _setup
 
     _setup()
     import torch.distributed as dist

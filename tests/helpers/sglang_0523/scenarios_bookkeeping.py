@@ -1,5 +1,5 @@
 """Rank scenarios for the library's bookkeeping on the sharded stack (run
-through :func:`tests.sglang_0523.ranks.run_ranks`, from
+through :func:`tests.helpers.sglang_0523.ranks.run_ranks`, from
 ``scenarios.two_rank_suite``): no host read of device locs on the write,
 eviction and load-back paths; upstream's stack built untouched by the
 plugin's upstream strategy; upstream's lost backups (finding 1) and the
@@ -52,7 +52,7 @@ class _Driver:
         import torch
 
         from sglang_cp_hicache.sim.content import corrupted_token_mask, write_content
-        from tests.sglang_0523.device_index import device_side, unwrap
+        from tests.helpers.sglang_0523.device_index import device_side, unwrap
 
         with device_side():
             locs = unwrap(locs).to(torch.int64)
@@ -122,7 +122,7 @@ def _chains() -> list[list[int]]:
 
 def _watch_reads(stack: Any) -> None:
     """Wrap every device loc the allocator hands out and holds."""
-    from tests.sglang_0523.device_index import wrap
+    from tests.helpers.sglang_0523.device_index import wrap
 
     alloc = stack.allocator
     alloc.class_free_pages = [wrap(t) for t in alloc.class_free_pages]
@@ -136,7 +136,7 @@ def _watch_reads(stack: Any) -> None:
 
 
 def _as_device_work(fn: Any) -> Any:
-    from tests.sglang_0523.device_index import device_side, unwrap
+    from tests.helpers.sglang_0523.device_index import device_side, unwrap
 
     def on_device(*args: Any, **kwargs: Any) -> Any:
         with device_side():
@@ -167,13 +167,13 @@ def _kernels_are_device_work() -> list[tuple[Any, str, Any]]:
 def no_sync(rank: int, world: int) -> dict[str, Any]:
     """The chains on a library stack whose device locs raise on any host
     read; then on upstream's stack, where the first read is reported."""
-    from tests.sglang_0523.scenarios import _setup
+    from tests.helpers.sglang_0523.scenarios import _setup
 
     _setup()
     import torch.distributed as dist
 
     from sglang_cp_hicache.testing.stack_0523 import ShardedStackConfig, build_sharded_rank_stack
-    from tests.sglang_0523.device_index import DeviceIndex, HostRead
+    from tests.helpers.sglang_0523.device_index import DeviceIndex, HostRead
 
     out: dict[str, Any] = {}
     saved = None
@@ -273,7 +273,7 @@ def upstream_untouched(rank: int, world: int) -> dict[str, Any]:
     """Upstream's stack built by upstream's strategy and by the plugin's
     upstream strategy: classes, instance attributes, and the same requests
     through both (bytes, locs, tree)."""
-    from tests.sglang_0523.scenarios import _drive, _same_nodes, _setup
+    from tests.helpers.sglang_0523.scenarios import _drive, _same_nodes, _setup
 
     _setup()
     import torch
@@ -327,7 +327,7 @@ def finding_host_eviction(rank: int, world: int, copy_path: str = "upstream") ->
     then fails to allocate its owner-cyclic host slots although evictable host
     pages of the short class remain. Four requests, CP 2. On the library
     stack (``copy_path="library"``) the same requests back every node up."""
-    from tests.sglang_0523.scenarios import _setup
+    from tests.helpers.sglang_0523.scenarios import _setup
 
     _setup()
     import torch

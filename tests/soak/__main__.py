@@ -1,7 +1,7 @@
 """Soak the CP cache state machines: random seeds for a given time.
 
-    python -m tests.sglang_0518.soak --release 0.5.18 --minutes 20
-    python -m tests.sglang_0518.soak --release 0.5.23 --minutes 20 --python .venv-0523/bin/python
+    python -m tests.soak --release 0.5.18 --minutes 20
+    python -m tests.soak --release 0.5.23 --minutes 20 --python .venv-0523/bin/python
 
 ``make soak`` runs both, SOAK_MINUTES each (0.5.18 under ``.venv``, 0.5.23
 under ``.venv-0523``). Each release's machine (:data:`RELEASES`) runs under
@@ -62,7 +62,7 @@ def run_once(seed: int, examples: int, python: str, test: str = TEST) -> tuple[S
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m tests.soak", description=__doc__.split("\n\n")[0])
     parser.add_argument("--release", choices=sorted(RELEASES), default="0.5.18",
                         help="whose state machine (the --python environment must have that SGLang)")
     parser.add_argument("--minutes", type=float, default=float(os.environ.get("SOAK_MINUTES", 20)))

@@ -1,4 +1,4 @@
-"""What each rank process runs (through :func:`tests.sglang_0523.ranks.run_ranks`).
+"""What each rank process runs (through :func:`tests.helpers.sglang_0523.ranks.run_ranks`).
 
 Every function builds real SGLang 0.5.23 sharded stacks on this rank, drives
 them, compares in-process and returns plain data (it crosses a process
@@ -469,7 +469,7 @@ def agreement(rank: int, world: int) -> dict[str, Any]:
 
 def two_rank_suite(rank: int, world: int, *, num_requests: int) -> dict[str, Any]:
     """Everything the two-rank tests need, in one launch (start-up dominates)."""
-    from tests.sglang_0523.scenarios_bookkeeping import finding_host_eviction, no_sync, upstream_untouched
+    from tests.helpers.sglang_0523.scenarios_bookkeeping import finding_host_eviction, no_sync, upstream_untouched
 
     return {
         "finding_host_eviction_library": finding_host_eviction(rank, world, copy_path="library"),

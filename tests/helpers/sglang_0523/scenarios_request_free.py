@@ -55,8 +55,8 @@ class _Scheduler:
 
     def __init__(self, stack: Any) -> None:
         from sglang_cp_hicache.testing.requests_0523 import SchedulerRequests
-        from tests.sglang_0523.device_index import wrap
-        from tests.sglang_0523.scenarios_bookkeeping import _Driver
+        from tests.helpers.sglang_0523.device_index import wrap
+        from tests.helpers.sglang_0523.scenarios_bookkeeping import _Driver
 
         self.stack, self.cache, self.allocator = stack, stack.cache, stack.allocator
         self.content = _Driver(stack)  # its _content: the fill and check
@@ -71,7 +71,7 @@ class _Scheduler:
         from sglang.srt.mem_cache.radix_cache import RadixKey
         from array import array
 
-        from tests.sglang_0523.scenarios_bookkeeping import _LoadBackRequest
+        from tests.helpers.sglang_0523.scenarios_bookkeeping import _LoadBackRequest
 
         cache, n, tokens = self.cache, self.stack.layout.cp_size, spec.tokens
         # the scheduler matches at most len - 1 tokens: a request keeps one to compute
@@ -148,7 +148,7 @@ def no_sync_requests(rank: int, world: int) -> dict[str, Any]:
     """The batches on a library stack whose device locs (the allocator's and
     the req_to_token rows) raise on any host read; then on upstream's stack,
     where the first read is reported."""
-    from tests.sglang_0523.scenarios import _setup
+    from tests.helpers.sglang_0523.scenarios import _setup
 
     _setup()
     import sys
@@ -156,8 +156,8 @@ def no_sync_requests(rank: int, world: int) -> dict[str, Any]:
     import torch.distributed as dist
 
     from sglang_cp_hicache.testing.stack_0523 import ShardedStackConfig, build_sharded_rank_stack
-    from tests.sglang_0523.device_index import DeviceIndex, HostRead
-    from tests.sglang_0523.scenarios_bookkeeping import _kernels_are_device_work, _watch_reads
+    from tests.helpers.sglang_0523.device_index import DeviceIndex, HostRead
+    from tests.helpers.sglang_0523.scenarios_bookkeeping import _kernels_are_device_work, _watch_reads
 
     out: dict[str, Any] = {}
     saved = None

@@ -1,5 +1,5 @@
 """Rank scenarios for the library's owner-aware host room on the sharded
-stack (run through :func:`tests.sglang_0523.ranks.run_ranks`)."""
+stack (run through :func:`tests.helpers.sglang_0523.ranks.run_ranks`)."""
 
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ def unfittable_runs(rank: int, world: int) -> dict[str, Any]:
     (through the engine). The host room evicts nothing for either; what the
     host held comes back bit-exact afterwards; then a run that eviction can
     make fit still gets its room."""
-    from tests.sglang_0523.scenarios import _setup
+    from tests.helpers.sglang_0523.scenarios import _setup
 
     _setup()
     import torch.distributed as dist
@@ -127,7 +127,7 @@ def tail_eviction(rank: int, world: int, forge_hashes: bool = False) -> dict[str
     class is evicted, its prefix stays a host node (then ``a`` again loads
     that prefix back from the host). ``forge_hashes``: ``a`` carries hash
     values that do not match its pages, so it is not split but evicted whole."""
-    from tests.sglang_0523.scenarios import _setup
+    from tests.helpers.sglang_0523.scenarios import _setup
 
     _setup()
     import torch.distributed as dist
@@ -188,7 +188,7 @@ def prefix_first(rank: int, world: int, tail_rule: str) -> dict[str, Any]:
     again: what stayed of them loads back bit-exact."""
     import os
 
-    from tests.sglang_0523.scenarios import _setup
+    from tests.helpers.sglang_0523.scenarios import _setup
 
     _setup()
     import torch.distributed as dist

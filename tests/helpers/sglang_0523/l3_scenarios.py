@@ -24,7 +24,7 @@ HOST_PAGES = 24
 
 
 def _setup() -> None:
-    from tests.sglang_0523.scenarios import _setup as setup
+    from tests.helpers.sglang_0523.scenarios import _setup as setup
 
     setup()
 
