@@ -352,6 +352,37 @@ def test_pattern_bytes_has_no_overflow_at_the_key_bound():
     assert len({bytes(r.tolist()) for r in out}) == 3
 
 
+def _pattern_byte_exact(key: int, col: int, seed: int, layer: int, part: int) -> int:
+    """The hash on Python's exact integers, one byte at a time."""
+    salt = (seed * 104_729 + layer * 4_099 + part * 613) % 2**31
+    x = ((key % 2**31) * 1_000_003 + col * 7_919 + salt) % 2**31
+    x ^= x >> 7
+    x = (x * 2_654_435_761) % 2**32
+    x ^= x >> 15
+    return x & 0xFF
+
+
+@pytest.mark.parametrize("width", [1, 9, 576, 656])
+def test_pattern_bytes_is_the_exact_integer_hash_on_both_forms(width):
+    from sglang_cp_hicache.sim.content import _pattern_bytes_int64
+
+    g = torch.Generator().manual_seed(width)
+    keys = torch.cat([torch.tensor([0, 1, 2**31 - 2, 2**31 - 1]), torch.randint(0, 2**31 - 1, (60,), generator=g)])
+    for seed, layer, part in [(0, 0, 1), (7, 60, 3), (2**31 - 1, 63, 2)]:
+        fast = pattern_bytes(keys, width, seed=seed, layer=layer, part=part)  # CPU: 32-bit wrap-around
+        wide = _pattern_bytes_int64(keys, width, seed=seed, layer=layer, part=part)
+        assert fast.dtype == torch.uint8 and fast.shape == (keys.numel(), width)
+        assert torch.equal(fast, wide)
+        cols = sorted({0, width // 2, width - 1})
+        for row in (0, 3, 17, keys.numel() - 1):
+            for col in cols:
+                want = _pattern_byte_exact(int(keys[row]), col, seed, layer, part)
+                assert int(fast[row, col]) == want, (row, col)
+    strided = torch.arange(0, 600, 2, dtype=torch.int32)[::3]  # another dtype, not contiguous
+    assert torch.equal(pattern_bytes(strided, width, seed=1, layer=0, part=2),
+                       _pattern_bytes_int64(strided, width, seed=1, layer=0, part=2))
+
+
 def test_json_dump_round_trips():
     from sglang_cp_hicache.sim.report import dump_json
 
