@@ -28,8 +28,10 @@ class StandInTier:
         self.page_size = P
         self.counters = L3Counters()
         self.present, self.usable = present, usable
-        self.hold = threading.Event()
+        self.hold = threading.Event()  # every call waits for it
         self.hold.set()
+        self.read_hold = threading.Event()  # page reads also wait for this one
+        self.read_hold.set()
         self.host: dict[int, str] = {}  # host slot -> page written into it
 
     def query_pages(self, hashes, owners, parent=None) -> int:
@@ -41,6 +43,7 @@ class StandInTier:
 
     def read_page(self, kv_key, idx_key, slot, publish) -> bool:
         self.hold.wait(30)
+        self.read_hold.wait(30)
         index = int(kv_key[-1])  # hashes end with their chain index
         if index >= self.usable:
             return False
@@ -99,6 +102,7 @@ def proto():
     p = L3Prefetcher(tier, port, workers, ROOMY)
     yield p
     tier.hold.set()
+    tier.read_hold.set()
     workers.shutdown()
 
 
@@ -145,9 +149,13 @@ def test_io_past_its_deadline_answers_a_miss_and_is_cancelled(proto, stage):
     proto.timeouts = SHORT
     if stage == "fetch":
         proto.start(plan(), rid="r")
-        proto.commit(ready_words(proto))
-    proto.tier.hold.clear()  # the store hangs from now on
-    if stage == "query":
+        words = ready_words(proto)
+        # reads hang before the fetch is committed: cleared after the commit, a
+        # page job the I/O threads had already started could finish and publish
+        proto.tier.read_hold.clear()
+        proto.commit(words)
+    else:
+        proto.tier.hold.clear()  # the store hangs from now on
         proto.start(plan(), rid="r")
     start = time.monotonic()
     assert proto.wait_io(timeout=5)  # returns at the deadline, not when the I/O does
@@ -157,6 +165,7 @@ def test_io_past_its_deadline_answers_a_miss_and_is_cancelled(proto, stage):
     proto.commit([0])
     assert not proto.pending and not proto.is_waiting("r") and proto.counters.timeouts == 1
     proto.tier.hold.set()
+    proto.tier.read_hold.set()
     assert all(job.wait(5) for job in jobs)
     assert proto.tier.host == {}  # the cancelled fetch wrote nothing
 
