@@ -152,13 +152,13 @@ class CpHiRadixCache(
                 "CP shared KV HiCache needs a DSATokenToKVPool device pool, got "
                 f"{type(allocator.get_kvcache()).__name__}"
             )
-        if params.page_size != allocator.layout.page_size:
+        if params.page_size != allocator.placement.page_size:
             # the tree would cut keys into pages the allocator does not place
             raise ValueError(
                 f"params.page_size ({params.page_size}) must equal the CP allocator's page size "
-                f"({allocator.layout.page_size})"
+                f"({allocator.placement.page_size})"
             )
-        self.cp_layout = allocator.layout
+        self.cp_placement = allocator.placement
         self.cp_counters = CpHiCacheCounters()
         self._host_leaves = HostLeafIndex(self._host_priority)
         self._ledger: Optional[HostSlotLedger] = None
@@ -169,15 +169,15 @@ class CpHiRadixCache(
         self._step_status = StepStatus()
         # Pages per owner lane that the other ranks took for load-backs this
         # rank failed to allocate, until the step's all-reduce takes them back.
-        self._load_shadow = [0] * self.cp_layout.cp_size
+        self._load_shadow = [0] * self.cp_placement.cp_size
         self._warned_device_page_read = False
         self.cp_l3: Optional[RankL3] = None
         super().__init__(params, _without_storage(server_args))
         self.evictable_host_leaves = NoHostLeafSet()  # the ordered index replaces SGLang's set
-        self.cp_copy_targets = install_cp_copies(self.cache_controller, self.cp_layout)
+        self.cp_copy_targets = install_cp_copies(self.cache_controller, self.cp_placement)
         if not cp_copies_installed(self.cp_copy_targets):
             raise RuntimeError("CP copies did not take on this cache's host pools; refusing to start")
-        self.cp_transfer = CpTransferAdapter(self.cache_controller, self.cp_layout, allocator)
+        self.cp_transfer = CpTransferAdapter(self.cache_controller, self.cp_placement, allocator)
         # Opened before the agreement, raised after it: a rank whose L3 is
         # unusable never leaves its peers waiting in the all-gather.
         opening = open_l3(self, location, source_label(location), server_args=server_args)
@@ -215,7 +215,7 @@ class CpHiRadixCache(
         logger.info(
             "cp-hicache: copy kernels ready on cp_rank %d/%d: backend=%s, %d kernel(s) %s in %.2f s "
             "(cache dir: %s; set TRITON_CACHE_DIR to a persistent directory to skip this on restart)",
-            self.cp_layout.cp_rank, self.cp_layout.cp_size, report.backend, report.compiled,
+            self.cp_placement.cp_rank, self.cp_placement.cp_size, report.backend, report.compiled,
             ",".join(report.ops) or "-", report.seconds, report.cache_dir,
         )
         return report
@@ -228,7 +228,7 @@ class CpHiRadixCache(
         rank and value."""
         capacity = int(self.token_to_kv_pool_host.size)
         device = self.token_to_kv_pool_allocator.get_kvcache().kv_buffer[0].device
-        view = RankView(self.cp_layout.cp_rank, self.cp_layout.cp_size, {
+        view = RankView(self.cp_placement.cp_rank, self.cp_placement.cp_size, {
             "page_size": self.page_size,
             "host_layout": self.cache_controller.mem_pool_host.layout,
             "host_pool_slots": capacity,
@@ -247,7 +247,7 @@ class CpHiRadixCache(
             if hint is None:
                 raise
             raise CpAgreementError(f"{exc}; {hint}") from exc
-        return HostSlotLedger([capacity] * self.cp_layout.cp_size)
+        return HostSlotLedger([capacity] * self.cp_placement.cp_size)
 
     def _cp_group(self):
         """The group whose members are exactly the CP ranks: SGLang's
@@ -276,7 +276,7 @@ class CpHiRadixCache(
         self._inflight_loads = []
         self._inflight_writes = {}
         self._step_status = StepStatus()
-        self._load_shadow = [0] * self.cp_layout.cp_size
+        self._load_shadow = [0] * self.cp_placement.cp_size
         if self.cp_l3 is not None:  # the lookups go with the tree and host pool (their I/O writes no more)
             self.cp_l3.prefetcher.reset()
         if self._ledger is not None:

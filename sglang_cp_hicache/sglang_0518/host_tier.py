@@ -53,7 +53,7 @@ class HostTierMixin:
         result = evict_host_slots(
             self._host_leaves,
             required_per_rank,
-            cp_rank=self.cp_layout.cp_rank,
+            cp_rank=self.cp_placement.cp_rank,
             child_key=lambda key: key.child_key(self.page_size),
             free_host=self.cache_controller.evict_host,
             ledger=self._ledger,
@@ -66,7 +66,7 @@ class HostTierMixin:
     def evict_host(self, num_tokens: int) -> int:
         """Free ``num_tokens`` physical host slots on every rank (the same
         nodes everywhere); returns this rank's physical slots freed."""
-        return self._evict_host_for([num_tokens] * self.cp_layout.cp_size).physical_slots_freed
+        return self._evict_host_for([num_tokens] * self.cp_placement.cp_size).physical_slots_freed
 
     # ---- host balance: evict a device leaf for a short lane -----------------
     def _reclaim_lane(self, lane: int, pages: int) -> int:
@@ -85,7 +85,7 @@ class HostTierMixin:
             _, x = heapq.heappop(heap)
             if x.lock_ref > 0 or x.cp_pages is None:
                 continue
-            if not bool((x.cp_pages % self.cp_layout.cp_size == lane).any()):
+            if not bool((x.cp_pages % self.cp_placement.cp_size == lane).any()):
                 continue
             if x.backuped:
                 num_evicted += self._evict_backuped(x)

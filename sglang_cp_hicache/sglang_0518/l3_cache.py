@@ -62,8 +62,8 @@ class L3CacheMixin:
         try:
             hashes, parent = chain_hashes(tier, tokens, first)
         except Exception:  # L3 is a cache: a failed write is a later miss, never an error
-            logger.exception("cp-hicache L3: hashing node %d failed on cp_rank %d", node.id, self.cp_layout.cp_rank)
-            tier.counters.add(write_failures=sum(o == self.cp_layout.cp_rank for o in owners))
+            logger.exception("cp-hicache L3: hashing node %d failed on cp_rank %d", node.id, self.cp_placement.cp_rank)
+            tier.counters.add(write_failures=sum(o == self.cp_placement.cp_rank for o in owners))
             return
         self.cp_l3.writer.write(hashes, owners, meta.host_indices[::P].tolist(), parent)
 

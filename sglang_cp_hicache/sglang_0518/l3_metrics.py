@@ -56,7 +56,7 @@ def _tp_and_dp_rank(cp_rank: int) -> tuple[int, int]:
 
 def rank_labels(cache: Any, storage_backend: str, extra_metric_labels: Optional[dict]) -> dict[str, Any]:
     """The labels ``HiRadixCache`` gives its storage metrics."""
-    placement = cache.cp_layout
+    placement = cache.cp_placement
     tp_rank, dp_rank = _tp_and_dp_rank(placement.cp_rank)
     return storage_labels(
         storage_backend=storage_backend, tp_rank=tp_rank, dp_rank=dp_rank, pp_rank=cache.pp_rank,

@@ -99,7 +99,7 @@ class L3Port0518:
     def _take_slots(self, owners: list[int]) -> Optional[torch.Tensor]:
         """This rank's host slots for its own pages (from now on the fetch's
         alone); None if the pool is short or the allocation raised."""
-        P, rank = self.page_size, self.cache.cp_layout.cp_rank
+        P, rank = self.page_size, self.cache.cp_placement.cp_rank
         mine = sum(1 for o in owners if o == rank)
         try:
             slots = self.cache.cache_controller.mem_pool_host.alloc(mine * P) if mine else _EMPTY
@@ -115,7 +115,7 @@ class L3Port0518:
         if room is None:
             return 0
         P, cache = self.page_size, self.cache
-        rank = cache.cp_layout.cp_rank
+        rank = cache.cp_placement.cp_rank
         mine = [i for i, o in enumerate(room.owners) if o == rank]
         kept = sum(1 for i in mine if i < pages) if room.slots is not None else 0
         if room.slots is not None and room.slots.numel() > kept * P:

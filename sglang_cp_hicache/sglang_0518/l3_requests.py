@@ -86,7 +86,7 @@ class L3RequestsMixin:
     # ---- start-up ---------------------------------------------------------------
     def _log_l3_start(self) -> None:
         """One line per rank: where L3 lives, what chose it, its model and namespaces."""
-        location, rank = self.cp_l3_location, self.cp_layout.cp_rank
+        location, rank = self.cp_l3_location, self.cp_placement.cp_rank
         if self.cp_l3 is None:
             return
         tier = self.cp_l3.tier
@@ -95,7 +95,7 @@ class L3RequestsMixin:
         logger.info(
             "cp-hicache L3 on cp_rank %d/%d: %s (from %s), model %s, %s, deadline %.1f s + %.2f s per 1024 "
             "tokens (at most %.0f s), scheduler prefetch %s",
-            rank, self.cp_layout.cp_size, where, source_label(location), tier.model_label, tier.describe(),
+            rank, self.cp_placement.cp_size, where, source_label(location), tier.model_label, tier.describe(),
             timeouts.base_s, timeouts.per_ki_token_s, timeouts.max_s, "on" if location.scheduler_driven else "off",
         )
         if not location.scheduler_driven:

@@ -182,7 +182,7 @@ class LoadBackMixin:
     def _lanes_fit(self, metadata: list) -> bool:
         """Whether every owner lane has the pages a restore of ``metadata``
         needs (the allocator mirror, identical on every rank)."""
-        need = [0] * self.cp_layout.cp_size
+        need = [0] * self.cp_placement.cp_size
         for owner in page_owners_of(metadata, self.page_size):
             need[owner] += 1
         return all(n <= a for n, a in zip(need, self._free_lane_pages()))
@@ -193,7 +193,7 @@ class LoadBackMixin:
         owner are of no use to an owner-preserving restore, so a plain
         ``evict(host_hit_len)`` can free enough tokens and still fail."""
         owners = page_owners_of([n.cp_hicache for n in chain], self.page_size)
-        need = [0] * self.cp_layout.cp_size
+        need = [0] * self.cp_placement.cp_size
         for o in owners:
             need[o] += 1
         evicted = 0

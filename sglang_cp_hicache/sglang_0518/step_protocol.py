@@ -182,7 +182,7 @@ class StepProtocolMixin:
         allocator = self.token_to_kv_pool_allocator
         if records:
             allocator.rewind_rr_cursor(records[0].rr_cursor)
-        self._load_shadow = [0] * self.cp_layout.cp_size
+        self._load_shadow = [0] * self.cp_placement.cp_size
         # A rank whose allocation failed never took the pages the others just
         # freed: the free SETS agree, the lists may not. Sorting every free
         # list makes the allocators identical again.

@@ -168,9 +168,9 @@ class StartedLoads:
 
 
 class CpTransferAdapter:
-    def __init__(self, controller, layout: CpPlacement, allocator) -> None:
+    def __init__(self, controller, placement: CpPlacement, allocator) -> None:
         self.controller = controller
-        self.layout = layout
+        self.placement = placement
         self.allocator = allocator
         self.stats = CpTransferStats()
         self._device = torch.device(getattr(allocator, "device", "cpu"))
@@ -201,7 +201,7 @@ class CpTransferAdapter:
         Nothing is queued until :meth:`PendingWrite.start`."""
         ctrl = self.controller
         host_pool = ctrl.mem_pool_host
-        plan = plan_write(self.layout, pages, device_locs, host_pool.alloc, host_pool.free, trusted=True)
+        plan = plan_write(self.placement, pages, device_locs, host_pool.alloc, host_pool.free, trusted=True)
         if isinstance(plan, HiCacheWriteFailure):
             return plan
         try:
@@ -230,7 +230,7 @@ class CpTransferAdapter:
         """A write with no host slots for a node this rank could not back up:
         its (empty) operation still gets an ack like every other rank's, so
         the ack queues stay aligned until the group takes the write back."""
-        plan = placeholder_write_plan(self.layout, pages, device_locs)
+        plan = placeholder_write_plan(self.placement, pages, device_locs)
         op = CacheOperation(plan.host_locs, device_locs, node_id, None, pool_transfers=None)
         return PendingWrite(self, plan, op)
 
@@ -251,7 +251,7 @@ class CpTransferAdapter:
         allocator stays that of every other rank and only the copy is missing."""
         checkpoint = self.allocator.checkpoint()
         try:
-            plan = plan_load(self.layout, metadata, self.allocator)
+            plan = plan_load(self.placement, metadata, self.allocator)
         except BaseException:
             self.allocator.rollback(checkpoint)
             raise

@@ -97,7 +97,7 @@ class WriteThroughMixin:
             return 0
         # Owners come from the node's CPU page mirror: no read of node.value.
         pages = node.cp_pages
-        need = page_owner_tokens(self.cp_layout, pages)
+        need = page_owner_tokens(self.cp_placement, pages)
         if not self._ledger.fits(need):
             self._evict_host_for(self._ledger.shortfall(need))
         if not self._ledger.fits(need):  # identical on every rank: nothing to tell

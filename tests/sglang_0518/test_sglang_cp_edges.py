@@ -162,7 +162,7 @@ def test_host_exhaustion_evicts_by_physical_slots_consistently(cluster):
         cl.evict_device(4 * P)  # push to host only
         for c in cl.caches:
             assert host_slots_in_use(c) == tree_host_slots(c)
-            assert c.host_slot_ledger.used[c.cp_layout.cp_rank] == host_slots_in_use(c)
+            assert c.host_slot_ledger.used[c.cp_placement.cp_rank] == host_slots_in_use(c)
             assert host_slots_in_use(c) <= 6 * P
         shapes = {repr(cl.tree_shape(c)) for c in cl.caches}
         assert len(shapes) == 1, "ranks evicted different host nodes"
