@@ -15,7 +15,8 @@ from sglang_cp_hicache.policy_0518 import (
     plan_load,
     plan_write,
 )
-from sglang_cp_hicache.policy_0518.plan import page_owner_tokens, placeholder_write_plan
+from sglang_cp_hicache.policy_0518 import plan as plan_module
+from sglang_cp_hicache.policy_0518.plan import page_owner_tokens, page_owners, placeholder_write_plan
 
 
 class FakeHostPool:
@@ -83,6 +84,28 @@ def test_ledger_charge_counts_every_rank_s_owned_tokens():
     assert page_owner_tokens(CpPlacement(4, 4, 1), torch.tensor([1, 2, 3, 4])) == [4, 4, 4, 4]
     assert page_owner_tokens(CpPlacement(4, 2, 0), torch.tensor([3, 8, 5, 6])) == [8, 8]
     assert page_owner_tokens(CpPlacement(4, 4, 3), torch.tensor([1])) == [0, 4, 0, 0]
+
+
+def test_owners_computed_once_feed_the_charge_and_both_plans(monkeypatch):
+    """The write-through computes a node's owners once (``page_owners``): the
+    ledger's charge, the plan and the placeholder plan all read them, and
+    neither plan runs the owner formula again."""
+    placement, pages = CpPlacement(4, 2, 0), torch.tensor([3, 8, 5, 6])
+    expected = plan_write(placement, pages, locs_of([3, 8, 5, 6]), FakeHostPool(range(8)).alloc)
+    owners = page_owners(placement, pages)
+    assert owners.owners == [1, 0, 1, 0] and owners.tokens_per_rank == [8, 8]
+
+    def no_second_time(*args, **kwargs):
+        raise AssertionError("owner formula ran again")
+
+    monkeypatch.setattr(plan_module, "page_owner", no_second_time)
+    got = plan_write(placement, pages, locs_of([3, 8, 5, 6]), FakeHostPool(range(8)).alloc, owners=owners)
+    assert torch.equal(got.metadata.token_owners, expected.metadata.token_owners)
+    assert torch.equal(got.metadata.owned_positions, expected.metadata.owned_positions)
+    assert torch.equal(got.host_locs, expected.host_locs)
+    placeholder = placeholder_write_plan(placement, pages, locs_of([3, 8, 5, 6]), owners)
+    assert torch.equal(placeholder.metadata.token_owners, expected.metadata.token_owners)
+    assert placeholder.num_host_slots == 0
 
 
 def test_placeholder_plan_records_every_owner_and_no_slots():

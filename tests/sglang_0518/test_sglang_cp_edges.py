@@ -257,7 +257,7 @@ def test_greedy_host_balance_never_evicts_for_a_lane(cluster, monkeypatch):
         assert s.cache.cp_host_balance == "greedy" and s.allocator._lanes.lane_reclaim is None
     monkeypatch.setenv(HOST_BALANCE_ENV, "exact")
     cl = cluster(cp_size=2, device_pages=3, host_pages=8)
-    assert all(s.allocator._lanes.lane_reclaim == s.cache._reclaim_lane for s in cl.stacks)
+    assert all(s.allocator._lanes.lane_reclaim == s.cache.cp_host.reclaim_lane for s in cl.stacks)
 
 
 def test_ranks_with_different_host_balance_policies_refuse_to_start(monkeypatch):
