@@ -1,4 +1,4 @@
-"""Malformed input to the host-tier policy API: the host slot ledger, layout
+"""Malformed input to the host-tier policy API: the host slot ledger, placement
 sizes, node metadata (host slots, owners and owned positions must agree),
 host eviction and load-back. Every call answers with ValueError or TypeError
 naming the argument and leaves every object as it was."""
@@ -81,7 +81,7 @@ def test_ledger_keeps_its_own_copies():
     assert HostSlotLedger((3, 5), (3, 5)).free_slots() == [0, 0]  # full is allowed
 
 
-# ---- layout sizes ----------------------------------------------------------------
+# ---- placement sizes -------------------------------------------------------------
 
 @given(
     value=st.one_of(st.floats(allow_nan=True), st.booleans(), st.integers(-100, -1), st.none(),
@@ -148,7 +148,7 @@ def test_metadata_placement_must_be_a_placement():
     flip=st.integers(0, 10_000),
 )
 def test_metadata_owner_cross_checks(cp_size, page_size, page_owners, rank, flip):
-    """Metadata as a write plan builds it passes the layout checks; giving one
+    """Metadata as a write plan builds it passes the placement checks; giving one
     token to or taking it from this rank, naming a rank past the last, or
     dropping one owned position never does."""
     placement = CpPlacement(page_size, cp_size, rank % cp_size)
