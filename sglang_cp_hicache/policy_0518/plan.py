@@ -32,8 +32,10 @@ __all__ = [
     "CpLoadPlan",
     "CpWritePlan",
     "HiCacheWriteFailure",
+    "PageOwners",
     "check_pages",
     "page_owner_tokens",
+    "page_owners",
     "page_owners_of",
     "plan_load",
     "placeholder_write_plan",
@@ -111,15 +113,30 @@ def check_pages(pages: object) -> torch.Tensor:
     return pages
 
 
-def page_owner_tokens(placement: CpPlacement, pages: torch.Tensor) -> list[int]:
-    """Tokens each rank owns in a node whose (trusted, CPU) pages are ``pages``:
-    the ledger's charge for backing the node up. Plain Python: nodes are a
-    handful of pages and this runs once per write."""
+@dataclass(frozen=True)
+class PageOwners:
+    """The owner of every page of one node, computed once per write from its
+    CPU page mirror: the ledger's charge and the write plan both read it."""
+
+    pages: torch.Tensor  # the node's logical pages (the trusted CPU mirror)
+    owners: list[int]  # owners[i] owns pages[i]
+    tokens_per_rank: list[int]  # tokens each rank owns: the ledger's charge
+
+
+def page_owners(placement: CpPlacement, pages: torch.Tensor) -> PageOwners:
+    """Owners of a node whose (trusted, CPU) pages are ``pages``. Plain
+    Python: nodes are a handful of pages and this runs once per write."""
     P, N = placement.page_size, placement.cp_size
+    owners = [page_owner(page, N) for page in pages.tolist()]
     counts = [0] * N
-    for page in pages.tolist():
-        counts[page_owner(page, N)] += P
-    return counts
+    for owner in owners:
+        counts[owner] += P
+    return PageOwners(pages, owners, counts)
+
+
+def page_owner_tokens(placement: CpPlacement, pages: torch.Tensor) -> list[int]:
+    """Tokens each rank owns in a node whose (trusted, CPU) pages are ``pages``."""
+    return page_owners(placement, pages).tokens_per_rank
 
 
 def plan_write(
@@ -130,6 +147,7 @@ def plan_write(
     host_free: Optional[Callable[[torch.Tensor], object]] = None,
     *,
     trusted: bool = False,
+    owners: Optional[PageOwners] = None,
 ) -> Union[CpWritePlan, HiCacheWriteFailure]:
     """Plan this rank's backup of one node of whole pages.
 
@@ -141,6 +159,8 @@ def plan_write(
     wrong-sized allocation go back through ``host_free`` before the error.
     ``trusted``: ``pages`` is a mirror the caller already validated (the
     cache's own), so the page checks are skipped on this hot path.
+    ``owners``: :func:`page_owners` of ``pages``, when the caller already
+    has them (the write-through charged its ledger from them).
     """
     if not trusted:
         pages = check_pages(pages)
@@ -152,8 +172,8 @@ def plan_write(
             f"device_locs has {device_locs.numel()} entries but pages lists "
             f"{len(page_list)} pages of page_size={P}"
         )
-    owners = [page_owner(page, N) for page in page_list]
-    owned = [i for i, owner in enumerate(owners) if owner == rank]
+    owner_list = owners.owners if owners is not None else [page_owner(page, N) for page in page_list]
+    owned = [i for i, owner in enumerate(owner_list) if owner == rank]
     num_owned = len(owned) * P
     host_locs = _EMPTY
     if num_owned:
@@ -170,21 +190,25 @@ def plan_write(
         owned_positions = (torch.tensor(owned, dtype=torch.int64)[:, None] * P + torch.arange(P)).reshape(-1)
     else:
         owned_positions = _EMPTY
-    token_owners = torch.tensor(owners, dtype=torch.int64).repeat_interleave(P)
+    token_owners = torch.tensor(owner_list, dtype=torch.int64).repeat_interleave(P)
     metadata = CpHiCacheNodeMetadata._trusted(len(page_list) * P, owned_positions, host_locs, token_owners)
     return CpWritePlan(metadata=metadata, device_locs=device_locs)
 
 
 def placeholder_write_plan(
-    placement: CpPlacement, pages: torch.Tensor, device_locs: torch.Tensor
+    placement: CpPlacement, pages: torch.Tensor, device_locs: torch.Tensor, owners: Optional[PageOwners] = None
 ) -> CpWritePlan:
     """The plan of a write this rank could not take host slots for: every
     owner recorded, no slots. It keeps the node (and the ledger) as on every
-    other rank until the step's all-reduce takes the write back everywhere."""
+    other rank until the step's all-reduce takes the write back everywhere.
+    ``owners``: :func:`page_owners` of ``pages``, when the caller has them."""
     pages = check_pages(pages)
-    owners = page_owner(pages, placement.cp_size)
+    if owners is not None:
+        page_owner_ids = torch.tensor(owners.owners, dtype=torch.int64)
+    else:
+        page_owner_ids = page_owner(pages, placement.cp_size)
     metadata = CpHiCacheNodeMetadata._trusted(
-        int(device_locs.numel()), _EMPTY, _EMPTY, owners.repeat_interleave(placement.page_size)
+        int(device_locs.numel()), _EMPTY, _EMPTY, page_owner_ids.repeat_interleave(placement.page_size)
     )
     return CpWritePlan(metadata=metadata, device_locs=device_locs)
 

@@ -1,13 +1,16 @@
 """The SGLang 0.5.18 adapter: only what a server runs.
 
 * ``hiradix`` -- :class:`CpHiRadixCache`, built and checked at start-up
-  (hooks, settings, the one all-gather agreement of the CP ranks), assembled
-  from one mixin per concern: ``write_through`` (backups, the CPU page
-  mirror), ``step_protocol`` (the step's all-reduce, taking writes and
-  load-backs back), ``host_tier`` (host ledger, host leaves, host eviction,
-  lane reclaim), ``load_back`` (owner-preserving restores, the quota) and
-  ``upstream_0518`` (the tree edits carried over from 0.5.18, each saying
-  what differs);
+  (hooks, settings, the one all-gather agreement of the CP ranks); it owns
+  one collaborator per concern, each holding its own state and handed what
+  it talks to, and every SGLang method it overrides delegates to one:
+  ``host_tier`` (host ledger, host leaves, host eviction, lane reclaim),
+  ``write_through`` (backups, the CPU page mirror, taking writes back),
+  ``load_back`` (owner-preserving restores, the quota, taking load-backs
+  back), ``step_protocol`` (the step's all-reduce: when to take back),
+  ``l3_cache`` / ``l3_requests`` / ``l3_port`` (the L3 tier and SGLang's
+  scheduler prefetch calls), and ``upstream_0518`` (the tree edits carried
+  over from 0.5.18, each saying what differs); ``counters`` -- their counts;
 * ``step_status`` -- the step status packed into SGLang's two ack counts;
 * ``tree_node`` -- :class:`CpTreeNode`;
 * ``allocator`` -- the CP shared token allocator (owner lanes);

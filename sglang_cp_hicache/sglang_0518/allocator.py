@@ -41,14 +41,13 @@ class CpSharedPagedTokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
         cp_rank: int,
     ) -> None:
         super().__init__(logical_size, page_size, dtype, device, kvcache, need_sort)
-        self.layout = CpPlacement(page_size, cp_size, cp_rank)
-        self.cp_size = cp_size
-        self.cp_rank = cp_rank
+        # The rank and CP size live here only (read through the properties below).
+        self.placement = CpPlacement(page_size, cp_size, cp_rank)
         self.physical_size = physical_size
         self._lanes = OwnerLaneAllocator(logical_size, page_size, cp_size, device=device)
         self.num_pages = self._lanes.num_pages
         # Logical pages 0..num_pages live on this rank at physical pages < needed.
-        needed = self.layout.physical_size((self.num_pages + 1) * page_size)
+        needed = self.placement.physical_size((self.num_pages + 1) * page_size)
         if physical_size < needed:
             raise ValueError(
                 f"physical_size={physical_size} is too small: cp_rank {cp_rank} owns "
@@ -59,6 +58,14 @@ class CpSharedPagedTokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
             raise ValueError(
                 f"kvcache holds {kvcache.size} slots, fewer than physical_size={physical_size}"
             )
+
+    @property
+    def cp_rank(self) -> int:
+        return self.placement.cp_rank
+
+    @property
+    def cp_size(self) -> int:
+        return self.placement.cp_size
 
     @staticmethod
     def physical_size_for(logical_size: int, page_size: int, cp_size: int) -> int:

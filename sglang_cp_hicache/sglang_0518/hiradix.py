@@ -21,54 +21,63 @@ Switched on by constructing :class:`CpHiRadixCache` with this library's
 * zero-owned ranks queue empty operations, so ack counts match on every rank
   and SGLang's ready-ack all-reduces stay unconditional.
 
-The class is assembled from one mixin per concern: :mod:`.write_through`
-(write-through, the CPU page mirror), :mod:`.step_protocol` (the step's
-all-reduce and the take-backs), :mod:`.host_tier` (ledger, host leaves, host
-eviction, lane reclaim), :mod:`.load_back` (load-back and its quota),
-:mod:`.l3_cache` (the L3 tier: ``--hicache-storage-backend file`` or
-``SGLANG_CP_HICACHE_L3_DIR``), :mod:`.l3_requests` (SGLang's scheduler
-prefetch calls, served by that tier) and
-:mod:`.upstream_0518` (``match_prefix``, ``_split_node``, ``insert`` and the
-device eviction bodies carried over from 0.5.18, each saying what differs).
-This module builds the cache and keeps what SGLang asks of it at start-up.
+The cache owns one collaborator per concern, each with its own state, all
+built in :meth:`CpHiRadixCache.__init__` and handed what they use (the
+SGLang cache itself only as ``tree``, for SGLang's own attributes):
+:class:`~.host_tier.HostTier` (ledger, host leaves, host eviction, lane
+reclaim), :class:`~.write_through.WriteThrough` and its
+:class:`~.write_through.PageMirror` (write-through, the CPU page mirror),
+:class:`~.load_back.LoadBack` (load-back, its quota, its take-back),
+:class:`~.step_protocol.StepProtocol` (the step's all-reduce: when to take
+back), :class:`~.l3_cache.L3Cache` (the L3 tier:
+``--hicache-storage-backend file`` or ``SGLANG_CP_HICACHE_L3_DIR``) and
+:class:`~.l3_requests.L3Requests` (SGLang's scheduler prefetch calls, served
+by that tier). :mod:`.upstream_0518` holds ``match_prefix``,
+``_split_node``, ``insert`` and the device eviction bodies carried over from
+0.5.18, each saying what differs. Every SGLang method the cache overrides is
+a short delegation to one of them; this module builds the cache and keeps
+what SGLang asks of it at start-up.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Optional
+from typing import Hashable, List, Optional
 
 import torch
-from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams
+from sglang.srt.mem_cache.base_prefix_cache import (
+    EvictParams, InitLoadBackParams, InsertParams, InsertResult, MatchPrefixParams, MatchResult,
+)
 from sglang.srt.mem_cache.hiradix_cache import HiRadixCache
 from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
+from sglang.srt.mem_cache.radix_cache import RadixKey, TreeNode
 
 from sglang_cp_hicache import settings
 from sglang_cp_hicache.agreement import CpAgreementError, RankView, gather_and_check
 from sglang_cp_hicache.kernels import transfer
+from sglang_cp_hicache.l3.rank import RankL3
 from sglang_cp_hicache.policy_0518.host_eviction import HostLeafIndex, HostSlotLedger
-from sglang_cp_hicache.sglang_0518 import check_sglang_version
+from sglang_cp_hicache.sglang_0518 import check_sglang_version, upstream_0518
 from sglang_cp_hicache.sglang_0518.allocator import CpSharedPagedTokenToKVPoolAllocator
 from sglang_cp_hicache.sglang_0518.checks import (
     HOST_BALANCE_ENV, check_cp_hicache_server_args, host_balance_policy, storage_location,
 )
+from sglang_cp_hicache.sglang_0518.counters import CpHiCacheCounters
 from sglang_cp_hicache.sglang_0518.hooks import check_hooks
 from sglang_cp_hicache.sglang_0518.host_copies import cp_copies_installed, install_cp_copies
-from sglang_cp_hicache.sglang_0518.host_tier import HostTierMixin, NoHostLeafSet
-from sglang_cp_hicache.l3.rank import RankL3
-from sglang_cp_hicache.sglang_0518.l3_cache import L3CacheMixin
+from sglang_cp_hicache.sglang_0518.host_tier import HostTier, NoHostLeafSet
+from sglang_cp_hicache.sglang_0518.l3_cache import L3Cache
 from sglang_cp_hicache.sglang_0518.l3_metrics import install_metrics
 from sglang_cp_hicache.sglang_0518.l3_port import L3Port0518
-from sglang_cp_hicache.sglang_0518.l3_requests import L3RequestsMixin, source_label
+from sglang_cp_hicache.sglang_0518.l3_requests import L3Requests, log_l3_start, refuse_runtime_attach, source_label
 from sglang_cp_hicache.sglang_0518.l3_tier import open_l3
-from sglang_cp_hicache.sglang_0518.load_back import LoadBackMixin
-from sglang_cp_hicache.sglang_0518.step_protocol import CpHiCacheTransferError, StepProtocolMixin
+from sglang_cp_hicache.sglang_0518.load_back import LoadBack
+from sglang_cp_hicache.sglang_0518.step_protocol import CpHiCacheTransferError, StepProtocol
 from sglang_cp_hicache.sglang_0518.step_status import StepStatus, Vote
 from sglang_cp_hicache.sglang_0518.transfer_adapter import CpTransferAdapter
 from sglang_cp_hicache.sglang_0518.tree_node import CpTreeNode
-from sglang_cp_hicache.sglang_0518.upstream_0518 import Upstream0518Mixin
-from sglang_cp_hicache.sglang_0518.write_through import EMPTY_PAGES, WriteThroughMixin
+from sglang_cp_hicache.sglang_0518.write_through import EMPTY_PAGES, PageMirror, WriteThrough
 
 logger = logging.getLogger(__name__)
 
@@ -91,18 +100,6 @@ class CpInsertParams(InsertParams):
     counts that in ``cp_counters.device_page_reads``."""
 
     value_pages: Optional[torch.Tensor] = None
-
-
-@dataclass
-class CpHiCacheCounters:
-    write_backups: int = 0
-    write_failures: int = 0
-    host_evicted_nodes: int = 0
-    host_evicted_slots: int = 0  # physical, this rank
-    load_backs: int = 0
-    load_back_tokens: int = 0  # logical
-    device_page_reads: int = 0  # inserts without a CPU page mirror (each one a sync)
-    lane_reclaim_tokens: int = 0  # device tokens evicted to keep host shares even
 
 
 class _WithoutStorage:
@@ -128,10 +125,8 @@ def _without_storage(server_args):
     return _WithoutStorage(server_args)
 
 
-class CpHiRadixCache(
-    L3RequestsMixin, L3CacheMixin,
-    WriteThroughMixin, StepProtocolMixin, HostTierMixin, LoadBackMixin, Upstream0518Mixin, HiRadixCache
-):
+
+class CpHiRadixCache(HiRadixCache):
     """HiRadixCache whose host tier is CP-sharded (see module docstring)."""
 
     def __init__(self, params, server_args) -> None:
@@ -152,49 +147,58 @@ class CpHiRadixCache(
                 "CP shared KV HiCache needs a DSATokenToKVPool device pool, got "
                 f"{type(allocator.get_kvcache()).__name__}"
             )
-        if params.page_size != allocator.layout.page_size:
+        if params.page_size != allocator.placement.page_size:
             # the tree would cut keys into pages the allocator does not place
             raise ValueError(
                 f"params.page_size ({params.page_size}) must equal the CP allocator's page size "
-                f"({allocator.layout.page_size})"
+                f"({allocator.placement.page_size})"
             )
-        self.cp_layout = allocator.layout
+        self.cp_placement = allocator.placement
         self.cp_counters = CpHiCacheCounters()
-        self._host_leaves = HostLeafIndex(self._host_priority)
-        self._ledger: Optional[HostSlotLedger] = None
-        self._inflight_loads: list = []
-        self._inflight_writes: dict = {}
-        self._write_seq = 0
-        self._load_seq = 0
-        self._step_status = StepStatus()
-        # Pages per owner lane that the other ranks took for load-backs this
-        # rank failed to allocate, until the step's all-reduce takes them back.
-        self._load_shadow = [0] * self.cp_layout.cp_size
-        self._warned_device_page_read = False
-        self.cp_l3: Optional[RankL3] = None
+        self.cp_page_mirror = PageMirror(self.cp_placement.page_size, self.cp_counters)
+        self.cp_status = StepStatus()
+        # SGLang's __init__ resets the tree before the collaborators exist.
+        self.cp_host: Optional[HostTier] = None
         super().__init__(params, _without_storage(server_args))
-        self.evictable_host_leaves = NoHostLeafSet()  # the ordered index replaces SGLang's set
-        self.cp_copy_targets = install_cp_copies(self.cache_controller, self.cp_layout)
+        self.evictable_host_leaves = NoHostLeafSet()  # the host tier's ordered index replaces SGLang's set
+        self.cp_copy_targets = install_cp_copies(self.cache_controller, self.cp_placement)
         if not cp_copies_installed(self.cp_copy_targets):
             raise RuntimeError("CP copies did not take on this cache's host pools; refusing to start")
-        self.cp_transfer = CpTransferAdapter(self.cache_controller, self.cp_layout, allocator)
+        self.cp_transfer = CpTransferAdapter(self.cache_controller, self.cp_placement, allocator)
         # Opened before the agreement, raised after it: a rank whose L3 is
         # unusable never leaves its peers waiting in the all-gather.
-        opening = open_l3(self, location, source_label(location), server_args=server_args)
+        opening = open_l3(
+            self.cp_placement, self.cp_copy_targets, allocator.get_kvcache(), location, source_label(location),
+            server_args=server_args,
+        )
         self.cp_l3_location = location
-        self._ledger = self._agree_with_peers(opening.view)
+        ledger = self._agree_with_peers(opening.view)
         opening.raise_if_unusable()
-        if opening.tier is not None:
-            self.cp_l3 = RankL3(opening.tier, L3Port0518(self, opening.tier), location)
-            if params.enable_metrics:  # --enable-metrics: SGLang's storage metrics, fed by this L3
-                install_metrics(self, self.cp_l3, server_args)
-        self._log_l3_start()
+        self._build_collaborators(ledger, opening.tier)
+        if self.cp_l3 is not None and params.enable_metrics:
+            # --enable-metrics: SGLang's storage metrics, fed by this L3
+            install_metrics(self, self.cp_placement, self.cp_l3, server_args)
+        log_l3_start(self.cp_placement, self.cp_l3, location)
+        host = self.cp_host
         # New pages go preferably to the ranks holding the fewest host slots.
-        allocator.set_lane_bias(lambda: self._ledger.used)
+        allocator.set_lane_bias(lambda: host.ledger.used)
         # ...and when the least loaded rank has no free device page, one is
         # made free by evicting for that lane (keeps host shares within a page).
-        allocator.set_lane_reclaim(self._reclaim_lane if self.cp_host_balance == "exact" else None)
+        allocator.set_lane_reclaim(host.reclaim_lane if self.cp_host_balance == "exact" else None)
         self.cp_warmup = self._warm_up_copies()
+
+    def _build_collaborators(self, ledger: HostSlotLedger, l3_tier) -> None:
+        """Every collaborator, each handed what it talks to (the one place they are built)."""
+        placement, counters, status = self.cp_placement, self.cp_counters, self.cp_status
+        self.cp_host = HostTier(self, placement, ledger, counters)
+        rank_l3 = None
+        if l3_tier is not None:
+            rank_l3 = RankL3(l3_tier, L3Port0518(self, l3_tier, placement, self.cp_host), self.cp_l3_location)
+        self.cp_l3_cache = L3Cache(self, placement, rank_l3)
+        self.cp_l3_requests = L3Requests(self, self.cp_l3_cache)
+        self.cp_writes = WriteThrough(self, placement, self.cp_transfer, self.cp_host, status, counters)
+        self.cp_loads = LoadBack(self, placement, self.cp_transfer, status, counters)
+        self.cp_steps = StepProtocol(self, status, self.cp_writes, self.cp_loads, self.cp_l3_cache)
 
     # ---- setup -----------------------------------------------------------
     def _warm_up_copies(self):
@@ -215,7 +219,7 @@ class CpHiRadixCache(
         logger.info(
             "cp-hicache: copy kernels ready on cp_rank %d/%d: backend=%s, %d kernel(s) %s in %.2f s "
             "(cache dir: %s; set TRITON_CACHE_DIR to a persistent directory to skip this on restart)",
-            self.cp_layout.cp_rank, self.cp_layout.cp_size, report.backend, report.compiled,
+            self.cp_placement.cp_rank, self.cp_placement.cp_size, report.backend, report.compiled,
             ",".join(report.ops) or "-", report.seconds, report.cache_dir,
         )
         return report
@@ -228,7 +232,7 @@ class CpHiRadixCache(
         rank and value."""
         capacity = int(self.token_to_kv_pool_host.size)
         device = self.token_to_kv_pool_allocator.get_kvcache().kv_buffer[0].device
-        view = RankView(self.cp_layout.cp_rank, self.cp_layout.cp_size, {
+        view = RankView(self.cp_placement.cp_rank, self.cp_placement.cp_size, {
             "page_size": self.page_size,
             "host_layout": self.cache_controller.mem_pool_host.layout,
             "host_pool_slots": capacity,
@@ -247,7 +251,7 @@ class CpHiRadixCache(
             if hint is None:
                 raise
             raise CpAgreementError(f"{exc}; {hint}") from exc
-        return HostSlotLedger([capacity] * self.cp_layout.cp_size)
+        return HostSlotLedger([capacity] * self.cp_placement.cp_size)
 
     def _cp_group(self):
         """The group whose members are exactly the CP ranks: SGLang's
@@ -272,15 +276,143 @@ class CpHiRadixCache(
         self._empty_match_result = self._empty_match_result._replace(
             last_device_node=root, last_host_node=root, best_match_node=root
         )
-        self._host_leaves = HostLeafIndex(self._host_priority)
-        self._inflight_loads = []
-        self._inflight_writes = {}
-        self._step_status = StepStatus()
-        self._load_shadow = [0] * self.cp_layout.cp_size
-        if self.cp_l3 is not None:  # the lookups go with the tree and host pool (their I/O writes no more)
-            self.cp_l3.prefetcher.reset()
-        if self._ledger is not None:
-            self._ledger = HostSlotLedger(list(self._ledger.capacity))
+        self.cp_status.clear()
+        if self.cp_host is None:
+            return  # SGLang's __init__: nothing built yet
+        self.cp_host.reset()
+        self.cp_writes.reset()
+        self.cp_loads.reset()
+        self.cp_l3_cache.reset()
+
+    # ---- what tests, tools and the scheduler read -------------------------------------
+    @property
+    def cp_l3(self) -> Optional[RankL3]:
+        """This rank's L3 (None: off)."""
+        return self.cp_l3_cache.rank_l3
+
+    @property
+    def host_slot_ledger(self) -> HostSlotLedger:
+        return self.cp_host.ledger
+
+    @property
+    def host_leaf_index(self) -> HostLeafIndex:
+        return self.cp_host.leaves
+
+    def cp_prefix_pages(self, node: TreeNode) -> torch.Tensor:
+        """CPU mirror of the device locs from the root down to ``node``
+        (every node on the path must be on the device)."""
+        return self.cp_page_mirror.prefix_pages(node, self.root_node)
+
+    # ---- the tree: 0.5.18's bodies, CP-aware (upstream_0518) ----------------------------
+    def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
+        self.cp_l3_requests.remember_match(params.key)
+        return upstream_0518.match_prefix(self, params)
+
+    def _split_node(self, key: RadixKey, child: TreeNode, split_len: int):
+        return upstream_0518.split_node(self, key, child, split_len)
+
+    def insert(self, params: InsertParams) -> InsertResult:
+        return upstream_0518.insert(self, params, self.cp_page_mirror.pages_for)
+
+    def _evict_backuped(self, node: TreeNode) -> int:
+        return upstream_0518.evict_backuped(self, node)
+
+    def _evict_regular(self, node: TreeNode) -> int:
+        return upstream_0518.evict_regular(self, node)
+
+    # ---- write-through ---------------------------------------------------------------
+    def write_backup(self, node: TreeNode, write_back: bool = False) -> int:
+        return self.cp_writes.backup(node, write_back)
+
+    def _finish_write_through_ack(self, ack_id: int, *, release_lock: bool) -> None:
+        self.cp_l3_cache.store_acked(ack_id)  # before SGLang forgets the write's nodes
+        self.cp_writes.keep(ack_id)
+        super()._finish_write_through_ack(ack_id, release_lock=release_lock)
+
+    # ---- the step's all-reduce ----------------------------------------------------------
+    def _sync_hicache_ready_counts(self):
+        return self.cp_steps.ready_counts()
+
+    def writing_check(self, write_back: bool = False, finish_count: Optional[int] = None):
+        if finish_count is None and not write_back:
+            finish_count = self.cp_steps.write_finish_count()
+        return super().writing_check(write_back=write_back, finish_count=finish_count)
+
+    def loading_check(self, finish_count: Optional[int] = None):
+        self.cp_loads.retire()
+        if finish_count is None:
+            finish_count = self.cp_steps.load_finish_count()
+        super().loading_check(finish_count=finish_count)
+        self.cp_loads.retire()
+
+    # ---- host tier ----------------------------------------------------------------------
+    def _update_host_leaf_status(self, node: TreeNode) -> None:
+        self.cp_host.refresh(node)
+
+    def evict_host(self, num_tokens: int) -> int:
+        """Free ``num_tokens`` physical host slots on every rank (the same
+        nodes everywhere); returns this rank's physical slots freed."""
+        return self.cp_host.evict(num_tokens)
+
+    # ---- load-back ----------------------------------------------------------------------
+    def load_back(self, node: TreeNode, mem_quota: Optional[int] = None) -> Optional[torch.Tensor]:
+        return self.cp_loads.load_back(node, mem_quota)
+
+    def ready_to_load_host_cache(self) -> int:
+        return self.cp_loads.start()
+
+    def init_load_back(self, params: InitLoadBackParams):
+        if params.mem_quota is None:
+            # 0.5.18's PrefillAdder passes no quota: keep room for the request's
+            # own new tokens so load-back cannot take the pages it needs.
+            params.mem_quota = self.cp_loads.mem_quota(params)
+        return super().init_load_back(params)
+
+    def load_back_mem_quota(self, params: InitLoadBackParams) -> int:
+        return self.cp_loads.mem_quota(params)
+
+    # ---- L3 -------------------------------------------------------------------------------
+    def l3_prefetch(self, key: RadixKey, rid: Optional[Hashable] = None) -> int:
+        return self.cp_l3_cache.prefetch(key, rid)
+
+    def l3_wait_io(self, timeout: Optional[float] = None) -> bool:
+        return self.cp_l3_cache.wait_io(timeout)
+
+    def check_hicache_events(self) -> None:
+        super().check_hicache_events()
+        self.cp_l3_cache.publish_metrics()
+
+    def clear_storage_backend(self) -> bool:
+        return self.cp_l3_cache.clear()
+
+    def prefetch_from_storage(
+        self,
+        req_id: str,
+        last_host_node: TreeNode,
+        new_input_tokens: List[int],
+        last_hash: Optional[str] = None,
+        prefix_keys: Optional[List[str]] = None,
+    ) -> None:
+        self.cp_l3_requests.prefetch_from_storage(req_id, last_host_node, new_input_tokens)
+
+    def check_prefetch_progress(self, req_id: str) -> bool:
+        return self.cp_l3_requests.check_prefetch_progress(req_id)
+
+    def release_aborted_request(self, rid: str) -> None:
+        self.cp_l3_requests.release_aborted_request(rid)
+
+    def attach_storage_backend(
+        self,
+        storage_backend: str,
+        storage_backend_extra_config_json: Optional[str] = None,
+        served_model_name: Optional[str] = None,
+        hicache_storage_prefetch_policy: Optional[str] = None,
+        hicache_write_policy: Optional[str] = None,
+    ) -> tuple[bool, str]:
+        return refuse_runtime_attach(storage_backend)
+
+    def detach_storage_backend(self) -> tuple[bool, str]:
+        return self.cp_l3_requests.detach_storage_backend()
 
     # ---- device eviction + OOM reporting -------------------------------------
     def evict(self, params: EvictParams):

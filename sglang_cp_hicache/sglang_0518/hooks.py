@@ -281,6 +281,8 @@ def _attributes() -> tuple[Hook, ...]:
                 "cache_controller token_to_kv_pool_allocator token_to_kv_pool_host eviction_strategy "
                 "load_back_threshold metrics_collector pp_rank attn_cp_group",
                 "reads the cache's settings, pools, controller and CP group"),
+        *_reads(_HRC, "HiRadixCache", "pp_size storage_metrics_collector",
+                "labels the L3 metrics like SGLang's storage metrics and sets SGLang's storage collector"),
         *_reads(_HRC, "HiRadixCache", "prefetch_loaded_tokens_by_reqid",
                 "records each request's L3 hit for upstream's pop_prefetch_loaded_tokens"),
         *_reads(_HRC, "HiRadixCache", "ongoing_write_through ongoing_load_back evictable_size_",

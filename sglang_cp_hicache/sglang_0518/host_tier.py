@@ -11,18 +11,21 @@ from __future__ import annotations
 
 import heapq
 import time
+from typing import Any
 
 from sglang.srt.disaggregation.kv_events import StorageMedium
 from sglang.srt.mem_cache.radix_cache import TreeNode
 
+from sglang_cp_hicache.placement import CpPlacement
 from sglang_cp_hicache.policy_0518.host_eviction import (
     HostEvictionResult,
     HostLeafIndex,
     HostSlotLedger,
     evict_host_slots,
 )
+from sglang_cp_hicache.sglang_0518.counters import CpHiCacheCounters
 
-__all__ = ["HostTierMixin", "NoHostLeafSet"]
+__all__ = ["HostTier", "NoHostLeafSet"]
 
 
 class NoHostLeafSet(set):
@@ -32,68 +35,83 @@ class NoHostLeafSet(set):
         raise RuntimeError("CP HiCache keeps host leaves in CpHiRadixCache.host_leaf_index")
 
 
-class HostTierMixin:
-    """Host ledger, host leaves and host eviction, for :class:`CpHiRadixCache`."""
+class HostTier:
+    """Host ledger, host leaves and host eviction of one CP cache.
 
-    def _host_priority(self, node):
-        return self.eviction_strategy.get_priority(node)
+    ``tree``: the SGLang cache (its tree, controller, eviction heap and
+    allocator are read from it, nothing of this library); ``ledger``: every
+    rank's host usage, as the start-up agreement sized it."""
 
-    @property
-    def host_slot_ledger(self) -> HostSlotLedger:
-        return self._ledger
+    def __init__(
+        self, tree: Any, placement: CpPlacement, ledger: HostSlotLedger, counters: CpHiCacheCounters
+    ) -> None:
+        self.tree = tree
+        self.placement = placement
+        self.counters = counters
+        self.ledger = ledger
+        self.leaves = HostLeafIndex(self._priority)
 
-    @property
-    def host_leaf_index(self) -> HostLeafIndex:
-        return self._host_leaves
+    def _priority(self, node):
+        return self.tree.eviction_strategy.get_priority(node)
 
-    def _update_host_leaf_status(self, node: TreeNode) -> None:
-        self._host_leaves.refresh(node)
+    def reset(self) -> None:
+        """Empty, as after start-up (the tree and host pool were reset)."""
+        self.leaves = HostLeafIndex(self._priority)
+        self.ledger = HostSlotLedger(list(self.ledger.capacity))
 
-    def _evict_host_for(self, required_per_rank: list[int]) -> HostEvictionResult:
+    def refresh(self, node: TreeNode) -> None:
+        """Whether ``node`` is a host-evictable leaf, after any edit of it."""
+        self.leaves.refresh(node)
+
+    def evict_for(self, required_per_rank: list[int]) -> HostEvictionResult:
+        """Evict host leaves (the same on every rank) until each rank has
+        ``required_per_rank`` tokens of host room in the ledger."""
+        tree = self.tree
         result = evict_host_slots(
-            self._host_leaves,
+            self.leaves,
             required_per_rank,
-            cp_rank=self.cp_layout.cp_rank,
-            child_key=lambda key: key.child_key(self.page_size),
-            free_host=self.cache_controller.evict_host,
-            ledger=self._ledger,
-            on_remove=lambda n: self._record_remove_event(n, medium=StorageMedium.CPU),
+            cp_rank=self.placement.cp_rank,
+            child_key=lambda key: key.child_key(tree.page_size),
+            free_host=tree.cache_controller.evict_host,
+            ledger=self.ledger,
+            on_remove=lambda n: tree._record_remove_event(n, medium=StorageMedium.CPU),
         )
-        self.cp_counters.host_evicted_nodes += result.nodes_evicted
-        self.cp_counters.host_evicted_slots += result.physical_slots_freed
+        self.counters.host_evicted_nodes += result.nodes_evicted
+        self.counters.host_evicted_slots += result.physical_slots_freed
         return result
 
-    def evict_host(self, num_tokens: int) -> int:
+    def evict(self, num_tokens: int) -> int:
         """Free ``num_tokens`` physical host slots on every rank (the same
         nodes everywhere); returns this rank's physical slots freed."""
-        return self._evict_host_for([num_tokens] * self.cp_layout.cp_size).physical_slots_freed
+        return self.evict_for([num_tokens] * self.placement.cp_size).physical_slots_freed
 
     # ---- host balance: evict a device leaf for a short lane -----------------
-    def _reclaim_lane(self, lane: int, pages: int) -> int:
+    def reclaim_lane(self, lane: int, pages: int) -> int:
         """Evict the least recently used device leaves that hold a page
         owned by ``lane`` until that lane has ``pages`` free pages; returns
         the pages freed (any lane). Same tree, same LRU, same allocator on
         every rank: every rank evicts the same leaves, with no collective."""
-        allocator = self.token_to_kv_pool_allocator
+        tree = self.tree
+        allocator = tree.token_to_kv_pool_allocator
         if allocator.lane_available_pages()[lane] >= pages:
             return 0
         start = time.perf_counter()
-        write_back = self.cache_controller.write_policy == "write_back"
-        heap = self._make_eviction_heap()
+        write_back = tree.cache_controller.write_policy == "write_back"
+        heap = tree._make_eviction_heap()
         num_evicted = 0
         while heap and allocator.lane_available_pages()[lane] < pages:
             _, x = heapq.heappop(heap)
             if x.lock_ref > 0 or x.cp_pages is None:
                 continue
-            if not bool((x.cp_pages % self.cp_layout.cp_size == lane).any()):
+            if not bool((x.cp_pages % self.placement.cp_size == lane).any()):
                 continue
             if x.backuped:
-                num_evicted += self._evict_backuped(x)
+                num_evicted += tree._evict_backuped(x)
             elif write_back:
                 continue  # write-back stages to host first: leave it to evict()
             else:
-                num_evicted += self._evict_regular(x)
-            self._promote_parent(x, heap)
-        self.cp_counters.lane_reclaim_tokens += num_evicted
-        self.update_eviction_metrics(num_evicted, start)  # SGLang's eviction metrics count these too
-        return num_evicted // self.page_size
+                num_evicted += tree._evict_regular(x)
+            tree._promote_parent(x, heap)
+        self.counters.lane_reclaim_tokens += num_evicted
+        tree.update_eviction_metrics(num_evicted, start)  # SGLang's eviction metrics count these too
+        return num_evicted // tree.page_size

@@ -34,6 +34,7 @@ from sglang.srt.runtime_context import get_server_args
 
 from sglang_cp_hicache.l3.metrics import PrometheusL3Counters
 from sglang_cp_hicache.l3.rank import RankL3
+from sglang_cp_hicache.placement import CpPlacement
 from sglang_cp_hicache.l3.storage_metrics import StorageCollectorSink, shared_collector, storage_labels
 
 __all__ = ["install_metrics", "rank_labels"]
@@ -54,9 +55,10 @@ def _tp_and_dp_rank(cp_rank: int) -> tuple[int, int]:
         return cp_rank, 0
 
 
-def rank_labels(cache: Any, storage_backend: str, extra_metric_labels: Optional[dict]) -> dict[str, Any]:
+def rank_labels(
+    cache: Any, placement: CpPlacement, storage_backend: str, extra_metric_labels: Optional[dict]
+) -> dict[str, Any]:
     """The labels ``HiRadixCache`` gives its storage metrics."""
-    placement = cache.cp_layout
     tp_rank, dp_rank = _tp_and_dp_rank(placement.cp_rank)
     return storage_labels(
         storage_backend=storage_backend, tp_rank=tp_rank, dp_rank=dp_rank, pp_rank=cache.pp_rank,
@@ -65,14 +67,14 @@ def rank_labels(cache: Any, storage_backend: str, extra_metric_labels: Optional[
     )
 
 
-def install_metrics(cache: Any, l3: RankL3, server_args: Any) -> StorageCollectorSink:
+def install_metrics(cache: Any, placement: CpPlacement, l3: RankL3, server_args: Any) -> StorageCollectorSink:
     """Metrics for ``cache``'s L3 (``--enable-metrics``): SGLang's storage
     collector when the storage flag is set, the library's counters always.
     Sets ``cache.storage_metrics_collector`` as SGLang names it (its own
     feeds stay off: ``enable_storage_metrics`` gates SGLang's storage
     controller, which CP never builds)."""
     backend = getattr(server_args, "hicache_storage_backend", None)
-    labels = rank_labels(cache, backend or "none", getattr(server_args, "extra_metric_labels", None))
+    labels = rank_labels(cache, placement, backend or "none", getattr(server_args, "extra_metric_labels", None))
     collector = None
     if backend is not None:
         cls = resolve_collector_class(get_server_args(), STAT_LOGGER_ROLE_STORAGE, StorageMetricsCollector)

@@ -26,8 +26,10 @@ from sglang.srt.disaggregation.kv_events import StorageMedium
 from sglang.srt.mem_cache.radix_cache import RadixKey, TreeNode
 
 from sglang_cp_hicache.l3.prefetch import ChainPlan, chain_hashes_or_none, path_tokens, plain_key
+from sglang_cp_hicache.placement import CpPlacement
 from sglang_cp_hicache.policy_0518.metadata import CpHiCacheNodeMetadata
 from sglang_cp_hicache.policy_0518.node_state import set_host_state
+from sglang_cp_hicache.sglang_0518.host_tier import HostTier
 from sglang_cp_hicache.sglang_0518.l3_tier import balanced_owners
 from sglang_cp_hicache.sglang_0518.tree_node import CpTreeNode
 
@@ -56,15 +58,21 @@ class HostRoom0518:
 
 
 class L3Port0518:
-    """The protocol's release side on one :class:`CpHiRadixCache`."""
+    """The protocol's release side on one CP cache.
 
-    def __init__(self, cache: Any, tier: Any) -> None:
-        self.cache = cache
+    ``tree``: the SGLang cache (its tree, host pool and storage-hit record
+    are read from it, nothing of this library); ``host``: the ledger that
+    places and charges restored pages, and the host leaves."""
+
+    def __init__(self, tree: Any, tier: Any, placement: CpPlacement, host: HostTier) -> None:
+        self.tree = tree
         self.tier = tier
+        self.placement = placement
+        self.host = host
 
     @property
     def page_size(self) -> int:
-        return self.cache.page_size
+        return self.placement.page_size
 
     # ---- what a lookup restores ---------------------------------------------------
     def plan(self, anchor: TreeNode, chain: RadixKey) -> ChainPlan:
@@ -74,23 +82,22 @@ class L3Port0518:
         num_pages = len(chain) // P
         tokens = path_tokens(anchor) + list(chain.token_ids[: len(chain)])
         hashes, parent = chain_hashes_or_none(self.tier, tokens, len(tokens) // P - num_pages)
-        owners = balanced_owners(self.cache.host_slot_ledger.used, num_pages, P)
+        owners = balanced_owners(self.host.ledger.used, num_pages, P)
         return ChainPlan(anchor, chain, tuple(chain.token_ids[:P]), hashes, owners, parent=parent)
 
     # ---- L3Port --------------------------------------------------------------------
     def still_hangs(self, plan: ChainPlan) -> bool:
-        anchor, cache = plan.anchor, self.cache
-        if anchor is not cache.root_node and (anchor.parent is None or not anchor.backuped):
+        anchor = plan.anchor
+        if anchor is not self.tree.root_node and (anchor.parent is None or not anchor.backuped):
             return False
         return plan.key.child_key(self.page_size) not in anchor.children
 
     def take_room(self, plan: ChainPlan, pages: int) -> Optional[HostRoom0518]:
-        P, cache = self.page_size, self.cache
-        ledger = cache.host_slot_ledger
+        P, ledger = self.page_size, self.host.ledger
         owners = plan.owners[:pages]
         need = [owners.count(r) * P for r in range(len(ledger.used))]
         if not ledger.fits(need):
-            cache._evict_host_for(ledger.shortfall(need))
+            self.host.evict_for(ledger.shortfall(need))
         if not ledger.fits(need):  # identical on every rank
             return None
         ledger.charge(need)
@@ -99,10 +106,10 @@ class L3Port0518:
     def _take_slots(self, owners: list[int]) -> Optional[torch.Tensor]:
         """This rank's host slots for its own pages (from now on the fetch's
         alone); None if the pool is short or the allocation raised."""
-        P, rank = self.page_size, self.cache.cp_layout.cp_rank
+        P, rank = self.page_size, self.placement.cp_rank
         mine = sum(1 for o in owners if o == rank)
         try:
-            slots = self.cache.cache_controller.mem_pool_host.alloc(mine * P) if mine else _EMPTY
+            slots = self.tree.cache_controller.mem_pool_host.alloc(mine * P) if mine else _EMPTY
         except Exception:
             logger.exception("cp-hicache L3: host allocation for a fetch raised on cp_rank %d", rank)
             return None
@@ -114,40 +121,39 @@ class L3Port0518:
     def settle(self, plan: ChainPlan, pages: int, room: Optional[HostRoom0518]) -> int:
         if room is None:
             return 0
-        P, cache = self.page_size, self.cache
-        rank = cache.cp_layout.cp_rank
+        P, rank = self.page_size, self.placement.cp_rank
         mine = [i for i, o in enumerate(room.owners) if o == rank]
         kept = sum(1 for i in mine if i < pages) if room.slots is not None else 0
         if room.slots is not None and room.slots.numel() > kept * P:
-            cache.cache_controller.mem_pool_host.free(room.slots[kept * P :])
+            self.tree.cache_controller.mem_pool_host.free(room.slots[kept * P :])
         keep_need = [room.owners[:pages].count(r) * P for r in range(len(room.need))]
-        cache.host_slot_ledger.release([a - b for a, b in zip(room.need, keep_need)])
+        self.host.ledger.release([a - b for a, b in zip(room.need, keep_need)])
         if pages == 0:
             return 0
         owned = torch.tensor(mine[:kept], dtype=torch.int64)
         positions = (owned[:, None] * P + torch.arange(P)).reshape(-1) if kept else _EMPTY
         token_owners = torch.tensor(room.owners[:pages], dtype=torch.int64).repeat_interleave(P)
         meta = CpHiCacheNodeMetadata._trusted(pages * P, positions, room.slots[: kept * P], token_owners)
-        cache._l3_insert_host_node(plan.anchor, plan.key[: pages * P], meta)
+        self.insert_host_node(plan.anchor, plan.key[: pages * P], meta)
         return pages * P
+
+    def insert_host_node(self, anchor: TreeNode, key: RadixKey, meta: CpHiCacheNodeMetadata) -> None:
+        """A host-only node under ``anchor``, as upstream's ``_insert_helper_host``
+        builds one, with the CP host state instead of ``host_value``."""
+        tree = self.tree
+        node = CpTreeNode(priority=anchor.priority)
+        node.parent = anchor
+        node.key = key
+        node.value = None
+        set_host_state(node, meta)
+        anchor.children[key.child_key(self.page_size)] = node
+        self.host.refresh(node)
+        tree._update_leaf_status(anchor)
+        self.host.refresh(anchor)
+        tree._record_store_event(node, medium=StorageMedium.CPU)
 
     def release_anchor(self, plan: ChainPlan) -> None:
         plan.anchor.release_host()
 
     def report(self, plan: ChainPlan, asker: Hashable, tokens: int) -> None:
-        self.cache.prefetch_loaded_tokens_by_reqid[asker] = tokens
-
-
-def insert_host_node(cache: Any, anchor: TreeNode, key: RadixKey, meta: CpHiCacheNodeMetadata) -> None:
-    """A host-only node under ``anchor``, as upstream's ``_insert_helper_host``
-    builds one, with the CP host state instead of ``host_value``."""
-    node = CpTreeNode(priority=anchor.priority)
-    node.parent = anchor
-    node.key = key
-    node.value = None
-    set_host_state(node, meta)
-    anchor.children[key.child_key(cache.page_size)] = node
-    cache._update_host_leaf_status(node)
-    cache._update_leaf_status(anchor)
-    cache._update_host_leaf_status(anchor)
-    cache._record_store_event(node, medium=StorageMedium.CPU)
+        self.tree.prefetch_loaded_tokens_by_reqid[asker] = tokens

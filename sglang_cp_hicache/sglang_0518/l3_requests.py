@@ -26,8 +26,8 @@ abort.
 Requests with an ``extra_key`` (a LoRA adapter) or a ``cache_salt`` never
 look up L3: their pages are another namespace's. The scheduler does not pass
 them to ``prefetch_from_storage``, but it matches the request's key (which
-carries both) just before: :meth:`L3RequestsMixin.match_prefix` remembers the
-last key it matched, and a lookup whose tokens are not that plain key's is
+carries both) just before: the cache's ``match_prefix`` hands every key to
+:meth:`L3Requests.remember_match`, which keeps the last one, and a lookup whose tokens are not that plain key's is
 skipped.
 
 SGLang's own storage controller, threads and backends are never built (the
@@ -39,18 +39,20 @@ from __future__ import annotations
 
 import logging
 from array import array
-from typing import List, Optional, Sequence
+from typing import Any, List, Optional, Sequence
 
-from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
 from sglang.srt.mem_cache.radix_cache import RadixKey, TreeNode
 
 from sglang_cp_hicache.l3.location import L3Location
+from sglang_cp_hicache.l3.rank import RankL3
+from sglang_cp_hicache.placement import CpPlacement
 from sglang_cp_hicache.settings import SGLANG_FILE_DIR
+from sglang_cp_hicache.sglang_0518.l3_cache import L3Cache
 from sglang_cp_hicache.sglang_0518.l3_port import path_tokens, plain_key
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["L3RequestsMixin", "source_label"]
+__all__ = ["L3Requests", "log_l3_start", "refuse_runtime_attach", "source_label"]
 
 _REFUSE_RUNTIME = (
     "CP shared KV (sglang-cp-hicache): attaching or detaching a HiCache storage backend at runtime is "
@@ -78,104 +80,101 @@ def source_label(location: L3Location) -> str:
     }.get(location.source, location.source)
 
 
-class L3RequestsMixin:
-    """The scheduler's prefetch calls, for :class:`CpHiRadixCache`."""
-
-    _l3_last_match: Optional[RadixKey] = None
-
-    # ---- start-up ---------------------------------------------------------------
-    def _log_l3_start(self) -> None:
-        """One line per rank: where L3 lives, what chose it, its model and namespaces."""
-        location, rank = self.cp_l3_location, self.cp_layout.cp_rank
-        if self.cp_l3 is None:
-            return
-        tier = self.cp_l3.tier
-        where = f"directory {location.directory}" if location.backend == "file" else f"{location.backend} store"
-        timeouts = location.timeouts
-        logger.info(
-            "cp-hicache L3 on cp_rank %d/%d: %s (from %s), model %s, %s, deadline %.1f s + %.2f s per 1024 "
-            "tokens (at most %.0f s), scheduler prefetch %s",
-            rank, self.cp_layout.cp_size, where, source_label(location), tier.model_label, tier.describe(),
-            timeouts.base_s, timeouts.per_ki_token_s, timeouts.max_s, "on" if location.scheduler_driven else "off",
+def log_l3_start(placement: CpPlacement, rank_l3: Optional[RankL3], location: L3Location) -> None:
+    """One line per rank: where L3 lives, what chose it, its model and namespaces."""
+    rank = placement.cp_rank
+    if rank_l3 is None:
+        return
+    tier = rank_l3.tier
+    where = f"directory {location.directory}" if location.backend == "file" else f"{location.backend} store"
+    timeouts = location.timeouts
+    logger.info(
+        "cp-hicache L3 on cp_rank %d/%d: %s (from %s), model %s, %s, deadline %.1f s + %.2f s per 1024 "
+        "tokens (at most %.0f s), scheduler prefetch %s",
+        rank, placement.cp_size, where, source_label(location), tier.model_label, tier.describe(),
+        timeouts.base_s, timeouts.per_ki_token_s, timeouts.max_s, "on" if location.scheduler_driven else "off",
+    )
+    if not location.scheduler_driven:
+        logger.warning(
+            "cp-hicache L3 on cp_rank %d: set by %s alone; a server's scheduler writes L3 but never "
+            "prefetches from it without --hicache-storage-backend file", rank, location.source,
         )
-        if not location.scheduler_driven:
-            logger.warning(
-                "cp-hicache L3 on cp_rank %d: set by %s alone; a server's scheduler writes L3 but never "
-                "prefetches from it without --hicache-storage-backend file", rank, location.source,
-            )
+
+
+def refuse_runtime_attach(storage_backend: str) -> tuple[bool, str]:
+    """``attach_storage_backend``: refused (the library serves L3 itself)."""
+    logger.warning("%s (asked: %r)", _REFUSE_RUNTIME, storage_backend)
+    return False, _REFUSE_RUNTIME
+
+
+class L3Requests:
+    """The scheduler's prefetch calls on one CP cache, served by ``l3``.
+
+    ``tree``: the SGLang cache (its root, page size and storage-hit record
+    are read from it, nothing of this library)."""
+
+    def __init__(self, tree: Any, l3: L3Cache) -> None:
+        self.tree = tree
+        self.l3 = l3
+        self._last_match: Optional[RadixKey] = None
 
     # ---- arrival --------------------------------------------------------------------
-    def match_prefix(self, params: MatchPrefixParams):
-        self._l3_last_match = params.key
-        return super().match_prefix(params)
+    def remember_match(self, key: RadixKey) -> None:
+        """The key the cache matched last (a request's, extra key and salt included)."""
+        self._last_match = key
 
-    def _l3_request_is_plain(self, anchor: TreeNode, new_input_tokens: Sequence[int]) -> bool:
+    def _request_is_plain(self, anchor: TreeNode, new_input_tokens: Sequence[int]) -> bool:
         """The request's key has no extra key or cache salt: below a node,
         the node's key says (a request only matches its own namespace); at
         the root, the key the scheduler matched just before (its tokens must
         be these)."""
-        if anchor is not self.root_node:
+        if anchor is not self.tree.root_node:
             return plain_key(anchor.key)
-        last = self._l3_last_match
+        last = self._last_match
         if last is None or not plain_key(last):
             return False
         n = len(new_input_tokens)
         return len(last) >= n and list(last.token_ids[:n]) == list(new_input_tokens)
 
-    def prefetch_from_storage(
-        self,
-        req_id: str,
-        last_host_node: TreeNode,
-        new_input_tokens: List[int],
-        last_hash: Optional[str] = None,
-        prefix_keys: Optional[List[str]] = None,
-    ) -> None:
+    def prefetch_from_storage(self, req_id: str, last_host_node: TreeNode, new_input_tokens: List[int]) -> None:
         """Start (or join) the L3 lookup of the whole pages of
         ``new_input_tokens`` below ``last_host_node`` for request ``req_id``
         (the scheduler calls it alike on every rank). Hashes come from the
-        token ids, so ``last_hash`` / ``prefix_keys`` are not needed."""
-        if self.cp_l3 is None:
+        token ids, so SGLang's ``last_hash`` / ``prefix_keys`` are not needed."""
+        rank_l3, tree = self.l3.rank_l3, self.tree
+        if rank_l3 is None:
             return
-        prefetcher = self.cp_l3.prefetcher
+        prefetcher = rank_l3.prefetcher
         if prefetcher.is_waiting(req_id):
             return  # a retracted request re-queued keeps its wait
-        whole = len(new_input_tokens) // self.page_size * self.page_size
-        if whole == 0 or not self._l3_request_is_plain(last_host_node, new_input_tokens[:whole]):
+        P = tree.page_size
+        whole = len(new_input_tokens) // P * P
+        if whole == 0 or not self._request_is_plain(last_host_node, new_input_tokens[:whole]):
             return
-        if prefetcher.join(last_host_node, tuple(new_input_tokens[: self.page_size]), req_id):
+        if prefetcher.join(last_host_node, tuple(new_input_tokens[:P]), req_id):
             return
-        key = RadixKey(_same_kind(path_tokens(last_host_node), new_input_tokens[:whole]), is_bigram=self.is_eagle)
-        self.l3_prefetch(key, req_id)
+        key = RadixKey(_same_kind(path_tokens(last_host_node), new_input_tokens[:whole]), is_bigram=tree.is_eagle)
+        self.l3.prefetch(key, req_id)
 
     # ---- the waiting queue ----------------------------------------------------------
     def check_prefetch_progress(self, req_id: str) -> bool:
         """True once ``req_id``'s lookup settled (restored or missed) or it
         has none; False while it waits for the step's MIN."""
-        return self.cp_l3 is None or not self.cp_l3.prefetcher.is_waiting(req_id)
+        rank_l3 = self.l3.rank_l3
+        return rank_l3 is None or not rank_l3.prefetcher.is_waiting(req_id)
 
     # ---- aborts -----------------------------------------------------------------------
     def release_aborted_request(self, rid: str) -> None:
         """Forget an aborted request's storage hit and its wait; a lookup no
         request waits on any more answers 0 at the next MIN and is dropped
         there on every rank (nothing is taken out of the pending list here)."""
-        self.prefetch_loaded_tokens_by_reqid.pop(rid, None)
-        if self.cp_l3 is not None:
-            self.cp_l3.prefetcher.abort(rid)
+        self.tree.prefetch_loaded_tokens_by_reqid.pop(rid, None)
+        if self.l3.rank_l3 is not None:
+            self.l3.rank_l3.prefetcher.abort(rid)
 
-    # ---- runtime attach / detach: refused ----------------------------------------------
-    def attach_storage_backend(
-        self,
-        storage_backend: str,
-        storage_backend_extra_config_json: Optional[str] = None,
-        served_model_name: Optional[str] = None,
-        hicache_storage_prefetch_policy: Optional[str] = None,
-        hicache_write_policy: Optional[str] = None,
-    ) -> tuple[bool, str]:
-        logger.warning("%s (asked: %r)", _REFUSE_RUNTIME, storage_backend)
-        return False, _REFUSE_RUNTIME
-
+    # ---- runtime detach: refused ----------------------------------------------------------
     def detach_storage_backend(self) -> tuple[bool, str]:
-        if self.cp_l3 is None:
+        if self.l3.rank_l3 is None:
             return True, "no HiCache storage backend is attached"
         logger.warning("%s", _REFUSE_RUNTIME)
         return False, _REFUSE_RUNTIME

@@ -49,10 +49,10 @@ class L3Tier(HostL3Tier):
     """One rank's L3 on 0.5.18's host pools (a host slot is a host row)."""
 
     def __init__(
-        self, store: PageStore, layout: CpPlacement, kv_host: Any, indexer_host: Any, *,
+        self, store: PageStore, placement: CpPlacement, kv_host: Any, indexer_host: Any, *,
         model_id: str, layer_start: int = 0, model_label: str = "",
     ) -> None:
-        super().__init__(store, layout, kv_host, indexer_host, model_id=model_id, page_hasher=get_hash_str,
+        super().__init__(store, placement, kv_host, indexer_host, model_id=model_id, page_hasher=get_hash_str,
                          layer_start=layer_start, model_label=model_label)
 
 
@@ -74,22 +74,21 @@ def server_identity(server_args: Any) -> ModelIdentity:
 
 
 def open_l3(
-    cache: Any, location: L3Location, source: str, identity: Optional[ModelIdentity] = None,
-    server_args: Any = None,
+    placement: CpPlacement, targets: Any, device_pool: Any, location: L3Location, source: str,
+    identity: Optional[ModelIdentity] = None, server_args: Any = None,
 ) -> L3Opening:
-    """This rank's L3 tier at ``location`` (see the module doc); ``source``
+    """This rank's L3 tier at ``location`` (see the module doc) on the host
+    pools of ``targets`` (:class:`~.host_copies.CpCopyTargets`); ``source``
     names what chose the store, in the message of an unusable one."""
 
     def build() -> L3Tier:
         model = identity if identity is not None else server_identity(server_args)
-        rules = SGLangRules("0.5.18", segment_ranks=storage_tp_size(server_args, cache.cp_layout.cp_size),
-                            rank=cache.cp_layout.cp_rank)
+        rules = SGLangRules("0.5.18", segment_ranks=storage_tp_size(server_args, placement.cp_size),
+                            rank=placement.cp_rank)
         store = open_tier_store(partial(open_page_store, mooncake_rules=rules), location.backend,
                                 location.directory, location.extra_config, source)
-        targets = cache.cp_copy_targets
-        device_pool = cache.token_to_kv_pool_allocator.get_kvcache()
         return L3Tier(
-            store, cache.cp_layout, targets.kv_host_pool, targets.indexer_host_pool, model_id=model.text(),
+            store, placement, targets.kv_host_pool, targets.indexer_host_pool, model_id=model.text(),
             layer_start=int(getattr(device_pool, "start_layer", 0) or 0), model_label=model.short(),
         )
 

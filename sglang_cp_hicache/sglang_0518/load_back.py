@@ -18,21 +18,23 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from sglang.srt.disaggregation.kv_events import StorageMedium
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InitLoadBackParams
 from sglang.srt.mem_cache.radix_cache import TreeNode
 
+from sglang_cp_hicache.placement import CpPlacement
 from sglang_cp_hicache.policy_0518.load_back import LoadBackOutcome, cp_load_back
 from sglang_cp_hicache.policy_0518.plan import page_owners_of
-from sglang_cp_hicache.sglang_0518.step_status import Vote
-from sglang_cp_hicache.sglang_0518.transfer_adapter import PendingLoad
+from sglang_cp_hicache.sglang_0518.counters import CpHiCacheCounters
+from sglang_cp_hicache.sglang_0518.step_status import StepStatus, Vote
+from sglang_cp_hicache.sglang_0518.transfer_adapter import CpTransferAdapter, PendingLoad
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LoadBackMixin", "LoadBackRecord"]
+__all__ = ["LoadBack", "LoadBackRecord"]
 
 
 @dataclass
@@ -61,19 +63,43 @@ class _Attempt:
     failed_seq: Optional[int] = None  # this rank's allocation failed (every other rank's did not)
 
 
-class LoadBackMixin:
-    """``load_back`` and its quota, for :class:`CpHiRadixCache`."""
+class LoadBack:
+    """``load_back``, its quota and the load-backs in flight of one CP cache.
+
+    ``tree``: the SGLang cache (its tree, locks, sizes, device eviction and
+    allocator are read from it, nothing of this library); ``status``: where
+    a local failure waits for the step's all-reduce."""
+
+    def __init__(
+        self, tree: Any, placement: CpPlacement, transfer: CpTransferAdapter, status: StepStatus,
+        counters: CpHiCacheCounters,
+    ) -> None:
+        self.tree = tree
+        self.placement = placement
+        self.transfer = transfer
+        self.status = status
+        self.counters = counters
+        self.in_flight: list[LoadBackRecord] = []
+        self._seq = 0
+        # Pages per owner lane that the other ranks took for load-backs this
+        # rank failed to allocate, until the step's all-reduce takes them back.
+        self.lane_shadow = [0] * placement.cp_size
+
+    def reset(self) -> None:
+        self.in_flight = []
+        self.lane_shadow = [0] * self.placement.cp_size
 
     def load_back(self, node: TreeNode, mem_quota: Optional[int] = None) -> Optional[torch.Tensor]:
+        tree = self.tree
         start = time.perf_counter()
-        attempt = _Attempt(node, self.token_to_kv_pool_allocator.rr_cursor)
+        attempt = _Attempt(node, tree.token_to_kv_pool_allocator.rr_cursor)
         try:
             outcome = cp_load_back(
                 node,
-                load_back_threshold=self.load_back_threshold,
+                load_back_threshold=tree.load_back_threshold,
                 mem_quota=mem_quota,
-                inc_lock_ref=lambda n: self.inc_lock_ref(n).delta,
-                dec_lock_ref=self.dec_lock_ref,
+                inc_lock_ref=lambda n: tree.inc_lock_ref(n).delta,
+                dec_lock_ref=tree.dec_lock_ref,
                 load=lambda chain: self._load_chain(attempt, chain),
                 evict_device=lambda num_tokens: self._evict_for_attempt(attempt),
             )
@@ -81,17 +107,17 @@ class LoadBackMixin:
             for n in attempt.chain:
                 n.release_host()
         if attempt.failed_seq is not None:
-            self._commit_failed_load_back(attempt)
+            self._commit_failed(attempt)
             return None
         if outcome is None:
             if attempt.chain:
                 logger.warning(
                     "load_back: failed to load %d logical tokens for node %d even after "
                     "eviction; %s", sum(n.host_len for n in attempt.chain), node.id,
-                    self.available_and_evictable_str().strip(),
+                    tree.available_and_evictable_str().strip(),
                 )
             return None
-        self._commit_load_back(attempt, outcome, start)
+        self._commit(attempt, outcome, start)
         return outcome.device_locs
 
     def _load_chain(self, attempt: _Attempt, chain: list) -> Optional[torch.Tensor]:
@@ -107,23 +133,23 @@ class LoadBackMixin:
         # The allocator is identical on every rank: its lanes decide for all.
         if not self._lanes_fit(metadata):
             return None
-        seq, self._load_seq = self._load_seq, self._load_seq + 1
+        seq, self._seq = self._seq, self._seq + 1
         try:
-            pending = self.cp_transfer.queue_load(
-                metadata, node_id=attempt.last_hit_node.id, **self._get_extra_pools()
+            pending = self.transfer.queue_load(
+                metadata, node_id=attempt.last_hit_node.id, **self.tree._get_extra_pools()
             )
             if pending is None:
                 raise RuntimeError("owner-preserving allocation failed although every lane had room")
         except Exception as exc:  # the group hears of it at the step's all-reduce
-            self._step_status.fail_load(Vote.FAILED, seq, exc)
+            self.status.fail_load(Vote.FAILED, seq, exc)
             attempt.failed_seq = seq
             # Every other rank holds these pages now: count them as taken here
             # too, so this rank's later load-backs and evictions decide alike.
-            for owner in page_owners_of(metadata, self.page_size):
-                self._load_shadow[owner] += 1
+            for owner in page_owners_of(metadata, self.placement.page_size):
+                self.lane_shadow[owner] += 1
             return None
         if pending.error is not None:  # pages taken, copy missing: the others' state, no data
-            self._step_status.fail_load(Vote.FAILED, seq, pending.error)
+            self.status.fail_load(Vote.FAILED, seq, pending.error)
         pending.keep()
         attempt.queued = pending
         return pending.plan.device_locs
@@ -133,109 +159,192 @@ class LoadBackMixin:
             return 0  # every other rank restored at the first try, without evicting
         return self._evict_device_for_lanes(attempt.chain)
 
-    def _commit_load_back(self, attempt: _Attempt, outcome: LoadBackOutcome, start: float) -> None:
+    def _commit(self, attempt: _Attempt, outcome: LoadBackOutcome, start: float) -> None:
         """The restored nodes get their device pages (and CPU mirrors); the
         load-back is in flight until its ack is consumed."""
+        tree = self.tree
         last_hit_node = attempt.last_hit_node
         pages = attempt.queued.plan.allocation.pages
         offset = 0
         for n in outcome.nodes:  # the CPU mirror of each restored node's new value
-            num_pages = n.host_len // self.page_size
+            num_pages = n.host_len // self.placement.page_size
             n.cp_pages = pages[offset : offset + num_pages]
             offset += num_pages
-        self.ongoing_load_back[last_hit_node.id] = last_hit_node
-        self._inflight_loads.append(LoadBackRecord(
-            self._load_seq - 1, last_hit_node, outcome.nodes[0].parent, outcome.host_hit_len,
+        tree.ongoing_load_back[last_hit_node.id] = last_hit_node
+        self.in_flight.append(LoadBackRecord(
+            self._seq - 1, last_hit_node, outcome.nodes[0].parent, outcome.host_hit_len,
             attempt.rr_cursor, attempt.queued,
         ))
         for n in outcome.nodes:
-            self._record_store_event(n, medium=StorageMedium.GPU)
-        self.evictable_size_ += outcome.host_hit_len
-        self.inc_lock_ref(last_hit_node)
-        self.cp_counters.load_backs += 1
-        self.cp_counters.load_back_tokens += outcome.host_hit_len
-        if self.metrics_collector is not None:
-            self.metrics_collector.observe_load_back_duration(time.perf_counter() - start)
+            tree._record_store_event(n, medium=StorageMedium.GPU)
+        tree.evictable_size_ += outcome.host_hit_len
+        tree.inc_lock_ref(last_hit_node)
+        self.counters.load_backs += 1
+        self.counters.load_back_tokens += outcome.host_hit_len
+        if tree.metrics_collector is not None:
+            tree.metrics_collector.observe_load_back_duration(time.perf_counter() - start)
 
-    def _commit_failed_load_back(self, attempt: _Attempt) -> None:
+    def _commit_failed(self, attempt: _Attempt) -> None:
         """What every other rank's successful load-back did, without the
         restore: in flight under the same sequence number, the same lock,
         the same sizes. The nodes stay evicted on this rank (requests of this
         step miss them here); the step's all-reduce takes it back everywhere."""
+        tree = self.tree
         last_hit_node = attempt.last_hit_node
         tokens = sum(n.host_len for n in attempt.chain)
-        self.ongoing_load_back[last_hit_node.id] = last_hit_node
-        self._inflight_loads.append(LoadBackRecord(
+        tree.ongoing_load_back[last_hit_node.id] = last_hit_node
+        self.in_flight.append(LoadBackRecord(
             attempt.failed_seq, last_hit_node, attempt.chain[0].parent, tokens, attempt.rr_cursor, None,
         ))
-        self.evictable_size_ += tokens
-        self.inc_lock_ref(last_hit_node)
-        self.cp_counters.load_backs += 1
-        self.cp_counters.load_back_tokens += tokens
+        tree.evictable_size_ += tokens
+        tree.inc_lock_ref(last_hit_node)
+        self.counters.load_backs += 1
+        self.counters.load_back_tokens += tokens
 
-    def _free_lane_pages(self) -> list[int]:
+    def free_lane_pages(self) -> list[int]:
         """Free pages per owner lane as every rank sees them: a rank whose
         allocation failed this step counts the pages the others took."""
-        lanes = self.token_to_kv_pool_allocator.lane_available_pages()
-        return [a - s for a, s in zip(lanes, self._load_shadow)]
+        lanes = self.tree.token_to_kv_pool_allocator.lane_available_pages()
+        return [a - s for a, s in zip(lanes, self.lane_shadow)]
+
+    def _lane_need(self, metadata: list) -> list[int]:
+        """Pages per owner lane a restore of ``metadata`` takes."""
+        need = [0] * self.placement.cp_size
+        for owner in page_owners_of(metadata, self.placement.page_size):
+            need[owner] += 1
+        return need
 
     def _lanes_fit(self, metadata: list) -> bool:
         """Whether every owner lane has the pages a restore of ``metadata``
         needs (the allocator mirror, identical on every rank)."""
-        need = [0] * self.cp_layout.cp_size
-        for owner in page_owners_of(metadata, self.page_size):
-            need[owner] += 1
-        return all(n <= a for n, a in zip(need, self._free_lane_pages()))
+        return all(n <= a for n, a in zip(self._lane_need(metadata), self.free_lane_pages()))
 
     def _evict_device_for_lanes(self, chain: list) -> int:
         """Evict device nodes (LRU, as upstream) until every owner lane the
         restored chain needs has enough free pages. Free pages of the wrong
         owner are of no use to an owner-preserving restore, so a plain
         ``evict(host_hit_len)`` can free enough tokens and still fail."""
-        owners = page_owners_of([n.cp_hicache for n in chain], self.page_size)
-        need = [0] * self.cp_layout.cp_size
-        for o in owners:
-            need[o] += 1
+        need = self._lane_need([n.cp_hicache for n in chain])
         evicted = 0
         while True:
-            short = sum(max(0, n - a) for n, a in zip(need, self._free_lane_pages()))
+            short = sum(max(0, n - a) for n, a in zip(need, self.free_lane_pages()))
             if short == 0:
                 return evicted
-            got = self.evict(EvictParams(num_tokens=short * self.page_size)).num_tokens_evicted
+            got = self.tree.evict(EvictParams(num_tokens=short * self.placement.page_size)).num_tokens_evicted
             if got == 0:
                 return evicted
             evicted += got
 
-    def ready_to_load_host_cache(self) -> int:
-        """Start the queued loads, with no collective. If the copy raises on
-        this rank, the step's all-reduce makes every rank take its
-        load-backs back (nodes evicted again, pages freed, locks released)
-        and raise."""
-        started = self.cp_transfer.start_loading()
+    def start(self) -> int:
+        """Start the queued loads, with no collective (SGLang's
+        ``ready_to_load_host_cache``). If the copy raises on this rank, the
+        step's all-reduce makes every rank take its load-backs back (nodes
+        evicted again, pages freed, locks released) and raise."""
+        started = self.transfer.start_loading()
         if started.error is not None:
-            first = self._inflight_loads[0].seq if self._inflight_loads else self._load_seq
-            self._step_status.fail_load(Vote.FAILED, first, started.error)
+            first = self.in_flight[0].seq if self.in_flight else self._seq
+            self.status.fail_load(Vote.FAILED, first, started.error)
         return started.producer_id
 
-    # ---- the quota -------------------------------------------------------------
-    def init_load_back(self, params: InitLoadBackParams):
-        if params.mem_quota is None:
-            # 0.5.18's PrefillAdder passes no quota: keep room for the request's
-            # own new tokens so load-back cannot take the pages it needs.
-            params.mem_quota = self.load_back_mem_quota(params)
-        return super().init_load_back(params)
+    def retire(self) -> None:
+        """Forget load-backs whose acks SGLang consumed."""
+        ongoing = self.tree.ongoing_load_back
+        self.in_flight = [r for r in self.in_flight if r.last_node.id in ongoing]
 
-    def load_back_mem_quota(self, params: InitLoadBackParams) -> int:
+    # ---- the quota -------------------------------------------------------------
+    def mem_quota(self, params: InitLoadBackParams) -> int:
         """Device tokens load-back may take: what is free now, less the
         request's own new tokens (page-rounded) and one page of slack for the
         partially filled page it will extend. Without a request: all of it."""
-        available = sum(self._free_lane_pages()) * self.page_size
+        P = self.placement.page_size
+        available = sum(self.free_lane_pages()) * P
         req = params.req
         if req is None:
             return available
         fill = getattr(req, "fill_ids", None) or getattr(req, "full_untruncated_fill_ids", [])
         prefix = len(getattr(req, "prefix_indices", ()))
         own_tokens = max(len(fill) - prefix - params.host_hit_length, 0)
-        P = self.page_size
         reserve = -(-own_tokens // P) * P + P
         return max(available - reserve, 0)
+
+    # ---- taking load-backs back (the step's all-reduce) ---------------------------
+    def take_back(self) -> None:
+        """Undo every load-back whose ack has not been consumed (a failed
+        load may share a merged copy, and its ack, with the others), newest
+        first, with everything the step built on the restored nodes."""
+        tree = self.tree
+        records, self.in_flight = self.in_flight, []
+        queue = tree.cache_controller.ack_load_queue
+        for ack in queue:
+            ack.finish_event.synchronize()
+        queue.clear()
+        # Loads queued but not started (their batch was dropped) go too: a
+        # later start would copy into pages freed here.
+        self.transfer.take_back_loads([r.load for r in records if r.load is not None])
+        for record in reversed(records):
+            if record.last_node.id in tree.ongoing_load_back:
+                self._undo(record)
+        allocator = tree.token_to_kv_pool_allocator
+        if records:
+            allocator.rewind_rr_cursor(records[0].rr_cursor)
+        self.lane_shadow = [0] * self.placement.cp_size
+        # A rank whose allocation failed never took the pages the others just
+        # freed: the free SETS agree, the lists may not. Sorting every free
+        # list makes the allocators identical again.
+        allocator.merge_and_sort_free()
+
+    def _undo(self, record: LoadBackRecord) -> None:
+        """Evict the restored nodes again -- every piece of them, since a
+        request may have split them -- after removing what the step built
+        below them (new leaves, recomputed nodes): an evicted node keeps no
+        node on the device below it. The same nodes on every rank (the tree
+        is the same); each frees the pages it holds through its mirror."""
+        tree = self.tree
+        tree.ongoing_load_back.pop(record.last_node.id, None)
+        tree.dec_lock_ref(record.last_node)
+        if record.load is None:  # the sizes this rank counted without restoring
+            tree.evictable_size_ -= record.tokens
+        pieces = self._restored_pieces(record)
+        ids = {id(p) for p in pieces}
+        for piece in pieces:  # deepest first
+            for child in list(piece.children.values()):
+                if id(child) not in ids:
+                    self._remove_built_on(child)
+        for piece in pieces:
+            if not piece.evicted:
+                tree._evict_backuped(piece)
+        self.counters.load_backs -= 1
+        self.counters.load_back_tokens -= record.tokens
+
+    def _restored_pieces(self, record: LoadBackRecord) -> list:
+        """The nodes now holding the restored chain, deepest first: from the
+        last restored node up to the node it hangs from (a split puts the
+        new prefix node between them; the split node keeps the suffix)."""
+        pieces, node = [], record.last_node
+        while node is not record.ancestor:
+            if node is None or node is self.tree.root_node:
+                raise RuntimeError(
+                    f"load-back of node {record.last_node.id} no longer hangs from its ancestor"
+                )
+            pieces.append(node)
+            node = node.parent
+        return pieces
+
+    def _remove_built_on(self, top: TreeNode) -> None:
+        """Take off the device every node at or below ``top`` that is on it
+        (all built after the load-back: nothing below an evicted node is on
+        the device), children first: backed-up ones are evicted, the others
+        deleted; their pages go back to the allocator."""
+        order, stack = [], [top]
+        while stack:
+            n = stack.pop()
+            if not n.evicted:
+                order.append(n)
+                stack.extend(n.children.values())
+        for n in reversed(order):
+            if n.write_through_pending_id is not None:
+                raise RuntimeError(f"node {n.id} still has a write in flight at a load take-back")
+            if n.backuped:
+                self.tree._evict_backuped(n)
+            else:
+                self.tree._evict_regular(n)

@@ -40,6 +40,7 @@ from sglang_cp_hicache.policy_0518.plan import (
     CpLoadPlan,
     CpWritePlan,
     HiCacheWriteFailure,
+    PageOwners,
     placeholder_write_plan,
     plan_load,
     plan_write,
@@ -168,9 +169,9 @@ class StartedLoads:
 
 
 class CpTransferAdapter:
-    def __init__(self, controller, layout: CpPlacement, allocator) -> None:
+    def __init__(self, controller, placement: CpPlacement, allocator) -> None:
         self.controller = controller
-        self.layout = layout
+        self.placement = placement
         self.allocator = allocator
         self.stats = CpTransferStats()
         self._device = torch.device(getattr(allocator, "device", "cpu"))
@@ -190,18 +191,20 @@ class CpTransferAdapter:
     def plan_write(
         self,
         device_locs: torch.Tensor,
-        pages: torch.Tensor,
+        owners: PageOwners,
         node_id: int = -1,
         priority: Optional[int] = None,
         extra_pools=None,
     ) -> Union[PendingWrite, HiCacheWriteFailure]:
-        """Take host slots for this rank's pages of one node (``pages``: the
+        """Take host slots for this rank's pages of one node (``owners``: the
         node's logical pages on the CPU -- the cache's own mirror, validated
-        when it was handed in; ``device_locs``: its logical locs, never read).
-        Nothing is queued until :meth:`PendingWrite.start`."""
+        when it was handed in -- and their owners; ``device_locs``: its
+        logical locs, never read). Nothing is queued until :meth:`PendingWrite.start`."""
         ctrl = self.controller
         host_pool = ctrl.mem_pool_host
-        plan = plan_write(self.layout, pages, device_locs, host_pool.alloc, host_pool.free, trusted=True)
+        plan = plan_write(
+            self.placement, owners.pages, device_locs, host_pool.alloc, host_pool.free, trusted=True, owners=owners
+        )
         if isinstance(plan, HiCacheWriteFailure):
             return plan
         try:
@@ -225,12 +228,12 @@ class CpTransferAdapter:
             self.controller.mem_pool_host.free(plan.host_locs)
 
     def placeholder_write(
-        self, device_locs: torch.Tensor, pages: torch.Tensor, node_id: int = -1, extra_pools=None
+        self, device_locs: torch.Tensor, owners: PageOwners, node_id: int = -1, extra_pools=None
     ) -> PendingWrite:
         """A write with no host slots for a node this rank could not back up:
         its (empty) operation still gets an ack like every other rank's, so
         the ack queues stay aligned until the group takes the write back."""
-        plan = placeholder_write_plan(self.layout, pages, device_locs)
+        plan = placeholder_write_plan(self.placement, owners.pages, device_locs, owners)
         op = CacheOperation(plan.host_locs, device_locs, node_id, None, pool_transfers=None)
         return PendingWrite(self, plan, op)
 
@@ -251,7 +254,7 @@ class CpTransferAdapter:
         allocator stays that of every other rank and only the copy is missing."""
         checkpoint = self.allocator.checkpoint()
         try:
-            plan = plan_load(self.layout, metadata, self.allocator)
+            plan = plan_load(self.placement, metadata, self.allocator)
         except BaseException:
             self.allocator.rollback(checkpoint)
             raise

@@ -63,8 +63,8 @@ class SimRankEngine(RankEngineBase):
     def __init__(self, stack: CpRankStack, *, content_seed: int = 0) -> None:
         self.cp_mode = stack.config.cp_mode
         # Plain mode: one process owns every page, physical == logical.
-        layout = getattr(stack.allocator, "layout", CpPlacement(stack.config.page_size, 1, 0))
-        self._bind_stack(stack, layout, content_seed)
+        placement = getattr(stack.allocator, "placement", CpPlacement(stack.config.page_size, 1, 0))
+        self._bind_stack(stack, placement, content_seed)
         self._backup_tokens = 0
         self._plain_host_evicted_slots = 0
         self._plain_load_backs = 0
@@ -132,14 +132,14 @@ class SimRankEngine(RankEngineBase):
     def _record_l3_nodes(self) -> None:
         """Note (start, length) in tokens of every host-only node the cache
         inserts from L3, without changing what it does."""
-        cache = self.cache
-        insert = cache._l3_insert_host_node
+        port = self.cache.cp_l3.port
+        insert = port.insert_host_node
 
         def recorded(anchor: Any, key: Any, meta: Any) -> None:
             insert(anchor, key, meta)
             self._l3_spans.append((_depth(anchor), len(key)))
 
-        cache._l3_insert_host_node = recorded
+        port.insert_host_node = recorded
 
     def _l3_prefetch(self, request: RequestInFlight) -> None:
         """L3 as SGLang's scheduler drives it with ``--hicache-storage-backend

@@ -191,13 +191,13 @@ class CpCluster:
 
     # ---- content ----------------------------------------------------------
     def _fill(self, stack, locs: torch.Tensor, keys: torch.Tensor) -> None:
-        lay = stack.allocator.layout
+        lay = stack.allocator.placement
         mask = lay.owned_by_this_rank(locs)
         if bool(mask.any()):
             write_content(stack.kv_pool, lay.logical_locs_to_physical(locs[mask]), keys[mask], seed=SEED)
 
     def mismatches(self, stack, locs: torch.Tensor, keys: torch.Tensor) -> list[str]:
-        lay = stack.allocator.layout
+        lay = stack.allocator.placement
         mask = lay.owned_by_this_rank(locs)
         if not bool(mask.any()):
             return []

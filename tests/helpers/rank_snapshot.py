@@ -116,9 +116,9 @@ def rank_state(stack: Any) -> dict:
         "queues": tuple(len(q) for q in (ctrl.write_queue, ctrl.load_queue, ctrl.ack_write_queue,
                                          ctrl.ack_load_queue)),
         "in_flight": (sorted(cache.ongoing_write_through), sorted(cache.ongoing_load_back),
-                      len(cache._inflight_writes), len(cache._inflight_loads)),
+                      len(cache.cp_writes.in_flight), len(cache.cp_loads.in_flight)),
         "transfers": dataclasses.astuple(cache.cp_transfer.stats),
-        "load_shadow": tuple(getattr(cache, "_load_shadow", ())),
+        "load_shadow": tuple(cache.cp_loads.lane_shadow),
     }
 
 

@@ -64,9 +64,9 @@ def test_layout_constructor(field, value):
 @given(locs=bad_tensors().filter(lambda t: not (isinstance(t, torch.Tensor) and t.dim() > 1)),
        method=st.sampled_from(["owner_of", "owned_by_this_rank", "logical_locs_to_physical", "physical_locs_to_logical"]))
 def test_layout_methods(locs, method):
-    lay = CpPlacement(4, 2, 0)
+    placement = CpPlacement(4, 2, 0)
     name = "phys" if method == "physical_locs_to_logical" else "locs"
-    expect_named_error(name, getattr(lay, method), locs)
+    expect_named_error(name, getattr(placement, method), locs)
 
 
 @given(
@@ -137,28 +137,28 @@ def test_allocator_and_ledger_constructors(bad):
 @given(pages=st.one_of(bad_tensors(), st.just(torch.tensor([-1, 2])), st.just(torch.tensor([3, 5, 3]))))
 def test_write_plan_pages(pages):
     # Malformed, negative or repeated pages (a page twice could never be restored).
-    lay = CpPlacement(4, 2, 0)
+    placement = CpPlacement(4, 2, 0)
     calls = []
-    expect_named_error("pages", plan_write, lay, pages, torch.arange(12), lambda n: calls.append(n))
+    expect_named_error("pages", plan_write, placement, pages, torch.arange(12), lambda n: calls.append(n))
     assert calls == [], "host slots allocated for malformed input"
 
 
 @given(locs=st.one_of(bad_tensors(), st.just(torch.arange(6))))
 def test_write_plan_device_locs(locs):
     # Not a 1-D integer tensor, or not whole pages of the listed pages.
-    lay = CpPlacement(4, 2, 0)
+    placement = CpPlacement(4, 2, 0)
     calls = []
-    expect_named_error("device_locs", plan_write, lay, torch.tensor([2, 3]), locs, lambda n: calls.append(n))
+    expect_named_error("device_locs", plan_write, placement, torch.tensor([2, 3]), locs, lambda n: calls.append(n))
     assert calls == [], "host slots allocated for malformed input"
 
 
 @given(bad=st.one_of(st.just([None]), st.just(["x"]), st.just([CpHiCacheNodeMetadata.empty(4)])))
 def test_load_mapping(bad):
-    lay = CpPlacement(4, 2, 0)
+    placement = CpPlacement(4, 2, 0)
     a = OwnerLaneAllocator(4 * 8, 4, 2)
     before = allocator_state(a)
     name = "token_owners" if isinstance(bad[0], CpHiCacheNodeMetadata) else "metadata"
-    expect_named_error(name, plan_load, lay, bad, a)
+    expect_named_error(name, plan_load, placement, bad, a)
     assert allocator_state(a) == before
 
 

@@ -1,4 +1,4 @@
-"""Malformed input to the host-tier policy API: the host slot ledger, layout
+"""Malformed input to the host-tier policy API: the host slot ledger, placement
 sizes, node metadata (host slots, owners and owned positions must agree),
 host eviction and load-back. Every call answers with ValueError or TypeError
 naming the argument and leaves every object as it was."""
@@ -81,7 +81,7 @@ def test_ledger_keeps_its_own_copies():
     assert HostSlotLedger((3, 5), (3, 5)).free_slots() == [0, 0]  # full is allowed
 
 
-# ---- layout sizes ----------------------------------------------------------------
+# ---- placement sizes -------------------------------------------------------------
 
 @given(
     value=st.one_of(st.floats(allow_nan=True), st.booleans(), st.integers(-100, -1), st.none(),
@@ -89,9 +89,9 @@ def test_ledger_keeps_its_own_copies():
     method=st.sampled_from(["owned_pages", "physical_size"]),
 )
 def test_layout_sizes_take_non_negative_ints(value, method):
-    lay = CpPlacement(4, 2, 0)
+    placement = CpPlacement(4, 2, 0)
     name = "logical_num_pages" if method == "owned_pages" else "logical_size"
-    expect_named_error(name, getattr(lay, method), value)
+    expect_named_error(name, getattr(placement, method), value)
 
 
 def test_owned_pages_of_a_fraction_raises():
@@ -148,29 +148,29 @@ def test_metadata_placement_must_be_a_placement():
     flip=st.integers(0, 10_000),
 )
 def test_metadata_owner_cross_checks(cp_size, page_size, page_owners, rank, flip):
-    """Metadata as a write plan builds it passes the layout checks; giving one
+    """Metadata as a write plan builds it passes the placement checks; giving one
     token to or taking it from this rank, naming a rank past the last, or
     dropping one owned position never does."""
-    lay = CpPlacement(page_size, cp_size, rank % cp_size)
+    placement = CpPlacement(page_size, cp_size, rank % cp_size)
     owners = torch.tensor([o % cp_size for o in page_owners]).repeat_interleave(page_size)
-    mine = torch.nonzero(owners == lay.cp_rank).reshape(-1)
+    mine = torch.nonzero(owners == placement.cp_rank).reshape(-1)
     hosts = torch.arange(100, 100 + mine.numel())
-    CpHiCacheNodeMetadata(owners.numel(), mine, hosts, owners, placement=lay)
+    CpHiCacheNodeMetadata(owners.numel(), mine, hosts, owners, placement=placement)
     # One token moves to or away from this rank.
     bad = owners.clone()
     i = flip % bad.numel()
-    bad[i] = (lay.cp_rank + 1) % (cp_size + 1) if int(bad[i]) == lay.cp_rank else lay.cp_rank
+    bad[i] = (placement.cp_rank + 1) % (cp_size + 1) if int(bad[i]) == placement.cp_rank else placement.cp_rank
     # With one-token pages the owners stay page-constant; the owned positions differ.
     name = "token_owners" if page_size > 1 or int(bad[i]) == cp_size else "owned_positions"
-    expect_named_error(name, CpHiCacheNodeMetadata, owners.numel(), mine, hosts, bad, placement=lay)
+    expect_named_error(name, CpHiCacheNodeMetadata, owners.numel(), mine, hosts, bad, placement=placement)
     past = owners.clone()
     past[i] = cp_size  # one past the last rank
-    expect_named_error("token_owners", CpHiCacheNodeMetadata, owners.numel(), mine, hosts, past, placement=lay)
+    expect_named_error("token_owners", CpHiCacheNodeMetadata, owners.numel(), mine, hosts, past, placement=placement)
     if mine.numel():
         j = flip % mine.numel()
         keep = torch.cat([mine[:j], mine[j + 1:]])
         expect_named_error("owned_positions", CpHiCacheNodeMetadata, owners.numel(), keep,
-                           hosts[:-1], owners, placement=lay)
+                           hosts[:-1], owners, placement=placement)
 
 
 @pytest.mark.parametrize("cp_size", [1, 0, -1, True, 2.0, None])

@@ -15,7 +15,8 @@ from sglang_cp_hicache.policy_0518 import (
     plan_load,
     plan_write,
 )
-from sglang_cp_hicache.policy_0518.plan import page_owner_tokens, placeholder_write_plan
+from sglang_cp_hicache.policy_0518 import plan as plan_module
+from sglang_cp_hicache.policy_0518.plan import page_owner_tokens, page_owners, placeholder_write_plan
 
 
 class FakeHostPool:
@@ -46,10 +47,10 @@ def locs_of(pages, P=4):
 
 
 def test_write_plan_takes_the_owned_positions_and_their_host_slots():
-    lay = CpPlacement(4, 4, 1)
+    placement = CpPlacement(4, 4, 1)
     pool = FakeHostPool(range(100, 104))
     device_locs = locs_of([1, 2, 3, 4])  # owners 1, 2, 3, 0
-    plan = plan_write(lay, torch.tensor([1, 2, 3, 4]), device_locs, pool.alloc)
+    plan = plan_write(placement, torch.tensor([1, 2, 3, 4]), device_locs, pool.alloc)
     assert isinstance(plan, CpWritePlan)
     assert plan.metadata.logical_len == 16
     assert plan.metadata.owned_positions.tolist() == [0, 1, 2, 3]
@@ -58,21 +59,21 @@ def test_write_plan_takes_the_owned_positions_and_their_host_slots():
     assert pool.alloc_calls == [4]
     assert plan.device_locs is device_locs  # the device locs ride along untouched
     # What the kernels do with it: the owned tokens are physical slots 0..3 on rank 1.
-    owned = device_locs[lay.owned_by_this_rank(device_locs)]
-    assert lay.logical_locs_to_physical(owned).tolist() == [0, 1, 2, 3]
+    owned = device_locs[placement.owned_by_this_rank(device_locs)]
+    assert placement.logical_locs_to_physical(owned).tolist() == [0, 1, 2, 3]
 
 
 def test_write_plan_positions_follow_the_pages_not_their_order():
-    lay = CpPlacement(4, 2, 0)
-    plan = plan_write(lay, torch.tensor([3, 8, 5, 6]), locs_of([3, 8, 5, 6]), FakeHostPool(range(8)).alloc)
+    placement = CpPlacement(4, 2, 0)
+    plan = plan_write(placement, torch.tensor([3, 8, 5, 6]), locs_of([3, 8, 5, 6]), FakeHostPool(range(8)).alloc)
     assert plan.metadata.owned_positions.tolist() == [4, 5, 6, 7, 12, 13, 14, 15]
     assert plan.metadata.token_owners.tolist() == [1] * 4 + [0] * 4 + [1] * 4 + [0] * 4
 
 
 def test_write_plan_zero_owned_has_metadata_and_no_slots():
-    lay = CpPlacement(4, 4, 3)
+    placement = CpPlacement(4, 4, 3)
     pool = FakeHostPool([])
-    plan = plan_write(lay, torch.tensor([1]), locs_of([1]), pool.alloc)
+    plan = plan_write(placement, torch.tensor([1]), locs_of([1]), pool.alloc)
     assert plan.metadata.logical_len == 4 and plan.num_host_slots == 0
     assert plan.host_locs.tolist() == [] and pool.alloc_calls == []
     assert plan.metadata.token_owners.tolist() == [1] * 4
@@ -83,6 +84,28 @@ def test_ledger_charge_counts_every_rank_s_owned_tokens():
     assert page_owner_tokens(CpPlacement(4, 4, 1), torch.tensor([1, 2, 3, 4])) == [4, 4, 4, 4]
     assert page_owner_tokens(CpPlacement(4, 2, 0), torch.tensor([3, 8, 5, 6])) == [8, 8]
     assert page_owner_tokens(CpPlacement(4, 4, 3), torch.tensor([1])) == [0, 4, 0, 0]
+
+
+def test_owners_computed_once_feed_the_charge_and_both_plans(monkeypatch):
+    """The write-through computes a node's owners once (``page_owners``): the
+    ledger's charge, the plan and the placeholder plan all read them, and
+    neither plan runs the owner formula again."""
+    placement, pages = CpPlacement(4, 2, 0), torch.tensor([3, 8, 5, 6])
+    expected = plan_write(placement, pages, locs_of([3, 8, 5, 6]), FakeHostPool(range(8)).alloc)
+    owners = page_owners(placement, pages)
+    assert owners.owners == [1, 0, 1, 0] and owners.tokens_per_rank == [8, 8]
+
+    def no_second_time(*args, **kwargs):
+        raise AssertionError("owner formula ran again")
+
+    monkeypatch.setattr(plan_module, "page_owner", no_second_time)
+    got = plan_write(placement, pages, locs_of([3, 8, 5, 6]), FakeHostPool(range(8)).alloc, owners=owners)
+    assert torch.equal(got.metadata.token_owners, expected.metadata.token_owners)
+    assert torch.equal(got.metadata.owned_positions, expected.metadata.owned_positions)
+    assert torch.equal(got.host_locs, expected.host_locs)
+    placeholder = placeholder_write_plan(placement, pages, locs_of([3, 8, 5, 6]), owners)
+    assert torch.equal(placeholder.metadata.token_owners, expected.metadata.token_owners)
+    assert placeholder.num_host_slots == 0
 
 
 def test_placeholder_plan_records_every_owner_and_no_slots():
@@ -170,14 +193,14 @@ def test_write_then_load_restores_every_page_to_its_owner(cp_size, page_size, no
     content = {int(l): int(torch.randint(0, 2**31, (1,), generator=g)) for c in chain for l in c.locs}
     metas, hosts = {}, {}
     for rank in range(cp_size):
-        lay = CpPlacement(page_size, cp_size, rank)
+        placement = CpPlacement(page_size, cp_size, rank)
         host = {}
         pool = FakeHostPool(range(10_000))
         metas[rank] = []
         for node in chain:
-            plan = plan_write(lay, node.pages, node.locs, pool.alloc)
+            plan = plan_write(placement, node.pages, node.locs, pool.alloc)
             metas[rank].append(plan.metadata)
-            owned = node.locs[lay.owned_by_this_rank(node.locs)]
+            owned = node.locs[placement.owned_by_this_rank(node.locs)]
             assert owned.numel() == plan.host_locs.numel()
             for h, l in zip(plan.host_locs.tolist(), owned.tolist()):
                 host[h] = content[l]
@@ -197,12 +220,12 @@ def test_write_then_load_restores_every_page_to_its_owner(cp_size, page_size, no
         assert torch.equal(plans[rank].device_locs, new_locs)  # ranks agree
     old_locs = torch.cat([c.locs for c in chain])
     for rank in range(cp_size):
-        lay = CpPlacement(page_size, cp_size, rank)
-        assert torch.equal(lay.owner_of(new_locs), lay.owner_of(old_locs))  # owner preservation
+        placement = CpPlacement(page_size, cp_size, rank)
+        assert torch.equal(placement.owner_of(new_locs), placement.owner_of(old_locs))  # owner preservation
         plan = plans[rank]
-        mask = lay.owned_by_this_rank(new_locs)
+        mask = placement.owned_by_this_rank(new_locs)
         assert int(mask.sum()) == plan.host_locs.numel()
-        for h, old in zip(plan.host_locs.tolist(), old_locs[lay.owned_by_this_rank(old_locs)].tolist()):
+        for h, old in zip(plan.host_locs.tolist(), old_locs[placement.owned_by_this_rank(old_locs)].tolist()):
             assert hosts[rank][h] == content[old]
 
 

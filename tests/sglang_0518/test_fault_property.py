@@ -179,12 +179,12 @@ def install(stack, fault: Fault) -> tuple:
 def scribble_free_pages(cl: CpCluster) -> None:
     """Wrong bytes into every free device page (on the rank owning it)."""
     for s in cl.stacks:
-        lay = s.allocator.layout
+        placement = s.allocator.placement
         free = [p for lane in exact_allocator(s.allocator)[:2] for pages in lane for p in pages]
-        mine = torch.tensor([p for p in free if page_owner(p, lay.cp_size) == lay.cp_rank], dtype=torch.int64)
+        mine = torch.tensor([p for p in free if page_owner(p, placement.cp_size) == placement.cp_rank], dtype=torch.int64)
         if mine.numel():
             locs = (mine[:, None] * P + torch.arange(P)).reshape(-1)
-            write_content(s.kv_pool, lay.logical_locs_to_physical(locs), locs + 10**7, seed=SEED + 1)
+            write_content(s.kv_pool, placement.logical_locs_to_physical(locs), locs + 10**7, seed=SEED + 1)
 
 
 def assert_ranks_agree(cl: CpCluster) -> None:

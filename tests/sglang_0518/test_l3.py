@@ -220,8 +220,10 @@ def test_another_models_namespace_in_the_same_directory_misses(written, monkeypa
     cl = cluster(2)
     try:
         for c in cl.caches:
-            other = open_l3(c, c.cp_l3_location, "test", identity=ModelIdentity("name:another-model"))
-            c.cp_l3 = RankL3(other.tier, L3Port0518(c, other.tier), c.cp_l3_location)
+            other = open_l3(c.cp_placement, c.cp_copy_targets, c.token_to_kv_pool_allocator.get_kvcache(),
+                            c.cp_l3_location, "test", identity=ModelIdentity("name:another-model"))
+            port = L3Port0518(c, other.tier, c.cp_placement, c.cp_host)
+            c.cp_l3_cache.rank_l3 = RankL3(other.tier, port, c.cp_l3_location)
         assert read_back(cl) == [0, 0]
         assert all(not c.root_node.children for c in cl.caches)
         assert all(c.cp_l3.counters.restored_pages == 0 for c in cl.caches)

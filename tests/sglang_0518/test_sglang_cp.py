@@ -59,7 +59,7 @@ def test_zero_owned_rank_acks_and_stays_in_step(cluster_factory):
     cl = cluster_factory(cp_size=4, device_pages=4, host_pages=8)
     tokens = seq(5, 1)  # one page: exactly one rank owns it
     cl.insert(tokens, seed=3)
-    owners = [s.allocator.layout.owner_of(cl.device_locs(tokens)[0][:1]).item() for s in cl.stacks]
+    owners = [s.allocator.placement.owner_of(cl.device_locs(tokens)[0][:1]).item() for s in cl.stacks]
     assert len(set(owners)) == 1
     stats = [c.cp_transfer.stats for c in cl.caches]
     assert sorted(s.zero_owned_writes for s in stats) == [0, 1, 1, 1]
@@ -85,9 +85,9 @@ def test_value_stays_logical_and_host_value_unused(cluster_factory):
         assert node.host_value is None
         meta = node.cp_hicache
         assert meta.logical_len == 3 * P
-        lay = c.cp_layout
-        assert torch.equal(meta.owned_positions, torch.nonzero(lay.owned_by_this_rank(l)).reshape(-1))
-        assert meta.num_host_slots == int(lay.owned_by_this_rank(l).sum())
+        placement = c.cp_placement
+        assert torch.equal(meta.owned_positions, torch.nonzero(placement.owned_by_this_rank(l)).reshape(-1))
+        assert meta.num_host_slots == int(placement.owned_by_this_rank(l).sum())
 
 
 def test_partial_match_splits_cp_metadata(cluster_factory):

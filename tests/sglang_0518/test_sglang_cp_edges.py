@@ -162,7 +162,7 @@ def test_host_exhaustion_evicts_by_physical_slots_consistently(cluster):
         cl.evict_device(4 * P)  # push to host only
         for c in cl.caches:
             assert host_slots_in_use(c) == tree_host_slots(c)
-            assert c.host_slot_ledger.used[c.cp_layout.cp_rank] == host_slots_in_use(c)
+            assert c.host_slot_ledger.used[c.cp_placement.cp_rank] == host_slots_in_use(c)
             assert host_slots_in_use(c) <= 6 * P
         shapes = {repr(cl.tree_shape(c)) for c in cl.caches}
         assert len(shapes) == 1, "ranks evicted different host nodes"
@@ -257,7 +257,7 @@ def test_greedy_host_balance_never_evicts_for_a_lane(cluster, monkeypatch):
         assert s.cache.cp_host_balance == "greedy" and s.allocator._lanes.lane_reclaim is None
     monkeypatch.setenv(HOST_BALANCE_ENV, "exact")
     cl = cluster(cp_size=2, device_pages=3, host_pages=8)
-    assert all(s.allocator._lanes.lane_reclaim == s.cache._reclaim_lane for s in cl.stacks)
+    assert all(s.allocator._lanes.lane_reclaim == s.cache.cp_host.reclaim_lane for s in cl.stacks)
 
 
 def test_ranks_with_different_host_balance_policies_refuse_to_start(monkeypatch):

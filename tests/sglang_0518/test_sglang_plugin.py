@@ -52,7 +52,7 @@ def test_factory_builds_cp_cache_for_cp_allocator(caplog):
         ctx = ctx_for(stack)
         with caplog.at_level("INFO", logger="sglang_cp_hicache.sglang_0518.plugin"):
             cache = plugin.cp_hicache_factory(ctx)
-        assert isinstance(cache, CpHiRadixCache) and cache.cp_layout.cp_rank == 1
+        assert isinstance(cache, CpHiRadixCache) and cache.cp_placement.cp_rank == 1
         # one start-up line per rank says which copy path runs
         [line] = [r.getMessage() for r in caplog.records if "Copy path:" in r.getMessage()]
         assert "cp_rank 1 of 2" in line and f"Copy path: library (this library's kernels, backend " \

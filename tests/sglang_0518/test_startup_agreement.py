@@ -148,7 +148,7 @@ def test_a_lone_rank_checks_its_own_view(monkeypatch):
     agree = CpHiRadixCache._agree_with_peers
 
     def out_of_range(self, l3_view):
-        self.cp_layout = types.SimpleNamespace(cp_rank=5, cp_size=2)
+        self.cp_placement = types.SimpleNamespace(cp_rank=5, cp_size=2)
         return agree(self, l3_view)
 
     monkeypatch.setattr(CpHiRadixCache, "_agree_with_peers", out_of_range)

@@ -178,7 +178,7 @@ class CpCacheMachine(RuleBasedStateMachine):
             c.loading_check()
             if vals.numel():  # owner preservation: restored pages keep their backup owners
                 for n in chain:
-                    assert torch.equal(c.cp_layout.owner_of(n.value), n.cp_hicache.token_owners)
+                    assert torch.equal(c.cp_placement.owner_of(n.value), n.cp_hicache.token_owners)
             return int(vals.numel())
 
         got = set(self.cl.each(run))
@@ -205,7 +205,7 @@ class CpCacheMachine(RuleBasedStateMachine):
         if self.cl is None:
             return
         for s in self.cl.stacks:
-            cache, lay = s.cache, s.allocator.layout
+            cache, placement = s.cache, s.allocator.placement
             host_slots = 0
             device_pages: set[int] = set()
             stack = [(cache.root_node, [])]
@@ -220,7 +220,7 @@ class CpCacheMachine(RuleBasedStateMachine):
                         # Still valid: distinct host slots, one owner per page, and
                         # exactly the positions this rank owns.
                         CpHiCacheNodeMetadata(meta.logical_len, meta.owned_positions, meta.host_indices,
-                                              meta.token_owners, placement=lay)
+                                              meta.token_owners, placement=placement)
                         host_slots += meta.num_host_slots
                     if child.value is not None:
                         pages = (child.value[::P] // P).tolist()
@@ -231,7 +231,7 @@ class CpCacheMachine(RuleBasedStateMachine):
                     stack.append((child, tokens))
             host = cache.token_to_kv_pool_host
             assert host.size - host.available_size() == host_slots, "host slot leak"
-            assert cache.host_slot_ledger.used[lay.cp_rank] == host_slots
+            assert cache.host_slot_ledger.used[placement.cp_rank] == host_slots
             assert s.allocator.pages_in_use() == len(device_pages), "device page leak"
 
 
