@@ -17,15 +17,13 @@ from __future__ import annotations
 
 import argparse
 import csv
-import datetime
 import heapq
 import os
 import platform
 import statistics
 import sys
 import time
-from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 
@@ -39,36 +37,9 @@ from sglang_cp_hicache.policy_0518 import (
     plan_write,
     set_host_state,
 )
+from sglang_cp_hicache.testing.tree_nodes import Node
 
-
-def new_out_path(stem: str, ext: str = "") -> str:
-    """Where a run not told ``--out`` writes: a fresh ``<stem>_<UTC time><ext>``
-    under ``build/bench-results`` (git-ignored), so a committed result in
-    ``bench/results`` is replaced only by naming it with ``--out``."""
-    root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "build", "bench-results")
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    path, n = os.path.join(root, f"{stem}_{stamp}{ext}"), 1
-    while os.path.exists(path):
-        path, n = os.path.join(root, f"{stem}_{stamp}_{n}{ext}"), n + 1
-    return path
-
-
-@dataclass(eq=False)
-class _Node:
-    key: Any
-    value: Optional[torch.Tensor] = None
-    parent: Any = None
-    children: dict = field(default_factory=dict)
-    host_len: int = 0
-    cp_hicache: Any = None
-    lock_ref: int = 0
-    host_ref_counter: int = 0
-    last_access: int = 0
-    id: int = 0
-
-    @property
-    def evicted(self) -> bool:
-        return self.value is None
+from bench_paths import new_out_path
 
 
 def _time_us(fn, repeat: int) -> tuple[float, float]:
@@ -209,11 +180,11 @@ def bench_host_eviction(rows: list, num_leaves: int, evict_k: int = 100, rounds:
     page_size, cp_size = 64, 4
     samples = []
     for r in range(rounds):
-        root = _Node(key=(), value=torch.empty(0))
+        root = Node(key=(), value=torch.empty(0))
         index = HostLeafIndex(lambda n: n.last_access)
         owners = torch.zeros(page_size, dtype=torch.int64)
         for i in range(num_leaves):
-            node = _Node(key=(i,), parent=root, last_access=(i * 7919) % num_leaves, id=i)
+            node = Node(key=(i,), parent=root, last_access=(i * 7919) % num_leaves, id=i)
             root.children[i] = node
             set_host_state(
                 node,

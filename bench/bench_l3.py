@@ -35,7 +35,6 @@ Without ``--out`` it writes a new file under ``build/bench-results/``;
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import shutil
@@ -57,16 +56,10 @@ from sglang_cp_hicache.l3.store import FilePageStore
 from sglang_cp_hicache.l3.workers import L3Workers
 from sglang_cp_hicache.placement import CpPlacement
 
+from bench_paths import out_path
+
 LAYERS, P, KV_ROW, INDEXER_ROW = 61, 64, 656, 132
 KINDS = {"kv": KV_ROW, "indexer": INDEXER_ROW}
-
-
-def _out_path(out: str | None) -> Path:
-    if out is not None:
-        return Path(out)
-    root = Path(__file__).resolve().parents[1] / "build" / "bench-results"
-    root.mkdir(parents=True, exist_ok=True)
-    return root / f"l3_{datetime.datetime.now(datetime.timezone.utc):%Y%m%dT%H%M%SZ}.json"
 
 
 def _namespace(pool: str, row: int) -> L3Namespace:
@@ -396,7 +389,7 @@ def main() -> None:
         result["seconds"] = round(time.time() - started, 1)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    path = _out_path(args.out)
+    path = Path(out_path(args.out, "l3", ".json"))
     path.write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps({k: v for k, v in result.items() if k != "prefix"}, indent=1))
     print(json.dumps(result["prefix"], indent=1))

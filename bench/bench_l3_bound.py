@@ -16,16 +16,18 @@ under ``build/bench-results/``.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any, Optional
+
+from sglang_cp_hicache.sim.l3_usage import peak_stored_bytes, stored_bytes
+
+from bench_paths import out_path
 
 ROOT = Path(__file__).resolve().parents[1]
 HEADER = 140
@@ -35,31 +37,16 @@ SHAPES = {
 }
 
 
-def _bytes_in(directory: Path) -> int:
-    total = 0
-    for path in directory.rglob("*"):
-        try:
-            if path.is_file() and not path.name.startswith(".l3-") and ".sim-writers" not in path.parts:
-                total += path.stat().st_size
-        except FileNotFoundError:
-            pass
-    return total
-
-
 def _run(role: str, l3: Path, out: Path, requests: int, env: dict[str, str]) -> tuple[dict[str, Any], int]:
     cmd = [sys.executable, "-m", "sglang_cp_hicache", "simulate", "--no-progress", *SHAPES[role],
            "--requests", str(requests), "--l3", str(l3), "--json", str(out)]
     proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **env}, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
-    peak = 0
-    while proc.poll() is None:
-        if l3.exists():
-            peak = max(peak, _bytes_in(l3))
-        time.sleep(0.02)
+    peak = peak_stored_bytes(proc, l3)
     text = proc.stdout.read()
     if proc.returncode != 0:
         raise SystemExit(f"{role} run failed:\n{text}")
-    return json.loads(out.read_text()), max(peak, _bytes_in(l3))
+    return json.loads(out.read_text()), max(peak, stored_bytes(l3))
 
 
 def _fields(summary: dict[str, Any], peak: int) -> dict[str, Any]:
@@ -101,12 +88,7 @@ def main(argv: Optional[list[str]] = None) -> None:
                 result[f"{role}_hits_lru_over_random"] = round(lru[role]["l3_hit_tokens"] / rnd[role]["l3_hit_tokens"], 3)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    if args.out is None:
-        folder = ROOT / "build" / "bench-results"
-        folder.mkdir(parents=True, exist_ok=True)
-        out = folder / f"l3_bound_{datetime.datetime.now(datetime.timezone.utc):%Y%m%dT%H%M%SZ}.json"
-    else:
-        out = Path(args.out)
+    out = Path(out_path(args.out, "l3_bound", ".json"))
     out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {out}")
 

@@ -21,7 +21,6 @@ Without ``--out`` it writes a new file under ``build/bench-results/``.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import socket
 import subprocess
@@ -36,7 +35,8 @@ from sglang_cp_hicache.l3.envelope import HEADER_BYTES, byte_view, check_object,
 from sglang_cp_hicache.l3.keys import L3Namespace, page_keys
 from sglang_cp_hicache.l3_backends.mooncake import MooncakeConfig, MooncakePageStore
 
-ROOT = Path(__file__).resolve().parents[1]
+from bench_paths import out_path
+
 LOOPBACK = "127.0.0.1"
 
 
@@ -116,12 +116,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     finally:
         proc.terminate()
         proc.wait(10)
-    if args.out is None:
-        folder = ROOT / "build" / "bench-results"
-        folder.mkdir(parents=True, exist_ok=True)
-        target = folder / f"l3_mooncake_{datetime.datetime.now(datetime.timezone.utc):%Y%m%dT%H%M%SZ}.json"
-    else:
-        target = Path(args.out)
+    target = Path(out_path(args.out, "l3_mooncake", ".json"))
     target.write_text(json.dumps(out, indent=1) + "\n")
     print(json.dumps(out, indent=1))
     print(f"wrote {target}")

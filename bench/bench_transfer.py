@@ -63,6 +63,8 @@ from sglang_cp_hicache.kernels import (
 )
 from sglang_cp_hicache.placement import CpPlacement
 
+from bench_paths import new_out_path
+
 PAGE_SIZE = 64  # DSA pages
 
 # buffer -> (kv?, dtype, elements per row); page bytes = 8448 / 41984 / 73728
@@ -568,18 +570,6 @@ def plot(rows: list[dict], ceiling: dict, direction: str, path: str, title: str)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
-
-
-def new_out_path(stem: str, ext: str = "") -> str:
-    """Where a run not told ``--out`` writes: a fresh ``<stem>_<UTC time><ext>``
-    under ``build/bench-results`` (git-ignored), so a committed result in
-    ``bench/results`` is replaced only by naming it with ``--out``."""
-    root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "build", "bench-results")
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    path, n = os.path.join(root, f"{stem}_{stamp}{ext}"), 1
-    while os.path.exists(path):
-        path, n = os.path.join(root, f"{stem}_{stamp}_{n}{ext}"), n + 1
-    return path
 
 
 def main(argv=None) -> int:

@@ -42,7 +42,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import platform
@@ -55,6 +54,8 @@ from types import SimpleNamespace
 from typing import Any, Callable
 
 import torch
+
+from bench_paths import new_out_path
 
 P = 64  # DSA pages; KV sharding requires 64
 POISON = 0xA5
@@ -366,18 +367,6 @@ def _import_sglang(device: torch.device) -> str | None:
     if sglang.__version__ != "0.5.23":
         return f"sglang {sglang.__version__} installed, this check is for 0.5.23"
     return None
-
-
-def new_out_path(stem: str, ext: str = "") -> str:
-    """Where a run not told ``--out`` writes: a fresh ``<stem>_<UTC time><ext>``
-    under ``build/bench-results`` (git-ignored), so a committed result in
-    ``bench/results`` is replaced only by naming it with ``--out``."""
-    root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "build", "bench-results")
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    path, n = os.path.join(root, f"{stem}_{stamp}{ext}"), 1
-    while os.path.exists(path):
-        path, n = os.path.join(root, f"{stem}_{stamp}_{n}{ext}"), n + 1
-    return path
 
 
 def main(argv: list[str] | None = None) -> int:

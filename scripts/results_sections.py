@@ -10,7 +10,7 @@ import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 RESULTS = "bench/results"
 SIM_KEYS = {"sglang_version", "verified_pages", "corrupted_pages", "ranks_agree"}
@@ -279,92 +279,96 @@ def section_l3(res: Results) -> list[str]:
     ]
 
 
+def _json_section(res: Results, name: str, key: str, render: Callable[[dict[str, Any]], list[str]]) -> list[str]:
+    """``render(data)`` and the line naming the files, where ``name`` is a
+    JSON object with ``key``; nothing otherwise."""
+    data = res.json.get(name)
+    if not (isinstance(data, dict) and key in data):
+        return []
+    res.take(name)
+    return [*render(data), "", files_line(res, [name]), ""]
+
+
 def section_l3_bench(res: Results) -> list[str]:
     """bench/bench_l3.py (file store vs HiCacheFile vs raw), bench_l3_mooncake.py
     (copy-free vs copying) and bench_l3_bound.py (a bounded directory)."""
-    out: list[str] = []
-    f = res.json.get("l3_file.json")
-    if isinstance(f, dict) and "kv" in f:
-        res.take("l3_file.json")
-        rows = []
-        for kind in ("kv", "indexer"):
-            d = f.get(kind) or {}
-            for op in ("read", "write"):
-                rows.append([f"{kind} ({n(d.get('page_bytes'))} B)", op, n(d.get(f"library_{op}_GBps")),
-                             n(d.get(f"hicachefile_{op}_GBps")), n(d.get(f"raw_{op}_GBps")),
-                             n(d.get(f"library_over_hicachefile_{op}")), n(d.get(f"library_over_raw_{op}"))])
-            rows.append([f"{kind}", "read, page cache cold", n(d.get("library_read_cold_GBps")),
-                         n(d.get("hicachefile_read_cold_GBps")), n(d.get("raw_read_cold_GBps")), "", ""])
-        p = f.get("prefix") or {}
-        restore = "; ".join(f"CP {cp}: {n(p.get(f'pages_per_rank_cp{cp}'))} pages, {n(p.get(f'restore_seconds_cp{cp}'))} s "
-                            f"hot / {n(p.get(f'restore_seconds_cp{cp}_cold'))} s cold" for cp in (1, 2, 4, 8)
-                            if f"restore_seconds_cp{cp}" in p)
-        checks = ", ".join(f"{k.replace('_GBps', '')} {n(v)}" for k, v in (f.get("checksums") or {}).items())
-        out += [
-            "## L3 file store: this library vs SGLang's HiCacheFile vs the raw floor",
-            "",
-            f"`{f.get('command')}` ({n(f.get('cpus'))} CPUs, {n(f.get('threads'))} L3 I/O threads, median of "
-            f"{n((f.get('kv') or {}).get('rounds'))} rounds, GB/s of page bytes). Library: each page read into "
-            "a reused staging buffer, its header and XXH3-64 checked there, then copied into a layer_first "
-            "host pool; HiCacheFile: SGLang 0.5.18's `batch_get` into fresh flat pages, then the same host "
-            "copy, nothing verified; raw: `readinto` a preallocated tensor, no host pool.",
-            "",
-            *table(["page", "op", "library", "HiCacheFile", "raw floor", "library / HiCacheFile",
-                    "library / raw"], rows),
-            "",
-            f"A {n(p.get('prefix_tokens'))}-token DeepSeek-V3.2 prefix ({n(p.get('pages'))} pages of KV and "
-            f"indexer objects) restored by one rank into host pools: {restore}. Checksums on 64 MiB, GB/s: "
-            f"{checks}.",
-            "",
-            files_line(res, ["l3_file.json"]),
-            "",
-        ]
-    m = res.json.get("l3_mooncake.json")
-    if isinstance(m, dict) and "copy_free_read_GBps" in m:
-        res.take("l3_mooncake.json")
-        out += [
-            "## L3 on Mooncake: copy-free vs copying",
-            "",
-            f"`{m.get('command')}`: a real `mooncake_master` on loopback (TCP), {n(m.get('pages'))} KV pages of "
-            f"{n(m.get('page_bytes'))} B, {n(m.get('local_buffer_size'))} B staging buffer, every page verified.",
-            "",
-            *table(["path", "write GB/s", "read GB/s"], [
-                ["copying (`put` / `get` of joined bytes)", n(m.get("copying_write_GBps")), n(m.get("copying_read_GBps"))],
-                ["copy-free (`upsert_parts` / `batch_get_into_multi_buffers`)", n(m.get("copy_free_write_GBps")),
-                 n(m.get("copy_free_read_GBps"))],
-            ]),
-            "",
-            files_line(res, ["l3_mooncake.json"]),
-            "",
-        ]
-    b = res.json.get("l3_bound.json")
-    if isinstance(b, dict) and "lru-leaves" in b:
-        res.take("l3_bound.json")
-        rows = []
-        for policy in ("unbounded", "lru-leaves", "random-chains"):
-            d = b.get(policy) or {}
-            for role in ("writer", "reader"):
-                r = d.get(role) or {}
-                rows.append([policy, f"{role} ({'CP 4' if role == 'writer' else 'CP 2, a copy of its directory'})",
-                             n(r.get("peak_bytes")), n(r.get("l3_written_pages")), n(r.get("l3_hit_tokens")),
-                             n(r.get("l3_pages_verified")), f"{n(r.get('l3_rejected_objects'))} / "
-                             f"{n(r.get('corrupted_pages'))}"])
-        out += [
-            "## A bounded L3 directory",
-            "",
-            f"`{b.get('command')}`: SGLang's `SGLANG_HICACHE_FILE_BACKEND_MAX_SIZE` = {n(b.get('cap_bytes'))} B "
-            f"(the cap; the directory may hold it plus one object per writer thread: "
-            f"{n(b.get('allowed_peak_bytes'))} B), the directory's bytes sampled every 20 ms. L3 hits with "
-            f"chain ends evicted least recently used first over whole chains evicted at random: writer "
-            f"{n(b.get('writer_hits_lru_over_random'))}x, reader {n(b.get('reader_hits_lru_over_random'))}x.",
-            "",
-            *table(["policy", "run", "largest directory seen (B)", "L3 pages written", "L3 hit tokens",
-                    "L3 pages verified", "rejected objects / corrupted pages"], rows),
-            "",
-            files_line(res, ["l3_bound.json"]),
-            "",
-        ]
-    return out
+    return (
+        _json_section(res, "l3_file.json", "kv", _l3_file)
+        + _json_section(res, "l3_mooncake.json", "copy_free_read_GBps", _l3_mooncake)
+        + _json_section(res, "l3_bound.json", "lru-leaves", _l3_bound)
+    )
+
+
+def _l3_file(f: dict[str, Any]) -> list[str]:
+    rows = []
+    for kind in ("kv", "indexer"):
+        d = f.get(kind) or {}
+        for op in ("read", "write"):
+            rows.append([f"{kind} ({n(d.get('page_bytes'))} B)", op, n(d.get(f"library_{op}_GBps")),
+                         n(d.get(f"hicachefile_{op}_GBps")), n(d.get(f"raw_{op}_GBps")),
+                         n(d.get(f"library_over_hicachefile_{op}")), n(d.get(f"library_over_raw_{op}"))])
+        rows.append([f"{kind}", "read, page cache cold", n(d.get("library_read_cold_GBps")),
+                     n(d.get("hicachefile_read_cold_GBps")), n(d.get("raw_read_cold_GBps")), "", ""])
+    p = f.get("prefix") or {}
+    restore = "; ".join(f"CP {cp}: {n(p.get(f'pages_per_rank_cp{cp}'))} pages, {n(p.get(f'restore_seconds_cp{cp}'))} s "
+                        f"hot / {n(p.get(f'restore_seconds_cp{cp}_cold'))} s cold" for cp in (1, 2, 4, 8)
+                        if f"restore_seconds_cp{cp}" in p)
+    checks = ", ".join(f"{k.replace('_GBps', '')} {n(v)}" for k, v in (f.get("checksums") or {}).items())
+    return [
+        "## L3 file store: this library vs SGLang's HiCacheFile vs the raw floor",
+        "",
+        f"`{f.get('command')}` ({n(f.get('cpus'))} CPUs, {n(f.get('threads'))} L3 I/O threads, median of "
+        f"{n((f.get('kv') or {}).get('rounds'))} rounds, GB/s of page bytes). Library: each page read into "
+        "a reused staging buffer, its header and XXH3-64 checked there, then copied into a layer_first "
+        "host pool; HiCacheFile: SGLang 0.5.18's `batch_get` into fresh flat pages, then the same host "
+        "copy, nothing verified; raw: `readinto` a preallocated tensor, no host pool.",
+        "",
+        *table(["page", "op", "library", "HiCacheFile", "raw floor", "library / HiCacheFile",
+                "library / raw"], rows),
+        "",
+        f"A {n(p.get('prefix_tokens'))}-token DeepSeek-V3.2 prefix ({n(p.get('pages'))} pages of KV and "
+        f"indexer objects) restored by one rank into host pools: {restore}. Checksums on 64 MiB, GB/s: "
+        f"{checks}.",
+    ]
+
+
+def _l3_mooncake(m: dict[str, Any]) -> list[str]:
+    return [
+        "## L3 on Mooncake: copy-free vs copying",
+        "",
+        f"`{m.get('command')}`: a real `mooncake_master` on loopback (TCP), {n(m.get('pages'))} KV pages of "
+        f"{n(m.get('page_bytes'))} B, {n(m.get('local_buffer_size'))} B staging buffer, every page verified.",
+        "",
+        *table(["path", "write GB/s", "read GB/s"], [
+            ["copying (`put` / `get` of joined bytes)", n(m.get("copying_write_GBps")), n(m.get("copying_read_GBps"))],
+            ["copy-free (`upsert_parts` / `batch_get_into_multi_buffers`)", n(m.get("copy_free_write_GBps")),
+             n(m.get("copy_free_read_GBps"))],
+        ]),
+    ]
+
+
+def _l3_bound(b: dict[str, Any]) -> list[str]:
+    rows = []
+    for policy in ("unbounded", "lru-leaves", "random-chains"):
+        d = b.get(policy) or {}
+        for role in ("writer", "reader"):
+            r = d.get(role) or {}
+            rows.append([policy, f"{role} ({'CP 4' if role == 'writer' else 'CP 2, a copy of its directory'})",
+                         n(r.get("peak_bytes")), n(r.get("l3_written_pages")), n(r.get("l3_hit_tokens")),
+                         n(r.get("l3_pages_verified")), f"{n(r.get('l3_rejected_objects'))} / "
+                         f"{n(r.get('corrupted_pages'))}"])
+    return [
+        "## A bounded L3 directory",
+        "",
+        f"`{b.get('command')}`: SGLang's `SGLANG_HICACHE_FILE_BACKEND_MAX_SIZE` = {n(b.get('cap_bytes'))} B "
+        f"(the cap; the directory may hold it plus one object per writer thread: "
+        f"{n(b.get('allowed_peak_bytes'))} B), the directory's bytes sampled every 20 ms. L3 hits with "
+        f"chain ends evicted least recently used first over whole chains evicted at random: writer "
+        f"{n(b.get('writer_hits_lru_over_random'))}x, reader {n(b.get('reader_hits_lru_over_random'))}x.",
+        "",
+        *table(["policy", "run", "largest directory seen (B)", "L3 pages written", "L3 hit tokens",
+                "L3 pages verified", "rejected objects / corrupted pages"], rows),
+    ]
 
 
 # ---- any other simulator summary (traces, new runs) --------------------------------

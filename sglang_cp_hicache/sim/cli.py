@@ -13,7 +13,7 @@ import argparse
 import importlib.metadata
 import os
 import sys
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 from sglang_cp_hicache import settings
 from sglang_cp_hicache.sim.config import (
@@ -48,12 +48,17 @@ __all__ = ["add_simulate_parser", "run_simulate"]
 _DEFAULTS = SimConfig()
 
 
+def _converted(text: str, convert: Callable[[str], Any], expected: str) -> Any:
+    """``convert(text)``, or the argparse error "``expected``, got ``text``"."""
+    try:
+        return convert(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{expected}, got {text!r}") from None
+
+
 def _positive(name: str, upper: Optional[int] = None):
     def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be an integer, got {text!r}") from None
+        value = _converted(text, int, f"{name} must be an integer")
         if value < 1 or (upper is not None and value > upper):
             bound = f" in [1, {upper}]" if upper is not None else " >= 1"
             raise argparse.ArgumentTypeError(f"{name} must be an integer{bound}, got {value}")
@@ -63,10 +68,7 @@ def _positive(name: str, upper: Optional[int] = None):
 
 
 def _page_size(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+    value = _converted(text, int, "must be an integer")
     if value != DSA_PAGE_SIZE:
         raise argparse.ArgumentTypeError(
             f"{value} is not supported: SGLang 0.5.18's DSATokenToKVPool requires page size "
@@ -76,10 +78,7 @@ def _page_size(text: str) -> int:
 
 
 def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number of seconds, got {text!r}") from None
+    value = _converted(text, float, "must be a number of seconds")
     problem = seconds_problem(value)
     if problem is not None:
         raise argparse.ArgumentTypeError(problem)
@@ -87,10 +86,7 @@ def _seconds(text: str) -> float:
 
 
 def _seed(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+    value = _converted(text, int, "must be an integer")
     if not 0 <= value < 2**31:
         raise argparse.ArgumentTypeError(f"must be in [0, 2**31), got {value}")
     return value

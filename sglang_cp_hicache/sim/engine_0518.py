@@ -318,18 +318,12 @@ class SimRankEngine(RankEngineBase):
         device_in_use = int(self.allocator.size - self.allocator.available_size())
         if device_in_tree != device_in_use:
             out.append(f"device tokens in use {device_in_use} != held by tree nodes {device_in_tree}")
-        locked = [n.id for n in nodes if n.lock_ref != 0]
-        if locked:
-            out.append(f"nodes still locked: {locked[:8]}")
         if self._l3_storage_hit_tokens != self._l3_inserted_tokens:
             out.append(f"L3 storage hits reported {self._l3_storage_hit_tokens} != inserted {self._l3_inserted_tokens}")
         prefetcher = self.l3.prefetcher if self.l3 is not None else None
         if prefetcher is not None and (prefetcher.pending or prefetcher.waiting):
             out.append(f"L3 prefetches left: {len(prefetcher.pending)} pending, {len(prefetcher.waiting)} waiting")
-        ctrl = self.cache.cache_controller
-        if ctrl.ack_write_queue or ctrl.ack_load_queue:
-            out.append(f"unconsumed acks: {len(ctrl.ack_write_queue)} write, {len(ctrl.ack_load_queue)} load")
-        return out
+        return out + self._leftovers([n.id for n in nodes if n.lock_ref != 0])
 
     def totals(self) -> EngineTotals:
         host = self.cache.token_to_kv_pool_host
@@ -362,13 +356,5 @@ class SimRankEngine(RankEngineBase):
             self.acks.writes_queued, self.acks.loads_queued = self._plain_writes, self._plain_loads
         return totals
 
-    def _l3_totals(self, totals: EngineTotals) -> None:
-        if self.l3 is None:
-            return
+    def _wait_l3_io(self) -> None:
         self.cache.l3_wait_io()  # the last writes run on the L3 worker thread
-        c = self.l3.counters
-        totals.l3_enabled = True
-        totals.l3_written_pages = c.written_pages
-        totals.l3_hit_tokens = c.restored_pages * self.page_size
-        totals.l3_rejected_objects = c.rejected_pages
-        totals.l3_restored_keys = list(self.l3_restored_keys)

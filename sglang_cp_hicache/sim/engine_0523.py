@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from typing import Any, Optional
 
 import torch
@@ -59,34 +59,13 @@ from sglang.srt.mem_cache.unified_cache.components.base import EvictLayer
 from sglang_cp_hicache.sim.copy_path_times import CopyPathTimes, timed as _timed
 from sglang_cp_hicache.sim.engine_base import NewPages, PrefixHit, RankEngineBase, RequestInFlight
 from sglang_cp_hicache.sim.records import EngineTotals
-from sglang_cp_hicache.testing.requests_0523 import SchedulerRequests
+from sglang_cp_hicache.testing.requests_0523 import LoadBackRequest, SchedulerRequests
 from sglang_cp_hicache.testing.stack_0523 import ShardedRankStack
 
 __all__ = ["CopyPathTimes", "ShardedSimRankEngine"]
 
 _EMPTY = torch.empty((0,), dtype=torch.int64)
 _FULL = ComponentType.FULL
-
-
-@dataclass
-class _LoadBackRequest:
-    """The request fields ``UnifiedRadixCache.init_load_back`` reads."""
-
-    rid: str
-    last_node: Any
-    kv_rotation_base: Optional[int]
-    swa_host_hit_length: int = 0
-    mamba_host_hit_length: int = 0
-    extra_key: Optional[str] = None
-    prefix_len: int = 0
-
-    @property
-    def kv(self) -> Any:
-        return _NoMamba
-
-
-class _NoMamba:
-    mamba_pool_idx = None
 
 
 class ShardedSimRankEngine(RankEngineBase):
@@ -262,16 +241,8 @@ class ShardedSimRankEngine(RankEngineBase):
         if tokens:
             self._l3_page_keys.update(request.keys[start + P - 1 : start + tokens : P].tolist())
 
-    def _l3_totals(self, totals: EngineTotals) -> None:
-        if self.l3 is None:
-            return
+    def _wait_l3_io(self) -> None:
         self.l3.wait_io()  # the last writes run on the L3 I/O threads
-        c = self.l3.counters
-        totals.l3_enabled = True
-        totals.l3_written_pages = c.written_pages
-        totals.l3_hit_tokens = c.restored_pages * self.page_size
-        totals.l3_rejected_objects = c.rejected_pages
-        totals.l3_restored_keys = list(self.l3_restored_keys)
 
     # ---- SGLang calls -------------------------------------------------------
     def _reserve_tokens(self, new_tokens: int) -> int:
@@ -333,7 +304,7 @@ class ShardedSimRankEngine(RankEngineBase):
         record, cache = request.record, self.cache
         new_tokens = request.padded_len - record.device_hit_tokens - record.host_hit_tokens
         quota = max(self.allocator.available_size() - self._reserve_tokens(new_tokens), 0)
-        load_request = _LoadBackRequest(
+        load_request = LoadBackRequest(
             rid=f"sim-{record.index}", last_node=match.last_device_node,
             kv_rotation_base=cache.rotation_base_of(match.best_match_node),
         )
@@ -465,13 +436,7 @@ class ShardedSimRankEngine(RankEngineBase):
                 host_owners = self.layout.owner_of(data.host_value[::P].to(torch.int64))
                 if not torch.equal(device_owners, host_owners):
                     out.append(f"node {node.id}: host page owners {host_owners.tolist()} != device {device_owners.tolist()}")
-        locked = [n.id for n in nodes if n.component(_FULL).lock_ref != 0]
-        if locked:
-            out.append(f"nodes still locked: {locked[:8]}")
-        ctrl = self.cache.cache_controller
-        if ctrl.ack_write_queue or ctrl.ack_load_queue:
-            out.append(f"unconsumed acks: {len(ctrl.ack_write_queue)} write, {len(ctrl.ack_load_queue)} load")
-        return out
+        return out + self._leftovers([n.id for n in nodes if n.component(_FULL).lock_ref != 0])
 
     def totals(self) -> EngineTotals:
         totals = replace(

@@ -9,13 +9,13 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, ContextManager, Iterator, Optional, Sequence
 
 import torch
 
 from sglang_cp_hicache.placement import CpPlacement
 from sglang_cp_hicache.sim.content import corrupted_token_mask, prefix_keys, write_content
-from sglang_cp_hicache.sim.records import AckCounts, CopyWall, RequestRecord
+from sglang_cp_hicache.sim.records import AckCounts, CopyWall, EngineTotals, RequestRecord
 
 __all__ = ["NewPages", "PrefixHit", "RankEngineBase", "RequestInFlight"]
 
@@ -130,27 +130,23 @@ class RankEngineBase:
         library's kernels or upstream's ops): instance attributes shadow the
         transfer engine's bound methods and change nothing else."""
         wall = self.copy_wall
-        d2h, h2d = engine.submit_device_to_host, engine.submit_host_to_device
 
-        def timed_d2h(*args: Any, **kwargs: Any) -> Any:
-            start, cpu = time.perf_counter(), time.thread_time()
-            try:
-                return d2h(*args, **kwargs)
-            finally:
-                wall.d2h_seconds += time.perf_counter() - start
-                wall.d2h_cpu_seconds += time.thread_time() - cpu
-                wall.d2h_calls += 1
+        def timed(submit: Any, direction: str) -> Any:
+            # adds to copy_wall's <direction>_seconds, _cpu_seconds and _calls
+            def run(*args: Any, **kwargs: Any) -> Any:
+                start, cpu = time.perf_counter(), time.thread_time()
+                try:
+                    return submit(*args, **kwargs)
+                finally:
+                    for field, spent in (("seconds", time.perf_counter() - start),
+                                         ("cpu_seconds", time.thread_time() - cpu), ("calls", 1)):
+                        name = f"{direction}_{field}"
+                        setattr(wall, name, getattr(wall, name) + spent)
 
-        def timed_h2d(*args: Any, **kwargs: Any) -> Any:
-            start, cpu = time.perf_counter(), time.thread_time()
-            try:
-                return h2d(*args, **kwargs)
-            finally:
-                wall.h2d_seconds += time.perf_counter() - start
-                wall.h2d_cpu_seconds += time.thread_time() - cpu
-                wall.h2d_calls += 1
+            return run
 
-        engine.submit_device_to_host, engine.submit_host_to_device = timed_d2h, timed_h2d
+        engine.submit_device_to_host = timed(engine.submit_device_to_host, "d2h")
+        engine.submit_host_to_device = timed(engine.submit_host_to_device, "h2d")
 
     # ---- one request --------------------------------------------------------
     def serve(self, index: int, tokens: Sequence[int]) -> RequestRecord:
@@ -249,20 +245,35 @@ class RankEngineBase:
 
     # ---- accounting and content ---------------------------------------------
     @contextmanager
-    def _cache_time(self) -> Iterator[None]:
+    def _cpu_time(self, counter: str) -> Iterator[None]:
+        """Adds the block's process CPU seconds to ``self.<counter>``."""
         start = time.process_time()
         try:
             yield
         finally:
-            self.cache_cpu_seconds += time.process_time() - start
+            setattr(self, counter, getattr(self, counter) + time.process_time() - start)
 
-    @contextmanager
-    def _content_time(self) -> Iterator[None]:
-        start = time.process_time()
-        try:
-            yield
-        finally:
-            self.content_cpu_seconds += time.process_time() - start
+    def _cache_time(self) -> ContextManager[None]:
+        return self._cpu_time("cache_cpu_seconds")
+
+    def _content_time(self) -> ContextManager[None]:
+        return self._cpu_time("content_cpu_seconds")
+
+    def _l3_totals(self, totals: EngineTotals) -> None:
+        """The L3 tier's counters into ``totals`` once its last writes have
+        finished; nothing without an L3 tier."""
+        if self.l3 is None:
+            return
+        self._wait_l3_io()
+        c = self.l3.counters
+        totals.l3_enabled = True
+        totals.l3_written_pages = c.written_pages
+        totals.l3_hit_tokens = c.restored_pages * self.page_size
+        totals.l3_rejected_objects = c.rejected_pages
+        totals.l3_restored_keys = list(self.l3_restored_keys)
+
+    def _wait_l3_io(self) -> None:
+        raise NotImplementedError
 
     def _write(self, locs: torch.Tensor, keys: torch.Tensor) -> None:
         """Write the content of the tokens at ``locs`` that this rank owns."""
@@ -305,6 +316,15 @@ class RankEngineBase:
         else:
             self.kv_pool.kv_buffer[0].view(torch.uint8)[slot, 0, 0] ^= 0x01
         self.corrupt_next_restore = False
+
+    def _leftovers(self, locked_ids: list[int]) -> list[str]:
+        """Violations of a finished run: nodes still locked (the first 8 of
+        ``locked_ids``) and acks the controller never consumed."""
+        out = [f"nodes still locked: {locked_ids[:8]}"] if locked_ids else []
+        ctrl = self.cache.cache_controller
+        if ctrl.ack_write_queue or ctrl.ack_load_queue:
+            out.append(f"unconsumed acks: {len(ctrl.ack_write_queue)} write, {len(ctrl.ack_load_queue)} load")
+        return out
 
     def _root(self) -> Any:
         return self.cache.root_node

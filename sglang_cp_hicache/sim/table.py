@@ -112,37 +112,40 @@ def _per_rank_rows(summary: dict[str, Any], nc: dict[str, Any]) -> list[str]:
         row("    in all-reduces", summary["collective_cpu_seconds_per_rank"], nc.get("collective_cpu_seconds")),
         row("  writing/checking KV", summary["content_cpu_seconds_per_rank"], nc.get("content_cpu_seconds")),
         row("startup s (import+build)", summary["startup_seconds_per_rank"], nc.get("startup_seconds")),
-        *_bookkeeping_rows(summary, row),
-        *_l3_rows(summary, row),
+        *_optional_rows(summary, row, _BOOKKEEPING_ROWS, "device_evictions_per_rank"),
+        *_optional_rows(summary, row, _L3_ROWS, "l3_written_pages_per_rank"),
     ]
 
 
-def _l3_rows(summary: dict[str, Any], row: Callable[..., str]) -> list[str]:
-    """--l3: each rank's own pages written to and restored from L3 (the
-    non-CP baseline runs without L3)."""
-    if "l3_written_pages_per_rank" not in summary:
+#: Rows shown only where the summary has their first key: (label, per-rank key).
+#: --l3: each rank's own pages written to and restored from L3 (the non-CP
+#: baseline runs without L3).
+_L3_ROWS = (
+    ("L3 pages written", "l3_written_pages_per_rank"),
+    ("L3 hit tokens (restored)", "l3_hit_tokens_per_rank"),
+    ("L3 pages verified", "l3_pages_verified_per_rank"),
+    ("L3 objects rejected", "l3_rejected_objects_per_rank"),
+)
+#: 0.5.23: refused backups, host hits, device evictions and host reads of
+#: device locs, counted alike on both copy paths (shown when the summary has
+#: device_evictions_per_rank).
+_BOOKKEEPING_ROWS = (
+    ("node backups refused", "write_failures_per_rank"),
+    ("host hit tokens", "host_hit_tokens_per_rank"),
+    ("device evictions (nodes)", "device_evictions_per_rank"),
+    ("  tokens they freed", "device_eviction_tokens_per_rank"),
+    ("host reads of device locs", "device_index_host_reads_per_rank"),
+    ("  freeing request pages", "request_free_reads_per_rank"),
+)
+
+
+def _optional_rows(
+    summary: dict[str, Any], row: Callable[..., str], rows: tuple[tuple[str, str], ...], shown_by: str
+) -> list[str]:
+    """``rows`` where ``summary`` has ``shown_by``, else none."""
+    if shown_by not in summary:
         return []
-    return [
-        row("L3 pages written", summary["l3_written_pages_per_rank"]),
-        row("L3 hit tokens (restored)", summary["l3_hit_tokens_per_rank"]),
-        row("L3 pages verified", summary["l3_pages_verified_per_rank"]),
-        row("L3 objects rejected", summary["l3_rejected_objects_per_rank"]),
-    ]
-
-
-def _bookkeeping_rows(summary: dict[str, Any], row: Callable[..., str]) -> list[str]:
-    """0.5.23: refused backups, host hits, device evictions and host reads of
-    device locs, counted alike on both copy paths."""
-    if "device_evictions_per_rank" not in summary:
-        return []
-    return [
-        row("node backups refused", summary["write_failures_per_rank"]),
-        row("host hit tokens", summary["host_hit_tokens_per_rank"]),
-        row("device evictions (nodes)", summary["device_evictions_per_rank"]),
-        row("  tokens they freed", summary["device_eviction_tokens_per_rank"]),
-        row("host reads of device locs", summary["device_index_host_reads_per_rank"]),
-        row("  freeing request pages", summary["request_free_reads_per_rank"]),
-    ]
+    return [row(label, summary[key]) for label, key in rows]
 
 
 def _library_lines(summary: dict[str, Any]) -> list[str]:

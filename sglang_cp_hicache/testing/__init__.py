@@ -7,5 +7,7 @@
 * :mod:`.patching` -- one reversible set of patches for both CPU harnesses;
 * :mod:`.stack_0518` -- one CP rank's real SGLang 0.5.18 stack on CPU;
 * :mod:`.cpu_0523`, :mod:`.stack_0523` -- the same for SGLang 0.5.23's
-  KV-sharded DSA pool.
+  KV-sharded DSA pool;
+* :mod:`.requests_0523` -- requests as 0.5.23's scheduler holds them;
+* :mod:`.tree_nodes` -- a radix node for the 0.5.18 policy without SGLang.
 """

@@ -14,13 +14,36 @@ objects, so the frees reach the allocator through upstream's own path.
 from __future__ import annotations
 
 from array import array
+from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 import torch
 
 from sglang_cp_hicache.validation import check_int
 
-__all__ = ["SchedulerRequests"]
+__all__ = ["LoadBackRequest", "SchedulerRequests"]
+
+
+@dataclass
+class LoadBackRequest:
+    """The request fields ``UnifiedRadixCache.init_load_back`` reads (a
+    request without mamba state)."""
+
+    rid: str
+    last_node: Any
+    kv_rotation_base: Optional[int]
+    swa_host_hit_length: int = 0
+    mamba_host_hit_length: int = 0
+    extra_key: Optional[str] = None
+    prefix_len: int = 0
+
+    @property
+    def kv(self) -> Any:
+        return _NoMamba
+
+
+class _NoMamba:
+    mamba_pool_idx = None
 
 
 class SchedulerRequests:

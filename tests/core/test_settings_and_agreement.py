@@ -1,15 +1,13 @@
 """The settings module (every variable, unknown values refused with the
 valid ones) and the start-up agreement check (each kind of mismatch named)."""
 
-import threading
 
 import pytest
-import torch.distributed as dist
 
 from sglang_cp_hicache import settings
 from sglang_cp_hicache.agreement import CpAgreementError, RankView, check_agreement, gather_and_check
 
-from tests.helpers.gloo_gather import object_all_gather
+from tests.helpers.gloo_gather import agreement_on_threads, object_all_gather
 
 
 @pytest.mark.parametrize("setting", settings.SETTINGS, ids=lambda s: s.name)
@@ -161,24 +159,13 @@ def test_a_lone_rank_without_a_group_checks_only_itself():
 @pytest.mark.parametrize("case", ["agree", "policy", "duplicate_rank"])
 def test_every_rank_of_a_real_group_gets_the_same_verdict(case):
     """Three ranks as threads on a real gloo group, one all-gather each."""
-    store = dist.HashStore()
-    results = {}
 
-    def run(r):
-        pg = dist.ProcessGroupGloo(dist.PrefixStore(case, store), r, 3)
+    def run(r, pg):
         cp_rank = 0 if (case == "duplicate_rank" and r == 2) else r
         view = RankView(cp_rank, 3, {"policy": "greedy" if (case == "policy" and r == 2) else "exact"})
-        try:
-            gather_and_check(view, pg, all_gather=object_all_gather)
-            results[r] = "ok"
-        except CpAgreementError as exc:
-            results[r] = str(exc)
+        gather_and_check(view, pg, all_gather=object_all_gather)
 
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    results = agreement_on_threads(case, run)
     expected = {
         "agree": "ok",
         "policy": "CP ranks disagree on policy: cp_rank 2 has 'greedy', cp_rank 0 has 'exact'; "

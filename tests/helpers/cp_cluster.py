@@ -35,6 +35,13 @@ from sglang_cp_hicache.testing.stack_0518 import CpStackConfig, build_cp_rank_st
 from tests.helpers.rank_failure import FailFastGroup, PeerRankFailed, RankFailure, release_groups
 
 SEED = 11
+#: tokens per page of the stacks these tests build (DSATokenToKVPool needs 64 outside ROCm)
+P = 64
+
+
+def seq(first: int, pages: int) -> list[int]:
+    """``pages`` whole pages of token ids counting up from ``first``."""
+    return list(range(first, first + pages * P))
 
 _building = threading.local()
 
@@ -160,6 +167,12 @@ class CpCluster:
         if self._pool is not None:
             self._pool.shutdown()
 
+    def __enter__(self) -> "CpCluster":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
     @property
     def caches(self):
         return [s.cache for s in self.stacks]
@@ -243,6 +256,19 @@ class CpCluster:
             return locs
 
         return run
+
+    def inserts_in_one_step(self, *token_lists: list[int]) -> list:
+        """Every rank inserts each of ``token_lists``, then runs the step's
+        all-reduce once (``writing_check``); each rank's outcome, an
+        exception included."""
+        runs = [self._insert_fn(tokens, check=False) for tokens in token_lists]
+
+        def step(s):
+            for run in runs:
+                run(s)
+            s.cache.writing_check()
+
+        return self.each(step, return_exceptions=True)
 
     def insert_resident(self, tokens: list[int]) -> None:
         """Insert ``tokens`` on every rank without backing them up (yet): a

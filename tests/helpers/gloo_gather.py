@@ -5,9 +5,13 @@ process group."""
 from __future__ import annotations
 
 import pickle
-from typing import Any
+import threading
+from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
+
+from sglang_cp_hicache.agreement import CpAgreementError
 
 
 def object_all_gather(output: list, obj: Any, group: Any) -> None:
@@ -24,3 +28,25 @@ def object_all_gather(output: list, obj: Any, group: Any) -> None:
     group.allgather([chunks], [padded]).wait()
     for i in range(n):
         output[i] = pickle.loads(bytes(chunks[i][: int(sizes[i])].tolist()))
+
+
+def agreement_on_threads(name: str, run: Callable[[int, Any], Any], world: int = 3) -> dict[int, str]:
+    """``run(rank, group)`` on ``world`` threads, each with its own gloo group
+    (prefix ``name`` on one in-memory store); each rank's verdict: ``"ok"``,
+    or the message of the :class:`CpAgreementError` it raised."""
+    store, results = dist.HashStore(), {}
+
+    def rank_main(r: int) -> None:
+        pg = dist.ProcessGroupGloo(dist.PrefixStore(name, store), r, world)
+        try:
+            run(r, pg)
+            results[r] = "ok"
+        except CpAgreementError as exc:
+            results[r] = str(exc)
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return results

@@ -23,7 +23,7 @@ import datetime
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch.distributed as dist
 
@@ -64,6 +64,17 @@ class RankFailure:
         return self._event.is_set()
 
 
+def _blocking(name: str) -> Callable[..., dist.Work]:
+    """A FailFastGroup method running the inner group's collective ``name``
+    through ``_collective`` (given up once a peer has failed)."""
+
+    def collective(self: "FailFastGroup", *args: Any, **kwargs: Any) -> dist.Work:
+        return self._collective(name, *args, **kwargs)
+
+    collective.__name__ = name
+    return collective
+
+
 class FailFastGroup(dist.ProcessGroup):
     """A rank's gloo group whose collectives give up once a peer has failed.
 
@@ -102,23 +113,12 @@ class FailFastGroup(dist.ProcessGroup):
         return work
 
     # Blocking collectives SGLang and the adapters may run on a cache group.
-    def allreduce(self, *args: Any, **kwargs: Any) -> dist.Work:
-        return self._collective("allreduce", *args, **kwargs)
-
-    def allreduce_coalesced(self, *args: Any, **kwargs: Any) -> dist.Work:
-        return self._collective("allreduce_coalesced", *args, **kwargs)
-
-    def barrier(self, *args: Any, **kwargs: Any) -> dist.Work:
-        return self._collective("barrier", *args, **kwargs)
-
-    def broadcast(self, *args: Any, **kwargs: Any) -> dist.Work:
-        return self._collective("broadcast", *args, **kwargs)
-
-    def allgather(self, *args: Any, **kwargs: Any) -> dist.Work:
-        return self._collective("allgather", *args, **kwargs)
-
-    def _allgather_base(self, *args: Any, **kwargs: Any) -> dist.Work:
-        return self._collective("_allgather_base", *args, **kwargs)
+    allreduce = _blocking("allreduce")
+    allreduce_coalesced = _blocking("allreduce_coalesced")
+    barrier = _blocking("barrier")
+    broadcast = _blocking("broadcast")
+    allgather = _blocking("allgather")
+    _allgather_base = _blocking("_allgather_base")
 
     def release(self) -> bool:
         """Drop the gloo group (closing its sockets) unless an operation is

@@ -1,12 +1,12 @@
 """Benchmarks not told ``--out`` write a new path under build/bench-results,
 never over the committed results in bench/results."""
 
-import importlib.util
 import os
 import pathlib
-import sys
 
 import pytest
+
+from tests.helpers.bench_scripts import bench_module
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 RUNS = ROOT / "build" / "bench-results"
@@ -14,14 +14,8 @@ SCRIPTS = ("bench_bookkeeping", "bench_transfer", "gpu_check_0523")
 
 
 def _load(name):
-    spec = importlib.util.spec_from_file_location(f"_bench_{name}", ROOT / "bench" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        sys.modules.pop(spec.name, None)
-    return module
+    with bench_module(name, f"_bench_{name}") as module:
+        return module
 
 
 def _committed():

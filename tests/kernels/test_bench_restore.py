@@ -5,28 +5,23 @@ bit, and that a copy that goes wrong is reported. No GPU result here."""
 from __future__ import annotations
 
 import csv
-import importlib.util
 import json
 import pathlib
-import sys
 
 import pytest
 import torch
 
 from sglang_cp_hicache.kernels import transfer
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+from tests.helpers.bench_scripts import bench_module
+
 SMALL = ["--cpu", "--tokens", "600", "--layers", "2", "--reps", "1"]  # 10 pages, the last one partly used
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_restore", ROOT / "bench" / "bench_restore.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_restore"] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop("bench_restore", None)
+    with bench_module("bench_restore") as module:
+        yield module
 
 
 def _rows(out: pathlib.Path) -> dict:

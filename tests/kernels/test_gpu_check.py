@@ -5,7 +5,6 @@ copy that goes wrong. No GPU result is produced or claimed here."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import pathlib
@@ -20,18 +19,16 @@ import torch
 from sglang_cp_hicache.kernels import cp_page_copy
 from sglang_cp_hicache.placement import CpPlacement
 
+from tests.helpers.bench_scripts import bench_module
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "gpu_check.sh"
 
 
 @pytest.fixture(scope="module")
 def gpu_check():
-    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "bench" / "gpu_check.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_check"] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop("gpu_check", None)
+    with bench_module("gpu_check") as module:
+        yield module
 
 
 def _run_script(*args, env_over=None, timeout=240, script=SCRIPT):

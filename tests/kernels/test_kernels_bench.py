@@ -5,26 +5,19 @@ the long-format CSV and one PNG per direction."""
 from __future__ import annotations
 
 import csv
-import importlib.util
-import pathlib
-import sys
 
 import pytest
 import torch
 
 from sglang_cp_hicache.placement import CpPlacement
 
-BENCH = pathlib.Path(__file__).resolve().parents[2] / "bench" / "bench_transfer.py"
+from tests.helpers.bench_scripts import bench_module
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_transfer", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_transfer"] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop("bench_transfer", None)
+    with bench_module("bench_transfer") as module:
+        yield module
 
 
 @pytest.mark.parametrize("kind", ["indexer", "kv_fp8", "kv_bf16"])

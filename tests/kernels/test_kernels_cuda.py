@@ -5,28 +5,21 @@ bench/gpu_check.py, run by ``pytest -k cuda``."""
 
 from __future__ import annotations
 
-import importlib.util
-import pathlib
-import sys
 
 import pytest
 import torch
 
 from sglang_cp_hicache.placement import CpPlacement
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+from tests.helpers.bench_scripts import bench_module
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
 @pytest.fixture(scope="module")
 def gpu_check():
-    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "bench" / "gpu_check.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_check"] = module
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop("gpu_check", None)
+    with bench_module("gpu_check") as module:
+        yield module
 
 
 @pytest.mark.parametrize("alloc", ["registered", "pinned"])

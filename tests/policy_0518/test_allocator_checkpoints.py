@@ -48,6 +48,15 @@ def test_an_outer_checkpoint_cannot_close_while_an_inner_one_is_open(close):
     assert alloc.pages_in_use() == 0
 
 
+def _refused_unchanged(alloc, checkpoint):
+    """Neither commit nor rollback takes ``checkpoint``; ``alloc`` stays as it was."""
+    during = alloc.snapshot()
+    for close in (alloc.commit, alloc.rollback):
+        with pytest.raises(ValueError, match="is not open on this allocator"):
+            close(checkpoint)
+    assert alloc.snapshot() == during
+
+
 @pytest.mark.parametrize("reset", ["clear", "restore"])
 def test_checkpoints_from_before_a_clear_or_restore_stay_closed(reset):
     alloc = _allocator()
@@ -57,11 +66,7 @@ def test_checkpoints_from_before_a_clear_or_restore_stay_closed(reset):
     alloc.clear() if reset == "clear" else alloc.restore(snapshot)
     new = alloc.checkpoint()
     alloc.alloc_mirrored(8)
-    during = alloc.snapshot()
-    for close in (alloc.commit, alloc.rollback):
-        with pytest.raises(ValueError, match="is not open on this allocator"):
-            close(old)
-    assert alloc.snapshot() == during
+    _refused_unchanged(alloc, old)
     alloc.rollback(new)
     assert alloc.pages_in_use() == 0
 
@@ -71,11 +76,7 @@ def test_a_checkpoint_of_another_allocator_is_refused():
     foreign = b.checkpoint()
     mine = a.checkpoint()
     a.alloc_mirrored(4)
-    during = a.snapshot()
-    for close in (a.commit, a.rollback):
-        with pytest.raises(ValueError, match="is not open on this allocator"):
-            close(foreign)
-    assert a.snapshot() == during
+    _refused_unchanged(a, foreign)
     a.rollback(mine)
     b.commit(foreign)
     assert a.pages_in_use() == b.pages_in_use() == 0

@@ -19,7 +19,7 @@ from sglang_cp_hicache.policy_0518 import (
     evict_host_slots,
     set_host_state,
 )
-from tests.helpers.tree_nodes import Node, attach, child_key
+from sglang_cp_hicache.testing.tree_nodes import Node, attach, child_key
 
 
 def expect_named_error(name: str, fn, *args, **kwargs):

@@ -15,7 +15,7 @@ from sglang_cp_hicache.policy_0518 import (
     set_host_state,
     split_host_state,
 )
-from tests.helpers.tree_nodes import Node, attach, child_key
+from sglang_cp_hicache.testing.tree_nodes import Node, attach, child_key
 
 
 def meta(n, pos, hosts, owners=None):

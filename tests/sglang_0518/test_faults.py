@@ -12,21 +12,15 @@ import torch
 from sglang_cp_hicache.sglang_0518.hiradix import CpHiCacheTransferError
 from sglang_cp_hicache.testing.stack_0518 import CpStackConfig
 
-from tests.helpers.cp_cluster import CpCluster
+from tests.helpers.cp_cluster import P, CpCluster, seq
 
-P = 64
 N = 3
-
-
-def seq(first, pages):
-    return list(range(first, first + pages * P))
 
 
 @pytest.fixture
 def cl():
-    c = CpCluster(CpStackConfig(cp_size=N, device_pages=6, host_pages=10), threaded=True, timeout_s=30)
-    yield c
-    c.close()
+    with CpCluster(CpStackConfig(cp_size=N, device_pages=6, host_pages=10), threaded=True, timeout_s=30) as c:
+        yield c
 
 
 def snapshot(c):
@@ -176,14 +170,7 @@ def test_a_refused_and_a_failed_write_in_one_step_cut_at_the_first_and_every_ran
     )
     first, second = seq(500, 3), seq(900, 3)
     before = [snapshot(s) for s in cl.stacks]
-    insert_first, insert_second = cl._insert_fn(first, check=False), cl._insert_fn(second, check=False)
-
-    def step(s):
-        insert_first(s)
-        insert_second(s)
-        s.cache.writing_check()
-
-    outcomes = cl.each(step, return_exceptions=True)
+    outcomes = cl.inserts_in_one_step(first, second)
     assert host0.alloc.fired and kv_host2.backup_from_device_all_layer.fired
     assert all(isinstance(o, CpHiCacheTransferError) for o in outcomes), outcomes
     assert "injected" in str(outcomes[2].__cause__)

@@ -7,7 +7,6 @@ uses, imports, controller and pool attributes, methods bound on instances)."""
 from __future__ import annotations
 
 import ast
-import enum
 import importlib
 import inspect
 import pathlib
@@ -16,13 +15,14 @@ import types
 
 import pytest
 
-from sglang_cp_hicache import hook_registry
 from sglang_cp_hicache.sglang_0518 import hooks, plugin
 from sglang_cp_hicache.sglang_0518.allocator import CpSharedPagedTokenToKVPoolAllocator
 from sglang_cp_hicache.sglang_0518.hiradix import CpHiRadixCache
-from sglang_cp_hicache.sglang_0518.hooks import HOOKS, Hook, HookMismatchError, check_hooks, find_problem
+from sglang_cp_hicache.sglang_0518.hooks import HOOKS, HookMismatchError, check_hooks, find_problem
 from sglang_cp_hicache.sglang_0518.tree_node import CpTreeNode
 from sglang_cp_hicache.testing.stack_0518 import CpStackConfig, build_cp_rank_stack
+
+from tests.helpers.hook_checks import check_registry_shape, remove_hook
 
 ADAPTER = pathlib.Path(hooks.__file__).parent
 # hooks.py is the registry itself; every other module of the adapter uses SGLang.
@@ -44,45 +44,15 @@ def test_every_hook_resolves(hook):
 
 
 def test_the_registry_names_each_hook_once_and_keeps_its_shape():
-    names = [h.name for h in HOOKS]
-    assert len(names) == len(set(names))
-    for hook in HOOKS:
-        assert hook.module.startswith("sglang") and hook.why, hook.name
-        if hook.kind in ("private-helper", "call"):
-            assert hook.params is not None, hook.name
-        if hook.kind in ("override", "private-helper", "replaced-on-instance"):
-            assert hook.owner is not None, hook.name
-    with pytest.raises(ValueError, match="kind must be one of"):
-        Hook("sglang", None, "x", "patched", None, "")
+    check_registry_shape(HOOKS, params_kinds=("private-helper", "call"))
 
 
 # ---- each hook, taken away or changed, is named ------------------------------------
 
 
-def _remove(monkeypatch: pytest.MonkeyPatch, hook: Hook) -> None:
-    """Make ``hook``'s target absent, as a release that renamed it would."""
-    module = importlib.import_module(hook.module)
-    if hook.owner is None:
-        monkeypatch.delattr(module, hook.attribute)
-        return
-    owner = getattr(module, hook.owner)
-    if isinstance(owner, enum.EnumMeta):  # enum members cannot be deleted
-        kept = {m.name: m.value for m in owner if m.name != hook.attribute}
-        monkeypatch.setattr(module, hook.owner, enum.Enum(owner.__name__, kept))
-        return
-    for klass in owner.__mro__:
-        if klass.__module__.split(".")[0] == "sglang" and hook.attribute in vars(klass):
-            monkeypatch.delattr(klass, hook.attribute)
-    # An instance attribute: a release whose classes no longer assign it.
-    scan = hook_registry._instance_attributes
-    monkeypatch.setattr(
-        hook_registry, "_instance_attributes", lambda cls: scan(cls) - {hook.attribute} if cls is owner else scan(cls)
-    )
-
-
 @pytest.mark.parametrize("hook", HOOKS, ids=lambda h: h.name)
 def test_a_missing_hook_refuses_by_name(hook, monkeypatch):
-    _remove(monkeypatch, hook)
+    remove_hook(monkeypatch, hook)
     with pytest.raises(HookMismatchError) as err:
         check_hooks()
     assert err.value.hook is hook

@@ -13,7 +13,6 @@ it back bit-exact.
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 import signal
 import time
@@ -23,6 +22,8 @@ from pathlib import Path
 import pytest
 
 from sglang_cp_hicache import settings
+
+from tests.helpers.spawned_ranks import run_spawned_ranks
 
 P = 64
 PAGES = 5
@@ -106,25 +107,13 @@ def test_a_rank_killed_between_the_query_and_the_fetch(tmp_path, monkeypatch):
     before = {f: f.read_bytes() for f in directory.rglob("*.bin")}
     assert len(before) == 2 * PAGES
 
-    ctx = multiprocessing.get_context("spawn")
     out = tmp_path / "out"
     out.mkdir()
-    procs = [
-        ctx.Process(target=_rank_main, args=(r, 2, str(tmp_path / "init"), str(directory), str(out)))
-        for r in range(2)
-    ]
-    for p in procs:
-        p.start()
     # Start-up (a fresh interpreter importing SGLang) dominates and depends on
     # the machine's load; the bound under test is the survivor's (BOUND_S).
-    deadline = time.monotonic() + STARTUP_BOUND_S
-    for p in procs:
-        p.join(max(deadline - time.monotonic(), 0.1))
-    alive = [p.pid for p in procs if p.is_alive()]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    assert not alive, f"rank processes still running (a hang): {alive}"
+    procs = run_spawned_ranks(
+        _rank_main, 2, str(tmp_path / "init"), str(directory), str(out), bound_s=STARTUP_BOUND_S
+    )
     assert procs[VICTIM].exitcode == -signal.SIGKILL
     assert procs[0].exitcode == 0
 

@@ -169,8 +169,7 @@ def assert_nothing_held(cl: CpCluster) -> None:
 
 
 def test_cp4_writes_cp2_reads_bit_exact_through_the_scheduler(written):
-    cl = cluster(2, written)
-    try:
+    with cluster(2, written) as cl:
         assert all(c.cp_l3 is not None and c.enable_storage is False for c in cl.caches)
         queues = arrive(cl, ["a"])
         assert all(c.cp_l3.prefetcher.waiting.keys() == {"a"} for c in cl.caches)
@@ -186,24 +185,18 @@ def test_cp4_writes_cp2_reads_bit_exact_through_the_scheduler(written):
         assert cl.check(AS_SERVED) == {}  # every token's KV and indexer bytes, on every rank
         assert sum(c.cp_l3.counters.restored_pages for c in cl.caches) == PAGES
         assert_alike(cl)
-    finally:
-        cl.close()
 
 
 def test_a_miss_releases_the_request_after_the_query(tmp_path):
-    cl = cluster(2, tmp_path)
-    try:
+    with cluster(2, tmp_path) as cl:
         queues = arrive(cl, ["m"], tokens=list(range(5000, 5000 + 3 * P)))
         assert waiting_pass(cl, queues) == [["m"], ["m"]]
         assert all(q["m"].storage_hit_length == 0 for q in queues)
         assert_nothing_held(cl)
-    finally:
-        cl.close()
 
 
 def test_requests_with_one_prefix_wait_on_one_prefetch(written):
-    cl = cluster(2, written)
-    try:
+    with cluster(2, written) as cl:
         queues = arrive(cl, ["a", "b"])
         assert all(len(c.cp_l3.prefetcher.pending) == 1 for c in cl.caches)
         assert all(c.cp_l3.counters.joined_requests == 1 for c in cl.caches)
@@ -215,8 +208,6 @@ def test_requests_with_one_prefix_wait_on_one_prefetch(written):
         arrive(cl, ["a"])  # arriving again (a retraction): nothing new to fetch
         assert all(not c.cp_l3.prefetcher.pending for c in cl.caches)
         assert_alike(cl)
-    finally:
-        cl.close()
 
 
 # ---- aborts ----------------------------------------------------------------------------
@@ -225,8 +216,7 @@ def test_requests_with_one_prefix_wait_on_one_prefetch(written):
 @pytest.mark.parametrize("passes_before", [0, 1])  # during the query, during the fetch
 @pytest.mark.parametrize("seen_by", ["every rank", "rank 1 only"])
 def test_an_aborted_prefetch_is_dropped_alike_and_leaks_nothing(written, passes_before, seen_by):
-    cl = cluster(2, written)
-    try:
+    with cluster(2, written) as cl:
         queues = arrive(cl, ["x"])
         for _ in range(passes_before):
             assert waiting_pass(cl, queues) == [[], []]
@@ -252,16 +242,13 @@ def test_an_aborted_prefetch_is_dropped_alike_and_leaks_nothing(written, passes_
         cl.load_back(AS_SERVED)
         assert cl.check(AS_SERVED) == {}
         assert_alike(cl)
-    finally:
-        cl.close()
 
 
 # ---- I/O off the scheduler thread -------------------------------------------------------
 
 
 def test_l3_reads_run_on_the_worker_thread_not_the_scheduler_thread(written):
-    cl = cluster(2, written)
-    try:
+    with cluster(2, written) as cl:
         seen: list[tuple[str, str]] = []
         for c in cl.caches:
             store = c.cp_l3.tier.store
@@ -279,8 +266,6 @@ def test_l3_reads_run_on_the_worker_thread_not_the_scheduler_thread(written):
         assert {m for m, _ in seen} == {"exists", "read_into"}
         assert all(name.startswith("cp-hicache-l3-rank") and name not in callers for _, name in seen)
         assert all("-read-" in name for m, name in seen if m == "exists")
-    finally:
-        cl.close()
 
 
 @pytest.mark.parametrize("method", ["exists", "read_into"])  # the query's I/O, the fetch's
@@ -357,8 +342,7 @@ def test_a_lora_or_salted_request_never_looks_up_the_plain_chain(written, namesp
     nothing (its namespace is empty) and is anchored at the root, like a
     plain request; it must not look up, fetch or insert the plain chain --
     though L3 holds it -- nor report it as its storage hit."""
-    cl = cluster(2, written)
-    try:
+    with cluster(2, written) as cl:
         def run(s):
             req = request("lora")
             setattr(req, namespace, "adapter-7")
@@ -374,16 +358,13 @@ def test_a_lora_or_salted_request_never_looks_up_the_plain_chain(written, namesp
         assert all(c.cp_l3.counters.prefetches == 1 for c in cl.caches)
         waiting_pass(cl, queues)
         assert waiting_pass(cl, queues) == [["plain"], ["plain"]]
-    finally:
-        cl.close()
 
 
 def test_a_chain_that_one_rank_cannot_hash_is_a_miss_on_every_rank_not_a_missing_lookup(written):
     """SGLang's page hasher is a native extension compiled on first use; if
     it fails on one rank, that rank must still have the lookup (the count of
     words in the step's MIN must match on every rank) and answer 0."""
-    cl = cluster(2, written)
-    try:
+    with cluster(2, written) as cl:
         tier = cl.caches[1].cp_l3.tier
         real = tier.page_hasher
 
@@ -400,8 +381,6 @@ def test_a_chain_that_one_rank_cannot_hash_is_a_miss_on_every_rank_not_a_missing
         waiting_pass(cl, queues)
         assert waiting_pass(cl, queues) == [["b"], ["b"]]
         assert all(q["b"].storage_hit_length == PAGES * P for q in queues)
-    finally:
-        cl.close()
 
 
 def _deadline_config(n: int, directory: Path, deadline_s: float) -> CpStackConfig:

@@ -2,7 +2,8 @@
 
 Every device-side index tensor the allocator hands out (and so every node
 value, match result and load-back result derived from it) is a
-:class:`DeviceIndex`: any host read of it -- ``.cpu()``, ``.to("cpu")``,
+:class:`~tests.helpers.device_index.DeviceIndex`: any host read of it --
+``.cpu()``, ``.to("cpu")``,
 ``.tolist()``, ``.item()``, ``int()``, ``bool()``, ``nonzero``, ``unique``,
 boolean-mask indexing, ``masked_select``, ``bincount``, ``torch.equal`` --
 raises :class:`HostRead`. Only "device work" may look at the values: the copy
@@ -17,9 +18,6 @@ On a GPU the same sequence runs under ``torch.cuda.set_sync_debug_mode("error")`
 
 from __future__ import annotations
 
-import contextlib
-import threading
-
 import pytest
 import torch
 
@@ -29,80 +27,10 @@ from sglang_cp_hicache.kernels.bound import PoolCopies
 from sglang_cp_hicache.sglang_0518.hiradix import CpInsertParams
 from sglang_cp_hicache.testing.stack_0518 import CpStackConfig
 
-from tests.helpers.cp_cluster import CpCluster
+from tests.helpers.cp_cluster import P, CpCluster, seq
+from tests.helpers.device_index import DeviceIndex, HostRead, device_side, unwrap
 
-P = 64
 N = 3
-
-_device_side = threading.local()
-
-
-class HostRead(AssertionError):
-    """A device-side index tensor was read on the host (a GPU sync)."""
-
-
-@contextlib.contextmanager
-def device_side():
-    """Code inside runs "on the device": it may read DeviceIndex values (and,
-    on a GPU, synchronise)."""
-    depth = getattr(_device_side, "depth", 0)
-    _device_side.depth = depth + 1
-    cuda_mode = torch.cuda.get_sync_debug_mode() if torch.cuda.is_available() else 0
-    if cuda_mode:
-        torch.cuda.set_sync_debug_mode("default")
-    try:
-        yield
-    finally:
-        _device_side.depth = depth
-        if cuda_mode:
-            torch.cuda.set_sync_debug_mode(cuda_mode)
-
-
-_READS = {
-    torch.Tensor.tolist, torch.Tensor.item, torch.Tensor.__bool__, torch.Tensor.__int__,
-    torch.Tensor.__index__, torch.Tensor.__float__, torch.Tensor.numpy, torch.Tensor.cpu,
-    torch.Tensor.nonzero, torch.nonzero, torch.Tensor.unique, torch.unique, torch.unique_consecutive,
-    torch.Tensor.masked_select, torch.masked_select, torch.Tensor.bincount, torch.bincount,
-    torch.equal, torch.Tensor.equal, torch.Tensor.__repr__, torch.Tensor.__format__,
-    torch.Tensor.__array__, torch.Tensor.data_ptr,
-}
-
-
-def _is_cpu_target(args, kwargs) -> bool:
-    targets = list(args[1:]) + [kwargs.get("device")]
-    for t in targets:
-        if isinstance(t, (str, torch.device)) and torch.device(t).type == "cpu":
-            return True
-    return False
-
-
-def _has_bool_index(args) -> bool:
-    index = args[1] if len(args) > 1 else None
-    items = index if isinstance(index, tuple) else (index,)
-    return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in items)
-
-
-class DeviceIndex(torch.Tensor):
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if not getattr(_device_side, "depth", 0):
-            read = (
-                func in _READS
-                or (func is torch.Tensor.to and _is_cpu_target(args, kwargs))
-                or (func is torch.Tensor.__getitem__ and _has_bool_index(args))
-            )
-            if read:
-                raise HostRead(f"host read of a device-side index tensor: {getattr(func, '__name__', func)}")
-        return super().__torch_function__(func, types, args, kwargs)
-
-
-def unwrap(x):
-    if isinstance(x, DeviceIndex):
-        return x.as_subclass(torch.Tensor)
-    if isinstance(x, (list, tuple)):
-        return type(x)(unwrap(v) for v in x)
-    return x
 
 
 @pytest.fixture
@@ -141,10 +69,6 @@ def harness_is_device_work(monkeypatch):
                 return _fn(self, *unwrap(args), **kwargs)
 
         monkeypatch.setattr(CpCluster, name, as_device_work)
-
-
-def seq(first: int, pages: int) -> list[int]:
-    return list(range(first, first + pages * P))
 
 
 def drive(cl: CpCluster) -> dict:

@@ -12,13 +12,7 @@ from sglang_cp_hicache.sglang_0518.checks import check_cp_hicache_server_args
 from sglang_cp_hicache.testing.stack_0518 import CpStackConfig, build_cp_rank_stack
 from sglang_cp_hicache.sglang_0518.tree_node import CpTreeNode
 
-from tests.helpers.cp_cluster import CpCluster, RankSetup, build_each_rank, building_rank
-
-P = 64
-
-
-def seq(first, pages):
-    return list(range(first, first + pages * P))
+from tests.helpers.cp_cluster import P, CpCluster, RankSetup, build_each_rank, building_rank, seq
 
 
 @pytest.fixture

@@ -9,6 +9,8 @@ from sglang_cp_hicache.sglang_0518 import plugin
 from sglang_cp_hicache.sglang_0518.hiradix import CpHiRadixCache
 from sglang_cp_hicache.testing.stack_0518 import CpStackConfig, build_cp_rank_stack
 
+from tests.helpers.plugin_loading import assert_loaded_as_allowed
+
 
 def test_entry_point_is_declared_for_sglang_plugin_loader():
     eps = entry_points(group="sglang.srt.plugins")
@@ -206,16 +208,10 @@ def test_sglang_reads_the_allow_list_as_the_library_does(monkeypatch):
     allow-lists with a typo, spaces, both names, and none: exactly those
     ``releases.plugin_allowed`` says. On 0.5.18 a list without cp_hicache
     leaves --radix-cache-backend cp-hicache unregistered, which SGLang refuses."""
-    from sglang.srt.plugins import GENERAL_PLUGINS_GROUP, load_plugins_by_group
-
-    from sglang_cp_hicache import releases
-
-    ours = {r.plugin for r in releases.RELEASES}
-    for value in ("", "cp_hicache", " cp_hicache , other", "cp-hicache", "cp_hicache_0523",
-                  "cp_hicache,cp_hicache_0523", ",", "  "):
-        monkeypatch.setenv("SGLANG_PLUGINS", value)
-        loaded = set(load_plugins_by_group(GENERAL_PLUGINS_GROUP)) & ours
-        assert loaded == {p for p in ours if releases.plugin_allowed(p)}, value
+    assert_loaded_as_allowed(monkeypatch, (
+        "", "cp_hicache", " cp_hicache , other", "cp-hicache", "cp_hicache_0523",
+        "cp_hicache,cp_hicache_0523", ",", "  ",
+    ))
 
 
 def test_the_0523_plugin_on_0518_points_to_this_release_s_plugin(monkeypatch, caplog):

@@ -19,13 +19,8 @@ at P=64; page sizes 1 and 16 are covered by the core property tests
 
 from __future__ import annotations
 
-import json
-import os
-import time
-
 import pytest
 import torch
-from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -33,7 +28,6 @@ from hypothesis.stateful import (
     invariant,
     precondition,
     rule,
-    run_state_machine_as_test,
 )
 from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams, MatchPrefixParams
 from sglang.srt.mem_cache.radix_cache import RadixKey
@@ -42,6 +36,7 @@ from sglang_cp_hicache.policy_0518 import CpHiCacheNodeMetadata
 from sglang_cp_hicache.testing.stack_0518 import CpStackConfig
 
 from tests.helpers.cp_cluster import CpCluster, prefix_keys
+from tests.helpers.state_machine_runs import chosen_profile, run_and_report
 
 P = 64
 # Steps per example vary with the data (about 90 of 110 on average), and the
@@ -52,26 +47,6 @@ PROFILES = {
     "dev": dict(examples=400, steps=300, min_total=50000),
 }
 STEPS = {"total": 0}
-
-
-def chosen_profile() -> tuple[str, dict]:
-    name = os.environ.get("HYPOTHESIS_PROFILE", "ci")
-    profile = dict(PROFILES.get(name, PROFILES["ci"]))
-    examples = os.environ.get("STATE_MACHINE_EXAMPLES")
-    if name == "dev" and examples:
-        # Hypothesis runs close to the full step count per example (>90% in ci).
-        profile["examples"] = int(examples)
-        profile["min_total"] = profile["examples"] * profile["steps"] // 2
-    return name, profile
-
-
-def report_steps(passed: bool, seconds: float) -> None:
-    """Print the step count; append it to $STATE_MACHINE_REPORT as JSON."""
-    print(f"state machine steps: {STEPS['total']} ({'passed' if passed else 'FAILED'}, {seconds:.0f} s)")
-    path = os.environ.get("STATE_MACHINE_REPORT")
-    if path:
-        with open(path, "a") as f:
-            f.write(json.dumps({"steps": STEPS["total"], "passed": passed, "seconds": round(seconds, 1)}) + "\n")
 
 
 class CpCacheMachine(RuleBasedStateMachine):
@@ -237,23 +212,7 @@ class CpCacheMachine(RuleBasedStateMachine):
 
 @pytest.mark.slow(20)
 def test_cp_cache_state_machine():
-    name, profile = chosen_profile()
+    name, profile = chosen_profile(PROFILES)
     STEPS["total"] = 0
-    start, passed = time.monotonic(), False
-    try:
-        run_state_machine_as_test(
-            CpCacheMachine,
-            settings=settings(
-                max_examples=profile["examples"],
-                stateful_step_count=profile["steps"],
-                deadline=None,
-                suppress_health_check=list(HealthCheck),
-                derandomize=name == "ci",
-                # A soak run is repeated by its seed, not by a saved example.
-                database=None if os.environ.get("STATE_MACHINE_REPORT") else settings.default.database,
-            ),
-        )
-        passed = True
-    finally:
-        report_steps(passed, time.monotonic() - start)
+    run_and_report(CpCacheMachine, name, profile, STEPS)
     assert STEPS["total"] >= profile["min_total"], STEPS

@@ -23,22 +23,16 @@ from sglang_cp_hicache.policy_0518.plan import page_owners_of
 from sglang_cp_hicache.sglang_0518.hiradix import CpHiCacheTransferError
 from sglang_cp_hicache.testing.stack_0518 import CpStackConfig
 
-from tests.helpers.cp_cluster import CpCluster
+from tests.helpers.cp_cluster import P, CpCluster, seq
 from tests.helpers.rank_snapshot import FailOn, exact_allocator, rank_state, shared_view
 
-P = 64
 N = 3
-
-
-def seq(first, pages):
-    return list(range(first, first + pages * P))
 
 
 @pytest.fixture
 def cl():
-    c = CpCluster(CpStackConfig(cp_size=N, device_pages=6, host_pages=10), threaded=True, timeout_s=30)
-    yield c
-    c.close()
+    with CpCluster(CpStackConfig(cp_size=N, device_pages=6, host_pages=10), threaded=True, timeout_s=30) as c:
+        yield c
 
 
 def backed_up_and_evicted(cl, *sequences):
@@ -85,14 +79,7 @@ def test_a_refused_then_a_failed_write_on_one_rank_makes_every_rank_raise_with_i
     host.alloc = FailOn(host.alloc)
     copy = backup_copy_fails(victim)
     before = [rank_state(s) for s in cl.stacks]
-    write_first, write_second = cl._insert_fn(first, check=False), cl._insert_fn(second, check=False)
-
-    def step(s):
-        write_first(s)
-        write_second(s)
-        s.cache.writing_check()
-
-    outcomes = cl.each(step, return_exceptions=True)
+    outcomes = cl.inserts_in_one_step(first, second)
     assert host.alloc.fired and copy.fired
     assert all(isinstance(o, CpHiCacheTransferError) for o in outcomes), outcomes
     assert "DMA error (injected)" in str(outcomes[1].__cause__)

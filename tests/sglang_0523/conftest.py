@@ -57,3 +57,16 @@ def three_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]
         scenarios.differential, 3, str(tmp_path_factory.mktemp("ranks3")), env=RANK_ENV,
         layouts=("page_first",),
     )
+
+
+@pytest.fixture
+def strategies():
+    """SGLang's strategy list; restored afterwards, with the adapter's registration."""
+    from sglang.srt.mem_cache.hybrid_cache import hybrid_pool_assembler as assembler
+
+    from sglang_cp_hicache.sglang_0523 import strategy
+
+    saved, saved_ours = list(assembler._STRATEGIES), strategy._strategy
+    yield assembler._STRATEGIES
+    assembler._STRATEGIES[:] = saved
+    strategy._strategy = saved_ours

@@ -13,14 +13,7 @@ from sglang_cp_hicache.sglang_0523 import ALLOW_ANY_ENV, SUPPORTED_SGLANG, check
 from sglang_cp_hicache.sglang_0523.copy_engine import LibraryL2TransferEngine
 from sglang_cp_hicache.sglang_0523.strategy import LibraryDsaStrategy, LibraryStackError, UpstreamDsaStrategy
 
-
-@pytest.fixture
-def strategies():
-    """Restore SGLang's strategy list and the adapter's registration."""
-    saved, saved_ours = list(assembler._STRATEGIES), strategy._strategy
-    yield assembler._STRATEGIES
-    assembler._STRATEGIES[:] = saved
-    strategy._strategy = saved_ours
+from tests.helpers.plugin_loading import assert_loaded_as_allowed
 
 
 # ---- start-up check on real stacks (two rank processes) ----------------------
@@ -229,16 +222,10 @@ def test_sglang_reads_the_allow_list_as_the_library_does(monkeypatch):
     """Which of this package's plugins SGLang 0.5.23's loader loads, for
     allow-lists with a typo, spaces, both names, and none: exactly those
     ``releases.plugin_allowed`` says."""
-    from sglang.srt.plugins import GENERAL_PLUGINS_GROUP, load_plugins_by_group
-
-    from sglang_cp_hicache import releases
-
-    ours = {r.plugin for r in releases.RELEASES}
-    for value in ("", "cp_hicache_0523", " cp_hicache_0523 , other", "cp-hicache_0523", "cp_hicache",
-                  "cp_hicache,cp_hicache_0523", ",", "  "):
-        monkeypatch.setenv("SGLANG_PLUGINS", value)
-        loaded = set(load_plugins_by_group(GENERAL_PLUGINS_GROUP)) & ours
-        assert loaded == {p for p in ours if releases.plugin_allowed(p)}, value
+    assert_loaded_as_allowed(monkeypatch, (
+        "", "cp_hicache_0523", " cp_hicache_0523 , other", "cp-hicache_0523", "cp_hicache",
+        "cp_hicache,cp_hicache_0523", ",", "  ",
+    ))
 
 
 def test_the_0523_plugin_says_nothing_wrong_when_it_registers(strategies, monkeypatch, caplog):

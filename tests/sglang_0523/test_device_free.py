@@ -28,6 +28,20 @@ def _allocator(n: int, pages_per_rank: int, need_sort: bool) -> PageInterleavePo
     )
 
 
+def _frees_on_a_full_stand_in(
+    n: int, pages_per_rank: int, need_sort: bool
+) -> tuple[PageInterleavePoolAllocator, PageInterleavePoolAllocator, PhaseKnownDeviceFrees]:
+    """(an allocator with the library's phase-known frees installed, an
+    untouched twin of it, the frees) for rank 0 of ``n``, on a stand-in cache
+    with only a FULL component."""
+    alloc, twin = _allocator(n, pages_per_rank, need_sort), _allocator(n, pages_per_rank, need_sort)
+    frees = PhaseKnownDeviceFrees(
+        SimpleNamespace(components={ComponentType.FULL: _Full()}, tree_core=None), alloc, CpPlacement(P, n, 0),
+    )
+    frees.install()
+    return alloc, twin, frees
+
+
 def _same_state(a: PageInterleavePoolAllocator, b: PageInterleavePoolAllocator) -> list[str]:
     """Every field that differs (tensors: dtype and values; lists of tensors: each)."""
     diffs = []
@@ -161,11 +175,7 @@ def test_slices_of_an_open_run_are_freed_from_its_rotation(n, need_sort, grouped
     page-aligned slices of it, the last page possibly partial, freed while
     the run is open, leave the allocator as upstream's free leaves it -- in
     a free group too, where they are held until the group ends."""
-    alloc, twin = _allocator(n, 8, need_sort), _allocator(n, 8, need_sort)
-    frees = PhaseKnownDeviceFrees(
-        SimpleNamespace(components={ComponentType.FULL: _Full()}, tree_core=None), alloc, CpPlacement(P, n, 0),
-    )
-    frees.install()
+    alloc, twin, frees = _frees_on_a_full_stand_in(n, 8, need_sort)
     base = data.draw(st.integers(0, n - 1))
     pages = data.draw(st.integers(1, 3 * n))
     run, twin_run = alloc.alloc_cyclic(base, pages * P), twin.alloc_cyclic(base, pages * P)
@@ -194,11 +204,7 @@ def test_slices_of_an_open_run_are_freed_from_its_rotation(n, need_sort, grouped
 
 
 def test_a_free_that_is_not_a_slice_of_the_open_run_goes_to_upstream():
-    alloc, twin = _allocator(2, 8, True), _allocator(2, 8, True)
-    frees = PhaseKnownDeviceFrees(
-        SimpleNamespace(components={ComponentType.FULL: _Full()}, tree_core=None), alloc, CpPlacement(P, 2, 0),
-    )
-    frees.install()
+    alloc, twin, frees = _frees_on_a_full_stand_in(2, 8, True)
     run, twin_run = alloc.alloc_cyclic(1, 4 * P), twin.alloc_cyclic(1, 4 * P)
     with frees.run(run, 1, "request"):
         alloc.free_segment(run[P // 2 : P], start_pos=0)  # not from a page start: not phase-known
@@ -224,11 +230,7 @@ def test_a_free_that_is_not_a_slice_of_the_open_run_goes_to_upstream():
 
 
 def test_a_group_with_upstreams_own_deferrals_frees_everything_as_upstream():
-    alloc, twin = _allocator(3, 8, False), _allocator(3, 8, False)
-    frees = PhaseKnownDeviceFrees(
-        SimpleNamespace(components={ComponentType.FULL: _Full()}, tree_core=None), alloc, CpPlacement(P, 3, 0),
-    )
-    frees.install()
+    alloc, twin, frees = _frees_on_a_full_stand_in(3, 8, False)
     run, twin_run = alloc.alloc_cyclic(2, 5 * P), twin.alloc_cyclic(2, 5 * P)
     other, twin_other = alloc.alloc_cyclic(0, 3 * P), twin.alloc_cyclic(0, 3 * P)
     alloc.free_group_begin(), twin.free_group_begin()

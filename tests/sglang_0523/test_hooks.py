@@ -6,18 +6,18 @@ registry does not list."""
 from __future__ import annotations
 
 import ast
-import enum
 import importlib
 import inspect
 import pathlib
 import re
 
 import pytest
-from sglang.srt.mem_cache.hybrid_cache import hybrid_pool_assembler as assembler
 
 from sglang_cp_hicache import hook_registry
 from sglang_cp_hicache.sglang_0523 import plugin, strategy
-from sglang_cp_hicache.sglang_0523.hooks import HOOKS, Hook, HookMismatchError, check_hooks, find_problem
+from sglang_cp_hicache.sglang_0523.hooks import HOOKS, HookMismatchError, check_hooks, find_problem
+
+from tests.helpers.hook_checks import check_registry_shape, remove_hook
 
 ADAPTER = pathlib.Path(strategy.__file__).parent
 # hooks.py is the registry itself; every other module of the adapter uses SGLang.
@@ -35,44 +35,15 @@ def test_every_hook_resolves(hook):
 
 
 def test_the_registry_names_each_hook_once_and_keeps_its_shape():
-    names = [h.name for h in HOOKS]
-    assert len(names) == len(set(names))
-    for hook in HOOKS:
-        if hook.kind in ("override", "private-helper", "call"):
-            assert hook.params is not None, hook.name
-        if hook.kind in ("override", "private-helper", "replaced-on-instance"):
-            assert hook.owner is not None, hook.name
-    with pytest.raises(ValueError, match="kind must be one of"):
-        Hook("sglang", None, "x", "patched", None, "")
+    check_registry_shape(HOOKS, params_kinds=("override", "private-helper", "call"))
 
 
 # ---- each hook, taken away or changed, is named ------------------------------------
 
 
-def _remove(monkeypatch: pytest.MonkeyPatch, hook: Hook) -> None:
-    """Make ``hook``'s target absent, as a release that renamed it would."""
-    module = importlib.import_module(hook.module)
-    if hook.owner is None:
-        monkeypatch.delattr(module, hook.attribute)
-        return
-    owner = getattr(module, hook.owner)
-    if isinstance(owner, enum.EnumMeta):  # enum members cannot be deleted
-        kept = {m.name: m.value for m in owner if m.name != hook.attribute}
-        monkeypatch.setattr(module, hook.owner, enum.Enum(owner.__name__, kept))
-        return
-    for klass in owner.__mro__:
-        if klass.__module__.split(".")[0] == "sglang" and hook.attribute in vars(klass):
-            monkeypatch.delattr(klass, hook.attribute)
-    # An instance attribute: a release whose classes no longer assign it.
-    scan = hook_registry._instance_attributes
-    monkeypatch.setattr(
-        hook_registry, "_instance_attributes", lambda cls: scan(cls) - {hook.attribute} if cls is owner else scan(cls)
-    )
-
-
 @pytest.mark.parametrize("hook", HOOKS, ids=lambda h: h.name)
 def test_a_missing_hook_refuses_by_name(hook, monkeypatch):
-    _remove(monkeypatch, hook)
+    remove_hook(monkeypatch, hook)
     with pytest.raises(HookMismatchError) as err:
         check_hooks()
     assert err.value.hook is hook
@@ -101,19 +72,11 @@ def test_a_changed_signature_refuses_by_name(hook, monkeypatch):
 
 def test_a_changed_hook_stops_the_strategy_build_first(monkeypatch):
     hook = next(h for h in HOOKS if h.attribute == "_move_kv_shard_indices")
-    _remove(monkeypatch, hook)
+    remove_hook(monkeypatch, hook)
     with pytest.raises(HookMismatchError, match="_move_kv_shard_indices"):
         strategy.LibraryDsaStrategy().build(
             cache=None, kvcache=None, params=None, server_args=None, load_cache_event=None
         )
-
-
-@pytest.fixture
-def strategies():
-    saved, saved_ours = list(assembler._STRATEGIES), strategy._strategy
-    yield assembler._STRATEGIES
-    assembler._STRATEGIES[:] = saved
-    strategy._strategy = saved_ours
 
 
 def test_the_plugin_registers_a_refusing_strategy_on_a_changed_hook(strategies, monkeypatch):
@@ -121,7 +84,7 @@ def test_the_plugin_registers_a_refusing_strategy_on_a_changed_hook(strategies, 
     monkeypatch.delenv(plugin.COPY_ENV, raising=False)
     strategy.uninstall_strategy()
     hook = next(h for h in HOOKS if h.attribute == "_submission")
-    _remove(monkeypatch, hook)
+    remove_hook(monkeypatch, hook)
     plugin.register()
     refusing = strategies[0]
     assert not isinstance(refusing, strategy.LibraryDsaStrategy)

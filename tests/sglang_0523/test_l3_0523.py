@@ -47,14 +47,22 @@ def _runs(l3_ranks: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
     return [r[name] for r in l3_ranks if name in r]
 
 
+def _alike_runs(l3_ranks: list[dict[str, Any]], name: str, where: str = "", world: int = 0) -> list[dict[str, Any]]:
+    """The ranks' runs of scenario ``name`` (``world`` of them, when given),
+    checked :func:`_alike` (reported as ``where``, else ``name``)."""
+    runs = _runs(l3_ranks, name)
+    if world:
+        assert len(runs) == world
+    _alike(runs, where or name)
+    return runs
+
+
 # ---- writes ------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("name,world", [("cp4_write", 4), ("cp3_write", 3)])
 def test_each_rank_writes_exactly_its_own_pages(l3_ranks, name, world):
-    runs = _runs(l3_ranks, name)
-    assert len(runs) == world
-    _alike(runs, name)
+    runs = _alike_runs(l3_ranks, name, world=world)
     kv, idx = (part.split(":")[1] for part in runs[0]["namespaces"].split("|"))
     calls = [r["write_calls"] for r in runs]
     assert len(calls[0]) > 0 and all(c == calls[0] for c in calls), name  # every node, the same owners, everywhere
@@ -88,9 +96,7 @@ def test_every_l3_read_and_write_runs_on_the_l3_io_threads(l3_ranks, name):
 
 @pytest.mark.parametrize("name", ["cp4_to_cp2", "cp3_to_cp2"])
 def test_cp2_restores_what_another_cp_size_wrote_bit_exact(l3_ranks, name):
-    runs = _runs(l3_ranks, name)
-    assert len(runs) == 2
-    _alike(runs, name)
+    runs = _alike_runs(l3_ranks, name, world=2)
     for rank, run in enumerate(runs):
         c = run["counters"]
         assert c["restored_nodes"] > 0 and c["restored_pages"] > 0, (name, rank)
@@ -121,8 +127,7 @@ def test_damaged_objects_are_refused_and_every_rank_restores_the_same_shorter_pr
 
 
 def test_a_fetch_that_raises_on_one_rank_restores_nothing_anywhere_and_leaks_nothing(l3_ranks):
-    runs = _runs(l3_ranks, "fetch_raises")
-    _alike(runs, "fetch")
+    runs = _alike_runs(l3_ranks, "fetch_raises", "fetch")
     for run in runs:
         c = run["counters"]
         assert c["prefetches"] > 0 and c["restored_nodes"] == 0 and c["restored_pages"] == 0
@@ -131,19 +136,16 @@ def test_a_fetch_that_raises_on_one_rank_restores_nothing_anywhere_and_leaks_not
 
 
 def test_a_put_that_fails_or_raises_on_one_rank_keeps_the_ranks_alike(l3_ranks):
-    runs = _runs(l3_ranks, "put_fails")
-    _alike(runs, "put")
+    runs = _alike_runs(l3_ranks, "put_fails", "put")
     assert runs[1]["counters"]["written_pages"] == 0 and runs[1]["counters"]["write_failures"] > 0
     assert runs[0]["counters"]["written_pages"] > 0 and runs[0]["counters"]["write_failures"] == 0
     # a later read finds rank 0's pages only: a chain stops at its first page rank 1 owns
-    later = _runs(l3_ranks, "after_put_fails")
-    _alike(later, "after put")
+    later = _alike_runs(l3_ranks, "after_put_fails", "after put")
     assert all(r["counters"]["rejected_pages"] == 0 for r in later)
 
 
 def test_another_models_objects_are_a_miss(l3_ranks):
-    runs = _runs(l3_ranks, "other_model")
-    _alike(runs, "other model")
+    runs = _alike_runs(l3_ranks, "other_model", "other model")
     for run in runs:
         c = run["counters"]
         assert c["prefetches"] > 0 and c["restored_pages"] == 0 and c["rejected_pages"] == 0
@@ -162,8 +164,7 @@ def test_a_read_that_blocks_on_one_rank_settles_alike_at_its_deadline_and_holds_
     the run lasts: every rank settles that lookup within the deadline plus
     a step, every later lookup goes on (on a spare I/O thread) and restores
     pages, the ranks stay alike, nothing leaks, nothing is corrupted."""
-    runs = _runs(l3_ranks, name)
-    _alike(runs, name)
+    runs = _alike_runs(l3_ranks, name)
     assert runs[1]["counters"]["timeouts"] == 1 and runs[0]["counters"]["timeouts"] == 0
     for rank, run in enumerate(runs):
         steps, lookups = run["timing"]["steps"], run["timing"]["lookups"]

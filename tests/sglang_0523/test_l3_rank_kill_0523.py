@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import multiprocessing
 import os
 import signal
 import time
@@ -25,6 +24,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests.helpers.spawned_ranks import run_spawned_ranks
 
 P = 64
 PAGES = 6
@@ -174,22 +175,11 @@ def _read_back(rank: int, world: int, *, l3_dir: str) -> dict[str, Any]:
 
 
 def _spawn_kill_run(tmp_path: Path) -> tuple[list[Any], Path]:
-    ctx = multiprocessing.get_context("spawn")
     out = tmp_path / "out"
     out.mkdir()
-    args = (str(tmp_path / "init"), str(tmp_path / "l3"), str(out))
-    procs = [ctx.Process(target=_rank_main, args=(r, 2, *args)) for r in range(2)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + STARTUP_BOUND_S
-    for p in procs:
-        p.join(max(deadline - time.monotonic(), 0.1))
-    alive = [p.pid for p in procs if p.is_alive()]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
-    assert not alive, f"rank processes still running (a hang): {alive}"
+    procs = run_spawned_ranks(
+        _rank_main, 2, str(tmp_path / "init"), str(tmp_path / "l3"), str(out), bound_s=STARTUP_BOUND_S
+    )
     return procs, out
 
 

@@ -3,7 +3,7 @@ eviction, host eviction and load-back paths, upstream's code on those paths
 included (tests/helpers/sglang_0523/scenarios_bookkeeping.py::no_sync, two ranks).
 
 Every device loc the allocator hands out or holds is a
-:class:`~tests.helpers.sglang_0523.device_index.DeviceIndex`; only the copy kernels
+:class:`~tests.helpers.device_index.DeviceIndex`; only the copy kernels
 and the content fill and check (the forward pass's work) may read one.
 Upstream's stack, driven the same way, reads them at its first device
 eviction: the check can fail.
@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers.sglang_0523.device_index import DeviceIndex, HostRead, device_side, wrap
+from tests.helpers.device_index import DeviceIndex, HostRead, device_side, wrap
 from tests.helpers.sglang_0523.scenarios_bookkeeping import _chains
 
 

@@ -7,7 +7,7 @@ is declined), inside and outside a free group, through upstream's own
 one launch of its own).
 
 Every device loc the allocator hands out and every ``req_to_token`` row is a
-:class:`~tests.helpers.sglang_0523.device_index.DeviceIndex`. Upstream's stack,
+:class:`~tests.helpers.device_index.DeviceIndex`. Upstream's stack,
 driven the same way, reads them at the first free of request pages: the
 check can fail.
 """

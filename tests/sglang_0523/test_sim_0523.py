@@ -17,12 +17,19 @@ def _bit_exact_and_consistent(run, where):
     assert (write_acks, load_acks) == (writes_queued, loads_queued), where
 
 
+def _checked_runs(sims, up_name, lib_name):
+    """(rank, upstream's run, the library's run) of each rank, both runs
+    checked bit-exact and consistent first."""
+    for rank, sim in enumerate(sims):
+        up, lib = sim[up_name], sim[lib_name]
+        for name, run in ((up_name, up), (lib_name, lib)):
+            _bit_exact_and_consistent(run, (rank, name))
+        yield rank, up, lib
+
+
 def test_with_room_on_the_host_both_copy_paths_decide_alike_and_restore_bit_exact(two_ranks):
     sims = _sim(two_ranks)
-    for rank, sim in enumerate(sims):
-        up, lib = sim["upstream"], sim["library"]
-        for name, run in (("upstream", up), ("library", lib)):
-            _bit_exact_and_consistent(run, (rank, name))
+    for rank, up, lib in _checked_runs(sims, "upstream", "library"):
         # the premise: nothing is evicted from the host and no backup fails, so
         # the bookkeeping agrees...
         assert up["host_evicted_nodes"] == lib["host_evicted_nodes"] == 0, rank
@@ -38,10 +45,7 @@ def test_with_room_on_the_host_both_copy_paths_decide_alike_and_restore_bit_exac
 
 def test_with_a_tight_host_the_library_loses_no_backup_where_upstream_does(two_ranks):
     sims = _sim(two_ranks)
-    for rank, sim in enumerate(sims):
-        up, lib = sim["upstream-tight"], sim["library-tight"]
-        for name, run in (("upstream-tight", up), ("library-tight", lib)):
-            _bit_exact_and_consistent(run, (rank, name))
+    for rank, up, lib in _checked_runs(sims, "upstream-tight", "library-tight"):
         assert up["host_evicted_nodes"] > 0 and lib["host_evicted_nodes"] > 0, rank
         assert up["backup_failures"] > 0 and lib["backup_failures"] == 0, (rank, up["backup_failures"])
         assert lib["backups"] >= up["backups"] - up["backup_failures"], rank

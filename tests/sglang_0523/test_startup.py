@@ -5,16 +5,14 @@ rank and the value."""
 from __future__ import annotations
 
 import pickle
-import threading
 from dataclasses import replace
 from types import SimpleNamespace
-from typing import Any, Callable
+from typing import Any
 
 import pytest
-import torch.distributed as dist
 
 from sglang_cp_hicache import settings
-from sglang_cp_hicache.agreement import CpAgreementError, RankView, gather_and_check
+from sglang_cp_hicache.agreement import RankView, gather_and_check
 from sglang_cp_hicache.sglang_0523.startup import (
     COPY_KEY,
     COPY_PATH,
@@ -24,7 +22,7 @@ from sglang_cp_hicache.sglang_0523.startup import (
     start_up_view,
 )
 
-from tests.helpers.gloo_gather import object_all_gather
+from tests.helpers.gloo_gather import agreement_on_threads, object_all_gather
 
 # ---- real stacks, two rank processes (tests/helpers/sglang_0523/scenarios.py::agreement) -----
 
@@ -82,25 +80,6 @@ def _stand_ins(rank: int, group: Any, *, cp_size: int = 3, page_size: int = 64) 
     return kvcache, SimpleNamespace(layout="page_first", anchor_entry=SimpleNamespace(host_pool=host))
 
 
-def _on_three_ranks(name: str, run: Callable[[int, Any], Any]) -> dict[int, str]:
-    store, results = dist.HashStore(), {}
-
-    def rank_main(r: int) -> None:
-        pg = dist.ProcessGroupGloo(dist.PrefixStore(name, store), r, 3)
-        try:
-            run(r, pg)
-            results[r] = "ok"
-        except CpAgreementError as exc:
-            results[r] = str(exc)
-
-    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    return results
-
-
 @pytest.fixture
 def valid_settings(monkeypatch):
     for s in settings.SETTINGS:
@@ -147,7 +126,7 @@ def test_stand_in_pools_disagreeing_are_refused_on_every_rank(valid_settings, ca
         views = agree_at_start_up(kvcache, group, all_gather=object_all_gather)
         assert [v.cp_rank for v in views] == [0, 1, 2]
 
-    assert _on_three_ranks(case, run) == {0: message, 1: message, 2: message}
+    assert agreement_on_threads(case, run) == {0: message, 1: message, 2: message}
 
 
 def test_a_rank_on_another_copy_path_is_refused_on_every_rank(valid_settings):
@@ -161,7 +140,7 @@ def test_a_rank_on_another_copy_path_is_refused_on_every_rank(valid_settings):
             view = replace(view, values={**view.values, COPY_KEY: "upstream"})
         gather_and_check(view, pg, all_gather=object_all_gather)
 
-    assert _on_three_ranks("copy_path", run) == {0: message, 1: message, 2: message}
+    assert agreement_on_threads("copy_path", run) == {0: message, 1: message, 2: message}
 
 
 def test_a_rank_on_another_host_tail_rule_is_refused_on_every_rank(valid_settings):
@@ -175,7 +154,7 @@ def test_a_rank_on_another_host_tail_rule_is_refused_on_every_rank(valid_setting
             view = replace(view, values={**view.values, HOST_TAIL_KEY: "whole"})
         gather_and_check(view, pg, all_gather=object_all_gather)
 
-    assert _on_three_ranks("host_tail", run) == {0: message, 1: message, 2: message}
+    assert agreement_on_threads("host_tail", run) == {0: message, 1: message, 2: message}
 
 
 def test_the_view_carries_the_host_tail_rule_in_force(valid_settings, monkeypatch):

@@ -33,17 +33,13 @@ slower).
 
 from __future__ import annotations
 
-import json
-import os
-import time
-
 import pytest
-from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule, run_state_machine_as_test
+from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 
 from tests.helpers.sglang_0523.machine_rank import PATHS, make_rank
 from tests.helpers.sglang_0523.rank_pool import RankPool
+from tests.helpers.state_machine_runs import chosen_profile, run_and_report
 
 P = 64
 # Steps per example vary with the data (hypothesis stops an example early
@@ -57,28 +53,6 @@ PROFILES = {
 }
 STEPS = {"total": 0, "compared": 0}
 POOLS: dict[int, RankPool] = {}
-
-
-def chosen_profile() -> tuple[str, dict]:
-    name = os.environ.get("HYPOTHESIS_PROFILE", "ci")
-    profile = dict(PROFILES.get(name, PROFILES["ci"]))
-    examples = os.environ.get("STATE_MACHINE_EXAMPLES")
-    if name == "dev" and examples:
-        profile["examples"] = int(examples)
-        profile["min_total"] = profile["examples"] * profile["steps"] // 2
-    return name, profile
-
-
-def report_steps(passed: bool, seconds: float) -> None:
-    """Print the step count; append it to $STATE_MACHINE_REPORT as JSON."""
-    total, compared = STEPS["total"], STEPS["compared"]
-    print(f"state machine steps: {total} ({compared} compared across copy paths; "
-          f"{'passed' if passed else 'FAILED'}, {seconds:.0f} s)")
-    path = os.environ.get("STATE_MACHINE_REPORT")
-    if path:
-        with open(path, "a") as f:
-            f.write(json.dumps({"steps": total, "compared_across_paths": compared, "passed": passed,
-                                "seconds": round(seconds, 1)}) + "\n")
 
 
 def pool(cp_size: int) -> RankPool:
@@ -235,26 +209,14 @@ def test_the_checks_catch_one_flipped_byte(part):
 
 @pytest.mark.slow(120)
 def test_sharded_cache_state_machine_0523():
-    name, profile = chosen_profile()
+    name, profile = chosen_profile(PROFILES)
     STEPS["total"] = STEPS["compared"] = 0
     ShardedCacheMachine.cp_sizes = profile["cp_sizes"]
-    start, passed = time.monotonic(), False
-    try:
-        run_state_machine_as_test(
-            ShardedCacheMachine,
-            settings=settings(
-                max_examples=profile["examples"],
-                stateful_step_count=profile["steps"],
-                deadline=None,
-                suppress_health_check=list(HealthCheck),
-                derandomize=name == "ci",
-                # A soak run is repeated by its seed, not by a saved example.
-                database=None if os.environ.get("STATE_MACHINE_REPORT") else settings.default.database,
-            ),
-        )
-        passed = True
-    finally:
-        report_steps(passed, time.monotonic() - start)
+    run_and_report(
+        ShardedCacheMachine, name, profile, STEPS,
+        extra=lambda: {"compared_across_paths": STEPS["compared"]},
+        note=lambda: f"{STEPS['compared']} compared across copy paths; ",
+    )
     assert STEPS["total"] >= profile["min_total"], STEPS
     # the differential half must not be vacuous
     assert STEPS["compared"] >= profile["compared"] * STEPS["total"], STEPS

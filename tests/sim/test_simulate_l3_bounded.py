@@ -9,10 +9,11 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
+
+from sglang_cp_hicache.sim.l3_usage import peak_stored_bytes, stored_bytes
 
 from tests.sim.simrun import ROOT, sim_command, sim_env
 
@@ -26,29 +27,14 @@ CAP = 40 * PAGE_OBJECTS  # an unbounded CP 4 run of these requests writes about 
 THREADS = 2
 
 
-def _bytes_in(directory: Path) -> int:
-    total = 0
-    for path in directory.rglob("*"):
-        try:
-            if path.is_file() and not path.name.startswith(".l3-") and ".sim-writers" not in path.parts:
-                total += path.stat().st_size
-        except FileNotFoundError:
-            pass  # evicted while being measured
-    return total
-
-
 def run_sampled(shape: tuple[str, ...], l3: Path, out: Path) -> tuple[dict, int]:
     env = sim_env({"SGLANG_HICACHE_FILE_BACKEND_MAX_SIZE": str(CAP), "SGLANG_CP_HICACHE_L3_THREADS": str(THREADS)})
     cmd = sim_command(*shape, "--requests", str(REQUESTS), "--l3", str(l3), "--json", str(out))
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    peak = 0
-    while proc.poll() is None:
-        if l3.exists():
-            peak = max(peak, _bytes_in(l3))
-        time.sleep(0.02)
+    peak = peak_stored_bytes(proc, l3)
     text = proc.stdout.read()
     assert proc.returncode == 0, text
-    return json.loads(out.read_text()), max(peak, _bytes_in(l3))
+    return json.loads(out.read_text()), max(peak, stored_bytes(l3))
 
 
 @pytest.mark.slow(120)
@@ -59,7 +45,7 @@ def test_a_bounded_directory_holds_its_cap_and_a_reader_restores_bit_exact(tmp_p
     # it wrote well past the cap, and the directory held it (+ one object per writer thread)
     assert writer["l3_written_pages"] * PAGE_OBJECTS > 1.5 * CAP
     assert peak <= CAP + 4 * THREADS * KV_OBJECT, (peak, CAP)
-    assert _bytes_in(directory) <= CAP
+    assert stored_bytes(directory) <= CAP
     copy = tmp_path / "copy"
     shutil.copytree(directory, copy)
     reader, _ = run_sampled(CP2, copy, tmp_path / "reader.json")

@@ -35,6 +35,20 @@ def _host_only_pages(cache: Any, layout: Any, world: int) -> tuple[list[int], in
     return counts, nodes
 
 
+def _finish(out: dict[str, Any], stack: Any, engine: Any, records: list[Any]) -> dict[str, Any]:
+    """``out`` with each request's hits and checks, the tree's digest and the
+    engine's invariant violations added; the stack closed."""
+    out["records"] = [
+        {k: getattr(r, k) for k in ("device_hit_tokens", "host_hit_tokens", "loaded_tokens",
+                                    "verified_pages", "restored_pages_verified", "corrupted_pages")}
+        for r in records
+    ]
+    totals = engine.totals()
+    out["digest"], out["invariant_violations"] = totals.tree_digest, totals.invariant_violations
+    stack.close()
+    return out
+
+
 def _snapshot(stack: Any, world: int) -> dict[str, Any]:
     cache = stack.cache
     reach, nodes = _host_only_pages(cache, stack.layout, world)
@@ -95,15 +109,7 @@ def unfittable_runs(rank: int, world: int) -> dict[str, Any]:
     out["fittable_pages"] = fits_pages
     out["fittable_fits"] = room.make_room(0, fits_pages)
     out["after_fittable"] = _snapshot(stack, world)
-    out["records"] = [
-        {k: getattr(r, k) for k in ("device_hit_tokens", "host_hit_tokens", "loaded_tokens",
-                                    "verified_pages", "restored_pages_verified", "corrupted_pages")}
-        for r in records
-    ]
-    totals = engine.totals()
-    out["digest"], out["invariant_violations"] = totals.tree_digest, totals.invariant_violations
-    stack.close()
-    return out
+    return _finish(out, stack, engine, records)
 
 
 def _node_state(node: Any, page_owners: Any) -> dict[str, Any]:
@@ -221,12 +227,4 @@ def prefix_first(rank: int, world: int, tail_rule: str) -> dict[str, Any]:
     out["host_nodes"] = sorted((_node_state(n, owner_of) for n in _all_nodes(tree) if n.backuped),
                                key=lambda s: s["id"])
     records += [engine.serve(3 + i, tokens) for i, tokens in enumerate((q, a))]
-    out["records"] = [
-        {k: getattr(r, k) for k in ("device_hit_tokens", "host_hit_tokens", "loaded_tokens",
-                                    "verified_pages", "restored_pages_verified", "corrupted_pages")}
-        for r in records
-    ]
-    totals = engine.totals()
-    out["digest"], out["invariant_violations"] = totals.tree_digest, totals.invariant_violations
-    stack.close()
-    return out
+    return _finish(out, stack, engine, records)

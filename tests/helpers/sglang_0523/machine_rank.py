@@ -20,6 +20,8 @@ from array import array
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from tests.helpers.sglang_0523.scenarios import _device_buffers, _host_buffers
+
 P = 64
 PATHS = ("upstream", "library")
 HOST_FILL = 0x5A  # unwritten host bytes compare equal across paths
@@ -255,20 +257,6 @@ def _extend_keys(h: int, tokens: Any) -> tuple[Any, int]:
         h = (h * content._KEY_BASE + (int(token) & 0xFFFFFFFF) + 1) % content.KEY_MODULUS
         keys[i] = h
     return torch.tensor(keys, dtype=torch.int64), h
-
-
-def _bytes(t: Any) -> Any:
-    import torch
-
-    return t.view(torch.uint8) if t.dtype != torch.uint8 else t
-
-
-def _host_buffers(stack: Any) -> list[Any]:
-    return [_bytes(stack.kv_host.host_pool.kv_buffer), _bytes(stack.index_host.index_k_with_scale_buffer)]
-
-
-def _device_buffers(stack: Any) -> list[Any]:
-    return [_bytes(b) for b in stack.kv_pool.kv_buffer] + list(stack.kv_pool.index_k_with_scale_buffer)
 
 
 def _same(a: Any, b: Any) -> bool:

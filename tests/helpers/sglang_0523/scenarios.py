@@ -423,11 +423,10 @@ def agreement(rank: int, world: int) -> dict[str, Any]:
     """Build the library stack once per case on every rank; returns case ->
     ("built" or the error) and the number of all-gathers the build made."""
     _setup()
-    import os
-
     import torch.distributed as dist
 
     from sglang_cp_hicache.testing.stack_0523 import ShardedStackConfig, build_sharded_rank_stack
+    from tests.helpers.sglang_0523.ranks import _environ
 
     gathers = 0
     real_gather = dist.all_gather_object
@@ -444,24 +443,16 @@ def agreement(rank: int, world: int) -> dict[str, Any]:
             odd = rank == world - 1 or spec.get("every_rank", False)
             fields = {"cp_size": world, "copy_path": "library", **(spec.get("config", {}) if odd else {})}
             config = ShardedStackConfig(**fields)
-            env = spec.get("env", {}) if odd else {}
-            saved = {k: os.environ.get(k) for k in env}
-            os.environ.update(env)
             gathers = 0
             try:
-                stack = build_sharded_rank_stack(
-                    config, spec.get("cp_rank", rank) if odd else rank, cp_group=dist.group.WORLD
-                )
-                stack.close()
-                out[case] = ("built", gathers)
+                with _environ(spec.get("env", {}) if odd else {}):
+                    stack = build_sharded_rank_stack(
+                        config, spec.get("cp_rank", rank) if odd else rank, cp_group=dist.group.WORLD
+                    )
+                    stack.close()
+                    out[case] = ("built", gathers)
             except ValueError as exc:  # CpAgreementError or a settings error
                 out[case] = (f"{type(exc).__name__}: {exc}", gathers)
-            finally:
-                for key, value in saved.items():
-                    if value is None:
-                        os.environ.pop(key, None)
-                    else:
-                        os.environ[key] = value
     finally:
         dist.all_gather_object = real_gather
     return out

@@ -9,33 +9,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 import traceback
 from array import array
-from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
+
+from sglang_cp_hicache.testing.requests_0523 import LoadBackRequest
 
 P = 64
-
-
-@dataclass
-class _LoadBackRequest:
-    """The request fields ``UnifiedRadixCache.init_load_back`` reads."""
-
-    rid: str
-    last_node: Any
-    kv_rotation_base: Optional[int]
-    swa_host_hit_length: int = 0
-    mamba_host_hit_length: int = 0
-    extra_key: Optional[str] = None
-    prefix_len: int = 0
-
-    @property
-    def kv(self) -> Any:
-        return _NoMamba
-
-
-class _NoMamba:
-    mamba_pool_idx = None
 
 
 class _Driver:
@@ -47,12 +28,13 @@ class _Driver:
         self.stack, self.cache, self.allocator = stack, stack.cache, stack.allocator
         self.layout = stack.layout
         self.verified = self.corrupted = self.host_hits = self.loaded = 0
+        self.served = 0  # requests served to their end
 
     def _content(self, locs: Any, start: int, *, check: bool) -> None:
         import torch
 
         from sglang_cp_hicache.sim.content import corrupted_token_mask, write_content
-        from tests.helpers.sglang_0523.device_index import device_side, unwrap
+        from tests.helpers.device_index import device_side, unwrap
 
         with device_side():
             locs = unwrap(locs).to(torch.int64)
@@ -81,7 +63,7 @@ class _Driver:
         if match.host_hit_length > 0:  # load-back
             self.host_hits += int(match.host_hit_length)
             base = cache.rotation_base_of(match.best_match_node)
-            request = _LoadBackRequest(f"r{index}", match.last_device_node, base)
+            request = LoadBackRequest(f"r{index}", match.last_device_node, base)
             loaded, last = cache.init_load_back(InitLoadBackParams(
                 best_match_node=match.best_match_node, host_hit_length=int(match.host_hit_length), req=request,
             ))
@@ -107,6 +89,7 @@ class _Driver:
             ))
         cache.unlock(lock)
         cache.check_hicache_events()
+        self.served += 1
 
 
 def _chains() -> list[list[int]]:
@@ -122,7 +105,7 @@ def _chains() -> list[list[int]]:
 
 def _watch_reads(stack: Any) -> None:
     """Wrap every device loc the allocator hands out and holds."""
-    from tests.helpers.sglang_0523.device_index import wrap
+    from tests.helpers.device_index import wrap
 
     alloc = stack.allocator
     alloc.class_free_pages = [wrap(t) for t in alloc.class_free_pages]
@@ -136,7 +119,7 @@ def _watch_reads(stack: Any) -> None:
 
 
 def _as_device_work(fn: Any) -> Any:
-    from tests.helpers.sglang_0523.device_index import device_side, unwrap
+    from tests.helpers.device_index import device_side, unwrap
 
     def on_device(*args: Any, **kwargs: Any) -> Any:
         with device_side():
@@ -164,56 +147,83 @@ def _kernels_are_device_work() -> list[tuple[Any, str, Any]]:
     return saved
 
 
+def on_both_paths(rank: int, world: int, shape: dict[str, int], run: Callable[[Any], dict[str, Any]]) -> dict[str, Any]:
+    """``run(stack)`` on this rank's library stack, then its upstream stack,
+    of ``shape`` (device and host pages), each stack's device locs raising on
+    any host read and the copy kernels as device work (from the first build
+    on, once the harness's ops are in place; restored after); each path's
+    report. A stack whose run stopped at a host read (its report's
+    ``first_read``) is left as it is: the rank process ends after."""
+    import torch.distributed as dist
+
+    from sglang_cp_hicache.testing.stack_0523 import ShardedStackConfig, build_sharded_rank_stack
+    from tests.helpers.device_index import DeviceIndex
+
+    saved: list[tuple[Any, str, Any]] = []
+    out: dict[str, Any] = {}
+    try:
+        for path in ("library", "upstream"):
+            config = ShardedStackConfig(cp_size=world, copy_path=path, **shape)
+            stack = build_sharded_rank_stack(config, rank, cp_group=dist.group.WORLD)
+            saved[:] = saved or _kernels_are_device_work()
+            _watch_reads(stack)
+            DeviceIndex.reads.clear()
+            out[path] = run(stack)
+            if out[path]["first_read"] is None:
+                stack.close()
+    finally:
+        for owner, name, fn in saved:
+            setattr(owner, name, fn)
+    return out
+
+
+def first_host_read(serve: Callable[[], Any]) -> Optional[list[str]]:
+    """Run ``serve()``; None when it returned, else where the :class:`HostRead`
+    that stopped it was raised: the last four frames in SGLang or the library."""
+    from tests.helpers.device_index import HostRead
+
+    try:
+        serve()
+    except HostRead:
+        frames = traceback.extract_tb(sys.exc_info()[2])
+        return [f"{f.filename.split('site-packages/')[-1]}:{f.lineno} {f.name}" for f in frames
+                if "sglang/" in f.filename or "sglang_cp_hicache/" in f.filename][-4:]
+    return None
+
+
+def path_report(stack: Any, served: int, first_read: Optional[list[str]], counts: Any) -> dict[str, Any]:
+    """One copy path's result: what was served, the host reads refused, the
+    content checks (``counts``: verified, corrupted, host_hits, loaded) and,
+    for the library's stack, its device-free and host-room counters."""
+    from tests.helpers.device_index import DeviceIndex
+
+    out = {
+        "served": served, "reads": list(DeviceIndex.reads), "first_read": first_read,
+        "verified_pages": counts.verified, "corrupted_pages": counts.corrupted,
+        "host_hits": counts.host_hits, "loaded": counts.loaded,
+    }
+    if stack.config.copy_path == "library":
+        ctrl = stack.controller
+        out.update(device_frees=vars(ctrl.cp_device_frees.counters), host_room=vars(ctrl.cp_host_room.counters))
+    return out
+
+
 def no_sync(rank: int, world: int) -> dict[str, Any]:
     """The chains on a library stack whose device locs raise on any host
     read; then on upstream's stack, where the first read is reported."""
     from tests.helpers.sglang_0523.scenarios import _setup
 
     _setup()
-    import torch.distributed as dist
 
-    from sglang_cp_hicache.testing.stack_0523 import ShardedStackConfig, build_sharded_rank_stack
-    from tests.helpers.sglang_0523.device_index import DeviceIndex, HostRead
+    def run(stack: Any) -> dict[str, Any]:
+        driver = _Driver(stack)
+        first_read = first_host_read(lambda: [driver.serve(i, tokens) for i, tokens in enumerate(_chains())])
+        report = path_report(stack, driver.served, first_read, driver)
+        if stack.config.copy_path == "library":
+            report.update(copies=vars(stack.controller.l2_transfer_engine.counters))
+        return report
 
-    out: dict[str, Any] = {}
-    saved = None
-    try:
-        for path in ("library", "upstream"):
-            config = ShardedStackConfig(cp_size=world, device_pages=6, host_pages=8, copy_path=path)
-            stack = build_sharded_rank_stack(config, rank, cp_group=dist.group.WORLD)
-            saved = saved or _kernels_are_device_work()  # once the harness's ops are in place
-            _watch_reads(stack)
-            driver = _Driver(stack)
-            DeviceIndex.reads.clear()
-            first_read = None
-            served = 0
-            try:
-                for i, tokens in enumerate(_chains()):
-                    driver.serve(i, tokens)
-                    served += 1
-            except HostRead:
-                frames = traceback.extract_tb(__import__("sys").exc_info()[2])
-                first_read = [f"{f.filename.split('site-packages/')[-1]}:{f.lineno} {f.name}" for f in frames
-                              if "sglang/" in f.filename or "sglang_cp_hicache/" in f.filename][-4:]
-            ctrl = stack.controller
-            out[path] = {
-                "served": served, "reads": list(DeviceIndex.reads), "first_read": first_read,
-                "verified_pages": driver.verified, "corrupted_pages": driver.corrupted,
-                "host_hits": driver.host_hits, "loaded": driver.loaded,
-            }
-            if path == "library":
-                engine = ctrl.l2_transfer_engine
-                out[path].update(
-                    device_frees=vars(ctrl.cp_device_frees.counters), host_room=vars(ctrl.cp_host_room.counters),
-                    copies=vars(engine.counters),
-                )
-            if first_read is None:
-                stack.close()
-            # a rank that raised mid-request leaves its stack as it is: the process ends
-    finally:
-        for owner, name, fn in saved or ():
-            setattr(owner, name, fn)
-    return out
+    return on_both_paths(rank, world, {"device_pages": 6, "host_pages": 8}, run)
 
 
 # ---- upstream's stack through the plugin's upstream strategy -----------------------------

@@ -16,7 +16,6 @@ load-back run between them.
 
 from __future__ import annotations
 
-import traceback
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -55,7 +54,7 @@ class _Scheduler:
 
     def __init__(self, stack: Any) -> None:
         from sglang_cp_hicache.testing.requests_0523 import SchedulerRequests
-        from tests.helpers.sglang_0523.device_index import wrap
+        from tests.helpers.device_index import wrap
         from tests.helpers.sglang_0523.scenarios_bookkeeping import _Driver
 
         self.stack, self.cache, self.allocator = stack, stack.cache, stack.allocator
@@ -71,7 +70,7 @@ class _Scheduler:
         from sglang.srt.mem_cache.radix_cache import RadixKey
         from array import array
 
-        from tests.helpers.sglang_0523.scenarios_bookkeeping import _LoadBackRequest
+        from sglang_cp_hicache.testing.requests_0523 import LoadBackRequest
 
         cache, n, tokens = self.cache, self.stack.layout.cp_size, spec.tokens
         # the scheduler matches at most len - 1 tokens: a request keeps one to compute
@@ -80,7 +79,7 @@ class _Scheduler:
         evict_from_tree_cache(cache, len(tokens) + P * n)
         last = match.last_device_node
         if match.host_hit_length > 0:
-            request = _LoadBackRequest(f"r{index}", match.last_device_node,
+            request = LoadBackRequest(f"r{index}", match.last_device_node,
                                        cache.rotation_base_of(match.best_match_node))
             loaded, last = cache.init_load_back(InitLoadBackParams(
                 best_match_node=match.best_match_node, host_hit_length=int(match.host_hit_length), req=request,
@@ -151,46 +150,14 @@ def no_sync_requests(rank: int, world: int) -> dict[str, Any]:
     from tests.helpers.sglang_0523.scenarios import _setup
 
     _setup()
-    import sys
+    from tests.helpers.sglang_0523.scenarios_bookkeeping import first_host_read, on_both_paths, path_report
 
-    import torch.distributed as dist
+    def run(stack: Any) -> dict[str, Any]:
+        scheduler = _Scheduler(stack)
+        first_read = first_host_read(scheduler.serve)
+        report = path_report(stack, scheduler.served, first_read, scheduler.content)
+        if stack.config.copy_path == "library":
+            report.update(leaks=_leaks(stack, scheduler.requests.pool) if first_read is None else None)
+        return report
 
-    from sglang_cp_hicache.testing.stack_0523 import ShardedStackConfig, build_sharded_rank_stack
-    from tests.helpers.sglang_0523.device_index import DeviceIndex, HostRead
-    from tests.helpers.sglang_0523.scenarios_bookkeeping import _kernels_are_device_work, _watch_reads
-
-    out: dict[str, Any] = {}
-    saved = None
-    try:
-        for path in ("library", "upstream"):
-            config = ShardedStackConfig(cp_size=world, device_pages=10, host_pages=6, copy_path=path)
-            stack = build_sharded_rank_stack(config, rank, cp_group=dist.group.WORLD)
-            saved = saved or _kernels_are_device_work()
-            _watch_reads(stack)
-            scheduler = _Scheduler(stack)
-            DeviceIndex.reads.clear()
-            first_read = None
-            try:
-                scheduler.serve()
-            except HostRead:
-                frames = traceback.extract_tb(sys.exc_info()[2])
-                first_read = [f"{f.filename.split('site-packages/')[-1]}:{f.lineno} {f.name}" for f in frames
-                              if "sglang/" in f.filename or "sglang_cp_hicache/" in f.filename][-4:]
-            content = scheduler.content
-            out[path] = {
-                "served": scheduler.served, "reads": list(DeviceIndex.reads), "first_read": first_read,
-                "verified_pages": content.verified, "corrupted_pages": content.corrupted,
-                "host_hits": content.host_hits, "loaded": content.loaded,
-            }
-            if path == "library":
-                ctrl = stack.controller
-                out[path].update(
-                    device_frees=vars(ctrl.cp_device_frees.counters), host_room=vars(ctrl.cp_host_room.counters),
-                    leaks=_leaks(stack, scheduler.requests.pool) if first_read is None else None,
-                )
-            if first_read is None:
-                stack.close()
-    finally:
-        for owner, name, fn in saved or ():
-            setattr(owner, name, fn)
-    return out
+    return on_both_paths(rank, world, {"device_pages": 10, "host_pages": 6}, run)

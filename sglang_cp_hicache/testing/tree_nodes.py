@@ -1,4 +1,6 @@
-"""A minimal radix node satisfying sglang_cp_hicache.policy_0518.node_state.CpNode."""
+"""A minimal radix node satisfying sglang_cp_hicache.policy_0518.node_state.CpNode:
+the 0.5.18 policy on plain ints and tensors, without SGLang (its tests and
+``bench/bench_bookkeeping.py``)."""
 
 from __future__ import annotations
 

@@ -9,6 +9,10 @@ a :class:`DeviceIndex`: any host read of its values -- ``.cpu()``,
 "device work" may read them: the copy kernels and a harness's own content
 fill and check (the forward pass's job on a server), inside
 :func:`device_side`. Shapes (``len``, ``numel``) are host metadata and fine.
+
+Both releases' no-sync tests use it; on a GPU the same code runs under
+``torch.cuda.set_sync_debug_mode("error")``, which :func:`device_side` sets
+back to ``default`` while device work runs.
 """
 
 from __future__ import annotations
@@ -30,13 +34,19 @@ class HostRead(AssertionError):
 
 @contextlib.contextmanager
 def device_side() -> Iterator[None]:
-    """Code inside runs "on the device": it may read DeviceIndex values."""
+    """Code inside runs "on the device": it may read DeviceIndex values (and,
+    on a GPU, synchronise)."""
     depth = getattr(_state, "depth", 0)
     _state.depth = depth + 1
+    cuda_mode = torch.cuda.get_sync_debug_mode() if torch.cuda.is_available() else 0
+    if cuda_mode:
+        torch.cuda.set_sync_debug_mode("default")
     try:
         yield
     finally:
         _state.depth = depth
+        if cuda_mode:
+            torch.cuda.set_sync_debug_mode(cuda_mode)
 
 
 _READS = {
