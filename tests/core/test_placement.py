@@ -4,6 +4,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from sglang_cp_hicache import CpPlacement
+from sglang_cp_hicache.placement import page_owner, phase_owner
 
 
 def test_formula_small_example():
@@ -72,3 +73,18 @@ def test_round_trip_and_density(page_size, cp_size, num_pages):
         assert torch.equal(lay.physical_locs_to_logical(phys), mine)
         seen[mine] += 1
     assert bool((seen == 1).all())  # every logical loc has exactly one owner
+
+
+def test_phase_owner_is_the_cyclic_rule():
+    # A run at phase 6 on 4 classes: its pages go to classes 2, 3, 0, 1, 2.
+    assert [phase_owner(6, 4, page) for page in range(5)] == [2, 3, 0, 1, 2]
+    assert phase_owner(6, 4) == 2  # the run's first page: the phase's own class
+    assert phase_owner(0, 1, 7) == 0  # one rank owns everything
+
+
+@given(phase=st.integers(0, 10_000), cp_size=st.integers(1, 16), page=st.integers(0, 1_000))
+def test_phase_owner_matches_the_page_owner_of_the_phase_page(phase, cp_size, page):
+    # Phases count pages: a run at phase p places its page i where the
+    # interleave places logical page p + i.
+    assert phase_owner(phase, cp_size, page) == page_owner(phase + page, cp_size) == (phase + page) % cp_size
+    assert phase_owner(phase, cp_size, page) == phase_owner(phase_owner(phase, cp_size), cp_size, page)
