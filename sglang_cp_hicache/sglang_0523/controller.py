@@ -39,8 +39,8 @@ class LibraryCopyController(HybridCacheController):
                 "(anchor PageInterleaveHostPool); build it only for PageInterleave pools"
             )
         anchor = self.mem_pool_host.anchor_entry.host_pool
-        self.cp_layout = CpPlacement(anchor.page_size, anchor.shard_size, anchor.shard_rank)
-        self.l2_transfer_engine = LibraryL2TransferEngine(self.io_backend, self.cp_layout)
+        self.placement = CpPlacement(anchor.page_size, anchor.shard_size, anchor.shard_rank)
+        self.l2_transfer_engine = LibraryL2TransferEngine(self.io_backend, self.placement)
         # Bumped on every preparation, so start-up can prove this override is
         # what upstream's write and load paths reach.
         self.prepared_operations = 0

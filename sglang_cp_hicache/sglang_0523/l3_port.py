@@ -63,7 +63,7 @@ class L3Port0523:
         self.cache = cache
         self.tier = tier
         self.host_room = host_room
-        self.placement = tier.layout
+        self.placement = tier.placement
         self.page_size = tier.page_size
         self.metrics: Any = None  # SGLang's storage-hit figures (--enable-metrics), see .l3_metrics
 

@@ -139,17 +139,17 @@ class LibraryDsaStrategy(assembler._DsaStrategy):
         )
         verify_library_stack(result, kvcache, params)
         controller = result.cache_controller
-        layout = controller.cp_layout
+        placement = controller.placement
         # The tree-facing bookkeeping: owner-aware host room for backups, and
         # device frees (evicted nodes, insert duplicates, request pages) from
         # their rotation phase.
-        controller.cp_host_room = OwnerAwareHostRoom(cache, layout)
+        controller.cp_host_room = OwnerAwareHostRoom(cache, placement)
         controller.cp_host_room.install()
-        controller.cp_device_frees = PhaseKnownDeviceFrees(cache, params.token_to_kv_pool_allocator, layout)
+        controller.cp_device_frees = PhaseKnownDeviceFrees(cache, params.token_to_kv_pool_allocator, placement)
         controller.cp_device_frees.install()
         controller.cp_run_frees = KnownRunFrees(cache, controller.cp_device_frees)
         controller.cp_run_frees.install()
-        controller.cp_warmup = warm_up_copies(result.host_pool_group, layout.cp_rank, layout.cp_size)
+        controller.cp_warmup = warm_up_copies(result.host_pool_group, placement.cp_rank, placement.cp_size)
         controller.cp_l3 = None
         if opened and opened[0].tier is not None:
             controller.cp_l3 = install_l3(cache, opened[0].tier, location, controller.cp_host_room,
@@ -157,7 +157,7 @@ class LibraryDsaStrategy(assembler._DsaStrategy):
         logger.info(
             "sglang-cp-hicache: library copy kernels on the sharded DSA HiCache path "
             "(cp_rank %d of %d, host layout %s). Copy path: library (SGLANG_CP_HICACHE_COPY=library)",
-            layout.cp_rank, layout.cp_size, result.host_pool_group.layout,
+            placement.cp_rank, placement.cp_size, result.host_pool_group.layout,
         )
         return result
 

@@ -63,8 +63,8 @@ class SimRankEngine(RankEngineBase):
     def __init__(self, stack: CpRankStack, *, content_seed: int = 0) -> None:
         self.cp_mode = stack.config.cp_mode
         # Plain mode: one process owns every page, physical == logical.
-        layout = getattr(stack.allocator, "layout", CpPlacement(stack.config.page_size, 1, 0))
-        self._bind_stack(stack, layout, content_seed)
+        placement = getattr(stack.allocator, "layout", CpPlacement(stack.config.page_size, 1, 0))
+        self._bind_stack(stack, placement, content_seed)
         self._backup_tokens = 0
         self._plain_host_evicted_slots = 0
         self._plain_load_backs = 0

@@ -93,7 +93,7 @@ class ShardedSimRankEngine(RankEngineBase):
     """Drives one rank's :class:`ShardedRankStack` request by request."""
 
     def __init__(self, stack: ShardedRankStack, *, content_seed: int = 0) -> None:
-        self._bind_stack(stack, stack.layout, content_seed)
+        self._bind_stack(stack, stack.placement, content_seed)
         self.cp_size = stack.config.cp_size
         self.copy_path = stack.config.copy_path
         self.copy_times = CopyPathTimes(self.copy_path)
@@ -113,7 +113,7 @@ class ShardedSimRankEngine(RankEngineBase):
 
     # ---- instrumentation (instance attributes shadow the bound methods) ------
     def _owned_tokens(self, logical: torch.Tensor) -> int:
-        return int(self.layout.owned_by_this_rank(logical.to(torch.int64).cpu()).sum())
+        return int(self.placement.owned_by_this_rank(logical.to(torch.int64).cpu()).sum())
 
     def _time_copy_path(self) -> None:
         """CPU time in index preparation, submission and the consensus
@@ -461,8 +461,8 @@ class ShardedSimRankEngine(RankEngineBase):
         for node in nodes:
             data = node.component(_FULL)
             if data.value is not None and data.host_value is not None:
-                device_owners = self.layout.owner_of(data.value[::P].to(torch.int64).cpu())
-                host_owners = self.layout.owner_of(data.host_value[::P].to(torch.int64))
+                device_owners = self.placement.owner_of(data.value[::P].to(torch.int64).cpu())
+                host_owners = self.placement.owner_of(data.host_value[::P].to(torch.int64))
                 if not torch.equal(device_owners, host_owners):
                     out.append(f"node {node.id}: host page owners {host_owners.tolist()} != device {device_owners.tolist()}")
         locked = [n.id for n in nodes if n.component(_FULL).lock_ref != 0]

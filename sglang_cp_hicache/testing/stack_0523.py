@@ -183,7 +183,7 @@ class ShardedRankStack:
         return self.host_group.entry_map[PoolName.INDEXER].host_pool
 
     @property
-    def layout(self) -> CpPlacement:
+    def placement(self) -> CpPlacement:
         return CpPlacement(self.config.page_size, self.config.cp_size, self.cp_rank)
 
     def close(self) -> None:

@@ -43,7 +43,7 @@ def _call(pools, direction: str, dl, hl, *, devs=None, host=None, layer_id: int 
     """One unbound copy through kernels.transfer (the backend picked per call)."""
     devs = pools.devs if devs is None else devs
     host = pools.host if host is None else host
-    h, placement = pools.host_layout, pools.layout
+    h, placement = pools.host_layout, pools.placement
     if pools.kv and direction == "d2h":
         transfer.backup_kv_all_layers(devs, host, h, dl, hl, placement)
     elif pools.kv:
@@ -57,7 +57,7 @@ def _call(pools, direction: str, dl, hl, *, devs=None, host=None, layer_id: int 
 def _bind(pools, *, devs=None, host=None):
     fn = bind_kv_copies if pools.kv else bind_indexer_copies
     return fn(pools.devs if devs is None else devs, pools.host if host is None else host,
-              pools.host_layout, pools.layout)
+              pools.host_layout, pools.placement)
 
 
 def _snapshot(pools) -> list[torch.Tensor]:

@@ -67,16 +67,16 @@ def _spy(monkeypatch, calls):
 
 
 def _run(pools, direction, dl, hl, layer_id=1):
-    lay, h = pools.layout, pools.host_layout
+    placement, h = pools.placement, pools.host_layout
     if pools.kv:
         if direction == "d2h":
-            transfer.backup_kv_all_layers(pools.devs, pools.host, h, dl, hl, lay)
+            transfer.backup_kv_all_layers(pools.devs, pools.host, h, dl, hl, placement)
         else:
-            transfer.load_kv_one_layer(pools.devs[layer_id], pools.host, h, layer_id, dl, hl, lay)
+            transfer.load_kv_one_layer(pools.devs[layer_id], pools.host, h, layer_id, dl, hl, placement)
     elif direction == "d2h":
-        transfer.backup_indexer_all_layers(pools.devs, pools.host, h, dl, hl, lay)
+        transfer.backup_indexer_all_layers(pools.devs, pools.host, h, dl, hl, placement)
     else:
-        transfer.load_indexer_one_layer(pools.devs[layer_id], pools.host, h, layer_id, dl, hl, lay)
+        transfer.load_indexer_one_layer(pools.devs[layer_id], pools.host, h, layer_id, dl, hl, placement)
 
 
 @pytest.mark.parametrize("direction", ["d2h", "h2d"])
@@ -218,13 +218,13 @@ from sglang_cp_hicache.kernels import _kernel, _twin, transfer, reference
 from sglang_cp_hicache.placement import CpPlacement
 assert _kernel.INTERPRETED and _twin.kernel_for(True) is _kernel._copy_pages_kernel
 assert transfer.select_backend("cpu") == "triton-interpret"
-lay = CpPlacement(16, 2, 0)
+placement = CpPlacement(16, 2, 0)
 dev = [torch.randint(0, 256, (64, 1, 656), dtype=torch.uint8) for _ in range(3)]
 locs = torch.cat([torch.arange(p * 16, p * 16 + 16) for p in (0, 1, 2, 6)])
 hl = torch.arange(32, 80)
 a = torch.full((6 * 16, 3, 1, 656), 0xA5, dtype=torch.uint8); b = a.clone()
-transfer.backup_kv_all_layers(dev, a, "page_first", locs, hl, lay)
-reference.backup_kv_all_layers_reference(dev, b, "page_first", locs, hl, lay)
+transfer.backup_kv_all_layers(dev, a, "page_first", locs, hl, placement)
+reference.backup_kv_all_layers_reference(dev, b, "page_first", locs, hl, placement)
 assert torch.equal(a, b) and not torch.equal(a, torch.full_like(a, 0xA5))
 print("ok")
 """

@@ -45,7 +45,7 @@ class _Driver:
 
     def __init__(self, stack: Any) -> None:
         self.stack, self.cache, self.allocator = stack, stack.cache, stack.allocator
-        self.layout = stack.layout
+        self.placement = stack.placement
         self.verified = self.corrupted = self.host_hits = self.loaded = 0
 
     def _content(self, locs: Any, start: int, *, check: bool) -> None:
@@ -57,8 +57,8 @@ class _Driver:
         with device_side():
             locs = unwrap(locs).to(torch.int64)
             keys = torch.arange(start, start + locs.numel(), dtype=torch.int64)
-            mask = self.layout.owned_by_this_rank(locs)
-            phys = self.layout.logical_locs_to_physical(locs[mask])
+            mask = self.placement.owned_by_this_rank(locs)
+            phys = self.placement.logical_locs_to_physical(locs[mask])
             if check:
                 bad = corrupted_token_mask(self.stack.kv_pool, phys, keys[mask], seed=7)
                 self.verified += int(mask.sum()) // P
@@ -72,7 +72,7 @@ class _Driver:
         from sglang.srt.mem_cache.common import evict_from_tree_cache
         from sglang.srt.mem_cache.radix_cache import RadixKey
 
-        cache, n = self.cache, self.layout.cp_size
+        cache, n = self.cache, self.placement.cp_size
         key = RadixKey(array("q", tokens))
         match = cache.match_prefix(MatchPrefixParams(key=key))
         admission = cache.lock(match.last_device_node)
@@ -349,7 +349,7 @@ def finding_host_eviction(rank: int, world: int, copy_path: str = "upstream") ->
         cp_group=dist.group.WORLD,
     )
     cache, slots = stack.cache, stack.kv_host._slots
-    layout = stack.layout
+    placement = stack.placement
     failures: list[dict[str, Any]] = []
     backup = cache._execute_kv_backup
 
@@ -361,7 +361,7 @@ def finding_host_eviction(rank: int, world: int, copy_path: str = "upstream") ->
             todo.extend(node.children.values())
             data = node.component(ComponentType.FULL)
             if node.parent is not None and data.value is None and data.host_value is not None and data.host_lock_ref == 0:
-                for owner in layout.owner_of(data.host_value[::P].to(torch.int64)).tolist():
+                for owner in placement.owner_of(data.host_value[::P].to(torch.int64)).tolist():
                     counts[owner] += 1
         return counts
 

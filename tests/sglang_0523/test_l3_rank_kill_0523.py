@@ -261,7 +261,7 @@ def test_the_fallback_min_failing_gives_back_every_pending_lookup(caplog):
         dec_host_lock_ref=lambda node_id, lock: released.append((node_id, lock)),
         tree_core=SimpleNamespace(insert_host=lambda *a: inserted.append(a)),
     )
-    tier = SimpleNamespace(layout=CpPlacement(64, 2, 1), counters=L3Counters(), page_size=64)
+    tier = SimpleNamespace(placement=CpPlacement(64, 2, 1), counters=L3Counters(), page_size=64)
     port = L3Port0523(cache, tier, None)
     driver = L3Driver(cache, RankL3(tier, port, L3Location("/unused", False, "test")), port)
     driver._upstream["check_hicache_events"] = lambda: None
