@@ -2,6 +2,7 @@
 valid ones) and the start-up agreement check (each kind of mismatch named)."""
 
 import threading
+from dataclasses import asdict
 
 import pytest
 import torch.distributed as dist
@@ -187,3 +188,18 @@ def test_every_rank_of_a_real_group_gets_the_same_verdict(case):
         "needs its own cp_rank in 0..2",
     }[case]
     assert results == {0: expected, 1: expected, 2: expected}
+
+
+def test_a_hint_is_added_to_a_disagreement_on_its_key_only():
+    from sglang_cp_hicache.agreement import COPY_PATH_KEY
+
+    views = [RankView(0, 2, {COPY_PATH_KEY: "library"}), RankView(1, 2, {COPY_PATH_KEY: "upstream"})]
+
+    def gather(out, obj, group):  # stands in for all_gather_object: rank 1's view is the odd one
+        out[:] = [asdict(v) for v in views]
+
+    group = type("G", (), {"size": lambda self: 2})()
+    with pytest.raises(CpAgreementError, match="start every rank with the same copy_path; set X$"):
+        gather_and_check(views[0], group, all_gather=gather, hints={COPY_PATH_KEY: "set X"})
+    with pytest.raises(CpAgreementError, match="start every rank with the same copy_path$"):
+        gather_and_check(views[0], group, all_gather=gather, hints={"page_size": "set Y"})
