@@ -15,7 +15,7 @@ from typing import Callable
 
 import torch
 
-from sglang_cp_hicache.kernels import cp_page_copy as triton_copy
+from sglang_cp_hicache.kernels import _triton_launch as triton_copy
 from sglang_cp_hicache.kernels import reference
 from sglang_cp_hicache.placement import CpPlacement
 

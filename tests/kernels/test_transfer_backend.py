@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tests.helpers.kernel_pools import POISON, bits, make_pools, page_locs
-from sglang_cp_hicache.kernels import _twin, compile, cp_page_copy, reference, transfer
+from sglang_cp_hicache.kernels import _twin, compile, _triton_launch, reference, transfer
 from sglang_cp_hicache.placement import CpPlacement
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -50,13 +50,13 @@ def test_signatures_match_the_reference(name):
     ours = inspect.signature(getattr(transfer, name))
     ref = inspect.signature(getattr(reference, f"{name}_reference"))
     assert list(ours.parameters) == list(ref.parameters)
-    kernel = inspect.signature(getattr(cp_page_copy, name))
+    kernel = inspect.signature(getattr(_triton_launch, name))
     assert list(kernel.parameters)[: len(ref.parameters)] == list(ref.parameters)
 
 
 def _spy(monkeypatch, calls):
     for name in FUNCS:
-        for module, tag, attr in ((cp_page_copy, "triton", name), (reference, "reference", f"{name}_reference")):
+        for module, tag, attr in ((_triton_launch, "triton", name), (reference, "reference", f"{name}_reference")):
             real = getattr(module, attr)
 
             def spy(*a, _real=real, _tag=tag, **k):
@@ -154,7 +154,7 @@ def test_warmup_is_a_no_op_on_the_reference_backend(monkeypatch):
         assert (report.backend, report.ops, report.compiled, report.cache_dir) == ("reference", [], 0, None)
         assert report.config == dict(page_size=64, host_layout="page_first", num_layers=61, kv_dim=576,
                                      kv_dtype="bfloat16", indexer_page_bytes=8448, device="cpu",
-                                     block_bytes=cp_page_copy.DEFAULT_BLOCK_BYTES)
+                                     block_bytes=_triton_launch.DEFAULT_BLOCK_BYTES)
         json.dumps(report.as_dict())
 
 
@@ -166,13 +166,13 @@ def test_warmup_is_a_no_op_on_the_reference_backend(monkeypatch):
 def test_warmup_runs_each_op_once_under_the_interpreter(monkeypatch, kv, indexer, ops):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     launched = []
-    real = cp_page_copy._launch
+    real = _triton_launch._launch
 
     def spy(plan, *a, **k):
         launched.append((plan.to_host, plan.dev_ptr_table, len(plan.dev_layers)))
         return real(plan, *a, **k)
 
-    monkeypatch.setattr(cp_page_copy, "_launch", spy)
+    monkeypatch.setattr(_triton_launch, "_launch", spy)
     cfg = dict(WARM_CFG, device="cpu")
     if not kv:
         cfg.update(kv_dim=None, kv_dtype=None)
