@@ -59,6 +59,7 @@ from sglang.srt.mem_cache.unified_cache.components.base import EvictLayer
 from sglang_cp_hicache.sim.copy_path_times import CopyPathTimes, timed as _timed
 from sglang_cp_hicache.sim.engine_base import NewPages, PrefixHit, RankEngineBase, RequestInFlight
 from sglang_cp_hicache.sim.records import EngineTotals
+from sglang_cp_hicache.sglang_0523.stack import library_stack
 from sglang_cp_hicache.testing.requests_0523 import SchedulerRequests
 from sglang_cp_hicache.testing.stack_0523 import ShardedRankStack
 
@@ -105,7 +106,8 @@ class ShardedSimRankEngine(RankEngineBase):
         self._count_transfers()
         self._count_bookkeeping()
         # L3 (the library stack with an L3 directory): its driver.
-        self.l3 = getattr(self.cache.cache_controller, "cp_l3", None)
+        record = library_stack(self.cache)
+        self.l3 = record.l3 if record is not None else None
         if self.l3 is not None:
             self._record_l3_restores(self.l3)
         # One req_to_token row: the engine serves one request at a time.
@@ -219,15 +221,11 @@ class ShardedSimRankEngine(RankEngineBase):
 
     def _library_counters(self, totals: EngineTotals) -> None:
         """The library stack's own counters (absent on upstream's)."""
-        ctrl = self.cache.cache_controller
-        host_room, device_frees = getattr(ctrl, "cp_host_room", None), getattr(ctrl, "cp_device_frees", None)
-        warmup = getattr(ctrl, "cp_warmup", None)
-        if host_room is not None:
-            totals.host_room = asdict(host_room.counters)
-        if device_frees is not None:
-            totals.device_frees = asdict(device_frees.counters)
-        if warmup is not None:
-            totals.warmup = {"backend": warmup.backend, "seconds": float(warmup.seconds)}
+        record = library_stack(self.cache)
+        if record is not None:
+            totals.host_room = asdict(record.host_room.counters)
+            totals.device_frees = asdict(record.device_frees.counters)
+            totals.warmup = {"backend": record.warmup.backend, "seconds": float(record.warmup.seconds)}
 
     # ---- L3: the scheduler's storage calls ----------------------------------------
     def _l3_prefetch(self, request: RequestInFlight) -> None:

@@ -41,7 +41,7 @@ def _snapshot(stack: Any, world: int) -> dict[str, Any]:
     return {
         "free": stack.kv_host._slots.class_free_page_counts(), "reach": reach, "host_only_nodes": nodes,
         "host_leaves": sorted(node.id for node in cache.tree_core.evictable_host_leaves),
-        "room": dict(vars(stack.controller.cp_host_room.counters)),
+        "room": dict(vars(stack.cp.host_room.counters)),
     }
 
 
@@ -64,7 +64,7 @@ def unfittable_runs(rank: int, world: int) -> dict[str, Any]:
 
     config = ShardedStackConfig(cp_size=world, device_pages=8, host_pages=5, copy_path="library")
     stack = build_sharded_rank_stack(config, rank, cp_group=dist.group.WORLD)
-    room = stack.controller.cp_host_room
+    room = stack.cp.host_room
     engine = ShardedSimRankEngine(stack)
     a, b, c = (list(range(base, base + pages * P)) for base, pages in ((1000, 3), (2000, 2), (3000, 4)))
     d = list(range(4000, 4000 + (config.host_pages * world + 1) * P))  # one page more than the host
@@ -138,7 +138,7 @@ def tail_eviction(rank: int, world: int, forge_hashes: bool = False) -> dict[str
 
     config = ShardedStackConfig(cp_size=world, device_pages=8, host_pages=5, copy_path="library")
     stack = build_sharded_rank_stack(config, rank, cp_group=dist.group.WORLD)
-    room, tree = stack.controller.cp_host_room, stack.cache.tree_core
+    room, tree = stack.cp.host_room, stack.cache.tree_core
     engine = ShardedSimRankEngine(stack)
     a, b, c = (list(range(base, base + pages * P)) for base, pages in ((1000, 6), (2000, 4), (3000, 1)))
     records = [engine.serve(i, tokens) for i, tokens in enumerate((a, b))]
@@ -203,7 +203,7 @@ def prefix_first(rank: int, world: int, tail_rule: str) -> dict[str, Any]:
         stack = build_sharded_rank_stack(config, rank, cp_group=dist.group.WORLD)
     finally:
         del os.environ["SGLANG_CP_HICACHE_HOST_TAIL"]
-    room, tree, owner_of = stack.controller.cp_host_room, stack.cache.tree_core, stack.placement.owner_of
+    room, tree, owner_of = stack.cp.host_room, stack.cache.tree_core, stack.placement.owner_of
     engine = ShardedSimRankEngine(stack)
     q, a, b = (list(range(base, base + pages * P)) for base, pages in ((1000, 1), (2000, 5), (3000, 4)))
     records = [engine.serve(i, tokens) for i, tokens in enumerate((q, a, b))]

@@ -204,7 +204,7 @@ def differential(rank: int, world: int, *, layouts: tuple[str, ...]) -> dict[str
 
                 _transfer.warmup = real_warmup
                 logs.close()
-            warmup = stack.controller.cp_warmup if copy_path == "library" else None
+            warmup = stack.cp.warmup if copy_path == "library" else None
             out.setdefault("warmups", {})[f"{host_layout}/{copy_path}"] = {
                 "calls": calls, "pools": _pool_facts(stack), "log": logs.lines,
                 "report": None if warmup is None else warmup.as_dict(),

@@ -204,7 +204,7 @@ def no_sync(rank: int, world: int) -> dict[str, Any]:
             if path == "library":
                 engine = ctrl.l2_transfer_engine
                 out[path].update(
-                    device_frees=vars(ctrl.cp_device_frees.counters), host_room=vars(ctrl.cp_host_room.counters),
+                    device_frees=vars(stack.cp.device_frees.counters), host_room=vars(stack.cp.host_room.counters),
                     copies=vars(engine.counters),
                 )
             if first_read is None:
@@ -394,7 +394,7 @@ def finding_host_eviction(rank: int, world: int, copy_path: str = "upstream") ->
     poison_device(stack.kv_pool)
     records += [engine.serve(4 + i, tokens) for i, tokens in enumerate((a, b, c, d))]
     totals = engine.totals()
-    room = stack.controller.cp_host_room if copy_path == "library" else None
+    room = stack.cp.host_room if copy_path == "library" else None
     out = {
         # the four requests of the finding
         "failures": first_failures, "write_failures": first_write_failures,

@@ -183,9 +183,8 @@ def no_sync_requests(rank: int, world: int) -> dict[str, Any]:
                 "host_hits": content.host_hits, "loaded": content.loaded,
             }
             if path == "library":
-                ctrl = stack.controller
                 out[path].update(
-                    device_frees=vars(ctrl.cp_device_frees.counters), host_room=vars(ctrl.cp_host_room.counters),
+                    device_frees=vars(stack.cp.device_frees.counters), host_room=vars(stack.cp.host_room.counters),
                     leaks=_leaks(stack, scheduler.requests.pool) if first_read is None else None,
                 )
             if first_read is None:

@@ -103,7 +103,7 @@ def _rank_main(rank: int, world: int, init_file: str, l3_dir: str, out_dir: str)
     stack = l3_scenarios._stack(2, rank, dist.group.WORLD, l3_dir)
     engine = ShardedSimRankEngine(stack, content_seed=1)
     engine.serve(0, TOKENS[: PREFIX_PAGES * P + 1])  # computed, written through: a host-backed anchor
-    driver, host = stack.controller.cp_l3, stack.cache.cache_controller.mem_pool_host
+    driver, host = stack.cp.l3, stack.cache.cache_controller.mem_pool_host
     report["host_available_before"] = int(host.available_size())
     report["violations_before"] = engine.invariant_violations()
     _lookup(engine, TOKENS)
@@ -158,7 +158,7 @@ def _read_back(rank: int, world: int, *, l3_dir: str) -> dict[str, Any]:
     from sglang_cp_hicache.sim.engine_0523 import ShardedSimRankEngine
 
     stack = l3_scenarios._stack(world, rank, dist.group.WORLD, l3_dir)
-    tier = stack.controller.cp_l3.tier
+    tier = stack.cp.l3.tier
     rejected = []
     for f in sorted(Path(l3_dir).rglob("*.bin")):
         ns = tier.kv_ns if f"_{tier.kv_ns.digest()}_" in f.stem else tier.indexer_ns
@@ -167,7 +167,7 @@ def _read_back(rank: int, world: int, *, l3_dir: str) -> dict[str, Any]:
     engine = ShardedSimRankEngine(stack, content_seed=1)
     record = engine.serve(0, TOKENS)
     out = {"rejected": rejected, "corrupted": record.corrupted_pages, "l3_verified": record.l3_pages_verified,
-           "loaded": record.loaded_tokens, "restored_pages": stack.controller.cp_l3.counters.restored_pages,
+           "loaded": record.loaded_tokens, "restored_pages": stack.cp.l3.counters.restored_pages,
            "violations": engine.invariant_violations()}
     stack.close()
     return out
