@@ -63,7 +63,8 @@ def check_agreement(views: Sequence[RankView], *, whole_group: bool = True) -> N
     """Raise :class:`CpAgreementError` unless every view has the same
     ``cp_size`` and ``values`` and the ``cp_rank``s are distinct, in
     0..N-1 and (``whole_group``) all N present. The first view is the
-    reference the others are named against."""
+    reference the others are named against; of several values that differ,
+    the page size is named, else the first key in sorted order."""
     if not views:
         raise CpAgreementError("no CP rank took part in the start-up agreement")
     ref = views[0]
@@ -73,7 +74,9 @@ def check_agreement(views: Sequence[RankView], *, whole_group: bool = True) -> N
                 f"CP ranks disagree on cp_size: group rank {i} (cp_rank {v.cp_rank}) has "
                 f"{v.cp_size}, group rank 0 (cp_rank {ref.cp_rank}) has {ref.cp_size}"
             )
-        for key in sorted(set(ref.values) | set(v.values)):
+        # The page size first: sizes in slots follow from it, so a rank on
+        # another page size is named by its cause.
+        for key in sorted(set(ref.values) | set(v.values), key=lambda k: (k != PAGE_SIZE_KEY, k)):
             mine, theirs = v.values.get(key), ref.values.get(key)
             if mine != theirs:
                 raise CpAgreementError(

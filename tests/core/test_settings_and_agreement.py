@@ -203,3 +203,13 @@ def test_a_hint_is_added_to_a_disagreement_on_its_key_only():
         gather_and_check(views[0], group, all_gather=gather, hints={COPY_PATH_KEY: "set X"})
     with pytest.raises(CpAgreementError, match="start every rank with the same copy_path$"):
         gather_and_check(views[0], group, all_gather=gather, hints={"page_size": "set Y"})
+
+
+def test_a_page_size_disagreement_is_named_before_the_sizes_that_follow_from_it():
+    views = [RankView(0, 2, {"page_size": 64, "host_pool_slots": 1088}),
+             RankView(1, 2, {"page_size": 32, "host_pool_slots": 544})]
+    with pytest.raises(CpAgreementError, match="disagree on page_size: cp_rank 1 has 32, cp_rank 0 has 64"):
+        check_agreement(views)
+    views[1] = RankView(1, 2, {"page_size": 64, "host_pool_slots": 544, "a_key": 1})
+    with pytest.raises(CpAgreementError, match="disagree on a_key:"):
+        check_agreement(views)
