@@ -72,30 +72,30 @@ def _node(page_size: int, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def bench_split(rows: list, page_size: int, cp_size: int, tokens: int) -> None:
-    lay = CpPlacement(page_size, cp_size, 0)
-    meta = plan_write(lay, *_node(page_size, tokens), _HostPool(10**7).alloc).metadata
+    placement = CpPlacement(page_size, cp_size, 0)
+    meta = plan_write(placement, *_node(page_size, tokens), _HostPool(10**7).alloc).metadata
     cut = (tokens // 2 // page_size) * page_size
     p50, p80 = _time_us(lambda: meta.split(cut), 2000)
     rows.append(("split", page_size, cp_size, tokens, "", p50, p80))
 
 
 def bench_write(rows: list, page_size: int, cp_size: int, tokens: int) -> None:
-    lay = CpPlacement(page_size, cp_size, 0)
+    placement = CpPlacement(page_size, cp_size, 0)
     pool = _HostPool(10**7)
     pages, locs = _node(page_size, tokens)
     # trusted: the cache hands in its own validated page mirror (as the adapter does)
-    p50, p80 = _time_us(lambda: plan_write(lay, pages, locs, pool.alloc, trusted=True), 1000)
+    p50, p80 = _time_us(lambda: plan_write(placement, pages, locs, pool.alloc, trusted=True), 1000)
     rows.append(("write_plan", page_size, cp_size, tokens, "", p50, p80))
 
 
 def bench_load(rows: list, page_size: int, cp_size: int, tokens: int) -> None:
-    lay = CpPlacement(page_size, cp_size, 0)
-    meta = plan_write(lay, *_node(page_size, tokens), _HostPool(10**7).alloc).metadata
+    placement = CpPlacement(page_size, cp_size, 0)
+    meta = plan_write(placement, *_node(page_size, tokens), _HostPool(10**7).alloc).metadata
     alloc = OwnerLaneAllocator(page_size * (4 * tokens // page_size + 4 * cp_size), page_size, cp_size)
 
     def once():
         cp = alloc.checkpoint()  # what the adapter opens to undo a refused load exactly
-        plan = plan_load(lay, [meta], alloc)
+        plan = plan_load(placement, [meta], alloc)
         alloc.commit(cp)
         alloc.free_mirrored(plan.allocation.pages)
 
@@ -108,18 +108,18 @@ def bench_load_vs_free_pages(rows: list, free_pages: int, chain_pages: int = 16)
     (a snapshot of every free list, O(free pages)) and the current way (an
     undo log, O(pages touched)); both then roll the allocation back."""
     page_size, cp_size = 64, 8
-    lay = CpPlacement(page_size, cp_size, 0)
-    meta = plan_write(lay, *_node(page_size, chain_pages * page_size), _HostPool(10**7).alloc).metadata
+    placement = CpPlacement(page_size, cp_size, 0)
+    meta = plan_write(placement, *_node(page_size, chain_pages * page_size), _HostPool(10**7).alloc).metadata
     alloc = OwnerLaneAllocator(page_size * free_pages, page_size, cp_size)
 
     def with_snapshot():
         snap = alloc.snapshot()
-        plan_load(lay, [meta], alloc)
+        plan_load(placement, [meta], alloc)
         alloc.restore(snap)
 
     def with_undo_log():
         cp = alloc.checkpoint()
-        plan_load(lay, [meta], alloc)
+        plan_load(placement, [meta], alloc)
         alloc.rollback(cp)
 
     for name, fn in (("load_back_refused_snapshot", with_snapshot), ("load_back_refused_undo_log", with_undo_log)):

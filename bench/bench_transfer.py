@@ -57,7 +57,7 @@ from sglang_cp_hicache.kernels import (
     DEFAULT_BLOCK_BYTES,
     DEFAULT_NUM_CTAS,
     HOST_LAYOUTS,
-    cp_page_copy,
+    _triton_launch,
     reference,
     warmup,
 )
@@ -254,11 +254,11 @@ def triton_call(p: Pools, direction, dl, hl, placement, ctas, block_bytes):
     kw = dict(num_ctas=ctas, block_bytes=block_bytes)
     if p.kv:
         if direction == "d2h":
-            return lambda: cp_page_copy.backup_kv_all_layers(p.devs, p.host, p.host_layout, dl, hl, placement, **kw)
-        return lambda: cp_page_copy.load_kv_one_layer(p.devs[0], p.host, p.host_layout, 0, dl, hl, placement, **kw)
+            return lambda: _triton_launch.backup_kv_all_layers(p.devs, p.host, p.host_layout, dl, hl, placement, **kw)
+        return lambda: _triton_launch.load_kv_one_layer(p.devs[0], p.host, p.host_layout, 0, dl, hl, placement, **kw)
     if direction == "d2h":
-        return lambda: cp_page_copy.backup_indexer_all_layers(p.devs, p.host, p.host_layout, dl, hl, placement, **kw)
-    return lambda: cp_page_copy.load_indexer_one_layer(p.devs[0], p.host, p.host_layout, 0, dl, hl, placement, **kw)
+        return lambda: _triton_launch.backup_indexer_all_layers(p.devs, p.host, p.host_layout, dl, hl, placement, **kw)
+    return lambda: _triton_launch.load_indexer_one_layer(p.devs[0], p.host, p.host_layout, 0, dl, hl, placement, **kw)
 
 
 def reference_call(p: Pools, direction, dl, hl, placement):

@@ -215,27 +215,27 @@ def library_backup(pools: Pools, batch: Batch, cp_size: int, rank: int) -> None:
     from sglang_cp_hicache.kernels import transfer
     from sglang_cp_hicache.placement import CpPlacement
 
-    layout = CpPlacement(P, cp_size, rank)
+    placement = CpPlacement(P, cp_size, rank)
     rows = library_prepare(batch, cp_size, rank, pools.device)
     transfer.backup_kv_all_layers(pools.kv_host.device_kv_buffers, pools.kv_host.kv_buffer, pools.host_layout,
-                                  batch.device_locs, rows, layout)
+                                  batch.device_locs, rows, placement)
     transfer.backup_indexer_all_layers(pools.index_host.packed_device_index_buffers,
                                        pools.index_host.index_k_with_scale_buffer, pools.host_layout,
-                                       batch.device_locs, rows, layout)
+                                       batch.device_locs, rows, placement)
 
 
 def library_load(pools: Pools, batch: Batch, cp_size: int, rank: int) -> None:
     from sglang_cp_hicache.kernels import transfer
     from sglang_cp_hicache.placement import CpPlacement
 
-    layout = CpPlacement(P, cp_size, rank)
+    placement = CpPlacement(P, cp_size, rank)
     rows = library_prepare(batch, cp_size, rank, pools.device)
     for layer in range(pools.kv_pool.layer_num):
         transfer.load_kv_one_layer(pools.kv_host.device_kv_buffers[layer], pools.kv_host.kv_buffer,
-                                   pools.host_layout, layer, batch.device_locs, rows, layout)
+                                   pools.host_layout, layer, batch.device_locs, rows, placement)
         transfer.load_indexer_one_layer(pools.kv_pool.index_k_with_scale_buffer[layer],
                                         pools.index_host.index_k_with_scale_buffer, pools.host_layout, layer,
-                                        batch.device_locs, rows, layout)
+                                        batch.device_locs, rows, placement)
 
 
 PATHS: dict[str, tuple[Callable, Callable]] = {

@@ -23,7 +23,7 @@ from typing import Sequence
 import torch
 
 from sglang_cp_hicache.kernels import _checks
-from sglang_cp_hicache.kernels import cp_page_copy as _triton
+from sglang_cp_hicache.kernels import _triton_launch as _triton
 from sglang_cp_hicache.kernels import reference as _reference
 from sglang_cp_hicache.kernels._backend import select_backend
 from sglang_cp_hicache.kernels._checks import PoolGeometry

@@ -22,11 +22,12 @@ from dataclasses import asdict, dataclass, field
 import torch
 import triton
 
-from sglang_cp_hicache.kernels import _checks, _twin, cp_page_copy
+from sglang_cp_hicache.kernels import _checks, _twin
+from sglang_cp_hicache.kernels import _triton_launch
 from sglang_cp_hicache.kernels import _launch_spec as _spec
 from sglang_cp_hicache.kernels._backend import select_backend
 from sglang_cp_hicache.kernels._launch_spec import LaunchPlan
-from sglang_cp_hicache.kernels.cp_page_copy import DEFAULT_NUM_CTAS
+from sglang_cp_hicache.kernels._triton_launch import DEFAULT_NUM_CTAS
 from sglang_cp_hicache.placement import CpPlacement
 
 __all__ = ["OPS", "WarmupReport", "compile_offline", "warmup"]
@@ -150,7 +151,7 @@ def warmup(
     CPU) with the backend a copy there would use (see the module docstring).
     """
     _check_pool_config(page_size, host_layout, num_layers, kv_dim, kv_dtype, indexer_page_bytes)
-    _, block_bytes = cp_page_copy._check_num_ctas(None, block_bytes)
+    _, block_bytes = _triton_launch._check_num_ctas(None, block_bytes)
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
     device = torch.device(device)
@@ -173,7 +174,7 @@ def warmup(
     )
     if interpret:
         for s in stand_ins:
-            cp_page_copy._launch(s.plan, s.locs, s.locs, s.placement, DEFAULT_NUM_CTAS, block_bytes)
+            _triton_launch._launch(s.plan, s.locs, s.locs, s.placement, DEFAULT_NUM_CTAS, block_bytes)
         cache_dir = None
     else:
         kernel = _twin.kernel_for(False)
@@ -210,7 +211,7 @@ def compile_offline(
     from triton.compiler import ASTSource
 
     _check_pool_config(page_size, host_layout, num_layers, kv_dim, kv_dtype, indexer_page_bytes)
-    _, block_bytes = cp_page_copy._check_num_ctas(None, block_bytes)
+    _, block_bytes = _triton_launch._check_num_ctas(None, block_bytes)
     stand_ins = _stand_ins(
         page_size=page_size, host_layout=host_layout, num_layers=num_layers, kv_dim=kv_dim,
         kv_dtype=kv_dtype, indexer_page_bytes=indexer_page_bytes, device=torch.device("cpu"),

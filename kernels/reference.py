@@ -142,10 +142,6 @@ def load_one_layer(
 
 
 # ----------------------------------------------------------------------------- public functions
-def _layer_names(name: str, pool: PoolGeometry) -> list[str]:
-    return [f"{name}[{i}]" for i in range(len(pool.device_layers))]
-
-
 def backup_kv_all_layers_reference(
     device_kv: Sequence[torch.Tensor],
     host_kv: torch.Tensor,
@@ -155,9 +151,8 @@ def backup_kv_all_layers_reference(
     placement: CpPlacement,
 ) -> None:
     """D2H: every layer's owned KV rows -> host slots."""
-    placement = _checks.check_placement(placement)
-    pool = _checks.check_backup_pool(True, "device_kv", device_kv, "host_kv", host_kv, host_layout, placement)
-    _checks.check_launchable(pool, _layer_names("device_kv", pool), "host_kv")
+    placement, pool = _checks.checked_copy_pool(True, "device_kv", device_kv, "host_kv", host_kv, host_layout,
+                                                placement)
     backup_all_layers(pool, device_locs, host_locs, placement)
 
 
@@ -171,10 +166,8 @@ def load_kv_one_layer_reference(
     placement: CpPlacement,
 ) -> None:
     """H2D: one layer's host slots -> owned physical KV rows."""
-    placement = _checks.check_placement(placement)
-    pool = _checks.check_load_pool(True, "device_kv_layer", device_kv_layer, host_kv, host_layout, placement)
-    _checks.check_launchable(pool, ["device_kv_layer"], "host_kv")
-    _checks.check_layer_id("layer_id", layer_id, pool.host.num_layers)
+    placement, pool = _checks.checked_copy_pool(True, "device_kv_layer", device_kv_layer, "host_kv", host_kv,
+                                                host_layout, placement, layer_id)
     load_one_layer(pool, device_kv_layer, layer_id, device_locs, host_locs, placement)
 
 
@@ -187,11 +180,8 @@ def backup_indexer_all_layers_reference(
     placement: CpPlacement,
 ) -> None:
     """D2H: every layer's owned indexer pages -> host pages (page granular)."""
-    placement = _checks.check_placement(placement)
-    pool = _checks.check_backup_pool(
-        False, "device_index", device_index, "host_index", host_index, host_layout, placement
-    )
-    _checks.check_launchable(pool, _layer_names("device_index", pool), "host_index")
+    placement, pool = _checks.checked_copy_pool(False, "device_index", device_index, "host_index", host_index,
+                                                host_layout, placement)
     backup_all_layers(pool, device_locs, host_locs, placement)
 
 
@@ -205,10 +195,6 @@ def load_indexer_one_layer_reference(
     placement: CpPlacement,
 ) -> None:
     """H2D: one layer's host indexer pages -> owned physical device pages."""
-    placement = _checks.check_placement(placement)
-    pool = _checks.check_load_pool(
-        False, "device_index_layer", device_index_layer, host_index, host_layout, placement
-    )
-    _checks.check_launchable(pool, ["device_index_layer"], "host_index")
-    _checks.check_layer_id("layer_id", layer_id, pool.host.num_layers)
+    placement, pool = _checks.checked_copy_pool(False, "device_index_layer", device_index_layer, "host_index",
+                                                host_index, host_layout, placement, layer_id)
     load_one_layer(pool, device_index_layer, layer_id, device_locs, host_locs, placement)

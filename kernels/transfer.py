@@ -7,8 +7,8 @@ start (:func:`warmup`).
 
 Each copy checks every argument on every call, with the same argument errors
 on every backend. A server copying between the same pools again and again
-binds them once instead (:func:`~.bound.bind_kv_copies`,
-:func:`~.bound.bind_indexer_copies`): buffers checked at bind time, only the
+binds them once instead, through the other door, :mod:`.bound`
+(:func:`~.bound.bind_kv_copies`, :func:`~.bound.bind_indexer_copies`): buffers checked at bind time, only the
 index tensors per call, same backend rule and counters.
 
 Interpreted launches are serialised process-wide by the launcher, so
@@ -17,28 +17,24 @@ threaded CP ranks can share the interpreter.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
 from sglang_cp_hicache.kernels import _checks
-from sglang_cp_hicache.kernels import cp_page_copy as _triton
+from sglang_cp_hicache.kernels import _triton_launch as _triton
 from sglang_cp_hicache.kernels import reference as _reference
 from sglang_cp_hicache.kernels._backend import BACKENDS, select_backend
 from sglang_cp_hicache.kernels._stats import CopyStats, copy_stats, record, reset_copy_stats
-from sglang_cp_hicache.kernels.bound import PoolCopies, bind_indexer_copies, bind_kv_copies
 from sglang_cp_hicache.kernels.compile import WarmupReport, warmup
 from sglang_cp_hicache.placement import CpPlacement
 
 __all__ = [
     "BACKENDS",
     "CopyStats",
-    "PoolCopies",
     "WarmupReport",
     "backup_indexer_all_layers",
     "backup_kv_all_layers",
-    "bind_indexer_copies",
-    "bind_kv_copies",
     "copy_stats",
     "load_indexer_one_layer",
     "load_kv_one_layer",
@@ -57,6 +53,16 @@ def _layer_device(name: str, layer: object, ndim: int) -> torch.device:
     return _checks.check_device_layer(name, layer, ndim).device
 
 
+def _run(
+    counter: str, device: torch.device, triton: Callable[..., None], reference: Callable[..., None],
+    placement: CpPlacement, host_locs: torch.Tensor, *args: object,
+) -> None:
+    """One copy on the backend for ``device``, counted under ``counter``."""
+    backend = select_backend(device)
+    (reference if backend == "reference" else triton)(*args)
+    record(counter, backend, placement, host_locs)
+
+
 def backup_kv_all_layers(
     device_kv: Sequence[torch.Tensor],
     host_kv: torch.Tensor,
@@ -73,12 +79,9 @@ def backup_kv_all_layers(
     tokens of ``device_locs`` this rank owns, in order. Pages other ranks own
     are skipped.
     """
-    backend = select_backend(_layers_device("device_kv", device_kv, 3))
-    if backend == "reference":
-        _reference.backup_kv_all_layers_reference(device_kv, host_kv, host_layout, device_locs, host_locs, placement)
-    else:
-        _triton.backup_kv_all_layers(device_kv, host_kv, host_layout, device_locs, host_locs, placement)
-    record("kv_backup_calls", backend, placement, host_locs)
+    _run("kv_backup_calls", _layers_device("device_kv", device_kv, 3), _triton.backup_kv_all_layers,
+         _reference.backup_kv_all_layers_reference, placement, host_locs,
+         device_kv, host_kv, host_layout, device_locs, host_locs, placement)
 
 
 def load_kv_one_layer(
@@ -92,14 +95,9 @@ def load_kv_one_layer(
 ) -> None:
     """H2D: host layer ``layer_id``'s slots -> the owned physical KV rows of
     ``device_kv_layer`` (arguments as in :func:`backup_kv_all_layers`)."""
-    backend = select_backend(_layer_device("device_kv_layer", device_kv_layer, 3))
-    if backend == "reference":
-        _reference.load_kv_one_layer_reference(
-            device_kv_layer, host_kv, host_layout, layer_id, device_locs, host_locs, placement
-        )
-    else:
-        _triton.load_kv_one_layer(device_kv_layer, host_kv, host_layout, layer_id, device_locs, host_locs, placement)
-    record("kv_load_calls", backend, placement, host_locs)
+    _run("kv_load_calls", _layer_device("device_kv_layer", device_kv_layer, 3), _triton.load_kv_one_layer,
+         _reference.load_kv_one_layer_reference, placement, host_locs,
+         device_kv_layer, host_kv, host_layout, layer_id, device_locs, host_locs, placement)
 
 
 def backup_indexer_all_layers(
@@ -116,14 +114,9 @@ def backup_indexer_all_layers(
     buffers; ``host_index``: SGLang's host indexer buffer in ``host_layout``;
     the locations as in :func:`backup_kv_all_layers` (page granular copy).
     """
-    backend = select_backend(_layers_device("device_index", device_index, 2))
-    if backend == "reference":
-        _reference.backup_indexer_all_layers_reference(
-            device_index, host_index, host_layout, device_locs, host_locs, placement
-        )
-    else:
-        _triton.backup_indexer_all_layers(device_index, host_index, host_layout, device_locs, host_locs, placement)
-    record("indexer_backup_calls", backend, placement, host_locs)
+    _run("indexer_backup_calls", _layers_device("device_index", device_index, 2),
+         _triton.backup_indexer_all_layers, _reference.backup_indexer_all_layers_reference, placement, host_locs,
+         device_index, host_index, host_layout, device_locs, host_locs, placement)
 
 
 def load_indexer_one_layer(
@@ -138,13 +131,6 @@ def load_indexer_one_layer(
     """H2D: host layer ``layer_id``'s indexer pages -> the owned physical
     pages of ``device_index_layer`` (arguments as in
     :func:`backup_indexer_all_layers`)."""
-    backend = select_backend(_layer_device("device_index_layer", device_index_layer, 2))
-    if backend == "reference":
-        _reference.load_indexer_one_layer_reference(
-            device_index_layer, host_index, host_layout, layer_id, device_locs, host_locs, placement
-        )
-    else:
-        _triton.load_indexer_one_layer(
-            device_index_layer, host_index, host_layout, layer_id, device_locs, host_locs, placement
-        )
-    record("indexer_load_calls", backend, placement, host_locs)
+    _run("indexer_load_calls", _layer_device("device_index_layer", device_index_layer, 2),
+         _triton.load_indexer_one_layer, _reference.load_indexer_one_layer_reference, placement, host_locs,
+         device_index_layer, host_index, host_layout, layer_id, device_locs, host_locs, placement)

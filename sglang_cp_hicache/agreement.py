@@ -12,11 +12,37 @@ raised on every rank.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch.distributed as dist
 
-__all__ = ["CpAgreementError", "RankView", "check_agreement", "gather_and_check"]
+__all__ = [
+    "COPY_BACKEND_KEY",
+    "COPY_PATH_KEY",
+    "CpAgreementError",
+    "HOST_LAYOUT_KEY",
+    "HOST_POOL_SLOTS_KEY",
+    "L3_KEY",
+    "PAGE_SIZE_KEY",
+    "RankView",
+    "check_agreement",
+    "gather_and_check",
+]
+
+# The keys of a rank's view that both releases send, one name per value (an
+# operator reads the same words in a refusal whichever release refused).
+#: Tokens per KV page.
+PAGE_SIZE_KEY = "page_size"
+#: SGLang's host memory layout string (``layer_first``, ``page_first`` ...).
+HOST_LAYOUT_KEY = "host_layout"
+#: Host slots (tokens) of this rank's host KV pool.
+HOST_POOL_SLOTS_KEY = "host_pool_slots"
+#: The copy kernels' backend on the pool's device (``kernels.transfer.select_backend``).
+COPY_BACKEND_KEY = "copy_backend"
+#: ``library`` (this library's copies) or ``upstream`` (SGLang's own).
+COPY_PATH_KEY = "copy_path"
+#: ``off``, or the L3 tier's namespaces (or why this rank's L3 is unusable).
+L3_KEY = "l3"
 
 
 class CpAgreementError(ValueError):
@@ -37,7 +63,8 @@ def check_agreement(views: Sequence[RankView], *, whole_group: bool = True) -> N
     """Raise :class:`CpAgreementError` unless every view has the same
     ``cp_size`` and ``values`` and the ``cp_rank``s are distinct, in
     0..N-1 and (``whole_group``) all N present. The first view is the
-    reference the others are named against."""
+    reference the others are named against; of several values that differ,
+    the page size is named, else the first key in sorted order."""
     if not views:
         raise CpAgreementError("no CP rank took part in the start-up agreement")
     ref = views[0]
@@ -47,7 +74,9 @@ def check_agreement(views: Sequence[RankView], *, whole_group: bool = True) -> N
                 f"CP ranks disagree on cp_size: group rank {i} (cp_rank {v.cp_rank}) has "
                 f"{v.cp_size}, group rank 0 (cp_rank {ref.cp_rank}) has {ref.cp_size}"
             )
-        for key in sorted(set(ref.values) | set(v.values)):
+        # The page size first: sizes in slots follow from it, so a rank on
+        # another page size is named by its cause.
+        for key in sorted(set(ref.values) | set(v.values), key=lambda k: (k != PAGE_SIZE_KEY, k)):
             mine, theirs = v.values.get(key), ref.values.get(key)
             if mine != theirs:
                 raise CpAgreementError(
@@ -75,17 +104,26 @@ def gather_and_check(
     group: Optional[Any],
     *,
     all_gather: Optional[Callable[[list, Any, Any], None]] = None,
+    hints: Optional[Mapping[str, str]] = None,
 ) -> list[RankView]:
     """All-gather ``view`` over ``group`` (every rank calls this, once, when
     its cache is built) and check the result. ``all_gather`` stands in for
     ``torch.distributed.all_gather_object`` (tests with a bare process group). Without a group (no process
-    group: a lone rank, e.g. in a unit test) only ``view`` itself is checked."""
-    if group is None:
-        check_agreement([view], whole_group=False)
-        return [view]
-    gather = all_gather or dist.all_gather_object
-    out: list = [None] * (group.size() if all_gather else dist.get_world_size(group))
-    gather(out, asdict(view), group=group)
-    views = [RankView(**v) for v in out]
-    check_agreement(views)
-    return views
+    group: a lone rank, e.g. in a unit test) only ``view`` itself is checked.
+    ``hints``: key -> what to tell the operator when the ranks disagree on
+    that key (appended to the error, after ``"; "``)."""
+    try:
+        if group is None:
+            check_agreement([view], whole_group=False)
+            return [view]
+        gather = all_gather or dist.all_gather_object
+        out: list = [None] * (group.size() if all_gather else dist.get_world_size(group))
+        gather(out, asdict(view), group=group)
+        views = [RankView(**v) for v in out]
+        check_agreement(views)
+        return views
+    except CpAgreementError as exc:
+        hint = next((h for key, h in (hints or {}).items() if f"disagree on {key}:" in str(exc)), None)
+        if hint is None:
+            raise
+        raise CpAgreementError(f"{exc}; {hint}") from exc

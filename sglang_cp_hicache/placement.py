@@ -19,7 +19,7 @@ import torch
 
 from sglang_cp_hicache.validation import check_int, check_int_tensor as _check_locs
 
-__all__ = ["DSA_PAGE_SIZE", "CpPlacement", "page_owner"]
+__all__ = ["DSA_PAGE_SIZE", "CpPlacement", "page_owner", "phase_owner"]
 
 #: Tokens per KV page of SGLang's DSA pools: ``DSATokenToKVPool`` accepts no
 #: other page size outside ROCm, and the DSA indexer stores whole pages.
@@ -31,6 +31,19 @@ def page_owner(page, cp_size: int):
     page ids): ``page % cp_size``. The one place the page-interleave owner
     rule is written; everything else asks here."""
     return page % cp_size
+
+
+def phase_owner(phase: int, cp_size: int, page: int = 0) -> int:
+    """The owner class of page ``page`` of an owner-cyclic run whose first
+    page sits at rotation phase ``phase``: ``(phase + page) % cp_size``.
+
+    SGLang 0.5.23's KV sharding draws every chain of pages (a tree path, a
+    request's kv row, an L3 chain) owner-cyclically: a chain starts at its
+    rotation base, a node or slice at the base plus its depth in pages (its
+    phase), and each page after it belongs to the next class. Phases count
+    pages, so this is :func:`page_owner` of the phase's page. The one place
+    the phase -> owner class rule is written."""
+    return page_owner(phase + page, cp_size)
 
 
 @dataclass(frozen=True)

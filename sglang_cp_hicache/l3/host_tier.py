@@ -178,12 +178,12 @@ class HostL3Tier:
     """
 
     def __init__(
-        self, store: PageStore, layout: CpPlacement, kv_host: Any, indexer_host: Any, *,
+        self, store: PageStore, placement: CpPlacement, kv_host: Any, indexer_host: Any, *,
         model_id: str, page_hasher: PageHasher, layer_start: int = 0, host_row: Optional[HostRow] = None,
         model_label: str = "",
     ) -> None:
         self.store = store
-        self.layout = layout
+        self.placement = placement
         self.kv_host = kv_host
         self.indexer_host = indexer_host
         self.page_hasher = page_hasher
@@ -245,7 +245,7 @@ class HostL3Tier:
     def _snapshot(
         self, hashes: list[str], owners: list[int], slots: list[int], parent: Optional[str], *, copy: bool
     ) -> L3Snapshot:
-        rank, N = self.layout.cp_rank, self.layout.cp_size
+        rank, N = self.placement.cp_rank, self.placement.cp_size
         mine = len(write_plan(page_keys(hashes, self.kv_ns, parent), owners, N, rank).keys)
         if mine != len(slots):
             raise ValueError(f"slots must hold one host slot per owned page ({mine}), got {len(slots)}")
@@ -260,7 +260,7 @@ class HostL3Tier:
         """(KV key, indexer key) of each page of ``snap`` (chain order of this
         rank's pages)."""
         kv, idx = self.chain_keys(snap.hashes, snap.parent)
-        rank = self.layout.cp_rank
+        rank = self.placement.cp_rank
         return [(k, i) for k, i, o in zip(kv, idx, snap.owners) if o == rank]
 
     def store_page(self, kv_key: str, idx_key: str, kv: torch.Tensor, idx: torch.Tensor) -> bool:
@@ -289,7 +289,7 @@ class HostL3Tier:
     def query_pages(self, hashes: list[str], owners: list[int], parent: Optional[str] = None) -> int:
         """This rank's local present prefix of a chain: the first own page
         whose KV or indexer object is absent (unverified: the fetch checks)."""
-        rank, N = self.layout.cp_rank, self.layout.cp_size
+        rank, N = self.placement.cp_rank, self.placement.cp_size
         kv_keys, idx_keys = self.chain_keys(hashes, parent)
         plans = [read_plan(keys, owners, N, rank) for keys in (kv_keys, idx_keys)]
         indices = plans[0].page_indices
@@ -321,7 +321,7 @@ class HostL3Tier:
         """Fetch and verify this rank's pages of a chain (KV and indexer),
         each into a private copy; its local usable prefix is the first own
         page missing or refused in either pool. Never raises on bad objects."""
-        rank, N = self.layout.cp_rank, self.layout.cp_size
+        rank, N = self.placement.cp_rank, self.placement.cp_size
         kv_keys, idx_keys = self.chain_keys(hashes, parent)
         kv = fetch_owned(self.store, self.kv_ns, read_plan(kv_keys, owners, N, rank))
         idx = fetch_owned(self.store, self.indexer_ns, read_plan(idx_keys, owners, N, rank))
@@ -342,7 +342,7 @@ class HostL3Tier:
         """Fetch, verify and put this rank's pages of a chain into its host
         pools, one after another; returns its local usable prefix.
         ``slots``: the host slot of each page this rank owns, in chain order."""
-        rank = self.layout.cp_rank
+        rank = self.placement.cp_rank
         mine = [i for i, o in enumerate(owners) if o == rank]
         if len(slots) != len(mine):
             raise ValueError(f"slots must hold one host slot per owned page ({len(mine)}), got {len(slots)}")

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from sglang_cp_hicache.l3.keys import check_page_key
-from sglang_cp_hicache.placement import page_owner
+from sglang_cp_hicache.placement import phase_owner
 from sglang_cp_hicache.validation import check_int, check_int_list
 
 __all__ = [
@@ -68,7 +68,7 @@ def interleaved_owners(first_page: int, num_pages: int, cp_size: int) -> list[in
     check_int("first_page", first_page, 0)
     check_int("num_pages", num_pages, 0)
     check_int("cp_size", cp_size, 1)
-    return [page_owner(first_page + i, cp_size) for i in range(num_pages)]
+    return [phase_owner(first_page, cp_size, i) for i in range(num_pages)]
 
 
 def _check_chain(keys: Sequence[str], owners: Sequence[int], cp_size: int) -> list[int]:

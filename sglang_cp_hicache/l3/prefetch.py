@@ -94,7 +94,7 @@ def chain_hashes_or_none(tier: HostL3Tier, tokens: list[int], first_page: int) -
     try:
         return chain_hashes(tier, tokens, first_page)
     except Exception:
-        logger.exception("cp-hicache L3: hashing a chain failed on cp_rank %d", tier.layout.cp_rank)
+        logger.exception("cp-hicache L3: hashing a chain failed on cp_rank %d", tier.placement.cp_rank)
         return None, None
 
 
@@ -256,7 +256,7 @@ class L3Prefetcher:
                 what=f"L3 query of {plan.num_pages} pages",
             ))
         except Exception:  # the group hears of it as a present prefix of 0
-            logger.exception("cp-hicache L3: query failed on cp_rank %d", self.tier.layout.cp_rank)
+            logger.exception("cp-hicache L3: query failed on cp_rank %d", self.tier.placement.cp_rank)
             lookup.word = 0
         self.pending.append(lookup)
         if waiters is not None:
@@ -294,7 +294,7 @@ class L3Prefetcher:
             late = next(job for job in lookup.jobs if job.overdue(now))
             logger.warning(
                 "cp-hicache L3: %s on cp_rank %d passed its %.1f s deadline; answering a miss from here",
-                late.what, self.tier.layout.cp_rank, late.deadline - lookup.started,
+                late.what, self.tier.placement.cp_rank, late.deadline - lookup.started,
             )
         else:
             return NOT_READY
@@ -303,7 +303,7 @@ class L3Prefetcher:
     def _outcome(self, lookup: L3Lookup) -> int:
         """A query: its present prefix. A fetch: the first own page whose
         job failed (missing, refused, raised), else every page."""
-        rank = self.tier.layout.cp_rank
+        rank = self.tier.placement.cp_rank
         try:
             if lookup.stage is Stage.QUERY:
                 return max(0, int(lookup.jobs[0].result()))
@@ -349,7 +349,7 @@ class L3Prefetcher:
         if room is None:  # identical on every rank
             return False
         fetch = L3Lookup(Stage.FETCH, query.plan, pages, query.waiters, room=room)
-        plan, rank = query.plan, self.tier.layout.cp_rank
+        plan, rank = query.plan, self.tier.placement.cp_rank
         if room.own_slots is None:
             fetch.word = 0  # a local failure: the group hears of it as a usable prefix of 0
         else:
@@ -378,7 +378,7 @@ class L3Prefetcher:
         lookup.cancel()  # settled: its host rows are given back now
         tokens = self.port.settle(lookup.plan, pages, lookup.room)
         if tokens:
-            rank = self.tier.layout.cp_rank
+            rank = self.tier.placement.cp_rank
             self.counters.add(
                 restored_nodes=1, restored_tokens=tokens,
                 restored_pages=sum(o == rank for o in lookup.plan.owners[: tokens // self.tier.page_size]),
@@ -401,7 +401,7 @@ class L3Prefetcher:
         so nothing is inserted; give back what every pending lookup holds and
         release its requests. Returns the exception to raise."""
         pending, self.pending = self.pending, []
-        rank = self.tier.layout.cp_rank
+        rank = self.tier.placement.cp_rank
         what = ", ".join(f"{p.stage.value} of {p.pages} pages" for p in pending)
         logger.error(
             "cp-hicache L3: the step all-reduce failed on cp_rank %d with %d L3 lookup(s) pending (%s); "

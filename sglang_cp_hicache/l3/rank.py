@@ -80,7 +80,7 @@ class RankL3:
 
     def __init__(self, tier: HostL3Tier, port: L3Port, location: L3Location) -> None:
         threads = read_int(L3_THREADS)
-        rank = tier.layout.cp_rank
+        rank = tier.placement.cp_rank
         self.tier = tier
         self.port = port
         self.location = location
@@ -112,14 +112,14 @@ class RankL3:
         try:
             self.metrics_sink.publish(self.metrics.step(), self.metrics.snapshot())
         except Exception:
-            logger.exception("cp-hicache L3: publishing metrics failed on cp_rank %d", self.tier.layout.cp_rank)
+            logger.exception("cp-hicache L3: publishing metrics failed on cp_rank %d", self.tier.placement.cp_rank)
 
     def clear(self) -> ClearReport:
         """Remove every object of this deployment's two namespaces (SGLang's
         ``clear_hicache_storage``; call it alike on every rank): this rank's
         queued writes go first (up to the longest L3 deadline), then the
         whole namespaces, whatever rank wrote them. Never raises on I/O."""
-        rank = self.tier.layout.cp_rank
+        rank = self.tier.placement.cp_rank
         if not self.writer.wait(self.location.timeouts.max_s):
             logger.warning("cp-hicache L3: writes still running on cp_rank %d at the clear; what they store "
                            "afterwards stays", rank)

@@ -45,7 +45,7 @@ class L3Writer:
         host slot of each page this rank owns, in chain order; ``parent``:
         the page hash before the chain's first page (None: the root). Never
         raises: a failure is logged and counted."""
-        rank = self.tier.layout.cp_rank
+        rank = self.tier.placement.cp_rank
         mine = sum(o == rank for o in owners)
         if mine == 0:
             return
@@ -82,7 +82,7 @@ class L3Writer:
         try:
             return self.tier.store_page(kv_key, idx_key, kv, idx)
         except Exception:
-            logger.exception("cp-hicache L3: storing %s failed on cp_rank %d", kv_key, self.tier.layout.cp_rank)
+            logger.exception("cp-hicache L3: storing %s failed on cp_rank %d", kv_key, self.tier.placement.cp_rank)
             self.tier.counters.add(write_failures=1)
             return False
 

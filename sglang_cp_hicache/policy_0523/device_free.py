@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from sglang_cp_hicache.placement import page_owner
 from sglang_cp_hicache.policy_0523.host_room import cyclic_class_counts
 from sglang_cp_hicache.validation import check_1d_int_tensor, check_int
 
@@ -54,5 +55,5 @@ def cyclic_pages_by_class(
     pages = torch.div(locs[::page_size].long(), page_size, rounding_mode="floor")
     ascending = torch.sort(pages).values
     # A stable sort by class keeps each class's pages ascending.
-    by_class = ascending[torch.sort(ascending % cp_size, stable=True).indices]
+    by_class = ascending[torch.sort(page_owner(ascending, cp_size), stable=True).indices]
     return list(torch.split(by_class, counts))

@@ -24,6 +24,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Optional
 
+from sglang_cp_hicache.placement import phase_owner
 from sglang_cp_hicache.validation import check_int, check_int_list
 
 __all__ = [
@@ -44,8 +45,10 @@ def cyclic_class_counts(start_class: int, pages: int, cp_size: int) -> list[int]
     check_int("cp_size", cp_size, 1)
     check_int("start_class", start_class, 0, cp_size - 1)
     check_int("pages", pages, 0)
-    extra = pages % cp_size
-    return [pages // cp_size + int((c - start_class) % cp_size < extra) for c in range(cp_size)]
+    counts = [pages // cp_size] * cp_size
+    for page in range(pages % cp_size):
+        counts[phase_owner(start_class, cp_size, page)] += 1
+    return counts
 
 
 def class_counts_of(owners: Iterable[int], cp_size: int) -> list[int]:

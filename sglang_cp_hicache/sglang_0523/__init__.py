@@ -11,6 +11,9 @@ not import sglang. Modules:
 * :mod:`.strategy` -- the ``register_stack_strategy`` seam that builds the
   sharded DSA stack with them, and the start-up check that refuses to serve
   if any seam did not take;
+* :mod:`.stack` -- ``CpStack0523``, the one record of what the build added
+  (host room, device frees, run frees, warm-up, L3), and the list of the
+  methods replaced on the stack's SGLang instances;
 * :mod:`.hooks` -- the registry of every SGLang name the adapter overrides,
   replaces, calls or reads, checked when the stack is built;
 * :mod:`.startup` -- the CP ranks' start-up agreement (one all-gather);

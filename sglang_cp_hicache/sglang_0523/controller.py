@@ -16,7 +16,7 @@ upstream's.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 from sglang.srt.managers.cache_controller import CacheOperation
@@ -24,6 +24,9 @@ from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCach
 
 from sglang_cp_hicache.placement import CpPlacement
 from sglang_cp_hicache.sglang_0523.copy_engine import LibraryL2TransferEngine
+
+if TYPE_CHECKING:  # stack.py imports this module's class at call time
+    from sglang_cp_hicache.sglang_0523.stack import CpStack0523
 
 __all__ = ["LibraryCopyController"]
 
@@ -39,21 +42,15 @@ class LibraryCopyController(HybridCacheController):
                 "(anchor PageInterleaveHostPool); build it only for PageInterleave pools"
             )
         anchor = self.mem_pool_host.anchor_entry.host_pool
-        self.cp_layout = CpPlacement(anchor.page_size, anchor.shard_size, anchor.shard_rank)
-        self.l2_transfer_engine = LibraryL2TransferEngine(self.io_backend, self.cp_layout)
+        self.placement = CpPlacement(anchor.page_size, anchor.shard_size, anchor.shard_rank)
+        self.l2_transfer_engine = LibraryL2TransferEngine(self.io_backend, self.placement)
         # Bumped on every preparation, so start-up can prove this override is
         # what upstream's write and load paths reach.
         self.prepared_operations = 0
-        # Set by the strategy once the stack is built: the owner-aware host
-        # room (``.host_room``), the device frees from rotation phases
-        # (``.device_free``) and the runs they come from (``.request_free``),
-        # and the kernels' warm-up report.
-        self.cp_host_room: Any = None
-        self.cp_device_frees: Any = None
-        self.cp_run_frees: Any = None
-        self.cp_warmup: Any = None
-        # The L3 driver (``.l3_cache``) when L3 is on, else None.
-        self.cp_l3: Any = None
+        # What the library added to this stack (host room, device frees,
+        # warm-up, L3), handed over by the strategy at the end of its build:
+        # the controller exists before them, and they need the built cache.
+        self.cp_stack: Optional[CpStack0523] = None
 
     def _owned_host_rows(self, host_indices: torch.Tensor) -> torch.Tensor:
         """This rank's local host rows of ``host_indices`` (logical host slots,

@@ -54,7 +54,7 @@ from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 from sglang.srt.mem_cache.unified_cache.components.base import EvictLayer
 
 from sglang_cp_hicache import settings
-from sglang_cp_hicache.placement import CpPlacement
+from sglang_cp_hicache.placement import CpPlacement, page_owner, phase_owner
 from sglang_cp_hicache.policy_0523.device_free import cyclic_pages_by_class
 
 __all__ = ["CyclicRun", "DeviceFreeCounters", "PhaseKnownDeviceFrees", "free_cyclic_run"]
@@ -98,7 +98,7 @@ class CyclicRun:
         offset = part.storage_offset() - run.storage_offset()
         if offset < 0 or offset % page_size or offset + part.numel() > run.numel():
             return None
-        return (self.start_class + offset // page_size) % cp_size
+        return phase_owner(self.start_class, cp_size, offset // page_size)
 
 
 def free_cyclic_run(allocator: Any, locs: torch.Tensor, start_class: int) -> None:
@@ -133,7 +133,7 @@ def _prepend(allocator: Any, per_class: list[torch.Tensor]) -> None:
 def _check_split(allocator: Any, locs: torch.Tensor, per_class: list[torch.Tensor]) -> None:
     pages = torch.unique(locs.long() // allocator.page_size)
     for owner, freed in enumerate(per_class):
-        expected = pages[pages % allocator.shard_size == owner]
+        expected = pages[page_owner(pages, allocator.shard_size) == owner]
         if not torch.equal(freed, expected):
             raise AssertionError(
                 f"owner class {owner}: pages {freed.tolist()} from the rotation phase, "
@@ -211,7 +211,7 @@ class PhaseKnownDeviceFrees:
         out = self._upstream_evict(node, device_frees, host_frees, cache_actions, target=target)
         queued = device_frees.get(_FULL) or []
         if phase is not None and queued and queued[-1] is value and value.numel() % self.allocator.page_size == 0:
-            self._queued[id(value)] = _Queued(value, phase % self.allocator.shard_size)
+            self._queued[id(value)] = _Queued(value, phase_owner(phase, self.allocator.shard_size))
         return out
 
     def _known_class(self, free_index: torch.Tensor, start_pos: int) -> tuple[Optional[int], str]:

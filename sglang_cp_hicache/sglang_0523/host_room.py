@@ -56,7 +56,7 @@ from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 from sglang.srt.mem_cache.unified_cache.unified_tree_core_interface import DriveHostEvictionResult
 
 from sglang_cp_hicache import settings
-from sglang_cp_hicache.placement import CpPlacement
+from sglang_cp_hicache.placement import CpPlacement, phase_owner
 from sglang_cp_hicache.policy_0523.host_room import (
     HostRoom,
     class_counts_of,
@@ -154,7 +154,7 @@ class OwnerAwareHostRoom:
         if start_owner is None or len(device_value) % page_size or cache.is_write_back:
             return self._upstream_backup(node_id, device_value, comp_xfers, sidecar_xfers)
         self.counters.backups += 1
-        if not self.make_room(start_owner % self.placement.cp_size, len(device_value) // page_size):
+        if not self.make_room(phase_owner(start_owner, self.placement.cp_size), len(device_value) // page_size):
             self.counters.backups_short += 1
         # From here on line for line upstream's (0.5.23): the write fails
         # (returns None) when no cyclic run fits.

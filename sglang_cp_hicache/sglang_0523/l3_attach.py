@@ -95,12 +95,12 @@ def open_l3(
     def build() -> L3Tier:
         model = identity if identity is not None else server_identity(server_args)
         anchor = host_pool_group.anchor_entry.host_pool
-        layout = CpPlacement(anchor.page_size, anchor.shard_size, anchor.shard_rank)
+        placement = CpPlacement(anchor.page_size, anchor.shard_size, anchor.shard_rank)
         kv_host = kv_host_pool_of(anchor)
         indexer_host = host_pool_group.entry_map[PoolName.INDEXER].host_pool
-        rules = SGLangRules("0.5.23", segment_ranks=storage_ranks(server_args, layout.cp_size), rank=layout.cp_rank)
+        rules = SGLangRules("0.5.23", segment_ranks=storage_ranks(server_args, placement.cp_size), rank=placement.cp_rank)
         return L3Tier.open(
-            location.directory, _source_text(location), layout, kv_host, indexer_host,
+            location.directory, _source_text(location), placement, kv_host, indexer_host,
             backend=location.backend, extra_config=location.extra_config, model_id=model.text(),
             layer_start=layer_start, model_label=model.short(), mooncake_rules=rules,
         )
@@ -117,12 +117,12 @@ def install_l3(cache: Any, tier: L3Tier, location: L3Location, host_room: Any, *
     driver = L3Driver(cache, RankL3(tier, port, location), port)
     driver.install()
     if enable_metrics:
-        install_metrics(cache, driver.l3, port, tier.layout, location.backend if location.scheduler_driven else None)
+        install_metrics(cache, driver.l3, port, tier.placement, location.backend if location.scheduler_driven else None)
     timeouts = location.timeouts
     logger.info(
         "sglang-cp-hicache: L3 in %s (%s; model %s; %s), deadline %.1f s + %.2f s per 1024 tokens (at most "
         "%.0f s), cp_rank %d of %d writes and reads its own pages",
         _where(location), _source_text(location), tier.model_label, tier.describe(), timeouts.base_s,
-        timeouts.per_ki_token_s, timeouts.max_s, tier.layout.cp_rank, tier.layout.cp_size,
+        timeouts.per_ki_token_s, timeouts.max_s, tier.placement.cp_rank, tier.placement.cp_size,
     )
     return driver

@@ -74,7 +74,7 @@ class L3Driver:
         self.l3 = l3
         self.port = port
         self.tier = l3.tier
-        self.layout = l3.tier.layout
+        self.placement = l3.tier.placement
         self.prefetcher = l3.prefetcher
         self._riding = _Riding()
         self._upstream: dict[str, Callable[..., Any]] = {}
@@ -123,13 +123,13 @@ class L3Driver:
         host = node.component_data[ComponentType.FULL].host_value
         if host is None or not plain_key(node.key) or len(host) == 0:
             return
-        P, rank = self.tier.page_size, self.layout.cp_rank
+        P, rank = self.tier.page_size, self.placement.cp_rank
         try:
             tokens = path_tokens(node)
             first = (len(tokens) - len(node.key)) // P
             hashes, parent = chain_hashes(self.tier, tokens, first)
             firsts = host[::P].to(torch.int64)
-            owners = self.layout.owner_of(firsts).tolist()
+            owners = self.placement.owner_of(firsts).tolist()
         except Exception:  # L3 is a cache: a failed write is a later miss, never an error
             logger.exception("cp-hicache L3: storing node %s failed on cp_rank %d", node.id, rank)
             self.counters.add(write_failures=1)

@@ -29,6 +29,7 @@ from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang_cp_hicache.l3.host_tier import HostL3Tier
 from sglang_cp_hicache.l3.plan import interleaved_owners
 from sglang_cp_hicache.l3.prefetch import ChainPlan, chain_hashes_or_none, path_tokens
+from sglang_cp_hicache.placement import phase_owner
 
 __all__ = ["ChainRelease", "HostRoom0523", "L3Port0523", "path_tokens"]
 
@@ -62,7 +63,7 @@ class L3Port0523:
         self.cache = cache
         self.tier = tier
         self.host_room = host_room
-        self.placement = tier.layout
+        self.placement = tier.placement
         self.page_size = tier.page_size
         self.metrics: Any = None  # SGLang's storage-hit figures (--enable-metrics), see .l3_metrics
 
@@ -117,7 +118,7 @@ class L3Port0523:
         P, N = self.page_size, self.placement.cp_size
         if self.metrics is not None:  # the query's MIN: pages present on their owners
             self.metrics.hit(pages * P)
-        start_class = plan.release.phase % N
+        start_class = phase_owner(plan.release.phase, N)
         if self.host_room is not None:
             self.host_room.make_room(start_class, pages)
         slots = self.cache.cache_controller.mem_pool_host.alloc(pages * P, start_owner=start_class)

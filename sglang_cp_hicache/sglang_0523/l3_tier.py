@@ -38,7 +38,7 @@ class L3Tier(HostL3Tier):
 
     @classmethod
     def open(
-        cls, directory: Optional[str], source: str, layout: CpPlacement, kv_host: Any, indexer_host: Any, *,
+        cls, directory: Optional[str], source: str, placement: CpPlacement, kv_host: Any, indexer_host: Any, *,
         backend: str = "file", extra_config: Optional[Mapping[str, Any]] = None,
         mooncake_rules: Optional[SGLangRules] = None, **kwargs: Any,
     ) -> "L3Tier":
@@ -48,22 +48,22 @@ class L3Tier(HostL3Tier):
         ``source``, the setting or flag that chose it."""
         store = open_tier_store(partial(open_page_store, mooncake_rules=mooncake_rules), backend, directory,
                                 extra_config, source)
-        return cls.on_store(store, layout, kv_host, indexer_host, **kwargs)
+        return cls.on_store(store, placement, kv_host, indexer_host, **kwargs)
 
     @classmethod
     def on_store(
-        cls, store: PageStore, layout: CpPlacement, kv_host: Any, indexer_host: Any, *,
+        cls, store: PageStore, placement: CpPlacement, kv_host: Any, indexer_host: Any, *,
         model_id: str, layer_start: int = 0, model_label: str = "",
     ) -> "L3Tier":
         """The tier on an opened ``store``: SGLang's page hash, and each
         logical host slot at this rank's local row."""
-        tier = cls(store, layout, kv_host, indexer_host, model_id=model_id, page_hasher=get_hash_str,
-                   layer_start=layer_start, host_row=partial(local_row, layout), model_label=model_label)
-        if tier.page_size != layout.page_size:
-            raise ValueError(f"host page size {tier.page_size} != the placement's {layout.page_size}")
+        tier = cls(store, placement, kv_host, indexer_host, model_id=model_id, page_hasher=get_hash_str,
+                   layer_start=layer_start, host_row=partial(local_row, placement), model_label=model_label)
+        if tier.page_size != placement.page_size:
+            raise ValueError(f"host page size {tier.page_size} != the placement's {placement.page_size}")
         return tier
 
 
-def local_row(layout: CpPlacement, logical_slot: int) -> int:
+def local_row(placement: CpPlacement, logical_slot: int) -> int:
     """This rank's local host row of an owned logical host slot."""
-    return int(layout.logical_locs_to_physical(torch.tensor([logical_slot], dtype=torch.int64))[0])
+    return int(placement.logical_locs_to_physical(torch.tensor([logical_slot], dtype=torch.int64))[0])

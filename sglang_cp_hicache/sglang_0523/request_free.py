@@ -30,6 +30,7 @@ from typing import Any, Callable
 
 import torch
 
+from sglang_cp_hicache.placement import phase_owner
 from sglang_cp_hicache.sglang_0523.device_free import PhaseKnownDeviceFrees
 
 __all__ = ["KnownRunFrees"]
@@ -64,7 +65,7 @@ class KnownRunFrees:
         value, base = params.value, params.rotation_base
         if base is None or not isinstance(value, torch.Tensor) or value.dim() != 1:
             return self._upstream_insert(params)
-        with self.frees.run(value, base % self.cp_size, "duplicate"):
+        with self.frees.run(value, phase_owner(base, self.cp_size), "duplicate"):
             return self._upstream_insert(params)
 
     def claim_kv_row(self, req: Any) -> bool:
@@ -79,7 +80,7 @@ class KnownRunFrees:
         pool = self.cache.req_to_token_pool
         if base is None or pool is None or kv.req_pool_idx is None:
             return self._upstream_free_kv_row(kv, ranges)
-        with self.frees.run(pool.req_to_token[kv.req_pool_idx], base % self.cp_size, "request"):
+        with self.frees.run(pool.req_to_token[kv.req_pool_idx], phase_owner(base, self.cp_size), "request"):
             return self._upstream_free_kv_row(kv, ranges)
 
     def on_release(self, req: Any, *, checkpointed: bool) -> None:

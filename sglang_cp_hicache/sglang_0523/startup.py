@@ -27,24 +27,35 @@ from typing import Any, Callable, Optional
 import sglang
 
 from sglang_cp_hicache import settings
-from sglang_cp_hicache.agreement import RankView, gather_and_check
+from sglang_cp_hicache.agreement import (
+    COPY_BACKEND_KEY,
+    COPY_PATH_KEY,
+    HOST_LAYOUT_KEY,
+    HOST_POOL_SLOTS_KEY,
+    L3_KEY,
+    PAGE_SIZE_KEY,
+    RankView,
+    gather_and_check,
+)
 from sglang_cp_hicache.kernels.transfer import select_backend
 
-__all__ = ["COPY_KEY", "COPY_PATH", "HOST_TAIL_KEY", "L3_KEY", "SETTINGS_KEY", "agree_at_start_up", "start_up_view"]
+__all__ = ["COPY_PATH", "HINTS", "HOST_TAIL_KEY", "SETTINGS_KEY", "agree_at_start_up", "start_up_view"]
 
 #: The copy path of a rank that builds the library strategy (a rank on
 #: ``SGLANG_CP_HICACHE_COPY=upstream`` takes part as ``upstream``).
 COPY_PATH = "library"
-#: The view's entry for the copy path, named with the variable that sets it.
-COPY_KEY = f"copy_path ({settings.COPY.name})"
 #: The view's entry for the host room's tail rule (a rank-local decision
 #: every rank must take alike).
 HOST_TAIL_KEY = f"host tail rule ({settings.HOST_TAIL.name})"
 #: The view's entry for this library's settings: "valid", or the error.
 SETTINGS_KEY = "SGLANG_CP_HICACHE_* settings"
-#: The view's entry for the L3 tier when it is on: both namespace digests (a
-#: rank without L3, or with another model, dtype or layout, is refused).
-L3_KEY = "l3 (--hicache-storage-backend file / SGLANG_CP_HICACHE_L3_DIR)"
+#: What a refusal adds for a key the operator sets by a name of its own.
+HINTS = {
+    COPY_PATH_KEY: f"{settings.COPY.name} sets the copy path",
+    # Both namespace digests: a rank without L3, or with another model, dtype
+    # or host layout, is refused.
+    L3_KEY: "--hicache-storage-backend / SGLANG_CP_HICACHE_L3_DIR set the L3 tier",
+}
 
 
 def _host_tail() -> str:
@@ -64,8 +75,9 @@ def _settings_problem() -> Optional[str]:
 
 def start_up_view(kvcache: Any, host_pool_group: Any, copy_path: str = COPY_PATH, l3: str = "off") -> RankView:
     """This rank's view: shard rank and size of the device pool, and every
-    value the CP ranks must share (pool sizes in pages per rank, the host
-    pool's padding page included; ``copy_path``: ``library`` or ``upstream``)."""
+    value the CP ranks must share (the device pool in pages per rank, the
+    host pool in slots per rank, its padding page included; ``copy_path``:
+    ``library`` or ``upstream``; ``l3``: ``off`` or the tier's namespaces)."""
     if copy_path not in settings.COPY.choices:
         raise ValueError(f"copy_path must be one of {settings.COPY.choices}, got {copy_path!r}")
     page_size = int(kvcache.shard_spec.page_size)
@@ -75,18 +87,17 @@ def start_up_view(kvcache: Any, host_pool_group: Any, copy_path: str = COPY_PATH
         cp_size=int(kvcache.shard_size),
         values={
             "sglang": sglang.__version__,
-            "page_size": page_size,
-            "host_layout": host_pool_group.layout,
+            PAGE_SIZE_KEY: page_size,
+            HOST_LAYOUT_KEY: host_pool_group.layout,
             # Both allocators are mirrored on every rank (logical pages and
             # host slots): their sizes must be equal for their picks to be.
             "device_pages": int(kvcache.size) // page_size,
-            "host_pages": int(host.size) // int(host.page_size),
-            COPY_KEY: copy_path,
-            "kernel_backend": select_backend(kvcache.device),
+            HOST_POOL_SLOTS_KEY: int(host.size),
+            COPY_PATH_KEY: copy_path,
+            COPY_BACKEND_KEY: select_backend(kvcache.device),
             SETTINGS_KEY: _settings_problem() or "valid",
             HOST_TAIL_KEY: _host_tail(),
-            # Only with L3 on: a rank without it reads as None and is named.
-            **({} if l3 == "off" else {L3_KEY: l3}),
+            L3_KEY: l3,
         },
     )
 
@@ -104,7 +115,7 @@ def agree_at_start_up(
     naming the disagreeing rank and value); then raise this rank's settings
     error, if any (every rank has the same one once they agree)."""
     view = start_up_view(kvcache, host_pool_group, copy_path, l3)
-    views = gather_and_check(view, kvcache.shard_group.cpu_group, all_gather=all_gather)
+    views = gather_and_check(view, kvcache.shard_group.cpu_group, all_gather=all_gather, hints=HINTS)
     if view.values[SETTINGS_KEY] != "valid":
         raise ValueError(view.values[SETTINGS_KEY])
     return views

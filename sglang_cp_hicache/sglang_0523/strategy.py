@@ -11,8 +11,12 @@ pool (``PageInterleaveDSATokenToKVPool``) and builds what upstream's
 ``HybridCacheController``, and on the cache's instances the owner-aware
 host room for backups (:mod:`.host_room`) and device frees of evicted nodes,
 insert duplicates and request pages from their rotation phase
-(:mod:`.device_free`, :mod:`.request_free`). No upstream class or
-function is patched. :class:`UpstreamDsaStrategy` builds upstream's own
+(:mod:`.device_free`, :mod:`.request_free`), and L3 when it is on. No
+upstream class or function is patched; the methods replaced on the stack's
+instances (the cache, its FULL component, the device allocator, the storage
+attachment) are listed in :mod:`.stack`, whose one record
+(:class:`~.stack.CpStack0523`) the build hands to the controller.
+:class:`UpstreamDsaStrategy` builds upstream's own
 stack for a rank on ``SGLANG_CP_HICACHE_COPY=upstream`` and only joins the
 start-up agreement, so ranks on different copy paths are refused.
 
@@ -61,6 +65,7 @@ from sglang_cp_hicache.sglang_0523.hooks import check_hooks
 from sglang_cp_hicache.sglang_0523.l3_attach import L3Opening, check_served_here, install_l3, open_l3
 from sglang_cp_hicache.sglang_0523.host_room import OwnerAwareHostRoom
 from sglang_cp_hicache.sglang_0523.request_free import KnownRunFrees
+from sglang_cp_hicache.sglang_0523.stack import CpStack0523
 from sglang_cp_hicache.sglang_0523.startup import agree_at_start_up
 from sglang_cp_hicache.sglang_0523.warmup import warm_up_copies
 
@@ -139,25 +144,25 @@ class LibraryDsaStrategy(assembler._DsaStrategy):
         )
         verify_library_stack(result, kvcache, params)
         controller = result.cache_controller
-        layout = controller.cp_layout
+        placement = controller.placement
         # The tree-facing bookkeeping: owner-aware host room for backups, and
         # device frees (evicted nodes, insert duplicates, request pages) from
         # their rotation phase.
-        controller.cp_host_room = OwnerAwareHostRoom(cache, layout)
-        controller.cp_host_room.install()
-        controller.cp_device_frees = PhaseKnownDeviceFrees(cache, params.token_to_kv_pool_allocator, layout)
-        controller.cp_device_frees.install()
-        controller.cp_run_frees = KnownRunFrees(cache, controller.cp_device_frees)
-        controller.cp_run_frees.install()
-        controller.cp_warmup = warm_up_copies(result.host_pool_group, layout.cp_rank, layout.cp_size)
-        controller.cp_l3 = None
+        host_room = OwnerAwareHostRoom(cache, placement)
+        host_room.install()
+        device_frees = PhaseKnownDeviceFrees(cache, params.token_to_kv_pool_allocator, placement)
+        device_frees.install()
+        run_frees = KnownRunFrees(cache, device_frees)
+        run_frees.install()
+        warmup = warm_up_copies(result.host_pool_group, placement.cp_rank, placement.cp_size)
+        l3 = None
         if opened and opened[0].tier is not None:
-            controller.cp_l3 = install_l3(cache, opened[0].tier, location, controller.cp_host_room,
-                                          enable_metrics=bool(enable_storage_metrics))
+            l3 = install_l3(cache, opened[0].tier, location, host_room, enable_metrics=bool(enable_storage_metrics))
+        controller.cp_stack = CpStack0523(placement, host_room, device_frees, run_frees, warmup, l3)
         logger.info(
             "sglang-cp-hicache: library copy kernels on the sharded DSA HiCache path "
             "(cp_rank %d of %d, host layout %s). Copy path: library (SGLANG_CP_HICACHE_COPY=library)",
-            layout.cp_rank, layout.cp_size, result.host_pool_group.layout,
+            placement.cp_rank, placement.cp_size, result.host_pool_group.layout,
         )
         return result
 

@@ -59,6 +59,7 @@ from sglang.srt.mem_cache.unified_cache.components.base import EvictLayer
 from sglang_cp_hicache.sim.copy_path_times import CopyPathTimes, timed as _timed
 from sglang_cp_hicache.sim.engine_base import NewPages, PrefixHit, RankEngineBase, RequestInFlight
 from sglang_cp_hicache.sim.records import EngineTotals
+from sglang_cp_hicache.sglang_0523.stack import library_stack
 from sglang_cp_hicache.testing.requests_0523 import LoadBackRequest, SchedulerRequests
 from sglang_cp_hicache.testing.stack_0523 import ShardedRankStack
 
@@ -72,7 +73,7 @@ class ShardedSimRankEngine(RankEngineBase):
     """Drives one rank's :class:`ShardedRankStack` request by request."""
 
     def __init__(self, stack: ShardedRankStack, *, content_seed: int = 0) -> None:
-        self._bind_stack(stack, stack.layout, content_seed)
+        self._bind_stack(stack, stack.placement, content_seed)
         self.cp_size = stack.config.cp_size
         self.copy_path = stack.config.copy_path
         self.copy_times = CopyPathTimes(self.copy_path)
@@ -84,7 +85,8 @@ class ShardedSimRankEngine(RankEngineBase):
         self._count_transfers()
         self._count_bookkeeping()
         # L3 (the library stack with an L3 directory): its driver.
-        self.l3 = getattr(self.cache.cache_controller, "cp_l3", None)
+        record = library_stack(self.cache)
+        self.l3 = record.l3 if record is not None else None
         if self.l3 is not None:
             self._record_l3_restores(self.l3)
         # One req_to_token row: the engine serves one request at a time.
@@ -92,7 +94,7 @@ class ShardedSimRankEngine(RankEngineBase):
 
     # ---- instrumentation (instance attributes shadow the bound methods) ------
     def _owned_tokens(self, logical: torch.Tensor) -> int:
-        return int(self.layout.owned_by_this_rank(logical.to(torch.int64).cpu()).sum())
+        return int(self.placement.owned_by_this_rank(logical.to(torch.int64).cpu()).sum())
 
     def _time_copy_path(self) -> None:
         """CPU time in index preparation, submission and the consensus
@@ -198,15 +200,11 @@ class ShardedSimRankEngine(RankEngineBase):
 
     def _library_counters(self, totals: EngineTotals) -> None:
         """The library stack's own counters (absent on upstream's)."""
-        ctrl = self.cache.cache_controller
-        host_room, device_frees = getattr(ctrl, "cp_host_room", None), getattr(ctrl, "cp_device_frees", None)
-        warmup = getattr(ctrl, "cp_warmup", None)
-        if host_room is not None:
-            totals.host_room = asdict(host_room.counters)
-        if device_frees is not None:
-            totals.device_frees = asdict(device_frees.counters)
-        if warmup is not None:
-            totals.warmup = {"backend": warmup.backend, "seconds": float(warmup.seconds)}
+        record = library_stack(self.cache)
+        if record is not None:
+            totals.host_room = asdict(record.host_room.counters)
+            totals.device_frees = asdict(record.device_frees.counters)
+            totals.warmup = {"backend": record.warmup.backend, "seconds": float(record.warmup.seconds)}
 
     # ---- L3: the scheduler's storage calls ----------------------------------------
     def _l3_prefetch(self, request: RequestInFlight) -> None:
@@ -432,8 +430,8 @@ class ShardedSimRankEngine(RankEngineBase):
         for node in nodes:
             data = node.component(_FULL)
             if data.value is not None and data.host_value is not None:
-                device_owners = self.layout.owner_of(data.value[::P].to(torch.int64).cpu())
-                host_owners = self.layout.owner_of(data.host_value[::P].to(torch.int64))
+                device_owners = self.placement.owner_of(data.value[::P].to(torch.int64).cpu())
+                host_owners = self.placement.owner_of(data.host_value[::P].to(torch.int64))
                 if not torch.equal(device_owners, host_owners):
                     out.append(f"node {node.id}: host page owners {host_owners.tolist()} != device {device_owners.tolist()}")
         return out + self._leftovers([n.id for n in nodes if n.component(_FULL).lock_ref != 0])

@@ -69,19 +69,19 @@ class RankEngineBase:
     :meth:`serve` makes: :meth:`_match_and_load`, :meth:`_alloc_rest`,
     :meth:`_insert`, :meth:`_release` and :meth:`_check_events`."""
 
-    layout: CpPlacement
+    placement: CpPlacement
     kv_pool: Any
     page_size: int
     content_seed: int
 
-    def _bind_stack(self, stack: Any, layout: CpPlacement, content_seed: int) -> None:
+    def _bind_stack(self, stack: Any, placement: CpPlacement, content_seed: int) -> None:
         """The stack's parts every engine uses, and zeroed accounting."""
         self.stack = stack
         self.cache = stack.cache
         self.allocator = stack.allocator
         self.kv_pool = stack.kv_pool
         self.page_size = stack.config.page_size
-        self.layout = layout
+        self.placement = placement
         self.content_seed = content_seed
         self.acks = AckCounts()
         self.collective_cpu_seconds = 0.0  # inside the cache's all-reduce (part of cache_cpu_seconds)
@@ -117,7 +117,7 @@ class RankEngineBase:
         def recorded(lookup: Any, pages: int) -> int:
             tokens = settle(lookup, pages)
             kept = tokens // tier.page_size
-            plan, rank = lookup.plan, tier.layout.cp_rank
+            plan, rank = lookup.plan, tier.placement.cp_rank
             if kept:
                 keys = tier.chain_keys(plan.hashes[:kept], plan.parent)[0]
                 self.l3_restored_keys.extend(k for k, o in zip(keys, plan.owners[:kept]) if o == rank)
@@ -277,8 +277,8 @@ class RankEngineBase:
 
     def _write(self, locs: torch.Tensor, keys: torch.Tensor) -> None:
         """Write the content of the tokens at ``locs`` that this rank owns."""
-        mask = self.layout.owned_by_this_rank(locs)
-        write_content(self.kv_pool, self.layout.logical_locs_to_physical(locs[mask]), keys[mask],
+        mask = self.placement.owned_by_this_rank(locs)
+        write_content(self.kv_pool, self.placement.logical_locs_to_physical(locs[mask]), keys[mask],
                       seed=self.content_seed)
         if self._l3_page_keys:  # recomputed: a later host copy of these pages is not L3's
             self._l3_page_keys.difference_update(keys.tolist())
@@ -290,11 +290,11 @@ class RankEngineBase:
         if locs.numel() == 0:
             return 0, 0, 0
         P = self.page_size
-        mask = self.layout.owned_by_this_rank(locs)
+        mask = self.placement.owned_by_this_rank(locs)
         if not bool(mask.any()):
             return 0, 0, 0
         bad = corrupted_token_mask(
-            self.kv_pool, self.layout.logical_locs_to_physical(locs[mask]), keys[mask], seed=self.content_seed
+            self.kv_pool, self.placement.logical_locs_to_physical(locs[mask]), keys[mask], seed=self.content_seed
         )
         page_of_token = torch.arange(locs.numel(), dtype=torch.int64)[mask] // P
         pages = torch.unique(page_of_token)
@@ -307,10 +307,10 @@ class RankEngineBase:
         return int(pages.numel()), restored, int(bad_pages.numel())
 
     def _corrupt_one_byte(self, restored_locs: torch.Tensor) -> None:
-        mask = self.layout.owned_by_this_rank(restored_locs)
+        mask = self.placement.owned_by_this_rank(restored_locs)
         if not bool(mask.any()):
             return  # wait for a restore that lands on this rank
-        slot = int(self.layout.logical_locs_to_physical(restored_locs[mask][:1]))
+        slot = int(self.placement.logical_locs_to_physical(restored_locs[mask][:1]))
         if self.corrupt_part == "indexer":
             self.kv_pool.index_k_with_scale_buffer[0][slot // self.page_size, 0] ^= 0x01
         else:

@@ -13,7 +13,7 @@ fallback:
 
 :func:`install_cpu_support` patches (1) and (2) on the two host pool classes
 and on ``pool_host.common``; the transfers then go through this library's page
-copy backend (:mod:`sglang_cp_hicache.kernels.transfer`) with the identity layout
+copy backend (:mod:`sglang_cp_hicache.kernels.transfer`) with the identity placement
 ``CpPlacement(page_size, 1, 0)`` -- without CP every device location is
 its own physical slot. Nothing is faked in ``sgl_kernel`` and no environment
 variable is set. :func:`uninstall_cpu_support` restores every original.
@@ -83,7 +83,7 @@ def _mark(fn: Callable[..., Any]) -> Callable[..., Any]:
     return fn
 
 
-def _identity_layout(page_size: int) -> CpPlacement:
+def _identity_placement(page_size: int) -> CpPlacement:
     # Non-CP: one rank owns every page and physical == logical.
     return CpPlacement(page_size, 1, 0)
 
@@ -128,7 +128,7 @@ def _mla_backup_from_device_all_layer(self, device_pool, host_indices, device_in
         self.layout,
         _as_locs(device_indices),
         _as_locs(host_indices),
-        _identity_layout(self.page_size),
+        _identity_placement(self.page_size),
     )
 
 
@@ -146,7 +146,7 @@ def _mla_load_to_device_per_layer(
         layer_id,
         _as_locs(device_indices),
         _as_locs(host_indices),
-        _identity_layout(self.page_size),
+        _identity_placement(self.page_size),
     )
 
 
@@ -160,7 +160,7 @@ def _dsa_backup_from_device_all_layer(self, device_pool, host_indices, device_in
         self.layout,
         _as_locs(device_indices),
         _as_locs(host_indices),
-        _identity_layout(self.page_size),
+        _identity_placement(self.page_size),
     )
 
 
@@ -179,7 +179,7 @@ def _dsa_load_to_device_per_layer(
         layer_id,
         _as_locs(device_indices),
         _as_locs(host_indices),
-        _identity_layout(self.page_size),
+        _identity_placement(self.page_size),
     )
 
 

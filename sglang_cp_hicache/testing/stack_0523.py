@@ -168,6 +168,14 @@ class ShardedRankStack:
         return self.cache.cache_controller
 
     @property
+    def cp(self) -> Any:
+        """What the library added to this stack (a ``CpStack0523``: host
+        room, device frees, run frees, warm-up, L3), None on upstream's."""
+        from sglang_cp_hicache.sglang_0523.stack import library_stack
+
+        return library_stack(self.cache)
+
+    @property
     def host_group(self) -> Any:
         return self.controller.mem_pool_host
 
@@ -183,7 +191,7 @@ class ShardedRankStack:
         return self.host_group.entry_map[PoolName.INDEXER].host_pool
 
     @property
-    def layout(self) -> CpPlacement:
+    def placement(self) -> CpPlacement:
         return CpPlacement(self.config.page_size, self.config.cp_size, self.cp_rank)
 
     def close(self) -> None:

@@ -1,6 +1,7 @@
 """The settings module (every variable, unknown values refused with the
 valid ones) and the start-up agreement check (each kind of mismatch named)."""
 
+from dataclasses import asdict
 
 import pytest
 
@@ -174,3 +175,28 @@ def test_every_rank_of_a_real_group_gets_the_same_verdict(case):
         "needs its own cp_rank in 0..2",
     }[case]
     assert results == {0: expected, 1: expected, 2: expected}
+
+
+def test_a_hint_is_added_to_a_disagreement_on_its_key_only():
+    from sglang_cp_hicache.agreement import COPY_PATH_KEY
+
+    views = [RankView(0, 2, {COPY_PATH_KEY: "library"}), RankView(1, 2, {COPY_PATH_KEY: "upstream"})]
+
+    def gather(out, obj, group):  # stands in for all_gather_object: rank 1's view is the odd one
+        out[:] = [asdict(v) for v in views]
+
+    group = type("G", (), {"size": lambda self: 2})()
+    with pytest.raises(CpAgreementError, match="start every rank with the same copy_path; set X$"):
+        gather_and_check(views[0], group, all_gather=gather, hints={COPY_PATH_KEY: "set X"})
+    with pytest.raises(CpAgreementError, match="start every rank with the same copy_path$"):
+        gather_and_check(views[0], group, all_gather=gather, hints={"page_size": "set Y"})
+
+
+def test_a_page_size_disagreement_is_named_before_the_sizes_that_follow_from_it():
+    views = [RankView(0, 2, {"page_size": 64, "host_pool_slots": 1088}),
+             RankView(1, 2, {"page_size": 32, "host_pool_slots": 544})]
+    with pytest.raises(CpAgreementError, match="disagree on page_size: cp_rank 1 has 32, cp_rank 0 has 64"):
+        check_agreement(views)
+    views[1] = RankView(1, 2, {"page_size": 64, "host_pool_slots": 544, "a_key": 1})
+    with pytest.raises(CpAgreementError, match="disagree on a_key:"):
+        check_agreement(views)

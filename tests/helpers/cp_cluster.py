@@ -204,17 +204,17 @@ class CpCluster:
 
     # ---- content ----------------------------------------------------------
     def _fill(self, stack, locs: torch.Tensor, keys: torch.Tensor) -> None:
-        lay = stack.allocator.placement
-        mask = lay.owned_by_this_rank(locs)
+        placement = stack.allocator.placement
+        mask = placement.owned_by_this_rank(locs)
         if bool(mask.any()):
-            write_content(stack.kv_pool, lay.logical_locs_to_physical(locs[mask]), keys[mask], seed=SEED)
+            write_content(stack.kv_pool, placement.logical_locs_to_physical(locs[mask]), keys[mask], seed=SEED)
 
     def mismatches(self, stack, locs: torch.Tensor, keys: torch.Tensor) -> list[str]:
-        lay = stack.allocator.placement
-        mask = lay.owned_by_this_rank(locs)
+        placement = stack.allocator.placement
+        mask = placement.owned_by_this_rank(locs)
         if not bool(mask.any()):
             return []
-        return content_mismatches(stack.kv_pool, lay.logical_locs_to_physical(locs[mask]), keys[mask], seed=SEED)
+        return content_mismatches(stack.kv_pool, placement.logical_locs_to_physical(locs[mask]), keys[mask], seed=SEED)
 
     # ---- operations (every rank, same order) --------------------------------
     def insert(self, tokens: list[int], seed: int = 0) -> list[torch.Tensor]:

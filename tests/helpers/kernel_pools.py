@@ -15,7 +15,7 @@ from typing import Callable
 
 import torch
 
-from sglang_cp_hicache.kernels import cp_page_copy as triton_copy
+from sglang_cp_hicache.kernels import _triton_launch as triton_copy
 from sglang_cp_hicache.kernels import reference
 from sglang_cp_hicache.placement import CpPlacement
 
@@ -49,7 +49,7 @@ class Pools:
     """
 
     kind: str
-    layout: CpPlacement
+    placement: CpPlacement
     host_layout: str
     num_layers: int
     dev_bigs: list[torch.Tensor]
@@ -102,7 +102,7 @@ def make_pools(
     kind: str,
     page_size: int,
     host_layout: str,
-    layout: CpPlacement,
+    placement: CpPlacement,
     *,
     num_layers: int = 3,
     dev_pages: int = 5,
@@ -149,7 +149,7 @@ def make_pools(
         else:  # (host_pages, layers, 1, page_bytes)
             host_big = _alloc((host_pages + 2, L + 1, 1, row), dtype, host_fill, gen)
             host_view = lambda b: b[1 : host_pages + 1, :L]
-    return Pools(kind, layout, host_layout, L, dev_bigs, host_big, dev_view, host_view)
+    return Pools(kind, placement, host_layout, L, dev_bigs, host_big, dev_view, host_view)
 
 
 def page_locs(pages, page_size: int) -> torch.Tensor:
@@ -160,45 +160,45 @@ def page_locs(pages, page_size: int) -> torch.Tensor:
     return torch.cat([torch.arange(p * page_size, (p + 1) * page_size) for p in pages]).to(torch.int64)
 
 
-def owned_count(logical_pages, layout: CpPlacement) -> int:
-    return sum(1 for p in logical_pages if p % layout.cp_size == layout.cp_rank)
+def owned_count(logical_pages, placement: CpPlacement) -> int:
+    return sum(1 for p in logical_pages if p % placement.cp_size == placement.cp_rank)
 
 
 # ----------------------------------------------------------------------------- runners
 def run_triton(pools: Pools, direction: str, device_locs, host_locs, layer_id: int = 0, **kw) -> None:
-    lay, hl = pools.layout, pools.host_layout
+    placement, hl = pools.placement, pools.host_layout
     if pools.kv:
         if direction == "d2h":
-            triton_copy.backup_kv_all_layers(pools.devs, pools.host, hl, device_locs, host_locs, lay, **kw)
+            triton_copy.backup_kv_all_layers(pools.devs, pools.host, hl, device_locs, host_locs, placement, **kw)
         else:
-            triton_copy.load_kv_one_layer(pools.devs[layer_id], pools.host, hl, layer_id, device_locs, host_locs, lay, **kw)
+            triton_copy.load_kv_one_layer(pools.devs[layer_id], pools.host, hl, layer_id, device_locs, host_locs, placement, **kw)
     else:
         if direction == "d2h":
-            triton_copy.backup_indexer_all_layers(pools.devs, pools.host, hl, device_locs, host_locs, lay, **kw)
+            triton_copy.backup_indexer_all_layers(pools.devs, pools.host, hl, device_locs, host_locs, placement, **kw)
         else:
             triton_copy.load_indexer_one_layer(
-                pools.devs[layer_id], pools.host, hl, layer_id, device_locs, host_locs, lay, **kw
+                pools.devs[layer_id], pools.host, hl, layer_id, device_locs, host_locs, placement, **kw
             )
 
 
 def run_reference(pools: Pools, direction: str, device_locs, host_locs, layer_id: int = 0) -> None:
-    lay, hl = pools.layout, pools.host_layout
+    placement, hl = pools.placement, pools.host_layout
     if pools.kv:
         if direction == "d2h":
-            reference.backup_kv_all_layers_reference(pools.devs, pools.host, hl, device_locs, host_locs, lay)
+            reference.backup_kv_all_layers_reference(pools.devs, pools.host, hl, device_locs, host_locs, placement)
         else:
-            reference.load_kv_one_layer_reference(pools.devs[layer_id], pools.host, hl, layer_id, device_locs, host_locs, lay)
+            reference.load_kv_one_layer_reference(pools.devs[layer_id], pools.host, hl, layer_id, device_locs, host_locs, placement)
     else:
         if direction == "d2h":
-            reference.backup_indexer_all_layers_reference(pools.devs, pools.host, hl, device_locs, host_locs, lay)
+            reference.backup_indexer_all_layers_reference(pools.devs, pools.host, hl, device_locs, host_locs, placement)
         else:
             reference.load_indexer_one_layer_reference(
-                pools.devs[layer_id], pools.host, hl, layer_id, device_locs, host_locs, lay
+                pools.devs[layer_id], pools.host, hl, layer_id, device_locs, host_locs, placement
             )
 
 
 def _host_page(pools: Pools, host, layer: int, host_page: int) -> torch.Tensor:
-    P = pools.layout.page_size
+    P = pools.placement.page_size
     if pools.kv:
         if pools.host_layout == "layer_first":
             return host[layer, host_page * P : (host_page + 1) * P]
@@ -212,7 +212,7 @@ def _host_page(pools: Pools, host, layer: int, host_page: int) -> torch.Tensor:
 
 def run_oracle(pools: Pools, direction: str, device_locs, host_locs, layer_id: int = 0) -> None:
     """Page by page, straight from page(loc)=loc//P, owner=page%N, phys=page//N."""
-    P, N, r = pools.layout.page_size, pools.layout.cp_size, pools.layout.cp_rank
+    P, N, r = pools.placement.page_size, pools.placement.cp_size, pools.placement.cp_rank
     devs, host = pools.devs, pools.host
     k = 0
     for j in range(device_locs.numel() // P):

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tests.helpers.kernel_pools import bits, make_pools, page_locs, run_oracle
-from sglang_cp_hicache.kernels import DEBUG_ENV, _checks, cp_page_copy, transfer
+from sglang_cp_hicache.kernels import DEBUG_ENV, _checks, _triton_launch, transfer
 from sglang_cp_hicache.kernels.bound import bind_indexer_copies, bind_kv_copies
 from sglang_cp_hicache.placement import CpPlacement
 
@@ -43,7 +43,7 @@ def _call(pools, direction: str, dl, hl, *, devs=None, host=None, layer_id: int 
     """One unbound copy through kernels.transfer (the backend picked per call)."""
     devs = pools.devs if devs is None else devs
     host = pools.host if host is None else host
-    h, placement = pools.host_layout, pools.layout
+    h, placement = pools.host_layout, pools.placement
     if pools.kv and direction == "d2h":
         transfer.backup_kv_all_layers(devs, host, h, dl, hl, placement)
     elif pools.kv:
@@ -57,7 +57,7 @@ def _call(pools, direction: str, dl, hl, *, devs=None, host=None, layer_id: int 
 def _bind(pools, *, devs=None, host=None):
     fn = bind_kv_copies if pools.kv else bind_indexer_copies
     return fn(pools.devs if devs is None else devs, pools.host if host is None else host,
-              pools.host_layout, pools.layout)
+              pools.host_layout, pools.placement)
 
 
 def _snapshot(pools) -> list[torch.Tensor]:
@@ -230,8 +230,8 @@ def test_cuda_indices_are_checked_for_repeated_pages_in_debug_mode_only(monkeypa
     seen = []
     monkeypatch.setattr(_checks, "check_indices", lambda *a, **k: seen.append(k))
     meta = page_locs([0, 2], P).to("meta")  # indices that live off the CPU
-    cp_page_copy._check_indices(meta, meta, RANK0, 5, 6, to_host=True)
-    cp_page_copy._check_indices(meta, meta, RANK0, 5, 6, to_host=False)
+    _triton_launch._check_indices(meta, meta, RANK0, 5, 6, to_host=True)
+    _triton_launch._check_indices(meta, meta, RANK0, 5, 6, to_host=False)
     assert seen == ([{"to_host": True}, {"to_host": False}] if checked else [])
 
 

@@ -32,7 +32,7 @@ def _backend(monkeypatch, interpret: str | None) -> None:
 
 def bind(pools: Pools) -> PoolCopies:
     fn = bind_kv_copies if pools.kv else bind_indexer_copies
-    return fn(pools.devs, pools.host, pools.host_layout, pools.layout)
+    return fn(pools.devs, pools.host, pools.host_layout, pools.placement)
 
 
 def run_bound(copies: PoolCopies, direction: str, dl, hl, layer_id: int) -> None:
@@ -43,7 +43,7 @@ def run_bound(copies: PoolCopies, direction: str, dl, hl, layer_id: int) -> None
 
 
 def run_unbound(pools: Pools, direction: str, dl, hl, layer_id: int) -> None:
-    placement, h = pools.layout, pools.host_layout
+    placement, h = pools.placement, pools.host_layout
     if pools.kv and direction == "d2h":
         transfer.backup_kv_all_layers(pools.devs, pools.host, h, dl, hl, placement)
     elif pools.kv:

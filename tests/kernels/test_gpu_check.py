@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch
 
-from sglang_cp_hicache.kernels import cp_page_copy
+from sglang_cp_hicache.kernels import _triton_launch
 from sglang_cp_hicache.placement import CpPlacement
 
 from tests.helpers.bench_scripts import bench_module
@@ -136,7 +136,7 @@ def test_round_trip_check_passes_on_the_interpreter_and_catches_a_bad_copy(monke
     # a load that skips the last layer, or a backup that loses one host page, must be reported
     load = "load_kv_one_layer" if kind.startswith("kv") else "load_indexer_one_layer"
     backup = "backup_kv_all_layers" if kind.startswith("kv") else "backup_indexer_all_layers"
-    real_load, real_backup = getattr(cp_page_copy, load), getattr(cp_page_copy, backup)
+    real_load, real_backup = getattr(_triton_launch, load), getattr(_triton_launch, backup)
 
     def skip_last_layer(dev, host_t, hl, layer, *a, **kw):
         if layer < g.num_layers - 1:
@@ -148,11 +148,11 @@ def test_round_trip_check_passes_on_the_interpreter_and_catches_a_bad_copy(monke
 
     placement = CpPlacement(g.page_size, 2, 1)
     with monkeypatch.context() as m:
-        m.setattr(cp_page_copy, load, skip_last_layer)
+        m.setattr(_triton_launch, load, skip_last_layer)
         err = gpu_check.roundtrip(kind, "page_first", placement, host, g, cpu, seed=3)
     assert err == f"load: device layer {g.num_layers - 1} differs from the reference", err
     with monkeypatch.context() as m:
-        m.setattr(cp_page_copy, backup, lose_a_page)
+        m.setattr(_triton_launch, backup, lose_a_page)
         err = gpu_check.roundtrip(kind, "page_first", placement, host, g, cpu, seed=3)
     assert err is not None and err.startswith("backup: host bytes differ"), err
 

@@ -112,7 +112,7 @@ def test_no_recompile_across_ranks_layers_batch_sizes_and_slices():
     from triton._C.libtriton import native_specialize_impl
     from triton.backends.compiler import BaseBackend
 
-    from sglang_cp_hicache.kernels import _launch_spec, _twin, compile, cp_page_copy
+    from sglang_cp_hicache.kernels import _launch_spec, _twin, compile, _triton_launch
     from sglang_cp_hicache.placement import CpPlacement
 
     kernel = _twin.kernel_for(False)
@@ -122,7 +122,7 @@ def test_no_recompile_across_ranks_layers_batch_sizes_and_slices():
     )
 
     def key(plan, locs, host_locs, placement):
-        part = _launch_spec.pool_part(plan, placement.page_size, cp_page_copy.DEFAULT_BLOCK_BYTES)
+        part = _launch_spec.pool_part(plan, placement.page_size, _triton_launch.DEFAULT_BLOCK_BYTES)
         spec = _launch_spec.specialise(part, locs, host_locs, placement, 4)
         per_arg = [
             native_specialize_impl(BaseBackend, arg, p.is_constexpr, not p.do_not_specialize,

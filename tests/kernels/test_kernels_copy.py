@@ -26,7 +26,7 @@ from tests.helpers.kernel_pools import (
     owned_count,
     page_locs,
 )
-from sglang_cp_hicache.kernels import _launch_spec, cp_page_copy
+from sglang_cp_hicache.kernels import _launch_spec, _triton_launch
 from sglang_cp_hicache.placement import CpPlacement
 
 DIRECTIONS = ("d2h", "h2d")
@@ -187,7 +187,7 @@ def test_tile_shape_packs_page_units_into_tiles():
         for block in (16, 256, 4096, 32768):
             t = ts(page_words, 8, block)
             assert t.pages * t.words * 8 <= max(block, 8), (page_words, block, t)
-            assert t.pages <= cp_page_copy.MAX_TILE_PAGES
+            assert t.pages <= _triton_launch.MAX_TILE_PAGES
 
 
 def test_several_indexer_pages_per_tile_and_several_tiles_per_walk_block():
@@ -211,7 +211,7 @@ def test_cp8_real_owner_mix_across_walk_and_count_blocks(num_ctas):
     with 2 CTAs, counts more than COUNT_PAGES pages ahead of its chunk."""
     placement = CpPlacement(1, 8, 5)
     num_pages = 2100
-    assert num_pages // 2 > cp_page_copy.COUNT_PAGES and num_pages // 7 > cp_page_copy.WALK_PAGES
+    assert num_pages // 2 > _triton_launch.COUNT_PAGES and num_pages // 7 > _triton_launch.WALK_PAGES
     pool = num_pages // 8 + 1
     pools = make_pools("indexer", 1, "layer_first", placement, direction="h2d", num_layers=2,
                        dev_pages=pool, host_pages=pool)

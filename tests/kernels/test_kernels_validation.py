@@ -13,7 +13,7 @@ import torch
 from tests.helpers.kernel_pools import (
     POISON, assert_same_bytes, bits, changed_bytes, make_pools, page_locs, run_triton,
 )
-from sglang_cp_hicache.kernels import DEBUG_ENV, _checks, cp_page_copy, reference, transfer
+from sglang_cp_hicache.kernels import DEBUG_ENV, _checks, _triton_launch, reference, transfer
 from sglang_cp_hicache.placement import CpPlacement
 
 P = 4
@@ -68,10 +68,10 @@ def load_index_args(**over):
     return args
 
 
-BACKUP_KV = (cp_page_copy.backup_kv_all_layers, reference.backup_kv_all_layers_reference)
-LOAD_KV = (cp_page_copy.load_kv_one_layer, reference.load_kv_one_layer_reference)
-BACKUP_IDX = (cp_page_copy.backup_indexer_all_layers, reference.backup_indexer_all_layers_reference)
-LOAD_IDX = (cp_page_copy.load_indexer_one_layer, reference.load_indexer_one_layer_reference)
+BACKUP_KV = (_triton_launch.backup_kv_all_layers, reference.backup_kv_all_layers_reference)
+LOAD_KV = (_triton_launch.load_kv_one_layer, reference.load_kv_one_layer_reference)
+BACKUP_IDX = (_triton_launch.backup_indexer_all_layers, reference.backup_indexer_all_layers_reference)
+LOAD_IDX = (_triton_launch.load_indexer_one_layer, reference.load_indexer_one_layer_reference)
 
 # (functions, args builder, overrides, exception, argument name in the message)
 # Checked on the Triton launcher and, unless the argument is the launcher's
@@ -144,10 +144,10 @@ def test_host_buffer_must_be_pinned_for_cuda_device_buffers():
 @pytest.mark.parametrize(
     "fn,build",
     [
-        (cp_page_copy.backup_kv_all_layers, kv_args),
-        (cp_page_copy.load_kv_one_layer, load_kv_args),
-        (cp_page_copy.backup_indexer_all_layers, index_args),
-        (cp_page_copy.load_indexer_one_layer, load_index_args),
+        (_triton_launch.backup_kv_all_layers, kv_args),
+        (_triton_launch.load_kv_one_layer, load_kv_args),
+        (_triton_launch.backup_indexer_all_layers, index_args),
+        (_triton_launch.load_indexer_one_layer, load_index_args),
     ],
 )
 @pytest.mark.parametrize("foreign_only", [False, True])
@@ -155,7 +155,7 @@ def test_empty_batches_return_before_launching(monkeypatch, fn, build, foreign_o
     def no_launch(*a, **k):
         raise AssertionError("launched a kernel for an empty batch")
 
-    monkeypatch.setattr(cp_page_copy, "_launch", no_launch)
+    monkeypatch.setattr(_triton_launch, "_launch", no_launch)
     empty = torch.zeros(0, dtype=I64)
     device_locs = page_locs([1, 3], P) if foreign_only else empty  # rank 0 owns neither
     fn(**build(device_locs=device_locs, host_locs=empty))
@@ -255,7 +255,7 @@ def test_owned_count_mismatch_is_caught_on_cpu_indices(monkeypatch, fns, build, 
 def _unchecked(monkeypatch) -> None:
     """Skip the index-value checks, as a CUDA launch without debug mode does
     (reading CUDA indices would be a sync): the kernel's own guards act."""
-    monkeypatch.setattr(cp_page_copy, "_check_indices", lambda *a, **k: None)
+    monkeypatch.setattr(_triton_launch, "_check_indices", lambda *a, **k: None)
 
 
 @pytest.mark.parametrize("direction", ["d2h", "h2d"])

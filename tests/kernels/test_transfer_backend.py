@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tests.helpers.kernel_pools import POISON, bits, make_pools, page_locs
-from sglang_cp_hicache.kernels import _twin, compile, cp_page_copy, reference, transfer
+from sglang_cp_hicache.kernels import _twin, compile, _triton_launch, reference, transfer
 from sglang_cp_hicache.placement import CpPlacement
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -50,13 +50,13 @@ def test_signatures_match_the_reference(name):
     ours = inspect.signature(getattr(transfer, name))
     ref = inspect.signature(getattr(reference, f"{name}_reference"))
     assert list(ours.parameters) == list(ref.parameters)
-    kernel = inspect.signature(getattr(cp_page_copy, name))
+    kernel = inspect.signature(getattr(_triton_launch, name))
     assert list(kernel.parameters)[: len(ref.parameters)] == list(ref.parameters)
 
 
 def _spy(monkeypatch, calls):
     for name in FUNCS:
-        for module, tag, attr in ((cp_page_copy, "triton", name), (reference, "reference", f"{name}_reference")):
+        for module, tag, attr in ((_triton_launch, "triton", name), (reference, "reference", f"{name}_reference")):
             real = getattr(module, attr)
 
             def spy(*a, _real=real, _tag=tag, **k):
@@ -67,16 +67,16 @@ def _spy(monkeypatch, calls):
 
 
 def _run(pools, direction, dl, hl, layer_id=1):
-    lay, h = pools.layout, pools.host_layout
+    placement, h = pools.placement, pools.host_layout
     if pools.kv:
         if direction == "d2h":
-            transfer.backup_kv_all_layers(pools.devs, pools.host, h, dl, hl, lay)
+            transfer.backup_kv_all_layers(pools.devs, pools.host, h, dl, hl, placement)
         else:
-            transfer.load_kv_one_layer(pools.devs[layer_id], pools.host, h, layer_id, dl, hl, lay)
+            transfer.load_kv_one_layer(pools.devs[layer_id], pools.host, h, layer_id, dl, hl, placement)
     elif direction == "d2h":
-        transfer.backup_indexer_all_layers(pools.devs, pools.host, h, dl, hl, lay)
+        transfer.backup_indexer_all_layers(pools.devs, pools.host, h, dl, hl, placement)
     else:
-        transfer.load_indexer_one_layer(pools.devs[layer_id], pools.host, h, layer_id, dl, hl, lay)
+        transfer.load_indexer_one_layer(pools.devs[layer_id], pools.host, h, layer_id, dl, hl, placement)
 
 
 @pytest.mark.parametrize("direction", ["d2h", "h2d"])
@@ -154,7 +154,7 @@ def test_warmup_is_a_no_op_on_the_reference_backend(monkeypatch):
         assert (report.backend, report.ops, report.compiled, report.cache_dir) == ("reference", [], 0, None)
         assert report.config == dict(page_size=64, host_layout="page_first", num_layers=61, kv_dim=576,
                                      kv_dtype="bfloat16", indexer_page_bytes=8448, device="cpu",
-                                     block_bytes=cp_page_copy.DEFAULT_BLOCK_BYTES)
+                                     block_bytes=_triton_launch.DEFAULT_BLOCK_BYTES)
         json.dumps(report.as_dict())
 
 
@@ -166,13 +166,13 @@ def test_warmup_is_a_no_op_on_the_reference_backend(monkeypatch):
 def test_warmup_runs_each_op_once_under_the_interpreter(monkeypatch, kv, indexer, ops):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     launched = []
-    real = cp_page_copy._launch
+    real = _triton_launch._launch
 
     def spy(plan, *a, **k):
         launched.append((plan.to_host, plan.dev_ptr_table, len(plan.dev_layers)))
         return real(plan, *a, **k)
 
-    monkeypatch.setattr(cp_page_copy, "_launch", spy)
+    monkeypatch.setattr(_triton_launch, "_launch", spy)
     cfg = dict(WARM_CFG, device="cpu")
     if not kv:
         cfg.update(kv_dim=None, kv_dtype=None)
@@ -218,13 +218,13 @@ from sglang_cp_hicache.kernels import _kernel, _twin, transfer, reference
 from sglang_cp_hicache.placement import CpPlacement
 assert _kernel.INTERPRETED and _twin.kernel_for(True) is _kernel._copy_pages_kernel
 assert transfer.select_backend("cpu") == "triton-interpret"
-lay = CpPlacement(16, 2, 0)
+placement = CpPlacement(16, 2, 0)
 dev = [torch.randint(0, 256, (64, 1, 656), dtype=torch.uint8) for _ in range(3)]
 locs = torch.cat([torch.arange(p * 16, p * 16 + 16) for p in (0, 1, 2, 6)])
 hl = torch.arange(32, 80)
 a = torch.full((6 * 16, 3, 1, 656), 0xA5, dtype=torch.uint8); b = a.clone()
-transfer.backup_kv_all_layers(dev, a, "page_first", locs, hl, lay)
-reference.backup_kv_all_layers_reference(dev, b, "page_first", locs, hl, lay)
+transfer.backup_kv_all_layers(dev, a, "page_first", locs, hl, placement)
+reference.backup_kv_all_layers_reference(dev, b, "page_first", locs, hl, placement)
 assert torch.equal(a, b) and not torch.equal(a, torch.full_like(a, 0xA5))
 print("ok")
 """

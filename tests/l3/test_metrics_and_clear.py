@@ -28,7 +28,7 @@ class _Tier:
 
     def __init__(self, rank: int, usable: int = 0, whole: int = 0, fail: bool = False) -> None:
         self.kv_ns, self.indexer_ns = namespace(), namespace(pool="indexer", row_bytes=132)
-        self.layout = SimpleNamespace(cp_rank=rank)
+        self.placement = SimpleNamespace(cp_rank=rank)
         self.usable, self.whole, self.fail = usable, whole, fail
         self.page_size = 4
 
@@ -60,7 +60,7 @@ def test_a_page_read_is_one_sample_and_a_miss_none():
     assert reads[0].gib_per_s == pytest.approx(page / (1 << 30) / 0.5)
     assert meter.totals()["read_bytes"] == page and meter.totals()["read_seconds"] == 0.5
     assert meter.drain() == ([], [])  # drained once
-    assert metered.page_size == 4 and metered.layout is tier.layout  # everything else is the tier's
+    assert metered.page_size == 4 and metered.placement is tier.placement  # everything else is the tier's
 
 
 def test_a_page_stored_is_one_sample_and_a_failure_nothing():

@@ -24,7 +24,7 @@ class StandInTier:
     """What the protocol reads of a HostL3Tier; I/O can be held per call."""
 
     def __init__(self, rank: int = 0, present: int = 99, usable: int = 99) -> None:
-        self.layout = CpPlacement(P, 2, rank)
+        self.placement = CpPlacement(P, 2, rank)
         self.page_size = P
         self.counters = L3Counters()
         self.present, self.usable = present, usable

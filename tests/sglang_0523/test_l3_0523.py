@@ -353,7 +353,7 @@ def _driver_on_stand_ins(seen: list):
     for name in ("prefetch_from_storage", "check_prefetch_progress", "release_aborted_request",
                  "check_hicache_events", "_finish_write_through_ack", "reset", "clear_storage_backend"):
         setattr(cache, name, lambda *a, **k: seen.append(("upstream", a)))
-    tier = SimpleNamespace(layout=CpPlacement(64, 2, 0), counters=L3Counters(), page_size=64)
+    tier = SimpleNamespace(placement=CpPlacement(64, 2, 0), counters=L3Counters(), page_size=64)
     l3 = RankL3(tier, None, L3Location("/unused", False, "test"))
     driver = L3Driver(cache, l3, None)
     driver.install()

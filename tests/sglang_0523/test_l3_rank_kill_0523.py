@@ -104,7 +104,7 @@ def _rank_main(rank: int, world: int, init_file: str, l3_dir: str, out_dir: str)
     stack = l3_scenarios._stack(2, rank, dist.group.WORLD, l3_dir)
     engine = ShardedSimRankEngine(stack, content_seed=1)
     engine.serve(0, TOKENS[: PREFIX_PAGES * P + 1])  # computed, written through: a host-backed anchor
-    driver, host = stack.controller.cp_l3, stack.cache.cache_controller.mem_pool_host
+    driver, host = stack.cp.l3, stack.cache.cache_controller.mem_pool_host
     report["host_available_before"] = int(host.available_size())
     report["violations_before"] = engine.invariant_violations()
     _lookup(engine, TOKENS)
@@ -159,7 +159,7 @@ def _read_back(rank: int, world: int, *, l3_dir: str) -> dict[str, Any]:
     from sglang_cp_hicache.sim.engine_0523 import ShardedSimRankEngine
 
     stack = l3_scenarios._stack(world, rank, dist.group.WORLD, l3_dir)
-    tier = stack.controller.cp_l3.tier
+    tier = stack.cp.l3.tier
     rejected = []
     for f in sorted(Path(l3_dir).rglob("*.bin")):
         ns = tier.kv_ns if f"_{tier.kv_ns.digest()}_" in f.stem else tier.indexer_ns
@@ -168,7 +168,7 @@ def _read_back(rank: int, world: int, *, l3_dir: str) -> dict[str, Any]:
     engine = ShardedSimRankEngine(stack, content_seed=1)
     record = engine.serve(0, TOKENS)
     out = {"rejected": rejected, "corrupted": record.corrupted_pages, "l3_verified": record.l3_pages_verified,
-           "loaded": record.loaded_tokens, "restored_pages": stack.controller.cp_l3.counters.restored_pages,
+           "loaded": record.loaded_tokens, "restored_pages": stack.cp.l3.counters.restored_pages,
            "violations": engine.invariant_violations()}
     stack.close()
     return out
@@ -251,7 +251,7 @@ def test_the_fallback_min_failing_gives_back_every_pending_lookup(caplog):
         dec_host_lock_ref=lambda node_id, lock: released.append((node_id, lock)),
         tree_core=SimpleNamespace(insert_host=lambda *a: inserted.append(a)),
     )
-    tier = SimpleNamespace(layout=CpPlacement(64, 2, 1), counters=L3Counters(), page_size=64)
+    tier = SimpleNamespace(placement=CpPlacement(64, 2, 1), counters=L3Counters(), page_size=64)
     port = L3Port0523(cache, tier, None)
     driver = L3Driver(cache, RankL3(tier, port, L3Location("/unused", False, "test")), port)
     driver._upstream["check_hicache_events"] = lambda: None

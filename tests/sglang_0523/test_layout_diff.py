@@ -39,14 +39,14 @@ def _locs(size: int) -> torch.Tensor:
 def test_owner_and_physical_row_of_every_loc(size):
     locs = _locs(size)
     for rank in range(size):
-        placement, layout = _placement(rank, size), CpPlacement(P, size, rank)
-        assert torch.equal(placement.owner_of(locs), layout.owner_of(locs))
-        assert torch.equal(placement.local_mask(locs, rank), layout.owned_by_this_rank(locs))
-        assert torch.equal(placement.local_index(locs), layout.logical_locs_to_physical(locs))
-        owned = locs[layout.owned_by_this_rank(locs)]
-        assert torch.equal(placement.filter_local(locs, rank), layout.logical_locs_to_physical(owned))
+        placement, ours = _placement(rank, size), CpPlacement(P, size, rank)
+        assert torch.equal(placement.owner_of(locs), ours.owner_of(locs))
+        assert torch.equal(placement.local_mask(locs, rank), ours.owned_by_this_rank(locs))
+        assert torch.equal(placement.local_index(locs), ours.logical_locs_to_physical(locs))
+        owned = locs[ours.owned_by_this_rank(locs)]
+        assert torch.equal(placement.filter_local(locs, rank), ours.logical_locs_to_physical(owned))
         # the library's inverse undoes upstream's translation on owned locs
-        assert torch.equal(layout.physical_locs_to_logical(placement.local_index(owned)), owned)
+        assert torch.equal(ours.physical_locs_to_logical(placement.local_index(owned)), owned)
 
 
 @pytest.mark.parametrize("size", SIZES)
@@ -74,7 +74,7 @@ def test_owned_rows_equals_the_library_narrowing(size):
     for seed in range(3):
         host, dev = _owner_matched_pairs(size, pages=11, seed=seed)
         for rank in range(size):
-            placement, layout = _placement(rank, size), CpPlacement(P, size, rank)
+            placement, ours = _placement(rank, size), CpPlacement(P, size, rank)
             up_host, up_dev = PageInterleaveHostPool.owned_rows(
                 SimpleNamespace(placement=placement, shard_rank=rank), host, dev
             )
@@ -84,7 +84,7 @@ def test_owned_rows_equals_the_library_narrowing(size):
             )
             lib_host = LibraryCopyController._owned_host_rows(controller, host)
             # The kernel's own device side: mask the logical locs, translate the owned.
-            lib_dev = layout.logical_locs_to_physical(dev[layout.owned_by_this_rank(dev)])
+            lib_dev = ours.logical_locs_to_physical(dev[ours.owned_by_this_rank(dev)])
             assert torch.equal(lib_host, up_host), (size, rank, seed)
             assert torch.equal(lib_dev, up_dev), (size, rank, seed)
 

@@ -12,10 +12,17 @@ from typing import Any
 import pytest
 
 from sglang_cp_hicache import settings
-from sglang_cp_hicache.agreement import RankView, gather_and_check
+from sglang_cp_hicache.agreement import (
+    COPY_BACKEND_KEY,
+    COPY_PATH_KEY,
+    HOST_POOL_SLOTS_KEY,
+    L3_KEY,
+    RankView,
+    gather_and_check,
+)
 from sglang_cp_hicache.sglang_0523.startup import (
-    COPY_KEY,
     COPY_PATH,
+    HINTS,
     HOST_TAIL_KEY,
     SETTINGS_KEY,
     agree_at_start_up,
@@ -29,17 +36,17 @@ from tests.helpers.gloo_gather import agreement_on_threads, object_all_gather
 REFUSED = {
     "host_layout": "CP ranks disagree on host_layout: cp_rank 1 has 'page_first', cp_rank 0 has 'layer_first'; "
     "start every rank with the same host_layout",
-    "host_pages": "CP ranks disagree on host_pages: cp_rank 1 has 21, cp_rank 0 has 17; "
-    "start every rank with the same host_pages",
+    "host_pages": "CP ranks disagree on host_pool_slots: cp_rank 1 has 1344, cp_rank 0 has 1088; "
+    "start every rank with the same host_pool_slots",
     "device_pages": "CP ranks disagree on device_pages: cp_rank 1 has 10, cp_rank 0 has 8; "
     "start every rank with the same device_pages",
-    "kernel_backend": "CP ranks disagree on kernel_backend: cp_rank 1 has 'reference', cp_rank 0 has "
-    "'triton-interpret'; start every rank with the same kernel_backend",
+    "kernel_backend": "CP ranks disagree on copy_backend: cp_rank 1 has 'reference', cp_rank 0 has "
+    "'triton-interpret'; start every rank with the same copy_backend",
     "duplicate_rank": "cp_rank 0 is claimed by group ranks 0 and 1; each rank of the CP group needs its own "
     "cp_rank in 0..1",
     # a rank on SGLANG_CP_HICACHE_COPY=upstream among library ranks: refused on both, nobody waits
-    "copy_path": "CP ranks disagree on copy_path (SGLANG_CP_HICACHE_COPY): cp_rank 1 has 'upstream', "
-    "cp_rank 0 has 'library'; start every rank with the same copy_path (SGLANG_CP_HICACHE_COPY)",
+    "copy_path": "CP ranks disagree on copy_path: cp_rank 1 has 'upstream', "
+    "cp_rank 0 has 'library'; start every rank with the same copy_path; SGLANG_CP_HICACHE_COPY sets the copy path",
     "settings": f"CP ranks disagree on {SETTINGS_KEY}: cp_rank 1 has \"SGLANG_CP_HICACHE_DEBUG='maybe' is not "
     "valid; use one of: 1, true, yes, on, 0, false, no, off (default 0)\", cp_rank 0 has 'valid'",
 }
@@ -89,19 +96,22 @@ def valid_settings(monkeypatch):
 def test_the_view_holds_every_value_the_ranks_share(valid_settings):
     view = start_up_view(*_stand_ins(2, None))
     assert (view.cp_rank, view.cp_size) == (2, 3)
+    # The keys 0.5.18 sends too, under the same names.
     assert set(view.values) == {
-        "sglang", "page_size", "host_layout", "device_pages", "host_pages", COPY_KEY, "kernel_backend",
-        SETTINGS_KEY, HOST_TAIL_KEY,
+        "sglang", "page_size", "host_layout", "device_pages", "host_pool_slots", "copy_path", "copy_backend",
+        "l3", SETTINGS_KEY, HOST_TAIL_KEY,
     }
+    assert (HOST_POOL_SLOTS_KEY, COPY_PATH_KEY, COPY_BACKEND_KEY, L3_KEY) == (
+        "host_pool_slots", "copy_path", "copy_backend", "l3")
     assert view.values[HOST_TAIL_KEY] == "covering"  # the default
     assert view.values["page_size"] == 64 and view.values["device_pages"] == 8
-    assert view.values["host_pages"] == 17 and view.values["host_layout"] == "page_first"
-    assert view.values[COPY_KEY] == COPY_PATH == "library" and view.values[SETTINGS_KEY] == "valid"
-    assert COPY_KEY == "copy_path (SGLANG_CP_HICACHE_COPY)"
-    assert start_up_view(*_stand_ins(2, None), "upstream").values[COPY_KEY] == "upstream"
+    assert view.values["host_pool_slots"] == 17 * 64 and view.values["host_layout"] == "page_first"
+    assert view.values["copy_path"] == COPY_PATH == "library" and view.values[SETTINGS_KEY] == "valid"
+    assert view.values["l3"] == "off"
+    assert start_up_view(*_stand_ins(2, None), "upstream").values["copy_path"] == "upstream"
     with pytest.raises(ValueError, match="copy_path must be one of \\('library', 'upstream'\\), got 'libary'"):
         start_up_view(*_stand_ins(2, None), "libary")
-    assert view.values["kernel_backend"] in ("reference", "triton-interpret")
+    assert view.values["copy_backend"] in ("reference", "triton-interpret")
 
 
 @pytest.mark.parametrize(
@@ -131,14 +141,15 @@ def test_stand_in_pools_disagreeing_are_refused_on_every_rank(valid_settings, ca
 
 def test_a_rank_on_another_copy_path_is_refused_on_every_rank(valid_settings):
     """A view injected as a rank on another copy path would send it."""
-    message = "CP ranks disagree on copy_path (SGLANG_CP_HICACHE_COPY): cp_rank 1 has 'upstream', " \
-              "cp_rank 0 has 'library'; start every rank with the same copy_path (SGLANG_CP_HICACHE_COPY)"
+    message = "CP ranks disagree on copy_path: cp_rank 1 has 'upstream', " \
+              "cp_rank 0 has 'library'; start every rank with the same copy_path; " \
+              "SGLANG_CP_HICACHE_COPY sets the copy path"
 
     def run(rank: int, pg: Any) -> None:
         view = start_up_view(*_stand_ins(rank, pg))
         if rank == 1:
-            view = replace(view, values={**view.values, COPY_KEY: "upstream"})
-        gather_and_check(view, pg, all_gather=object_all_gather)
+            view = replace(view, values={**view.values, COPY_PATH_KEY: "upstream"})
+        gather_and_check(view, pg, all_gather=object_all_gather, hints=HINTS)
 
     assert agreement_on_threads("copy_path", run) == {0: message, 1: message, 2: message}
 

@@ -8,7 +8,7 @@ from typing import Any
 P = 64
 
 
-def _host_only_pages(cache: Any, layout: Any, world: int) -> tuple[list[int], int]:
+def _host_only_pages(cache: Any, placement: Any, world: int) -> tuple[list[int], int]:
     """Pages of each class held by host-only, unlocked nodes whose whole
     subtree is host-only and unlocked (what host eviction could ever free),
     and how many such nodes there are; read off the tree independently of
@@ -30,7 +30,7 @@ def _host_only_pages(cache: Any, layout: Any, world: int) -> tuple[list[int], in
         todo.extend(node.children.values())
         if clearable(node):
             nodes += 1
-            for owner in layout.owner_of(node.component(ComponentType.FULL).host_value[::P].to(torch.int64)).tolist():
+            for owner in placement.owner_of(node.component(ComponentType.FULL).host_value[::P].to(torch.int64)).tolist():
                 counts[owner] += 1
     return counts, nodes
 
@@ -51,11 +51,11 @@ def _finish(out: dict[str, Any], stack: Any, engine: Any, records: list[Any]) ->
 
 def _snapshot(stack: Any, world: int) -> dict[str, Any]:
     cache = stack.cache
-    reach, nodes = _host_only_pages(cache, stack.layout, world)
+    reach, nodes = _host_only_pages(cache, stack.placement, world)
     return {
         "free": stack.kv_host._slots.class_free_page_counts(), "reach": reach, "host_only_nodes": nodes,
         "host_leaves": sorted(node.id for node in cache.tree_core.evictable_host_leaves),
-        "room": dict(vars(stack.controller.cp_host_room.counters)),
+        "room": dict(vars(stack.cp.host_room.counters)),
     }
 
 
@@ -78,7 +78,7 @@ def unfittable_runs(rank: int, world: int) -> dict[str, Any]:
 
     config = ShardedStackConfig(cp_size=world, device_pages=8, host_pages=5, copy_path="library")
     stack = build_sharded_rank_stack(config, rank, cp_group=dist.group.WORLD)
-    room = stack.controller.cp_host_room
+    room = stack.cp.host_room
     engine = ShardedSimRankEngine(stack)
     a, b, c = (list(range(base, base + pages * P)) for base, pages in ((1000, 3), (2000, 2), (3000, 4)))
     d = list(range(4000, 4000 + (config.host_pages * world + 1) * P))  # one page more than the host
@@ -144,13 +144,13 @@ def tail_eviction(rank: int, world: int, forge_hashes: bool = False) -> dict[str
 
     config = ShardedStackConfig(cp_size=world, device_pages=8, host_pages=5, copy_path="library")
     stack = build_sharded_rank_stack(config, rank, cp_group=dist.group.WORLD)
-    room, tree = stack.controller.cp_host_room, stack.cache.tree_core
+    room, tree = stack.cp.host_room, stack.cache.tree_core
     engine = ShardedSimRankEngine(stack)
     a, b, c = (list(range(base, base + pages * P)) for base, pages in ((1000, 6), (2000, 4), (3000, 1)))
     records = [engine.serve(i, tokens) for i, tokens in enumerate((a, b))]
     stack.cache.evict(EvictParams(num_tokens=stack.allocator.size))  # a and b: host only
     leaves = {len(n.key) // P: n for n in tree.evictable_host_leaves}
-    node_a, owner_of = leaves[6], stack.layout.owner_of
+    node_a, owner_of = leaves[6], stack.placement.owner_of
     if forge_hashes:
         node_a.hash_value = ["stale"] * 5  # one short of its 6 pages
     out: dict[str, Any] = {
@@ -209,7 +209,7 @@ def prefix_first(rank: int, world: int, tail_rule: str) -> dict[str, Any]:
         stack = build_sharded_rank_stack(config, rank, cp_group=dist.group.WORLD)
     finally:
         del os.environ["SGLANG_CP_HICACHE_HOST_TAIL"]
-    room, tree, owner_of = stack.controller.cp_host_room, stack.cache.tree_core, stack.layout.owner_of
+    room, tree, owner_of = stack.cp.host_room, stack.cache.tree_core, stack.placement.owner_of
     engine = ShardedSimRankEngine(stack)
     q, a, b = (list(range(base, base + pages * P)) for base, pages in ((1000, 1), (2000, 5), (3000, 4)))
     records = [engine.serve(i, tokens) for i, tokens in enumerate((q, a, b))]

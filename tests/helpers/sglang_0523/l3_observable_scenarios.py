@@ -75,7 +75,7 @@ def _serve(rank: int, group: Any, directory: str) -> dict[str, Any]:
     from sglang_cp_hicache.sim.engine_0523 import ShardedSimRankEngine
 
     stack = _stack(rank, group, directory)
-    cache, driver = stack.cache, stack.controller.cp_l3
+    cache, driver = stack.cache, stack.cp.l3
     before = _values(cache)
     engine = ShardedSimRankEngine(stack, content_seed=1)
     records = [engine.serve(i, r.tokens) for i, r in enumerate(_requests())]

@@ -52,7 +52,7 @@ def _run(world: int, rank: int, group: Any, l3_dir: str, patch: Optional[Callabl
 
     stack = _stack(world, rank, group, l3_dir)
     engine = ShardedSimRankEngine(stack, content_seed=1)
-    driver = stack.controller.cp_l3
+    driver = stack.cp.l3
     # the scheduler's storage calls reach the driver (before any test patch)
     surface = {name: getattr(getattr(stack.cache, name), "__self__", None) is driver for name in driver._REPLACED}
     written: list[str] = []
@@ -268,7 +268,7 @@ def _joined(rank: int, group: Any, l3_dir: str, k: int = 4) -> dict[str, Any]:
 
     stack = _stack(2, rank, group, l3_dir)
     engine = ShardedSimRankEngine(stack, content_seed=1)
-    driver, cache = stack.controller.cp_l3, stack.cache
+    driver, cache = stack.cp.l3, stack.cache
     fetches = [0]
     start_fetch = driver.prefetcher._start_fetch
 

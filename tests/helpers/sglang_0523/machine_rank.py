@@ -160,9 +160,9 @@ class MachineRank:
                 continue
             import torch
 
-            owned = value.to(torch.int64)[engine.layout.owned_by_this_rank(value.to(torch.int64))]
+            owned = value.to(torch.int64)[engine.placement.owned_by_this_rank(value.to(torch.int64))]
             if owned.numel():
-                slot = int(engine.layout.logical_locs_to_physical(owned[:1]))
+                slot = int(engine.placement.logical_locs_to_physical(owned[:1]))
                 if part == "indexer":
                     stack.kv_pool.index_k_with_scale_buffer[0][slot // P, 0] ^= 0x01
                 else:
@@ -204,7 +204,7 @@ class MachineRank:
 
         from sglang_cp_hicache.sim.content import corrupted_token_mask
 
-        layout = engine.layout
+        placement = engine.placement
         nodes, phys, keys, owners = [], [], [], []
         todo = [(engine._root(), 0)]
         while todo:
@@ -216,9 +216,9 @@ class MachineRank:
                 if child.evicted or value is None:
                     continue
                 locs = value.to(torch.int64)
-                mask = layout.owned_by_this_rank(locs)
+                mask = placement.owned_by_this_rank(locs)
                 nodes.append(child)
-                phys.append(layout.logical_locs_to_physical(locs[mask]))
+                phys.append(placement.logical_locs_to_physical(locs[mask]))
                 keys.append(child_keys[mask])
                 owners.append(torch.full((int(mask.sum()),), len(nodes) - 1, dtype=torch.int64))
         if not nodes:

@@ -113,10 +113,10 @@ def _drive(stack: Any) -> dict[str, Any]:
     }
 
 
-def _owners(layout: Any, locs: Any) -> list[int]:
+def _owners(placement: Any, locs: Any) -> list[int]:
     import torch
 
-    return layout.owner_of(locs[::P].to(torch.int64).cpu()).tolist()
+    return placement.owner_of(locs[::P].to(torch.int64).cpu()).tolist()
 
 
 def _path_locs(stack: Any, tokens: list[int]) -> dict[str, Any]:
@@ -204,23 +204,23 @@ def differential(rank: int, world: int, *, layouts: tuple[str, ...]) -> dict[str
 
                 _transfer.warmup = real_warmup
                 logs.close()
-            warmup = stack.controller.cp_warmup if copy_path == "library" else None
+            warmup = stack.cp.warmup if copy_path == "library" else None
             out.setdefault("warmups", {})[f"{host_layout}/{copy_path}"] = {
                 "calls": calls, "pools": _pool_facts(stack), "log": logs.lines,
                 "report": None if warmup is None else warmup.as_dict(),
             }
             runs[copy_path] = (stack, _drive(stack))
         (up_stack, up), (lib_stack, lib) = runs["upstream"], runs["library"]
-        layout = up_stack.layout
+        placement = up_stack.placement
         from sglang_cp_hicache.kernels import transfer
 
         out["backend"] = transfer.select_backend(lib_stack.kv_pool.kv_buffer[0].device)
 
         host_owner_mismatch = [
-            (len(key), _owners(layout, dev), _owners(layout, host))
+            (len(key), _owners(placement, dev), _owners(placement, host))
             for run in (up, lib)
             for key, (dev, host) in run["backed_up"].items()
-            if dev is not None and host is not None and _owners(layout, dev) != _owners(layout, host)
+            if dev is not None and host is not None and _owners(placement, dev) != _owners(placement, host)
         ]
         per_path = {}
         for name, run in (("upstream", up), ("library", lib)):
@@ -252,9 +252,9 @@ def differential(rank: int, world: int, *, layouts: tuple[str, ...]) -> dict[str
                     req: {
                         "backup_tokens": run["paths_backed_up"][req]["tokens"],
                         "restored_tokens": run["paths_restored"][req]["tokens"],
-                        "backup_device_owners": _owners(layout, run["paths_backed_up"][req]["device"]),
-                        "backup_host_owners": _owners(layout, run["paths_backed_up"][req]["host"]),
-                        "restored_device_owners": _owners(layout, run["paths_restored"][req]["device"]),
+                        "backup_device_owners": _owners(placement, run["paths_backed_up"][req]["device"]),
+                        "backup_host_owners": _owners(placement, run["paths_backed_up"][req]["host"]),
+                        "restored_device_owners": _owners(placement, run["paths_restored"][req]["device"]),
                         "moved": not torch.equal(
                             run["paths_backed_up"][req]["device"], run["paths_restored"][req]["device"]
                         ),

@@ -26,7 +26,7 @@ class _Driver:
 
     def __init__(self, stack: Any) -> None:
         self.stack, self.cache, self.allocator = stack, stack.cache, stack.allocator
-        self.layout = stack.layout
+        self.placement = stack.placement
         self.verified = self.corrupted = self.host_hits = self.loaded = 0
         self.served = 0  # requests served to their end
 
@@ -39,8 +39,8 @@ class _Driver:
         with device_side():
             locs = unwrap(locs).to(torch.int64)
             keys = torch.arange(start, start + locs.numel(), dtype=torch.int64)
-            mask = self.layout.owned_by_this_rank(locs)
-            phys = self.layout.logical_locs_to_physical(locs[mask])
+            mask = self.placement.owned_by_this_rank(locs)
+            phys = self.placement.logical_locs_to_physical(locs[mask])
             if check:
                 bad = corrupted_token_mask(self.stack.kv_pool, phys, keys[mask], seed=7)
                 self.verified += int(mask.sum()) // P
@@ -54,7 +54,7 @@ class _Driver:
         from sglang.srt.mem_cache.common import evict_from_tree_cache
         from sglang.srt.mem_cache.radix_cache import RadixKey
 
-        cache, n = self.cache, self.layout.cp_size
+        cache, n = self.cache, self.placement.cp_size
         key = RadixKey(array("q", tokens))
         match = cache.match_prefix(MatchPrefixParams(key=key))
         admission = cache.lock(match.last_device_node)
@@ -203,8 +203,7 @@ def path_report(stack: Any, served: int, first_read: Optional[list[str]], counts
         "host_hits": counts.host_hits, "loaded": counts.loaded,
     }
     if stack.config.copy_path == "library":
-        ctrl = stack.controller
-        out.update(device_frees=vars(ctrl.cp_device_frees.counters), host_room=vars(ctrl.cp_host_room.counters))
+        out.update(device_frees=vars(stack.cp.device_frees.counters), host_room=vars(stack.cp.host_room.counters))
     return out
 
 
@@ -359,7 +358,7 @@ def finding_host_eviction(rank: int, world: int, copy_path: str = "upstream") ->
         cp_group=dist.group.WORLD,
     )
     cache, slots = stack.cache, stack.kv_host._slots
-    layout = stack.layout
+    placement = stack.placement
     failures: list[dict[str, Any]] = []
     backup = cache._execute_kv_backup
 
@@ -371,7 +370,7 @@ def finding_host_eviction(rank: int, world: int, copy_path: str = "upstream") ->
             todo.extend(node.children.values())
             data = node.component(ComponentType.FULL)
             if node.parent is not None and data.value is None and data.host_value is not None and data.host_lock_ref == 0:
-                for owner in layout.owner_of(data.host_value[::P].to(torch.int64)).tolist():
+                for owner in placement.owner_of(data.host_value[::P].to(torch.int64)).tolist():
                     counts[owner] += 1
         return counts
 
@@ -404,7 +403,7 @@ def finding_host_eviction(rank: int, world: int, copy_path: str = "upstream") ->
     poison_device(stack.kv_pool)
     records += [engine.serve(4 + i, tokens) for i, tokens in enumerate((a, b, c, d))]
     totals = engine.totals()
-    room = stack.controller.cp_host_room if copy_path == "library" else None
+    room = stack.cp.host_room if copy_path == "library" else None
     out = {
         # the four requests of the finding
         "failures": first_failures, "write_failures": first_write_failures,

@@ -72,7 +72,7 @@ class _Scheduler:
 
         from sglang_cp_hicache.testing.requests_0523 import LoadBackRequest
 
-        cache, n, tokens = self.cache, self.stack.layout.cp_size, spec.tokens
+        cache, n, tokens = self.cache, self.stack.placement.cp_size, spec.tokens
         # the scheduler matches at most len - 1 tokens: a request keeps one to compute
         match = cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", tokens[: len(tokens) - 1]))))
         admission = cache.lock(match.last_device_node)

@@ -1,6 +1,10 @@
 """Launchers of the CP page-copy kernel (see :mod:`._kernel` for how it works).
 
-Four public launchers, one per operation, each with the signature of its
+Private: callers go through :mod:`.transfer` (one call) or :mod:`.bound`
+(bound copies), which pick the backend and count the copies; the kernel's
+own tests and benchmarks call these directly for the tuning arguments.
+
+Four launchers, one per operation, each with the signature of its
 :mod:`.reference` twin plus two keyword-only tuning arguments:
 
 * ``backup_kv_all_layers`` / ``backup_indexer_all_layers`` -- D2H, every layer,
@@ -169,9 +173,8 @@ def _backup_all_layers(
     *, kv: bool, num_ctas: int | None, block_bytes: int | None,
 ) -> None:
     """Shared body of the two backups (KV rows or indexer pages)."""
-    placement = _checks.check_placement(placement)
-    pool = _checks.check_backup_pool(kv, dev_name, device_layers, host_name, host, host_layout, placement)
-    check_launchable(pool, [f"{dev_name}[{i}]" for i in range(len(pool.device_layers))], host_name)
+    placement, pool = _checks.checked_copy_pool(kv, dev_name, device_layers, host_name, host, host_layout,
+                                                placement)
     num_ctas, block_bytes = _check_num_ctas(num_ctas, block_bytes)
     if _check_call(device_locs, host_locs, placement, pool.device, pool.dev_num_pages, pool.host.num_pages,
                    to_host=True):
@@ -184,11 +187,9 @@ def _load_one_layer(
     *, kv: bool, num_ctas: int | None, block_bytes: int | None,
 ) -> None:
     """Shared body of the two loads (KV rows or indexer pages)."""
-    placement = _checks.check_placement(placement)
-    pool = _checks.check_load_pool(kv, dev_name, device_layer, host, host_layout, placement)
-    check_launchable(pool, [dev_name], host_name)
+    placement, pool = _checks.checked_copy_pool(kv, dev_name, device_layer, host_name, host, host_layout,
+                                                placement, layer_id)
     num_ctas, block_bytes = _check_num_ctas(num_ctas, block_bytes)
-    _checks.check_layer_id("layer_id", layer_id, pool.host.num_layers)
     if _check_call(device_locs, host_locs, placement, pool.device, pool.dev_num_pages, pool.host.num_pages,
                    to_host=False):
         _launch(_load_plan(pool, pool.device_layers[0], layer_id), device_locs, host_locs, placement,
