@@ -34,7 +34,9 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Literal, Optional
 
-__all__ = ["KINDS", "Hook", "HookMismatchError", "Kind", "check_hooks", "find_problem", "self_targets"]
+__all__ = [
+    "KINDS", "Hook", "HookMismatchError", "Kind", "attribute_hooks", "check_hooks", "find_problem", "self_targets",
+]
 
 Kind = Literal["override", "replaced-on-instance", "private-helper", "attribute", "call"]
 KINDS: tuple[str, ...] = ("override", "replaced-on-instance", "private-helper", "attribute", "call")
@@ -70,6 +72,11 @@ class Hook:
     def name(self) -> str:
         owner = f"{self.owner}." if self.owner else ""
         return f"{self.module}.{owner}{self.attribute}"
+
+
+def attribute_hooks(module: str, owner: str, names: str, why: str) -> tuple[Hook, ...]:
+    """One ``attribute`` hook per space-separated name read on ``owner``."""
+    return tuple(Hook(module, owner, n, "attribute", None, why) for n in names.split())
 
 
 class HookMismatchError(RuntimeError):

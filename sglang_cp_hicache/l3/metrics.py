@@ -149,17 +149,17 @@ class MeteredTier:
         return getattr(self._tier, name)
 
     def read_page(self, kv_key: str, idx_key: str, slot: int, publish: Any) -> bool:
-        start = self._clock()
-        ok = self._tier.read_page(kv_key, idx_key, slot, publish)
-        if ok:
-            self._meter.record_read(1, self._page_bytes, self._clock() - start)
-        return ok
+        return self._timed(self._meter.record_read, self._tier.read_page, kv_key, idx_key, slot, publish)
 
     def store_page(self, kv_key: str, idx_key: str, kv: Any, idx: Any) -> bool:
+        return self._timed(self._meter.record_write, self._tier.store_page, kv_key, idx_key, kv, idx)
+
+    def _timed(self, record: Callable[[int, int, float], None], io: Callable[..., bool], *args: Any) -> bool:
+        """``io(*args)``, recorded as one page of I/O (with its seconds) when it succeeds."""
         start = self._clock()
-        ok = self._tier.store_page(kv_key, idx_key, kv, idx)
+        ok = io(*args)
         if ok:
-            self._meter.record_write(1, self._page_bytes, self._clock() - start)
+            record(1, self._page_bytes, self._clock() - start)
         return ok
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import Optional
 
 from sglang_cp_hicache import hook_registry
-from sglang_cp_hicache.hook_registry import KINDS, Hook, HookMismatchError, Kind, find_problem
+from sglang_cp_hicache.hook_registry import KINDS, Hook, HookMismatchError, Kind, attribute_hooks, find_problem
 from sglang_cp_hicache.sglang_0518 import SUPPORTED_SGLANG
 
 __all__ = ["HOOKS", "KINDS", "READ_FROM", "Hook", "HookMismatchError", "check_hooks", "find_problem"]
@@ -50,11 +50,6 @@ _SB = "sglang.srt.managers.schedule_batch"
 
 _COPY_D2H = ("self", "device_pool", "host_indices", "device_indices", "io_backend")
 _COPY_H2D = ("self", "device_pool", "host_indices", "device_indices", "layer_id", "io_backend", "is_draft")
-
-
-def _reads(module: str, owner: str, names: str, why: str) -> tuple[Hook, ...]:
-    """One ``attribute`` hook per space-separated name read on ``owner``."""
-    return tuple(Hook(module, owner, n, "attribute", None, why) for n in names.split())
 
 
 def _cache(attribute: str, kind: Kind, params: Optional[tuple[str, ...]], why: str) -> Hook:
@@ -277,60 +272,60 @@ def _calls() -> tuple[Hook, ...]:
 
 def _attributes() -> tuple[Hook, ...]:
     return (
-        *_reads(_HRC, "HiRadixCache", "page_size disable is_eagle enable_storage enable_kv_cache_events "
+        *attribute_hooks(_HRC, "HiRadixCache", "page_size disable is_eagle enable_storage enable_kv_cache_events "
                 "cache_controller token_to_kv_pool_allocator token_to_kv_pool_host eviction_strategy "
                 "load_back_threshold metrics_collector pp_rank attn_cp_group",
                 "reads the cache's settings, pools, controller and CP group"),
-        *_reads(_HRC, "HiRadixCache", "pp_size storage_metrics_collector",
+        *attribute_hooks(_HRC, "HiRadixCache", "pp_size storage_metrics_collector",
                 "labels the L3 metrics like SGLang's storage metrics and sets SGLang's storage collector"),
-        *_reads(_HRC, "HiRadixCache", "prefetch_loaded_tokens_by_reqid",
+        *attribute_hooks(_HRC, "HiRadixCache", "prefetch_loaded_tokens_by_reqid",
                 "records each request's L3 hit for upstream's pop_prefetch_loaded_tokens"),
-        *_reads(_HRC, "HiRadixCache", "ongoing_write_through ongoing_load_back evictable_size_",
+        *attribute_hooks(_HRC, "HiRadixCache", "ongoing_write_through ongoing_load_back evictable_size_",
                 "edits them in place when it takes operations back (ongoing_write_through values: "
                 "(lock_node, backup_len, publish_nodes))"),
-        *_reads(_HCC, "HybridCacheController", "write_queue load_queue ack_write_queue ack_load_queue",
+        *attribute_hooks(_HCC, "HybridCacheController", "write_queue load_queue ack_write_queue ack_load_queue",
                 "queues CP operations and drops the acks of taken-back ones, in place"),
-        *_reads(_HCC, "HybridCacheController", "prefetch_hit_queue ack_backup_queue host_mem_release_queue",
+        *attribute_hooks(_HCC, "HybridCacheController", "prefetch_hit_queue ack_backup_queue host_mem_release_queue",
                 "passes the storage counts through the step all-reduce"),
-        *_reads(_HCC, "HybridCacheController", "mem_pool_host write_policy layer_done_counter device",
+        *attribute_hooks(_HCC, "HybridCacheController", "mem_pool_host write_policy layer_done_counter device",
                 "reads the host pools, write policy, layer counter and device"),
-        *_reads(_CC, "CacheOperation", "node_ids host_indices", "finds and frees a taken-back write"),
-        *_reads(_CC, "HiCacheAck", "node_ids finish_event", "waits on and drops acks of taken-back operations"),
-        *_reads(_MPH, "HostPoolGroup", "anchor_entry entries layout size", "finds the host pools and agrees on them"),
-        *_reads(_MPH, "PoolEntry", "host_pool device_pool",
+        *attribute_hooks(_CC, "CacheOperation", "node_ids host_indices", "finds and frees a taken-back write"),
+        *attribute_hooks(_CC, "HiCacheAck", "node_ids finish_event", "waits on and drops acks of taken-back operations"),
+        *attribute_hooks(_MPH, "HostPoolGroup", "anchor_entry entries layout size", "finds the host pools and agrees on them"),
+        *attribute_hooks(_MPH, "PoolEntry", "host_pool device_pool",
                 "binds each host pool's copies to the device pool of its entry"),
-        *_reads(_MLA, "MLATokenToKVPoolHost", "kv_buffer layout dcp_size mtp_draft_device_pools",
+        *attribute_hooks(_MLA, "MLATokenToKVPoolHost", "kv_buffer layout dcp_size mtp_draft_device_pools",
                 "copies KV rows and refuses decode CP / MTP draft layers"),
-        *_reads(_MPH, "DSAIndexerPoolHost", "index_k_with_scale_buffer layout dcp_size mtp_draft_device_pools",
+        *attribute_hooks(_MPH, "DSAIndexerPoolHost", "index_k_with_scale_buffer layout dcp_size mtp_draft_device_pools",
                 "copies indexer rows and refuses decode CP / MTP draft layers"),
-        *_reads(_MP, "DSATokenToKVPool", "kv_buffer index_k_with_scale_buffer", "warms the kernels up for them"),
-        *_reads(_MP, "DSATokenToKVPool", "start_layer", "names the L3 namespace's first layer"),
-        *_reads(_MLA, "MLATokenToKVPoolHost", "page_size layer_num kv_cache_dim", "sizes the L3 KV namespace"),
-        *_reads(_MPH, "DSAIndexerPoolHost", "layer_num indexer_page_stride_size", "sizes the L3 indexer namespace"),
-        *_reads(_RC, "RadixKey", "token_ids extra_key cache_salt is_bigram",
+        *attribute_hooks(_MP, "DSATokenToKVPool", "kv_buffer index_k_with_scale_buffer", "warms the kernels up for them"),
+        *attribute_hooks(_MP, "DSATokenToKVPool", "start_layer", "names the L3 namespace's first layer"),
+        *attribute_hooks(_MLA, "MLATokenToKVPoolHost", "page_size layer_num kv_cache_dim", "sizes the L3 KV namespace"),
+        *attribute_hooks(_MPH, "DSAIndexerPoolHost", "layer_num indexer_page_stride_size", "sizes the L3 indexer namespace"),
+        *attribute_hooks(_RC, "RadixKey", "token_ids extra_key cache_salt is_bigram",
                 "hashes L3 pages from the token ids; keeps keyed/salted/bigram keys out of L3"),
-        *_reads(_ALLOC, "BaseTokenToKVPoolAllocator", "is_not_in_free_group free_group page_size device",
+        *attribute_hooks(_ALLOC, "BaseTokenToKVPoolAllocator", "is_not_in_free_group free_group page_size device",
                 "defers frees inside a free group as upstream"),
-        *_reads(_RC, "TreeNode", "id key value parent lock_ref priority hit_count hash_value event_hash_value "
+        *attribute_hooks(_RC, "TreeNode", "id key value parent lock_ref priority hit_count hash_value event_hash_value "
                 "last_access_time host_value write_through_pending_id evicted",
                 "edits nodes as upstream's tree methods do"),
-        *_reads(_BPC, "MatchResult", "device_indices", "returns the empty match's indices"),
-        *_reads(_BPC, "MatchPrefixParams", "key", "reads the key to match"),
-        *_reads(_BPC, "InsertParams", "key value chunked priority", "reads what to insert"),
-        *_reads(_BPC, "InitLoadBackParams", "mem_quota req host_hit_length", "fills in the load-back quota"),
-        *_reads(_BPC, "EvictResult", "num_tokens_evicted", "reads what an eviction freed"),
-        *_reads(_BPC, "IncLockRefResult", "delta", "reads the lock delta of a load-back"),
-        *_reads(_CIP, "CacheInitParams", "token_to_kv_pool_allocator page_size",
+        *attribute_hooks(_BPC, "MatchResult", "device_indices", "returns the empty match's indices"),
+        *attribute_hooks(_BPC, "MatchPrefixParams", "key", "reads the key to match"),
+        *attribute_hooks(_BPC, "InsertParams", "key value chunked priority", "reads what to insert"),
+        *attribute_hooks(_BPC, "InitLoadBackParams", "mem_quota req host_hit_length", "fills in the load-back quota"),
+        *attribute_hooks(_BPC, "EvictResult", "num_tokens_evicted", "reads what an eviction freed"),
+        *attribute_hooks(_BPC, "IncLockRefResult", "delta", "reads the lock delta of a load-back"),
+        *attribute_hooks(_CIP, "CacheInitParams", "token_to_kv_pool_allocator page_size",
                 "reads the allocator it is built with and checks its page size against the allocator's"),
-        *_reads(_EVENTS, "StorageMedium", "GPU CPU", "records KV events with the medium"),
-        *_reads(_REG, "TreeCacheBuildContext", "params server_args enable_hierarchical_cache tp_worker",
+        *attribute_hooks(_EVENTS, "StorageMedium", "GPU CPU", "records KV events with the medium"),
+        *attribute_hooks(_REG, "TreeCacheBuildContext", "params server_args enable_hierarchical_cache tp_worker",
                 "builds the cache and registers its layer counter with the worker"),
-        *_reads(_SA, "ServerArgs", "hicache_storage_backend hicache_storage_backend_extra_config",
+        *attribute_hooks(_SA, "ServerArgs", "hicache_storage_backend hicache_storage_backend_extra_config",
                 "serves --hicache-storage-backend file from the CP L3 (in the directory it names), "
                 "refuses other backends, builds the base cache without SGLang's storage"),
-        *_reads(_SA, "ServerArgs", "hicache_write_policy", "refuses write_back"),
-        *_reads(_SA, "ServerArgs", "served_model_name model_path", "names the model in the L3 namespace"),
-        *_reads(_SB, "Req", "full_untruncated_fill_ids prefix_indices",
+        *attribute_hooks(_SA, "ServerArgs", "hicache_write_policy", "refuses write_back"),
+        *attribute_hooks(_SA, "ServerArgs", "served_model_name model_path", "names the model in the L3 namespace"),
+        *attribute_hooks(_SB, "Req", "full_untruncated_fill_ids prefix_indices",
                 "keeps room for the request's own new tokens in the load-back quota"),
     )
 

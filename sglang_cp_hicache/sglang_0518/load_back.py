@@ -63,6 +63,7 @@ class _Attempt:
     failed_seq: Optional[int] = None  # this rank's allocation failed (every other rank's did not)
 
 
+@dataclass(eq=False, repr=False)  # identity, not contents; the tree is too big to print
 class LoadBack:
     """``load_back``, its quota and the load-backs in flight of one CP cache.
 
@@ -70,20 +71,19 @@ class LoadBack:
     allocator are read from it, nothing of this library); ``status``: where
     a local failure waits for the step's all-reduce."""
 
-    def __init__(
-        self, tree: Any, placement: CpPlacement, transfer: CpTransferAdapter, status: StepStatus,
-        counters: CpHiCacheCounters,
-    ) -> None:
-        self.tree = tree
-        self.placement = placement
-        self.transfer = transfer
-        self.status = status
-        self.counters = counters
-        self.in_flight: list[LoadBackRecord] = []
-        self._seq = 0
-        # Pages per owner lane that the other ranks took for load-backs this
-        # rank failed to allocate, until the step's all-reduce takes them back.
-        self.lane_shadow = [0] * placement.cp_size
+    tree: Any
+    placement: CpPlacement
+    transfer: CpTransferAdapter
+    status: StepStatus
+    counters: CpHiCacheCounters
+    in_flight: list[LoadBackRecord] = field(default_factory=list, init=False)
+    _seq: int = field(default=0, init=False)
+    # Pages per owner lane that the other ranks took for load-backs this
+    # rank failed to allocate, until the step's all-reduce takes them back.
+    lane_shadow: list[int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.lane_shadow = [0] * self.placement.cp_size
 
     def reset(self) -> None:
         self.in_flight = []

@@ -17,6 +17,7 @@ write-through and the load-back; this module decides when.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -34,6 +35,7 @@ class CpHiCacheTransferError(RuntimeError):
     """A CP HiCache copy failed on some rank; every rank rolled back and raises."""
 
 
+@dataclass(eq=False, repr=False)  # identity, not contents; the tree is too big to print
 class StepProtocol:
     """The step's all-reduce and the take-backs of one CP cache.
 
@@ -43,14 +45,11 @@ class StepProtocol:
     is in flight and takes itself back; ``l3``: the lookups whose words ride
     the same all-reduce."""
 
-    def __init__(
-        self, tree: Any, status: StepStatus, writes: WriteThrough, loads: LoadBack, l3: L3Cache
-    ) -> None:
-        self.tree = tree
-        self.status = status
-        self.writes = writes
-        self.loads = loads
-        self.l3 = l3
+    tree: Any
+    status: StepStatus
+    writes: WriteThrough
+    loads: LoadBack
+    l3: L3Cache
 
     # ---- SGLang's entry points: every one reaches exchange -----------------
     def ready_counts(self) -> tuple[int, int, tuple[int, ...]]:

@@ -13,7 +13,7 @@ all-reduce (:mod:`.step_protocol`), where every rank takes the write back
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
@@ -93,6 +93,7 @@ class PageMirror:
         return torch.cat(chunks) if chunks else EMPTY_PAGES
 
 
+@dataclass(eq=False, repr=False)  # identity, not contents; the tree is too big to print
 class WriteThrough:
     """``write_backup`` of one CP cache and its writes in flight.
 
@@ -101,18 +102,14 @@ class WriteThrough:
     decides room and the host leaves; ``status``: where a local failure
     waits for the step's all-reduce."""
 
-    def __init__(
-        self, tree: Any, placement: CpPlacement, transfer: CpTransferAdapter, host: HostTier,
-        status: StepStatus, counters: CpHiCacheCounters,
-    ) -> None:
-        self.tree = tree
-        self.placement = placement
-        self.transfer = transfer
-        self.host = host
-        self.status = status
-        self.counters = counters
-        self.in_flight: dict[int, InflightWrite] = {}  # by ack id (the node id at backup)
-        self._seq = 0
+    tree: Any
+    placement: CpPlacement
+    transfer: CpTransferAdapter
+    host: HostTier
+    status: StepStatus
+    counters: CpHiCacheCounters
+    in_flight: dict[int, InflightWrite] = field(default_factory=dict, init=False)  # by ack id (node id at backup)
+    _seq: int = field(default=0, init=False)
 
     def reset(self) -> None:
         self.in_flight = {}

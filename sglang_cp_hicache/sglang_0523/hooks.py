@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Optional
 
 from sglang_cp_hicache import hook_registry
-from sglang_cp_hicache.hook_registry import Hook, HookMismatchError, find_problem
+from sglang_cp_hicache.hook_registry import Hook, HookMismatchError, attribute_hooks, find_problem
 from sglang_cp_hicache.sglang_0523 import SUPPORTED_SGLANG
 
 __all__ = ["HOOKS", "READ_FROM", "Hook", "HookMismatchError", "check_hooks", "find_problem"]
@@ -68,11 +68,6 @@ _CONTROLLER_PARAMS = (
     "prefetch_threshold", "model_name", "storage_backend_extra_config", "transfer_layer_id_max",
     "enable_storage_metrics", "host_memory_mode",
 )
-
-
-def _reads(module: str, owner: str, names: str, why: str) -> tuple[Hook, ...]:
-    """One ``attribute`` hook per space-separated name read on ``owner``."""
-    return tuple(Hook(module, owner, n, "attribute", None, why) for n in names.split())
 
 
 def _classes() -> tuple[Hook, ...]:
@@ -209,75 +204,75 @@ def _seam() -> tuple[Hook, ...]:
 
 def _attributes() -> tuple[Hook, ...]:
     return (
-        *_reads(_HCC, "HybridCacheController", "is_kv_sharded mem_pool_host io_backend device "
+        *attribute_hooks(_HCC, "HybridCacheController", "is_kv_sharded mem_pool_host io_backend device "
                 "transfer_layer_id_max", "reads the controller's pools, io backend and device"),
-        *_reads(_CC, "CacheOperation", "host_indices device_indices pool_transfers",
+        *attribute_hooks(_CC, "CacheOperation", "host_indices device_indices pool_transfers",
                 "prepares each operation's transfers"),
-        *_reads(_L2, "L2TransferEngine", "device_to_host_stream host_to_device_stream",
+        *attribute_hooks(_L2, "L2TransferEngine", "device_to_host_stream host_to_device_stream",
                 "submits on upstream's two streams"),
-        *_reads(_PH_PI, "PageInterleaveHostPool", "host_pool placement shard_rank shard_size",
+        *attribute_hooks(_PH_PI, "PageInterleaveHostPool", "host_pool placement shard_rank shard_size",
                 "narrows host slots to this rank and unwraps the native pool"),
-        *_reads(_PI, "PageInterleavePlacement", "local_mask local_index", "narrows host slots to local rows"),
-        *_reads(_PI, "PageShardSpec", "shard_rank shard_size page_size", "names this rank in the start-up agreement"),
-        *_reads(_PIP, "PageInterleaveKVPoolMixin", "shard_spec shard_group shard_rank shard_size",
+        *attribute_hooks(_PI, "PageInterleavePlacement", "local_mask local_index", "narrows host slots to local rows"),
+        *attribute_hooks(_PI, "PageShardSpec", "shard_rank shard_size page_size", "names this rank in the start-up agreement"),
+        *attribute_hooks(_PIP, "PageInterleaveKVPoolMixin", "shard_spec shard_group shard_rank shard_size",
                 "gathers the start-up agreement over the pool's shard group"),
-        *_reads(_PH_MLA, "MLATokenToKVPoolHost", "_target_layer_indices device_kv_buffers kv_buffer dcp_size",
+        *attribute_hooks(_PH_MLA, "MLATokenToKVPoolHost", "_target_layer_indices device_kv_buffers kv_buffer dcp_size",
                 "copies latent KV rows and refuses a non-identity layer map or decode CP"),
-        *_reads(_PH_DSA, "DSAIndexerPoolHost", "_live_target_layers layer_num index_k_with_scale_buffer "
+        *attribute_hooks(_PH_DSA, "DSAIndexerPoolHost", "_live_target_layers layer_num index_k_with_scale_buffer "
                 "packed_device_index_buffers device_pool",
                 "copies indexer rows to and from its device pool and refuses skipped indexer layers"),
-        *_reads(_PH_BASE, "HostKVCache", "size page_size layout", "checks the host layout and agrees on host pages"),
-        *_reads(_MEMPOOL, "KVCache", "size device layer_num layer_shard_enabled host_pool_decls",
+        *attribute_hooks(_PH_BASE, "HostKVCache", "size page_size layout", "checks the host layout and agrees on host pages"),
+        *attribute_hooks(_MEMPOOL, "KVCache", "size device layer_num layer_shard_enabled host_pool_decls",
                 "builds the host pools and agrees on device pages"),
-        *_reads(_HPC, "HostPoolGroupConfig", "transfer_page_size pools", "builds the controller and result"),
-        *_reads(_HPC, "HostPoolConfig", "decl", "builds the result's declarations"),
-        *_reads(_DECL, "HostPoolDecl", "is_primary sidecar_spec pool_name", "builds the result's sidecars"),
-        *_reads(_GROUP, "HostPoolGroup", "layout entries anchor_entry entry_map get_pool",
+        *attribute_hooks(_HPC, "HostPoolGroupConfig", "transfer_page_size pools", "builds the controller and result"),
+        *attribute_hooks(_HPC, "HostPoolConfig", "decl", "builds the result's declarations"),
+        *attribute_hooks(_DECL, "HostPoolDecl", "is_primary sidecar_spec pool_name", "builds the result's sidecars"),
+        *attribute_hooks(_GROUP, "HostPoolGroup", "layout entries anchor_entry entry_map get_pool",
                 "checks the host pools and finds the anchor"),
-        *_reads(_GROUP, "PoolEntry", "name host_pool", "checks the host pools"),
-        *_reads(_PARAMS, "CacheInitParams", "page_size mtp_draft_device_pools token_to_kv_pool_allocator "
+        *attribute_hooks(_GROUP, "PoolEntry", "name host_pool", "checks the host pools"),
+        *attribute_hooks(_PARAMS, "CacheInitParams", "page_size mtp_draft_device_pools token_to_kv_pool_allocator "
                 "tp_cache_group attn_cp_cache_group attn_tp_cache_group pp_cache_group",
                 "passes upstream's DSA strategy arguments"),
-        *_reads("sglang.srt.arg_groups.fields.memory", "Memory",
+        *attribute_hooks("sglang.srt.arg_groups.fields.memory", "Memory",
                 "hicache_write_policy hicache_io_backend hicache_host_memory_mode",
                 "passes the HiCache settings to the controller"),
-        *_reads(_STORAGE, "PoolName", "KV INDEXER", "looks up the kv and indexer host pools"),
-        *_reads("sglang.srt.mem_cache.unified_cache.component_type", "ComponentType", "FULL",
+        *attribute_hooks(_STORAGE, "PoolName", "KV INDEXER", "looks up the kv and indexer host pools"),
+        *attribute_hooks("sglang.srt.mem_cache.unified_cache.component_type", "ComponentType", "FULL",
                 "maps the FULL component to the KV host pool"),
         Hook(_HCC, "HybridCacheController", "write", "call",
              ("self", "device_indices", "priority", "node_id", "extra_pools", "flush", "start_owner"),
              "queues each backup exactly as upstream's _execute_kv_backup does"),
-        *_reads(_URC, "UnifiedRadixCache", "tree_core cache_controller host_memory_mode components is_write_back",
+        *attribute_hooks(_URC, "UnifiedRadixCache", "tree_core cache_controller host_memory_mode components is_write_back",
                 "makes host room and finds the FULL component"),
-        *_reads(_TREE, "UnifiedTreeCore", "rotation_phase_of evictable_host_leaves components_by_type root_node",
+        *attribute_hooks(_TREE, "UnifiedTreeCore", "rotation_phase_of evictable_host_leaves components_by_type root_node",
                 "walks the host leaves in upstream's order and reads the rotation phases"),
-        *_reads(_TREE, "UnifiedTreeNode", "parent id component evicted backuped children "
+        *attribute_hooks(_TREE, "UnifiedTreeNode", "parent id component evicted backuped children "
                 "component_data", "reads a node's chain rotation, place in the tree, tiers and locks"),
-        *_reads(_FULL, "FullComponent", "session_ref_eviction_strategy", "orders host leaves as upstream does"),
-        *_reads(_COMP_BASE, "ComponentData", "value host_value lock_ref host_lock_ref",
+        *attribute_hooks(_FULL, "FullComponent", "session_ref_eviction_strategy", "orders host leaves as upstream does"),
+        *attribute_hooks(_COMP_BASE, "ComponentData", "value host_value lock_ref host_lock_ref",
                 "reads a node's device locs, host slots and locks"),
-        *_reads(_COMP_BASE, "ComponentData", "session_ref session_ids",
+        *attribute_hooks(_COMP_BASE, "ComponentData", "session_ref session_ids",
                 "splits no host leaf a session protects"),
-        *_reads(_TREE, "UnifiedTreeNode", "load_back_pending_id hash_value event_hash_value",
+        *attribute_hooks(_TREE, "UnifiedTreeNode", "load_back_pending_id hash_value event_hash_value",
                 "splits no host leaf being loaded or whose hashes do not match its pages"),
-        *_reads(_COMP_BASE, "EvictLayer", "DEVICE", "tells device evictions from host ones"),
-        *_reads(_TREE_IF, "DriveHostEvictionResult", "tracker device_frees host_frees cache_actions",
+        *attribute_hooks(_COMP_BASE, "EvictLayer", "DEVICE", "tells device evictions from host ones"),
+        *attribute_hooks(_TREE_IF, "DriveHostEvictionResult", "tracker device_frees host_frees cache_actions",
                 "collects one host leaf's frees"),
-        *_reads(_ALLOC_PI, "PageInterleavePoolAllocator", "class_free_page_counts class_free_pages "
+        *attribute_hooks(_ALLOC_PI, "PageInterleavePoolAllocator", "class_free_page_counts class_free_pages "
                 "class_release_pages need_sort debug_mode page_size shard_size free_group debug_check_classes",
                 "reads the class counts and frees into the class lists as upstream's free does"),
-        *_reads(_PH_PI, "PageInterleaveHostPool", "_slots", "reads the host slots' free pages per owner class"),
-        *_reads(_ALLOC_PI, "PageInterleavePoolAllocator", "free_group_begin",
+        *attribute_hooks(_PH_PI, "PageInterleaveHostPool", "_slots", "reads the host slots' free pages per owner class"),
+        *attribute_hooks(_ALLOC_PI, "PageInterleavePoolAllocator", "free_group_begin",
                 "holds phase-known frees while a free group is open"),
-        *_reads(_BPC, "InsertParams", "value rotation_base", "finds an insert's run and its rotation base"),
-        *_reads(_ACTIONS, "FreeDeviceKV", "indices", "frees an insert's duplicates (slices of its value)"),
-        *_reads(_URC, "UnifiedRadixCache", "req_to_token_pool", "finds a released request's row"),
-        *_reads(_MEMPOOL, "ReqToTokenPool", "req_to_token", "finds a released request's row"),
-        *_reads(_SB, "Req", "kv kv_rotation_base", "reads a released request's kv record and rotation base"),
-        *_reads(_SB, "ReqKvInfo", "req_pool_idx holds_kv", "reads a released request's row"),
-        *_reads(_PH_BASE, "HostKVCache", "shared_allocation_domain",
+        *attribute_hooks(_BPC, "InsertParams", "value rotation_base", "finds an insert's run and its rotation base"),
+        *attribute_hooks(_ACTIONS, "FreeDeviceKV", "indices", "frees an insert's duplicates (slices of its value)"),
+        *attribute_hooks(_URC, "UnifiedRadixCache", "req_to_token_pool", "finds a released request's row"),
+        *attribute_hooks(_MEMPOOL, "ReqToTokenPool", "req_to_token", "finds a released request's row"),
+        *attribute_hooks(_SB, "Req", "kv kv_rotation_base", "reads a released request's kv record and rotation base"),
+        *attribute_hooks(_SB, "ReqKvInfo", "req_pool_idx holds_kv", "reads a released request's row"),
+        *attribute_hooks(_PH_BASE, "HostKVCache", "shared_allocation_domain",
                 "refuses a shared host allocation domain (another backup branch upstream)"),
-        *_reads(_GROUP, "PoolEntry", "host_evict_fn", "refuses a host pool with its own eviction"),
+        *attribute_hooks(_GROUP, "PoolEntry", "host_evict_fn", "refuses a host pool with its own eviction"),
     )
 
 
@@ -301,7 +296,7 @@ def _l3() -> tuple[Hook, ...]:
         Hook(_MC_UTILS, None, "get_hash_str", "call", ("token_ids", "prior_hash", "page_size"),
              "keys L3 pages by SGLang's page hash chain"),
         Hook(_RADIX, None, "RadixKey", "attribute", None, "builds the chain key of a restored node"),
-        *_reads(_RADIX, "RadixKey", "token_ids extra_key cache_salt is_bigram",
+        *attribute_hooks(_RADIX, "RadixKey", "token_ids extra_key cache_salt is_bigram",
                 "keeps keys with an extra key, a cache salt or bigrams out of L3"),
         Hook(_URC, "UnifiedRadixCache", "prefetch_from_storage", urc, (
             "self", "request", "last_host_node_id", "new_input_tokens", "last_hash", "prefix_keys",
@@ -329,19 +324,19 @@ def _l3() -> tuple[Hook, ...]:
              "keeps a lookup's anchor on the host"),
         Hook(_URC, "UnifiedRadixCache", "dec_host_lock_ref", "call", ("self", "node_id", "params"),
              "releases a lookup's anchor"),
-        *_reads(_URC, "UnifiedRadixCache", "ongoing_write_through prefetch_loaded_tokens_by_reqid "
+        *attribute_hooks(_URC, "UnifiedRadixCache", "ongoing_write_through prefetch_loaded_tokens_by_reqid "
                 "prefetch_loaded_storage_start_by_reqid prefetch_threshold",
                 "finds a write ack's nodes and reports restored spans to the scheduler"),
-        *_reads(_URC, "_OngoingWriteThrough", "publish_node_ids", "stores every node a write ack publishes"),
+        *attribute_hooks(_URC, "_OngoingWriteThrough", "publish_node_ids", "stores every node a write ack publishes"),
         Hook(_TREE, "UnifiedTreeCore", "insert_host", "call", ("self", "node_id", "key", "host_value", "hash_value"),
              "inserts the agreed pages as one host-only node"),
         Hook(_TREE, "UnifiedTreeCore", "node_by_id", "call", ("self", "node_id"), "resolves node ids"),
-        *_reads(_TREE, "UnifiedTreeCore", "is_eagle", "keeps bigram keys out of L3"),
-        *_reads(_TREE, "UnifiedTreeNode", "key write_through_pending_id",
+        *attribute_hooks(_TREE, "UnifiedTreeCore", "is_eagle", "keeps bigram keys out of L3"),
+        *attribute_hooks(_TREE, "UnifiedTreeNode", "key write_through_pending_id",
                 "hangs a chain only under a node whose host copy is final"),
         Hook(_TREE, "UnifiedTreeNode", "rotation_base", "replaced-on-instance", None,
              "reads a node's chain rotation and stamps the chain's base on a node inserted from L3"),
-        *_reads(_BPC, "InsertResult", "inserted_host_node host_insert_dropped", "finds the inserted host node"),
+        *attribute_hooks(_BPC, "InsertResult", "inserted_host_node host_insert_dropped", "finds the inserted host node"),
         Hook(_BPC, "IncLockRefResult", "to_dec_params", "call", ("self",), "keeps the anchor lock's release"),
         Hook(_ALLOC_PI, "PageInterleavePoolAllocator", "least_full_class", "call", ("self",),
              "starts a restored chain from the root on the least-full host class"),
@@ -349,11 +344,11 @@ def _l3() -> tuple[Hook, ...]:
              "takes logical host slots of the chain's owners"),
         Hook(_GROUP, "HostPoolGroup", "free", "call", ("self", "indices", "pool"),
              "gives back the slots past the agreed pages"),
-        *_reads(_PH_MLA, "MLATokenToKVPoolHost", "get_data_page set_from_flat_data_page kv_cache_dim layout",
+        *attribute_hooks(_PH_MLA, "MLATokenToKVPoolHost", "get_data_page set_from_flat_data_page kv_cache_dim layout",
                 "reads and writes one page's KV bytes at its local row"),
-        *_reads(_PH_DSA, "DSAIndexerPoolHost", "get_data_page set_from_flat_data_page indexer_page_stride_size",
+        *attribute_hooks(_PH_DSA, "DSAIndexerPoolHost", "get_data_page set_from_flat_data_page indexer_page_stride_size",
                 "reads and writes one page's indexer bytes at its local row"),
-        *_reads(_MEMPOOL, "KVCache", "start_layer", "puts the absolute layer range in the namespace"),
+        *attribute_hooks(_MEMPOOL, "KVCache", "start_layer", "puts the absolute layer range in the namespace"),
         # SGLang's storage metrics, fed from the CP L3 (--enable-metrics)
         Hook(_URC, "UnifiedRadixCache", "_storage_attachment", "attribute", None,
              "reaches the attachment whose runtime config turns storage (and its metrics) on"),

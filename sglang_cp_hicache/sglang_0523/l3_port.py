@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 from array import array
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Hashable, Optional, Sequence
 
 import torch
@@ -29,7 +29,7 @@ from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang_cp_hicache.l3.host_tier import HostL3Tier
 from sglang_cp_hicache.l3.plan import interleaved_owners
 from sglang_cp_hicache.l3.prefetch import ChainPlan, chain_hashes_or_none, path_tokens
-from sglang_cp_hicache.placement import phase_owner
+from sglang_cp_hicache.placement import CpPlacement, phase_owner
 
 __all__ = ["ChainRelease", "HostRoom0523", "L3Port0523", "path_tokens"]
 
@@ -56,16 +56,19 @@ class HostRoom0523:
     own_slots: Optional[list[int]]
 
 
+@dataclass(eq=False, repr=False)  # identity, not contents; the cache is too big to print
 class L3Port0523:
     """The protocol's release side on one ``UnifiedRadixCache``."""
 
-    def __init__(self, cache: Any, tier: HostL3Tier, host_room: Any) -> None:
-        self.cache = cache
-        self.tier = tier
-        self.host_room = host_room
-        self.placement = tier.placement
-        self.page_size = tier.page_size
-        self.metrics: Any = None  # SGLang's storage-hit figures (--enable-metrics), see .l3_metrics
+    cache: Any
+    tier: HostL3Tier
+    host_room: Any
+    metrics: Any = field(default=None, init=False)  # SGLang's storage-hit figures (--enable-metrics)
+    placement: CpPlacement = field(init=False)  # the tier's
+    page_size: int = field(init=False)  # the tier's
+
+    def __post_init__(self) -> None:
+        self.placement, self.page_size = self.tier.placement, self.tier.page_size
 
     # ---- what a lookup restores ---------------------------------------------------
     def plan(self, anchor_id: Any, new_input_tokens: Sequence[int], matched_prefix_tokens: Sequence[int],

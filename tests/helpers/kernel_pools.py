@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 
 from sglang_cp_hicache.kernels import _triton_launch as triton_copy
-from sglang_cp_hicache.kernels import reference
+from sglang_cp_hicache.kernels import reference, transfer
 from sglang_cp_hicache.placement import CpPlacement
 
 POISON = 0xA5
@@ -165,36 +165,36 @@ def owned_count(logical_pages, placement: CpPlacement) -> int:
 
 
 # ----------------------------------------------------------------------------- runners
-def run_triton(pools: Pools, direction: str, device_locs, host_locs, layer_id: int = 0, **kw) -> None:
+#: Each backend's four copies, by name: backup KV, load KV, backup indexer, load indexer.
+_TRITON_NAMES = ("backup_kv_all_layers", "load_kv_one_layer", "backup_indexer_all_layers", "load_indexer_one_layer")
+_REFERENCE_NAMES = tuple(f"{name}_reference" for name in _TRITON_NAMES)
+
+
+def _run_copy(module, names: tuple[str, ...], pools: Pools, direction: str, device_locs, host_locs,
+              layer_id: int, **kw) -> None:
+    """The copy of ``pools``' kind and ``direction`` from ``module`` (looked up
+    at call time, so a test's spy on the module is seen)."""
+    backup_kv, load_kv, backup_idx, load_idx = (getattr(module, name) for name in names)
     placement, hl = pools.placement, pools.host_layout
-    if pools.kv:
-        if direction == "d2h":
-            triton_copy.backup_kv_all_layers(pools.devs, pools.host, hl, device_locs, host_locs, placement, **kw)
-        else:
-            triton_copy.load_kv_one_layer(pools.devs[layer_id], pools.host, hl, layer_id, device_locs, host_locs, placement, **kw)
+    if direction == "d2h":
+        (backup_kv if pools.kv else backup_idx)(pools.devs, pools.host, hl, device_locs, host_locs, placement, **kw)
     else:
-        if direction == "d2h":
-            triton_copy.backup_indexer_all_layers(pools.devs, pools.host, hl, device_locs, host_locs, placement, **kw)
-        else:
-            triton_copy.load_indexer_one_layer(
-                pools.devs[layer_id], pools.host, hl, layer_id, device_locs, host_locs, placement, **kw
-            )
+        (load_kv if pools.kv else load_idx)(
+            pools.devs[layer_id], pools.host, hl, layer_id, device_locs, host_locs, placement, **kw
+        )
+
+
+def run_triton(pools: Pools, direction: str, device_locs, host_locs, layer_id: int = 0, **kw) -> None:
+    _run_copy(triton_copy, _TRITON_NAMES, pools, direction, device_locs, host_locs, layer_id, **kw)
 
 
 def run_reference(pools: Pools, direction: str, device_locs, host_locs, layer_id: int = 0) -> None:
-    placement, hl = pools.placement, pools.host_layout
-    if pools.kv:
-        if direction == "d2h":
-            reference.backup_kv_all_layers_reference(pools.devs, pools.host, hl, device_locs, host_locs, placement)
-        else:
-            reference.load_kv_one_layer_reference(pools.devs[layer_id], pools.host, hl, layer_id, device_locs, host_locs, placement)
-    else:
-        if direction == "d2h":
-            reference.backup_indexer_all_layers_reference(pools.devs, pools.host, hl, device_locs, host_locs, placement)
-        else:
-            reference.load_indexer_one_layer_reference(
-                pools.devs[layer_id], pools.host, hl, layer_id, device_locs, host_locs, placement
-            )
+    _run_copy(reference, _REFERENCE_NAMES, pools, direction, device_locs, host_locs, layer_id)
+
+
+def run_transfer(pools: Pools, direction: str, device_locs, host_locs, layer_id: int = 0) -> None:
+    """Through the public door, :mod:`sglang_cp_hicache.kernels.transfer`."""
+    _run_copy(transfer, _TRITON_NAMES, pools, direction, device_locs, host_locs, layer_id)
 
 
 def _host_page(pools: Pools, host, layer: int, host_page: int) -> torch.Tensor:

@@ -15,7 +15,7 @@ import threading
 import pytest
 import torch
 
-from tests.helpers.kernel_pools import POISON, bits, make_pools, page_locs
+from tests.helpers.kernel_pools import POISON, bits, make_pools, page_locs, run_transfer
 from sglang_cp_hicache.kernels import _twin, compile, _triton_launch, reference, transfer
 from sglang_cp_hicache.placement import CpPlacement
 
@@ -67,16 +67,7 @@ def _spy(monkeypatch, calls):
 
 
 def _run(pools, direction, dl, hl, layer_id=1):
-    placement, h = pools.placement, pools.host_layout
-    if pools.kv:
-        if direction == "d2h":
-            transfer.backup_kv_all_layers(pools.devs, pools.host, h, dl, hl, placement)
-        else:
-            transfer.load_kv_one_layer(pools.devs[layer_id], pools.host, h, layer_id, dl, hl, placement)
-    elif direction == "d2h":
-        transfer.backup_indexer_all_layers(pools.devs, pools.host, h, dl, hl, placement)
-    else:
-        transfer.load_indexer_one_layer(pools.devs[layer_id], pools.host, h, layer_id, dl, hl, placement)
+    run_transfer(pools, direction, dl, hl, layer_id=layer_id)
 
 
 @pytest.mark.parametrize("direction", ["d2h", "h2d"])
