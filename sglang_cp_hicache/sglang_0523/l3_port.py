@@ -63,12 +63,12 @@ class L3Port0523:
     cache: Any
     tier: HostL3Tier
     host_room: Any
-    metrics: Any = field(default=None, init=False)  # SGLang's storage-hit figures (--enable-metrics)
     placement: CpPlacement = field(init=False)  # the tier's
     page_size: int = field(init=False)  # the tier's
 
     def __post_init__(self) -> None:
         self.placement, self.page_size = self.tier.placement, self.tier.page_size
+        self.metrics: Any = None  # SGLang's storage-hit figures (--enable-metrics), set when installed
 
     # ---- what a lookup restores ---------------------------------------------------
     def plan(self, anchor_id: Any, new_input_tokens: Sequence[int], matched_prefix_tokens: Sequence[int],
