@@ -33,7 +33,7 @@ from sglang_cp_hicache.sim.packed import PackedRequests
 from sglang_cp_hicache.sim.progress import ProgressBar, StartupProgress
 from sglang_cp_hicache.sim.ranklog import RankLog, save_logs
 from sglang_cp_hicache.sim.records import Progress, RankFailure, RankReport, StartupEvent
-from sglang_cp_hicache.sim.worker import forked_rank_main, preload_rank
+from sglang_cp_hicache.sim.worker import forked_rank_main, preload_release
 from sglang_cp_hicache.sim.zygote import ForkedProcess, ForkJob, Zygote
 
 __all__ = ["LaunchResult", "free_port", "launch"]
@@ -109,7 +109,7 @@ def launch(
     start = time.perf_counter()
     zygote: Optional[Zygote] = None
     try:
-        jobs = []
+        jobs, writers = [], []
         for rank in ranks:
             logs[rank] = RankLog(log_name(rank))
             spec = RankSpec(
@@ -118,13 +118,14 @@ def launch(
                 progress=show_progress and rank in (0, -1), failure=failure,
             )
             channels[rank], writer = ctx.Pipe(duplex=False)
+            writers.append(writer)
             jobs.append(ForkJob(key=rank, args=(spec, writer), owned=(writer, spec.log)))
         try:
-            zygote = Zygote(ctx, functools.partial(preload_rank, config), forked_rank_main, jobs,
+            zygote = Zygote(ctx, functools.partial(preload_release, config.sglang_version), forked_rank_main, jobs,
                             launcher_pid=os.getpid(), name=f"sim-{label}-zygote")
         finally:
-            for job in jobs:
-                job.args[1].close()  # each process holds the only write end of its pipe: EOF when it exits
+            for writer in writers:
+                writer.close()  # each process holds the only write end of its pipe: EOF when it exits
         procs.update({rank: zygote.process(rank) for rank in ranks})
         _watch(config, procs, channels, result, startup, bar)
     except BaseException:  # Ctrl-C, SIGTERM (see cli), or a launcher bug: never leave ranks behind

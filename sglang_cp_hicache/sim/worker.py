@@ -21,7 +21,7 @@ from datetime import timedelta
 from typing import Any, Optional
 
 from sglang_cp_hicache import settings
-from sglang_cp_hicache.sim.config import FAIL_ENV, FailureInjection, RankSpec, SimConfig
+from sglang_cp_hicache.sim.config import FAIL_ENV, FailureInjection, RankSpec
 from sglang_cp_hicache.sim.lifetime import EXIT_LAUNCHER_GONE, die_with_launcher
 from sglang_cp_hicache.sim.records import (
     AFTER_REPLAY,
@@ -32,7 +32,7 @@ from sglang_cp_hicache.sim.records import (
     StartupEvent,
 )
 
-__all__ = ["forked_rank_main", "preload_rank", "preload_release", "rank_main"]
+__all__ = ["forked_rank_main", "preload_release", "rank_main"]
 
 
 class InjectedFailure(RuntimeError):
@@ -341,11 +341,6 @@ def preload_release(version: str) -> None:
         from sglang_cp_hicache.sim import engine_0518  # noqa: F401
         from sglang_cp_hicache.testing import stack_0518  # noqa: F401
     check_hooks()
-
-
-def preload_rank(config: SimConfig) -> None:
-    """:func:`preload_release` for this run's release."""
-    preload_release(config.sglang_version)
 
 
 def forked_rank_main(spec: RankSpec, channel: Any, zygote_pid: int) -> None:
