@@ -14,7 +14,8 @@ order rotated each round, the median reported) and once cold (dropped with
   (``pages.store_verified``); read = one scatter read of header + page into
   the thread's staging buffer, the header and the XXH3-64 checksum checked
   there, then copied into the page's rows of a layer_first host pool
-  (``pages.read_verified`` + the host copy). Every byte verified.
+  (``pages.read_verified`` + ``host_copy.write_host_page``, one single-threaded
+  copy per I/O thread). Every byte verified.
 * ``hicachefile``: SGLang 0.5.18's own L3 path on its file backend, from and
   to the same host pool: write = each page's flat copy (``get_data_page(flat)``)
   then ``HiCacheFile.batch_set``; read = ``batch_get`` into a fresh flat page
@@ -49,6 +50,7 @@ from typing import Any, Callable
 import torch
 
 from sglang_cp_hicache.l3.envelope import HEADER_BYTES, byte_view
+from sglang_cp_hicache.l3.host_copy import write_host_page
 from sglang_cp_hicache.l3.host_tier import HostL3Tier
 from sglang_cp_hicache.l3.keys import L3Namespace, page_keys
 from sglang_cp_hicache.l3.pages import read_verified, store_verified
@@ -104,7 +106,8 @@ def _parallel(threads: int, jobs: list[Callable[[], Any]]) -> list[Any]:
 
 class _LayerFirstPool:
     """A layer_first host pool of ``pages`` pages (SGLang's MLA / indexer
-    host layout: a page's rows of one layer contiguous, layers apart)."""
+    host layout: a page's rows of one layer contiguous, layers apart), with
+    SGLang's page accessors (a page's index is its first token's row)."""
 
     def __init__(self, pages: int, row: int) -> None:
         self.buffer = torch.zeros((LAYERS, pages * P, row), dtype=torch.uint8)
@@ -113,8 +116,16 @@ class _LayerFirstPool:
     def page(self, i: int) -> torch.Tensor:
         return self.buffer[:, i * P:(i + 1) * P]
 
+    def get_data_page(self, index: int, flat: bool = True) -> torch.Tensor:
+        page = self.buffer[:, index:index + P]
+        return page.flatten() if flat else page
+
+    def set_from_flat_data_page(self, index: int, flat: torch.Tensor) -> None:
+        """SGLang's copy (a torch assignment)."""
+        self.buffer[:, index:index + P] = flat.view(LAYERS, P, self.row)
+
     def fill(self, i: int, flat: torch.Tensor) -> None:
-        self.buffer[:, i * P:(i + 1) * P] = flat.view(LAYERS, P, self.row)
+        self.set_from_flat_data_page(i * P, flat)
 
 
 class _RawPath:
@@ -206,7 +217,7 @@ class _LibraryPath:
         def read_page(i: int) -> None:
             head, payload, page = self._buffers()
             assert read_verified(self.store, self.ns, self.keys[i], head, payload) is None
-            self.host.fill(i, page)
+            write_host_page(self.host, self.host.buffer, i * P, page)  # what HostL3Tier.fill_host does
 
         _parallel(threads or self.threads, [lambda i=i: read_page(i) for i in range(len(self.data))])
 
@@ -275,8 +286,9 @@ class _KvHost:
         self.kv_buffer = torch.zeros((LAYERS, pages * P, 1, KV_ROW), dtype=torch.uint8)
         self.kv_cache_dim, self.layer_num, self.layout, self.page_size = KV_ROW, LAYERS, "layer_first", P
 
-    def get_data_page(self, index: int) -> torch.Tensor:
-        return self.kv_buffer[:, index:index + P]
+    def get_data_page(self, index: int, flat: bool = True) -> torch.Tensor:
+        page = self.kv_buffer[:, index:index + P]
+        return page.flatten() if flat else page
 
     def set_from_flat_data_page(self, index: int, data: torch.Tensor) -> None:
         self.kv_buffer[:, index:index + P] = data.reshape(LAYERS, P, 1, KV_ROW)
@@ -287,8 +299,9 @@ class _IndexerHost:
         self.index_k_with_scale_buffer = torch.zeros((LAYERS, pages, P * INDEXER_ROW), dtype=torch.uint8)
         self.indexer_page_stride_size, self.layer_num, self.page_size = P * INDEXER_ROW, LAYERS, P
 
-    def get_data_page(self, index: int) -> torch.Tensor:
-        return self.index_k_with_scale_buffer[:, index // P]
+    def get_data_page(self, index: int, flat: bool = True) -> torch.Tensor:
+        page = self.index_k_with_scale_buffer[:, index // P]
+        return page.flatten() if flat else page
 
     def set_from_flat_data_page(self, index: int, data: torch.Tensor) -> None:
         self.index_k_with_scale_buffer[:, index // P] = data.reshape(LAYERS, P * INDEXER_ROW)

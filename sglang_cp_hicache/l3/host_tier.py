@@ -14,7 +14,7 @@ on 0.5.23), and how the store is opened (the adapter passes an opened :class:`Pa
 or opens one through :func:`open_tier_store`). The host pools are read by
 attribute only (``kv_buffer``, ``kv_cache_dim``, ``layer_num``, ``layout``,
 ``page_size``, ``index_k_with_scale_buffer``, ``indexer_page_stride_size``,
-``get_data_page``, ``set_from_flat_data_page``).
+``get_data_page`` (``flat=False``: a view of the page), ``set_from_flat_data_page``).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import torch
 from sglang_cp_hicache.l3.consensus import local_usable_pages
 from sglang_cp_hicache.l3.keys import L3Namespace, page_keys
 from sglang_cp_hicache.l3.envelope import HEADER_BYTES, byte_view
+from sglang_cp_hicache.l3.host_copy import write_host_page
 from sglang_cp_hicache.l3.pages import PutOutcome, fetch_owned, read_verified, store_verified
 from sglang_cp_hicache.l3.plan import read_plan, write_plan
 from sglang_cp_hicache.l3.store import PageStore
@@ -355,7 +356,5 @@ class HostL3Tier:
     def fill_host(self, slot: int, kv_bytes: torch.Tensor, idx_bytes: torch.Tensor) -> None:
         """Put one verified own page into this rank's host pools at host slot ``slot``."""
         row = self.host_row(slot)
-        self.kv_host.set_from_flat_data_page(row, kv_bytes.view(self.kv_host.kv_buffer.dtype))
-        self.indexer_host.set_from_flat_data_page(
-            row, idx_bytes.view(self.indexer_host.index_k_with_scale_buffer.dtype)
-        )
+        write_host_page(self.kv_host, self.kv_host.kv_buffer, row, kv_bytes)
+        write_host_page(self.indexer_host, self.indexer_host.index_k_with_scale_buffer, row, idx_bytes)

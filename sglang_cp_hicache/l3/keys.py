@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from typing import Optional
@@ -63,6 +64,9 @@ POOLS = ("kv", "indexer")
 #: (tokens, layers, row) is SGLang's page_first flat page.
 BYTE_ORDERS = ("LPD", "PLD")
 _HEX = frozenset("0123456789abcdef")
+_PAGE_KEY = re.compile(
+    rf"([0-9a-f]{{{PAGE_HASH_CHARS}}})_([0-9a-f]{{{DIGEST_CHARS}}})_({ROOT_PARENT}|[0-9a-f]{{{PARENT_CHARS}}})"
+)
 
 
 def _is_hex(text: str, length: int) -> bool:
@@ -173,14 +177,13 @@ def split_page_key(name: str, key: object) -> tuple[str, str, str]:
     """``(page_hash, namespace digest, parent)`` of a well-formed page key."""
     if not isinstance(key, str):
         raise TypeError(f"{name} must be a str, got {type(key).__name__}")
-    parts = key.split("_")
-    if (len(parts) != 3 or not _is_hex(parts[0], PAGE_HASH_CHARS) or not _is_hex(parts[1], DIGEST_CHARS)
-            or not (parts[2] == ROOT_PARENT or _is_hex(parts[2], PARENT_CHARS))):
+    match = _PAGE_KEY.fullmatch(key)  # one C-level match: this runs for every object read and written
+    if match is None:
         raise ValueError(
             f"{name} must be '<{PAGE_HASH_CHARS} hex page hash>_<{DIGEST_CHARS} hex namespace digest>_"
             f"<{PARENT_CHARS} hex of the parent's page hash, or {ROOT_PARENT}>', got {key!r}"
         )
-    return parts[0], parts[1], parts[2]
+    return match.group(1), match.group(2), match.group(3)
 
 
 def check_page_key(name: str, key: object, namespace: L3Namespace | None = None) -> str:

@@ -172,6 +172,7 @@ class FilePageStore:
         if capacity is not None and not isinstance(capacity, CapacityConfig):
             raise TypeError(f"capacity must be a CapacityConfig, got {type(capacity).__name__}")
         self.directory = _check_directory(directory)
+        self._root = os.fspath(self.directory)
         self.fsync = fsync
         # The bound (max_size / min_free_space), None: unbounded.
         self.capacity = DirectoryCapacity(self.directory, capacity) if capacity and capacity.bounded else None
@@ -182,8 +183,12 @@ class FilePageStore:
 
     def path_of(self, key: str) -> Path:
         """The file that holds ``key``'s object."""
+        return Path(self._file_of(key))
+
+    def _file_of(self, key: str) -> str:
+        """:meth:`path_of` as a str (no Path objects built on the read path)."""
         check_page_key("key", key)
-        return self.directory / key[:2] / f"{key}.bin"
+        return f"{self._root}/{key[:2]}/{key}.bin"
 
     def exists(self, keys: Sequence[str]) -> list[bool]:
         return [self.path_of(key).is_file() for key in _check_keys(keys)]
@@ -212,7 +217,7 @@ class FilePageStore:
         None where there is no object. The size comes from the open file
         (fstat) before any byte is read: a huge (or sparse) file under a
         key's name costs nothing."""
-        path = self.path_of(key)
+        path = self._file_of(key)
         try:
             fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:

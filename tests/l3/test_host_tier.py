@@ -32,8 +32,9 @@ class KvHost:
         rows = self.kv_buffer.view(torch.uint8)
         return rows[:, index:index + P] if self.layout == "layer_first" else rows[index:index + P]
 
-    def get_data_page(self, index: int) -> torch.Tensor:
-        return self._rows(index).view(self.kv_buffer.dtype)
+    def get_data_page(self, index: int, flat: bool = True) -> torch.Tensor:
+        page = self._rows(index).view(self.kv_buffer.dtype)
+        return page.flatten() if flat else page
 
     def set_from_flat_data_page(self, index: int, data: torch.Tensor) -> None:
         assert data.dtype == self.kv_buffer.dtype
@@ -48,8 +49,9 @@ class IndexerHost:
         self.indexer_page_stride_size, self.layer_num, self.page_size = IDX_STRIDE, LAYERS, P
         _fill(self.index_k_with_scale_buffer, seed)
 
-    def get_data_page(self, index: int) -> torch.Tensor:
-        return self.index_k_with_scale_buffer[:, index // P]
+    def get_data_page(self, index: int, flat: bool = True) -> torch.Tensor:
+        page = self.index_k_with_scale_buffer[:, index // P]
+        return page.flatten() if flat else page
 
     def set_from_flat_data_page(self, index: int, data: torch.Tensor) -> None:
         self.index_k_with_scale_buffer[:, index // P] = data.reshape(LAYERS, IDX_STRIDE)

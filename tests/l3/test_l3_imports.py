@@ -1,5 +1,6 @@
-"""The l3 package is core: torch, the standard library and core modules only
-(never sglang, triton, numpy, an adapter, the harness or the simulator)."""
+"""The l3 package is core: torch, the standard library, its declared
+dependencies and core modules only (never sglang, triton, an adapter, the
+harness or the simulator)."""
 
 import ast
 import pathlib
@@ -25,8 +26,9 @@ def _imports(path: pathlib.Path) -> list[tuple[int, str]]:
 #: needs them: a YAML ``@file`` extra config (as SGLang reads it); Prometheus
 #: counters (SGLang's metrics library, only with --enable-metrics).
 LAZY_OPTIONAL = {"yaml", "prometheus_client"}
-#: Declared dependencies besides torch (pyproject.toml): the envelope's checksum.
-DEPENDENCIES = {"xxhash"}
+#: Declared dependencies besides torch (pyproject.toml): the envelope's
+#: checksum; numpy for the host copy (one thread per copy, the GIL released).
+DEPENDENCIES = {"xxhash", "numpy"}
 
 
 def test_the_dependencies_l3_imports_are_declared():

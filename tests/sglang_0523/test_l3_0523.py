@@ -452,8 +452,9 @@ class _KvHost:
         self.kv_buffer = torch.full((2, 4 * P64, 8), fill, dtype=torch.uint8)
         self.kv_cache_dim, self.layer_num, self.layout, self.page_size = 8, 2, "layer_first", P64
 
-    def get_data_page(self, index: int) -> Any:
-        return self.kv_buffer[:, index:index + P64]
+    def get_data_page(self, index: int, flat: bool = True) -> Any:
+        page = self.kv_buffer[:, index:index + P64]
+        return page.flatten() if flat else page
 
     def set_from_flat_data_page(self, index: int, data: Any) -> None:
         self.kv_buffer[:, index:index + P64] = data.reshape(2, P64, 8)
@@ -466,8 +467,9 @@ class _IndexerHost:
         self.index_k_with_scale_buffer = torch.full((2, 4, P64 * 2), fill, dtype=torch.uint8)
         self.indexer_page_stride_size, self.layer_num, self.page_size = P64 * 2, 2, P64
 
-    def get_data_page(self, index: int) -> Any:
-        return self.index_k_with_scale_buffer[:, index // P64]
+    def get_data_page(self, index: int, flat: bool = True) -> Any:
+        page = self.index_k_with_scale_buffer[:, index // P64]
+        return page.flatten() if flat else page
 
     def set_from_flat_data_page(self, index: int, data: Any) -> None:
         self.index_k_with_scale_buffer[:, index // P64] = data.reshape(2, P64 * 2)
