@@ -29,7 +29,6 @@ import functools
 import importlib
 import inspect
 import sys
-import textwrap
 import threading
 from dataclasses import dataclass
 from typing import Any, Literal, Optional
@@ -107,6 +106,39 @@ def self_targets(tree: ast.AST) -> set[str]:
 
 
 @functools.lru_cache(maxsize=None)
+def _module_tree(path: str) -> Optional[ast.Module]:
+    """One source file's syntax tree, parsed once per process (a class-by-class
+    ``inspect.getsource`` re-parses and re-tokenizes the whole file for every
+    class: seconds at every start of a rank process)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return ast.parse(f.read(), path)
+    except (OSError, SyntaxError, UnicodeDecodeError):
+        return None
+
+
+def _class_node(klass: type) -> Optional[ast.ClassDef]:
+    """The ``class`` statement that defined ``klass``, found by its qualified
+    name in its module's source; None without source (built-in, generated)."""
+    try:
+        path = inspect.getsourcefile(klass)
+    except TypeError:
+        return None
+    tree = _module_tree(path) if path else None
+    if tree is None or "<locals>" in klass.__qualname__:
+        return None
+    body: list[ast.stmt] = tree.body
+    found: Optional[ast.ClassDef] = None
+    for part in klass.__qualname__.split("."):
+        # The last definition of a name wins, as at import.
+        found = next((n for n in reversed(body) if isinstance(n, ast.ClassDef) and n.name == part), None)
+        if found is None:
+            return None
+        body = found.body
+    return found
+
+
+@functools.lru_cache(maxsize=None)
 def _instance_attributes(cls: type) -> frozenset[str]:
     """Instance attributes the SGLang classes of ``cls``'s MRO declare
     (annotations, dataclass / msgspec fields) or assign as ``self.<name>``."""
@@ -117,10 +149,9 @@ def _instance_attributes(cls: type) -> frozenset[str]:
         names.update(vars(klass).get("__annotations__", {}))
         names.update(getattr(klass, "__struct_fields__", ()))
         names.update(getattr(klass, "__dataclass_fields__", {}))
-        try:
-            names.update(self_targets(ast.parse(textwrap.dedent(inspect.getsource(klass)))))
-        except (OSError, TypeError, SyntaxError):
-            pass  # no source (built-in / generated): its declarations above still count
+        node = _class_node(klass)
+        if node is not None:  # without source, its declarations above still count
+            names.update(self_targets(node))
     return frozenset(names)
 
 

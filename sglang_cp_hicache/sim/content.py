@@ -49,12 +49,15 @@ _KEY_BASE = 1_000_003
 _PART_KV, _PART_INDEX_K, _PART_INDEX_SCALE = 1, 2, 3
 
 
-def prefix_keys(token_ids: Sequence[int]) -> torch.Tensor:
+def prefix_keys(token_ids: Sequence[int], start: int = 0) -> torch.Tensor:
     """int64 content key per token: a polynomial rolling hash (mod a 31-bit
     prime) of token ids ``[0..i]``. Two tokens share a key only if they have
-    the same position and (up to hash collisions) the same prefix."""
+    the same position and (up to hash collisions) the same prefix.
+    ``start``: the key of the token before ``token_ids[0]`` (0: they start
+    the sequence), so a node's keys follow from its parent's last key:
+    ``prefix_keys(a + b)[len(a):] == prefix_keys(b, start=prefix_keys(a)[-1])``."""
     keys = [0] * len(token_ids)
-    h = 0
+    h = int(start)
     for i, token in enumerate(token_ids):
         h = (h * _KEY_BASE + (int(token) & 0xFFFFFFFF) + 1) % KEY_MODULUS
         keys[i] = h

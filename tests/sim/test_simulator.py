@@ -319,6 +319,14 @@ def test_prefix_keys_depend_on_position_and_the_whole_prefix():
     assert len(set(prefix_keys([1] * 100).tolist())) == 100
 
 
+def test_prefix_keys_continue_from_the_key_before():
+    whole = prefix_keys(list(range(3, 203)))
+    for cut in (1, 64, 199):
+        tail = prefix_keys(list(range(3 + cut, 203)), start=int(whole[cut - 1]))
+        assert torch.equal(tail, whole[cut:])
+    assert not torch.equal(prefix_keys([7, 8], start=5), prefix_keys([7, 8]))
+
+
 def test_content_round_trip_and_every_corrupted_byte_is_caught():
     pool = fake_dsa_pool()
     locs = torch.arange(P, 3 * P)
