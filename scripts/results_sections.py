@@ -320,8 +320,9 @@ def _l3_file(f: dict[str, Any]) -> list[str]:
         f"`{f.get('command')}` ({n(f.get('cpus'))} CPUs, {n(f.get('threads'))} L3 I/O threads, median of "
         f"{n((f.get('kv') or {}).get('rounds'))} rounds, GB/s of page bytes). Library: each page read into "
         "a reused staging buffer, its header and XXH3-64 checked there, then copied into a layer_first "
-        "host pool; HiCacheFile: SGLang 0.5.18's `batch_get` into fresh flat pages, then the same host "
-        "copy, nothing verified; raw: `readinto` a preallocated tensor, no host pool.",
+        "host pool (one single-threaded copy per I/O thread); HiCacheFile: SGLang 0.5.18's `batch_get` "
+        "into fresh flat pages, then SGLang's own host copy (`set_from_flat_data_page`), nothing "
+        "verified; raw: `readinto` a preallocated tensor, one thread, no host pool.",
         "",
         *table(["page", "op", "library", "HiCacheFile", "raw floor", "library / HiCacheFile",
                 "library / raw"], rows),

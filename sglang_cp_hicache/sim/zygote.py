@@ -25,6 +25,7 @@ held in the child forever.
 
 from __future__ import annotations
 
+import gc
 import os
 import random
 import signal
@@ -83,6 +84,11 @@ def _zygote_main(
         preload()
     except BaseException:  # noqa: BLE001 - each process meets the same error itself and reports it
         pass
+    # What the preload imported lives as long as every rank: out of the
+    # collector's reach (a full collection walks only what a rank allocates,
+    # and never writes to the shared pages the fork left).
+    gc.collect()
+    gc.freeze()
     me = os.getpid()
     by_pid: dict[int, int] = {}
     for job in jobs:

@@ -246,17 +246,11 @@ def _full() -> Any:
 
 
 def _extend_keys(h: int, tokens: Any) -> tuple[Any, int]:
-    """Content keys of ``tokens`` continuing a prefix whose last key is ``h``
-    (:func:`sglang_cp_hicache.sim.content.prefix_keys`, one node at a time)."""
-    import torch
+    """Content keys of ``tokens`` continuing a prefix whose last key is ``h``, and the last one."""
+    from sglang_cp_hicache.sim.content import prefix_keys
 
-    from sglang_cp_hicache.sim import content
-
-    keys = [0] * len(tokens)
-    for i, token in enumerate(tokens):
-        h = (h * content._KEY_BASE + (int(token) & 0xFFFFFFFF) + 1) % content.KEY_MODULUS
-        keys[i] = h
-    return torch.tensor(keys, dtype=torch.int64), h
+    keys = prefix_keys(tokens, start=h)
+    return keys, int(keys[-1]) if len(keys) else h
 
 
 def _same(a: Any, b: Any) -> bool:
