@@ -108,6 +108,10 @@ def _zygote_main(
         if key is not None:
             status.send(("exit", key, os.waitstatus_to_exitcode(wait_status)))
     status.close()
+    # Back in the collector's reach before this interpreter finalizes: what
+    # stays frozen is never freed, and triton's nanobind bindings report it
+    # as leaked on stderr (the launcher's).
+    gc.unfreeze()
 
 
 def _run_forked(job: ForkJob, jobs: list[ForkJob], status: Connection, target: Callable[..., None], zygote: int) -> None:
