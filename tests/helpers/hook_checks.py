@@ -13,12 +13,19 @@ from sglang_cp_hicache import hook_registry
 __all__ = ["check_registry_shape", "remove_hook"]
 
 
-def remove_hook(monkeypatch: pytest.MonkeyPatch, hook: hook_registry.Hook) -> None:
+def remove_hook(
+    monkeypatch: pytest.MonkeyPatch, hook: hook_registry.Hook, hooks: tuple[hook_registry.Hook, ...]
+) -> None:
     """Make ``hook``'s target absent, as a release that renamed it would: a
     module attribute is deleted, an enum member left out of a rebuilt enum,
     a class attribute deleted from every SGLang class of the owner's MRO that
     defines it, and an instance attribute dropped from what the registry
-    finds its owner's classes assigning."""
+    finds its owner's classes assigning. Every module of ``hooks`` is
+    imported first, as SGLang has them when the adapter checks: a module
+    first imported after the removal would fail to import and be named
+    instead (which tests ran before in the process must not matter)."""
+    for other in hooks:
+        importlib.import_module(other.module)
     module = importlib.import_module(hook.module)
     if hook.owner is None:
         monkeypatch.delattr(module, hook.attribute)

@@ -52,7 +52,7 @@ def test_the_registry_names_each_hook_once_and_keeps_its_shape():
 
 @pytest.mark.parametrize("hook", HOOKS, ids=lambda h: h.name)
 def test_a_missing_hook_refuses_by_name(hook, monkeypatch):
-    remove_hook(monkeypatch, hook)
+    remove_hook(monkeypatch, hook, HOOKS)
     with pytest.raises(HookMismatchError) as err:
         check_hooks()
     assert err.value.hook is hook

@@ -43,7 +43,7 @@ def test_the_registry_names_each_hook_once_and_keeps_its_shape():
 
 @pytest.mark.parametrize("hook", HOOKS, ids=lambda h: h.name)
 def test_a_missing_hook_refuses_by_name(hook, monkeypatch):
-    remove_hook(monkeypatch, hook)
+    remove_hook(monkeypatch, hook, HOOKS)
     with pytest.raises(HookMismatchError) as err:
         check_hooks()
     assert err.value.hook is hook
@@ -72,7 +72,7 @@ def test_a_changed_signature_refuses_by_name(hook, monkeypatch):
 
 def test_a_changed_hook_stops_the_strategy_build_first(monkeypatch):
     hook = next(h for h in HOOKS if h.attribute == "_move_kv_shard_indices")
-    remove_hook(monkeypatch, hook)
+    remove_hook(monkeypatch, hook, HOOKS)
     with pytest.raises(HookMismatchError, match="_move_kv_shard_indices"):
         strategy.LibraryDsaStrategy().build(
             cache=None, kvcache=None, params=None, server_args=None, load_cache_event=None
@@ -84,7 +84,7 @@ def test_the_plugin_registers_a_refusing_strategy_on_a_changed_hook(strategies, 
     monkeypatch.delenv(plugin.COPY_ENV, raising=False)
     strategy.uninstall_strategy()
     hook = next(h for h in HOOKS if h.attribute == "_submission")
-    remove_hook(monkeypatch, hook)
+    remove_hook(monkeypatch, hook, HOOKS)
     plugin.register()
     refusing = strategies[0]
     assert not isinstance(refusing, strategy.LibraryDsaStrategy)

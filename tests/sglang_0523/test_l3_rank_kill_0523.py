@@ -54,6 +54,8 @@ def _write_chain(rank: int, l3_dir: str) -> None:
     engine.serve(0, TOKENS)
     for _ in range(3):
         engine._check_events()
+    # The writes run on the L3 I/O threads; closing drops what is still queued.
+    assert stack.cp.l3.wait_io(timeout=30)
     stack.close()
 
 
