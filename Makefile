@@ -19,8 +19,17 @@ install: install-0518 install-0523
 install-0518:
 	@bash scripts/install.sh
 
-# The test command (README and .ci/run run exactly this): the linter, then both suites.
-test: lint test-0518 test-0518-interpreted test-0523
+# The test command (README and .ci/run run exactly this): the linter, then its
+# three parts at once (make -j3), each part's output printed whole as it ends.
+# Every test holds one of PYTEST_XDIST_WORKER_COUNT CPU slots (lock files in a
+# fresh directory, tests/helpers/cpu_slots.py), so no more tests run at once
+# than one part alone ran, while one part's start-up and tail are filled with
+# the others' tests (one after another they took 11-13 minutes on two cores).
+test: lint
+	@slots=$$(mktemp -d "$${TMPDIR:-/tmp}/cp-hicache-test-slots.XXXXXX") && \
+	CP_HICACHE_TEST_SLOTS=$$slots $(MAKE) --no-print-directory -k -j3 --output-sync=target \
+		test-0518 test-0518-interpreted test-0523; \
+	rc=$$?; rm -rf "$$slots"; exit $$rc
 
 # ruff (pyproject.toml [tool.ruff]: pyflakes and statement errors) over the whole tree, a second or two.
 lint:
@@ -33,14 +42,14 @@ lint:
 PYTEST_PAR ?= -n auto --dist loadgroup --no-loadscope-reorder
 
 test-0518:
-	$(PY) -m pytest $(PYTEST_PAR) tests
+	CP_HICACHE_TEST_PART=0 $(PY) -m pytest $(PYTEST_PAR) tests
 
 # The copy paths again with the Triton kernels themselves (interpreter) as the
 # CPU backend: kernels, the adapter's copy path, faults, no-sync. Tests marked
 # same_under_interpret only run subprocesses whose TRITON_INTERPRET they set
 # themselves: test-0518 runs them, a second run here would repeat them unchanged.
 test-0518-interpreted:
-	TRITON_INTERPRET=1 $(PY) -m pytest $(PYTEST_PAR) -m "not same_under_interpret" \
+	CP_HICACHE_TEST_PART=1 TRITON_INTERPRET=1 $(PY) -m pytest $(PYTEST_PAR) -m "not same_under_interpret" \
 		tests/kernels tests/sglang_0518/test_sglang_cp.py \
 		tests/sglang_0518/test_faults.py tests/sglang_0518/test_no_sync.py
 
@@ -92,4 +101,4 @@ soak:
 # The SGLang 0.5.23 suite (collected only under 0.5.23).
 .PHONY: test-0523
 test-0523:
-	$(PY_0523) -m pytest $(PYTEST_PAR) tests/sglang_0523
+	CP_HICACHE_TEST_PART=2 $(PY_0523) -m pytest $(PYTEST_PAR) tests/sglang_0523

@@ -19,6 +19,7 @@ import os
 import pytest
 from hypothesis import HealthCheck, settings
 
+from tests.helpers.cpu_slots import SlotGate
 from tests.helpers.shared_fixtures import group_by_shared_fixtures, order_longest_modules_first
 
 settings.register_profile(
@@ -90,6 +91,24 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     SGLang's imports takes 0.2-0.5 s and runs every few seconds)."""
     gc.collect()
     gc.freeze()
+
+
+_SLOTS: "SlotGate | None" = None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    global _SLOTS
+    _SLOTS = SlotGate.for_worker(config)
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem):
+    """Under ``make test`` (its parts run at once) each test holds one of the
+    machine's CPU slots (tests/helpers/cpu_slots.py); otherwise nothing."""
+    if _SLOTS is None:
+        yield
+        return
+    yield from _SLOTS.around(item, nextitem)
 
 
 @pytest.hookimpl(trylast=True)

@@ -88,14 +88,32 @@ def test_chained(view): pass
 
 def test_free_ports_are_distinct_bindable_and_in_the_workers_block(monkeypatch):
     monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw3")
-    start = ports.FIRST + 3 * ports.BLOCK
+    monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "4")
+    monkeypatch.setenv(ports.PART_ENV, "2")
+    start, size = ports.port_block()
+    assert (start, size) == (ports.FIRST + (2 * 4 + 3) * ports.BLOCK, ports.BLOCK)
     got = [ports.free_port() for _ in range(20)]
-    assert len(set(got)) == 20 and all(start <= p < start + ports.BLOCK for p in got)
+    assert len(set(got)) == 20 and all(start <= p < start + size for p in got)
     with socket.socket() as held:  # a port in use is skipped
-        held.bind((ports.LOOPBACK, got[-1] + 1 if got[-1] + 1 < start + ports.BLOCK else start))
+        held.bind((ports.LOOPBACK, got[-1] + 1 if got[-1] + 1 < start + size else start))
         held.listen()
         taken = held.getsockname()[1]
-        assert taken not in [ports.free_port() for _ in range(ports.BLOCK - 21)]
+        assert taken not in [ports.free_port() for _ in range(size - 21)]
+
+
+def test_every_worker_of_every_part_gets_its_own_port_block(monkeypatch):
+    # 3 parts x 32 workers: the blocks shrink to fit below the ephemeral range, never overlap
+    monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "32")
+    spans = []
+    for part in range(ports.PARTS):
+        for worker in range(32):
+            monkeypatch.setenv(ports.PART_ENV, str(part))
+            monkeypatch.setenv("PYTEST_XDIST_WORKER", f"gw{worker}")
+            start, size = ports.port_block()
+            spans.append((start, start + size))
+    spans.sort()
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
+    assert spans[0][0] == ports.FIRST and spans[-1][1] <= ports._ephemeral_start()
 
 
 def test_installed_xdist_runs_a_group_on_one_worker(pytester):
@@ -116,3 +134,76 @@ def test_where(i):
     result.assert_outcomes(passed=8)
     workers = {line.split()[1] for line in result.outlines if line.startswith("WORKER ")}
     assert len(workers) == 1, workers
+
+
+# ---- the CPU slots make test's concurrent parts share ----------------------------------
+
+
+class _Item:
+    """A stand-in for a pytest item: only its xdist_group mark is read."""
+
+    def __init__(self, group):
+        self.group = group
+
+    def get_closest_marker(self, name):
+        return pytest.mark.xdist_group(self.group).mark if self.group is not None else None
+
+
+def _run_around(gate, item, nextitem, seen):
+    wrapper = gate.around(item, nextitem)
+    next(wrapper)
+    seen.append(gate.held)
+    with pytest.raises(StopIteration):
+        wrapper.send(None)
+
+
+def test_no_more_tests_hold_a_slot_than_there_are_slots(tmp_path):
+    import threading
+    import time
+
+    from tests.helpers.cpu_slots import SlotGate
+
+    gates = [SlotGate(str(tmp_path), 2) for _ in range(3)]
+    for gate in gates[:2]:
+        gate.acquire()
+    third = threading.Thread(target=gates[2].acquire)
+    third.start()
+    time.sleep(0.3)
+    assert third.is_alive() and not gates[2].held  # both slots are taken: the third waits
+    gates[0].release()
+    third.join(5)
+    assert not third.is_alive() and gates[2].held and gates[2].waited_s >= 0.25
+    for gate in gates[1:]:
+        gate.release()
+
+
+def test_a_worker_keeps_its_slot_across_one_group_and_only_there(tmp_path):
+    from tests.helpers.cpu_slots import SlotGate
+
+    gate, other = SlotGate(str(tmp_path), 1), SlotGate(str(tmp_path), 1)
+    seen: list[bool] = []
+    _run_around(gate, _Item("fixture-a"), _Item("fixture-a"), seen)
+    assert gate.held  # the next test shares the fixture: the slot stays
+    _run_around(gate, _Item("fixture-a"), _Item(None), seen)
+    assert not gate.held
+    _run_around(gate, _Item(None), _Item(None), seen)  # ungrouped: released after each test
+    assert not gate.held
+    _run_around(gate, _Item("fixture-b"), None, seen)  # the worker's last test
+    assert not gate.held and seen == [True] * 4
+    other.acquire()  # nothing is left holding the one slot
+    assert other.held
+    other.release()
+
+
+def test_only_an_xdist_worker_is_gated_and_its_children_are_not(monkeypatch, tmp_path):
+    import os
+    import types
+
+    from tests.helpers.cpu_slots import ENV, SlotGate
+
+    monkeypatch.setenv(ENV, str(tmp_path))
+    controller = types.SimpleNamespace()
+    assert SlotGate.for_worker(controller) is None and os.environ[ENV] == str(tmp_path)  # workers inherit it
+    gate = SlotGate.for_worker(types.SimpleNamespace(workerinput={"workercount": 2}))
+    assert gate is not None and gate.count == 2 and gate.directory == str(tmp_path)
+    assert ENV not in os.environ  # a pytest a test starts waits for no slot

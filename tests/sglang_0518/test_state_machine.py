@@ -221,7 +221,7 @@ class CpCacheMachine(RuleBasedStateMachine):
             assert cache.host_slot_ledger.used[placement.cp_rank] == host_slots
             assert s.allocator.pages_in_use() == len(device_pages), "device page leak"
 
-@pytest.mark.slow(20)
+@pytest.mark.slow(90)
 def test_cp_cache_state_machine():
     name, profile = chosen_profile(PROFILES)
     STEPS["total"] = 0

@@ -8,7 +8,6 @@ import json
 import math
 import os
 import subprocess
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -179,8 +178,6 @@ def test_cli_refuses_a_bad_trace_or_scale_with_exit_2(tmp_path, capsys, monkeypa
     assert exc.value.code == 2 and "--trace-block-tokens must be an integer in [1, 512]" in capsys.readouterr().err
 
 
-def _sim_dirs() -> set[str]:
-    return {n for n in os.listdir(tempfile.gettempdir()) if n.startswith("sglang-cp-hicache")}
 
 
 @pytest.mark.parametrize(
@@ -193,12 +190,14 @@ def _sim_dirs() -> set[str]:
     ],
     ids=["misspelt-setting", "abbreviated-cp-size", "abbreviated-requests"],
 )
-def test_a_bad_setting_or_an_abbreviated_flag_exits_2_at_once_leaving_nothing(args, env, message):
-    before = _sim_dirs()
-    proc = subprocess.run(sim_command(*args), cwd=ROOT, env=sim_env(env), capture_output=True, text=True,
-                          timeout=120)
+def test_a_bad_setting_or_an_abbreviated_flag_exits_2_at_once_leaving_nothing(args, env, message, tmp_path):
+    # a temporary directory of its own: other tests' runs write theirs meanwhile
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    proc = subprocess.run(sim_command(*args), cwd=ROOT, env=sim_env({**env, "TMPDIR": str(tmp)}),
+                          capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     lines = [line for line in proc.stderr.splitlines() if not line.startswith("usage:") and line.strip()]
     assert len(lines) == 1 and message in lines[0], proc.stderr
     assert proc.stdout == ""
-    assert _sim_dirs() == before  # no rank log directory: no rank started
+    assert os.listdir(tmp) == []  # no rank log directory: no rank started

@@ -42,6 +42,7 @@ def simulate(release: str, l3: Path, out: Path) -> dict:
     return json.loads(out.read_text())
 
 
+@pytest.mark.slow(40)
 @pytest.mark.parametrize("writer,reader", [("0.5.18", "0.5.23"), ("0.5.23", "0.5.18")])
 def test_one_release_reads_what_the_other_wrote_bit_exact(tmp_path, writer, reader):
     written = tmp_path / "l3"

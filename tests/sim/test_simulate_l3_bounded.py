@@ -37,7 +37,7 @@ def run_sampled(shape: tuple[str, ...], l3: Path, out: Path) -> tuple[dict, int]
     return json.loads(out.read_text()), max(peak, stored_bytes(l3))
 
 
-@pytest.mark.slow(120)
+@pytest.mark.slow(40)
 def test_a_bounded_directory_holds_its_cap_and_a_reader_restores_bit_exact(tmp_path):
     directory = tmp_path / "l3"
     writer, peak = run_sampled(CP4, directory, tmp_path / "writer.json")

@@ -5,9 +5,12 @@ capacity_efficiency, bytes and GB/s, start-up progress, the plot -- one run
 
 from __future__ import annotations
 
+import pytest
+
 from tests.sim.mooncake_run import check_slice_run, run_slice
 
 
+@pytest.mark.slow(25)
 def test_the_mooncake_slice_replays_bit_exact_and_reports_every_tier_against_the_ideal(tmp_path):
     summary, proc, png = run_slice(tmp_path)
     assert summary["sglang_version"] == "0.5.18"
