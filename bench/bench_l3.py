@@ -11,11 +11,13 @@ order rotated each round, the median reported) and once cold (dropped with
 * ``library``: the library's path, as its L3 I/O threads run it
   (``--threads`` of them, each page its own job): write = read the object
   under the key if one is there, else one gather write of header + page
-  (``pages.store_verified``); read = one scatter read of header + page into
-  the thread's staging buffer, the header and the XXH3-64 checksum checked
-  there, then copied into the page's rows of a layer_first host pool
-  (``pages.read_verified`` + ``host_copy.write_host_page``, one single-threaded
-  copy per I/O thread). Every byte verified.
+  (``pages.store_verified``); read = when the whole object is in the page
+  cache, one non-blocking scatter read (``RWF_NOWAIT``) of header + page
+  straight into the page's rows of a layer_first host pool, the header and
+  the XXH3-64 checksum checked there, under the tier's publish lock; else one
+  blocking read into the thread's staging buffer outside the lock, checked,
+  then copied into the rows (``host_read.read_into_host``). Every byte
+  verified before the page is published.
 * ``hicachefile``: SGLang 0.5.18's own L3 path on its file backend, from and
   to the same host pool: write = each page's flat copy (``get_data_page(flat)``)
   then ``HiCacheFile.batch_set``; read = ``batch_get`` into a fresh flat page
@@ -50,12 +52,13 @@ from typing import Any, Callable
 import torch
 
 from sglang_cp_hicache.l3.envelope import HEADER_BYTES, byte_view
-from sglang_cp_hicache.l3.host_copy import write_host_page
+from sglang_cp_hicache.l3.host_copy import HostPageRuns
+from sglang_cp_hicache.l3.host_read import read_into_host
 from sglang_cp_hicache.l3.host_tier import HostL3Tier
 from sglang_cp_hicache.l3.keys import L3Namespace, page_keys
-from sglang_cp_hicache.l3.pages import read_verified, store_verified
+from sglang_cp_hicache.l3.pages import store_verified
 from sglang_cp_hicache.l3.store import FilePageStore
-from sglang_cp_hicache.l3.workers import L3Workers
+from sglang_cp_hicache.l3.workers import L3Job, L3Workers
 from sglang_cp_hicache.placement import CpPlacement
 
 from bench_paths import out_path
@@ -89,12 +92,13 @@ def _gbps(nbytes: int, seconds: float) -> float:
     return round(nbytes / seconds / 1e9, 3)
 
 
-def _parallel(threads: int, jobs: list[Callable[[], Any]]) -> list[Any]:
-    """Run ``jobs`` on ``threads`` L3 I/O threads (each its own job, as the
-    library's L3 does) and wait."""
+def _parallel(threads: int, jobs: list[Callable[[L3Job], Any]]) -> list[Any]:
+    """Run ``jobs`` on ``threads`` L3 I/O threads (each its own L3 job, as
+    the library's L3 does: ``fn(job)``, host writes through ``job.publish``)
+    and wait."""
     workers = L3Workers("bench-l3", threads, spare=0)
     try:
-        submitted = [workers.submit(lambda job, fn=fn: fn(), timeout_s=3600) for fn in jobs]
+        submitted = [workers.submit(lambda job, fn=fn: fn(job), timeout_s=3600) for fn in jobs]
         # Last job first: the waiting thread sleeps until the pool is (nearly)
         # through, as the scheduler thread does between two steps, instead
         # of waking once per page.
@@ -192,6 +196,7 @@ class _LibraryPath:
         self.host = _LayerFirstPool(len(data), row)
         for i, page in enumerate(data):
             self.host.fill(i, page)
+        self.rows = HostPageRuns(self.host, self.host.buffer)
         self.scratch = threading.local()
 
     def _buffers(self) -> tuple[memoryview, memoryview, torch.Tensor]:
@@ -208,18 +213,18 @@ class _LibraryPath:
             head, payload, _ = self._buffers()
             assert store_verified(self.store, self.ns, self.keys[i], snapshot, (head, payload)).in_l3
 
-        _parallel(self.threads, [lambda i=i: write_page(i) for i in range(len(self.data))])
+        _parallel(self.threads, [lambda job, i=i: write_page(i) for i in range(len(self.data))])
 
     def poison(self) -> None:
         self.host.buffer.fill_(0xA5)
 
     def read(self, threads: int | None = None) -> None:
-        def read_page(i: int) -> None:
+        def read_page(job: L3Job, i: int) -> None:  # what HostL3Tier.read_page does for each object
             head, payload, page = self._buffers()
-            assert read_verified(self.store, self.ns, self.keys[i], head, payload) is None
-            write_host_page(self.host, self.host.buffer, i * P, page)  # what HostL3Tier.fill_host does
+            bad = read_into_host(self.store, self.ns, self.keys[i], self.rows, i * P, head, page, payload, job.publish)
+            assert bad is None, bad
 
-        _parallel(threads or self.threads, [lambda i=i: read_page(i) for i in range(len(self.data))])
+        _parallel(threads or self.threads, [lambda job, i=i: read_page(job, i) for i in range(len(self.data))])
 
     def check(self) -> bool:
         return all(torch.equal(self.host.page(i).reshape(-1), page) for i, page in enumerate(self.data))
@@ -331,7 +336,7 @@ def bench_prefix(tokens: int, cp_sizes: list[int], threads: int, root: Path) -> 
                 _drop_cache(directory)
             t = time.perf_counter()
             ok = _parallel(threads, [
-                lambda j=j, i=i: reader.read_page(kv_keys[i], idx_keys[i], j * P, lambda fill: fill())
+                lambda job, j=j, i=i: reader.read_page(kv_keys[i], idx_keys[i], j * P, job.publish)
                 for j, i in enumerate(mine)
             ])
             seconds = time.perf_counter() - t

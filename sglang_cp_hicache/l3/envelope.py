@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import ctypes
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, Union
 
@@ -45,6 +46,7 @@ __all__ = [
     "byte_view",
     "check_object",
     "checksum",
+    "checksum_parts",
     "header",
     "pack",
     "unpack",
@@ -90,6 +92,17 @@ def checksum(data: memoryview) -> int:
     probability 2^-64. Identity (another page, another model) is decided by
     the exact key and namespace match in the header, not by the checksum."""
     return xxhash.xxh3_64_intdigest(data)
+
+
+def checksum_parts(parts: Sequence[memoryview]) -> int:
+    """:func:`checksum` of the concatenation of ``parts`` (a page's bytes
+    where they lie in a host pool: one run per layer), without joining them."""
+    if len(parts) == 1:
+        return checksum(parts[0])
+    state = xxhash.xxh3_64()
+    for part in parts:
+        state.update(part)
+    return state.intdigest()
 
 
 def byte_view(payload: torch.Tensor) -> memoryview:
@@ -201,17 +214,20 @@ def unpack(
 
 
 def check_object(
-    expected_key: str, expected_namespace: L3Namespace, head: memoryview, payload: memoryview
+    expected_key: str, expected_namespace: L3Namespace, head: memoryview,
+    payload: memoryview | Sequence[memoryview],
 ) -> Rejection | None:
     """None if ``head`` + ``payload`` (read into the caller's own buffers, in
-    place) are a sound object of ``expected_key``; otherwise why not. The
+    place) are a sound object of ``expected_key``; otherwise why not.
+    ``payload``: one buffer, or the runs of a host page in order. The
     caller must not change the buffers before it has used what it checked."""
     _check_args("expected_", expected_key, expected_namespace)
     if len(head) != HEADER_BYTES:
         return Rejection("short", f"{len(head)} header bytes, expected {HEADER_BYTES}")
-    stored = _check_header(expected_key, expected_namespace, head, len(payload))
+    parts = [payload] if isinstance(payload, memoryview) else list(payload)
+    stored = _check_header(expected_key, expected_namespace, head, sum(len(p) for p in parts))
     if isinstance(stored, Rejection):
         return stored
-    if checksum(payload) != stored:
+    if checksum_parts(parts) != stored:
         return Rejection("checksum", f"payload XXH3-64 differs from the header's {stored:#018x}")
     return None

@@ -29,8 +29,9 @@ import torch
 from sglang_cp_hicache.l3.consensus import local_usable_pages
 from sglang_cp_hicache.l3.keys import L3Namespace, page_keys
 from sglang_cp_hicache.l3.envelope import HEADER_BYTES, byte_view
-from sglang_cp_hicache.l3.host_copy import write_host_page
-from sglang_cp_hicache.l3.pages import PutOutcome, fetch_owned, read_verified, store_verified
+from sglang_cp_hicache.l3.host_copy import HostPageRuns, write_host_page
+from sglang_cp_hicache.l3.host_read import read_into_host
+from sglang_cp_hicache.l3.pages import PutOutcome, fetch_owned, store_verified
 from sglang_cp_hicache.l3.plan import read_plan, write_plan
 from sglang_cp_hicache.l3.store import PageStore
 from sglang_cp_hicache.placement import CpPlacement
@@ -98,8 +99,10 @@ class L3Snapshot:
 @dataclass
 class _Staging:
     """One thread's buffers for one page's objects (header + page, KV and
-    indexer): reads land here, are verified here, and only then copied into
-    the host pools; allocated once per thread and reused."""
+    indexer): a read that cannot go straight into the host rows (not all in
+    the page cache, or a store that is not a file store) lands here, is
+    verified here, and only then copied into the host pools; allocated once
+    per thread and reused."""
 
     kv_head: memoryview
     kv_page: torch.Tensor
@@ -194,6 +197,8 @@ class HostL3Tier:
         self.page_size = self.kv_ns.page_size
         self.counters = L3Counters()
         self._local = threading.local()  # each I/O thread's staging buffers
+        self._kv_rows = HostPageRuns(kv_host, kv_host.kv_buffer)
+        self._idx_rows = HostPageRuns(indexer_host, indexer_host.index_k_with_scale_buffer)
         self._staging_buffers: list[_Staging] = []
 
     def describe(self) -> str:
@@ -300,21 +305,25 @@ class HostL3Tier:
         return local_usable_pages(indices, present, len(hashes))
 
     def read_page(self, kv_key: str, idx_key: str, slot: int, publish: Callable[[Callable[[], None]], None]) -> bool:
-        """Read and verify one own page's two objects into this thread's
-        staging buffers, then put them into the host pools at host slot
-        ``slot`` through ``publish`` (an L3 job's: a cancelled job writes
-        nothing). False -- and nothing written -- if either object is
-        missing or refused."""
+        """Read and verify one own page's two objects into the host pools
+        at host slot ``slot``, every write into them through ``publish`` (an
+        L3 job's: a cancelled job writes nothing): straight into the host
+        rows where the page cache holds the objects, else through this
+        thread's staging buffers (:mod:`.host_read`). False if either object
+        is missing or refused: the page is not this rank's to use, and what
+        its rows hold is no page."""
         staging = self._staging()
-        bad = read_verified(self.store, self.kv_ns, kv_key, *staging.kv())
+        row = self.host_row(slot)
+        bad = read_into_host(self.store, self.kv_ns, kv_key, self._kv_rows, row, staging.kv_head,
+                             staging.kv_page, staging.kv()[1], publish)
         if bad is None:
-            bad = read_verified(self.store, self.indexer_ns, idx_key, *staging.indexer())
+            bad = read_into_host(self.store, self.indexer_ns, idx_key, self._idx_rows, row, staging.idx_head,
+                                 staging.idx_page, staging.indexer()[1], publish)
         if bad is not None:
             if bad.reason != "missing":
                 self.counters.add(rejected_pages=1)
                 logger.warning("L3 object of %s rejected (%s): %s", kv_key, bad.reason, bad.detail)
             return False
-        publish(lambda: self.fill_host(slot, staging.kv_page, staging.idx_page))
         self.counters.add(fetched_pages=1)
         return True
 

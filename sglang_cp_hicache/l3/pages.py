@@ -24,7 +24,7 @@ from sglang_cp_hicache.validation import check_int
 
 __all__ = [
     "L3FetchResult", "PutOutcome", "checked_objects", "fetch_owned", "object_bytes", "read_verified",
-    "store_owned", "store_verified",
+    "size_rejection", "store_owned", "store_verified",
 ]
 
 logger = logging.getLogger(__name__)
@@ -51,6 +51,12 @@ def object_bytes(namespace: L3Namespace) -> int:
     return HEADER_BYTES + namespace.page_bytes
 
 
+def size_rejection(stored: SizeMismatch | int, want: int) -> Rejection:
+    """Why an object of ``stored`` bytes is refused where ``want`` are a page's object."""
+    got = stored.stored_bytes if isinstance(stored, SizeMismatch) else stored
+    return Rejection("short" if got < want else "long", f"object of {got} bytes, a page's has {want}")
+
+
 def _check_common(store: object, namespace: object) -> None:
     if not isinstance(store, PageStore):
         raise TypeError(f"store must be a PageStore, got {type(store).__name__}")
@@ -71,9 +77,7 @@ def checked_objects(
     out: list[torch.Tensor | Rejection] = []
     for key, blob in zip(keys, blobs):
         if isinstance(blob, SizeMismatch):
-            want = object_bytes(namespace)
-            reason = "short" if blob.stored_bytes < want else "long"
-            out.append(Rejection(reason, f"object of {blob.stored_bytes} bytes, a page's has {want}"))
+            out.append(size_rejection(blob, object_bytes(namespace)))
         else:
             out.append(unpack(key, namespace, blob))
     return out
@@ -102,8 +106,7 @@ def read_verified(
     if got is None:
         return Rejection("missing", "no object")
     if isinstance(got, SizeMismatch):
-        reason = "short" if got.stored_bytes < want else "long"
-        return Rejection(reason, f"object of {got.stored_bytes} bytes, a page's has {want}")
+        return size_rejection(got, want)
     return check_object(key, namespace, head, payload)
 
 

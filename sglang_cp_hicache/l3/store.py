@@ -9,6 +9,7 @@ library.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import tempfile
@@ -23,7 +24,7 @@ from typing import Optional, Protocol, Union, runtime_checkable
 from sglang_cp_hicache.l3.capacity import CapacityConfig, DirectoryCapacity
 from sglang_cp_hicache.l3.keys import check_page_key
 
-__all__ = ["FilePageStore", "PageStore", "SizeMismatch", "TMP_SUFFIX", "preadv_all", "writev_all"]
+__all__ = ["FilePageStore", "OpenObject", "PageStore", "SizeMismatch", "TMP_SUFFIX", "preadv_all", "writev_all"]
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +38,8 @@ TMP_SUFFIX = ".tmp"
 STALE_TMP_S = 600.0
 #: How often a writing store looks for such files (besides at start-up).
 SWEEP_EVERY_S = 600.0
+#: Buffers one preadv/writev call takes (Linux's IOV_MAX).
+_IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 
 
 @dataclass(frozen=True)
@@ -80,18 +83,22 @@ def _advance(views: list[memoryview], done: int) -> list[memoryview]:
     return out
 
 
-def preadv_all(fd: int, views: Sequence[memoryview], offset: int = 0) -> int:
+def preadv_all(fd: int, views: Sequence[memoryview], offset: int = 0, *, cached_only: bool = False) -> int:
     """Fill ``views`` from ``fd`` at ``offset`` (scatter reads, retried on a
-    short read); returns the bytes read (fewer only at end of file)."""
+    short read); returns the bytes read (fewer only at end of file).
+    ``cached_only``: from the page cache alone (``RWF_NOWAIT``): raises
+    BlockingIOError, or returns short, where a byte is not cached."""
     pending = [v for v in views if len(v)]
     total = 0
+    flags = os.RWF_NOWAIT if cached_only else 0
     while pending:
-        got = os.preadv(fd, pending, offset + total)
+        got = os.preadv(fd, pending[:_IOV_MAX], offset + total, flags)
         if got == 0:
             break
         total += got
         pending = _advance(pending, got)
     return total
+
 
 
 def writev_all(fd: int, views: Sequence[memoryview]) -> int:
@@ -100,7 +107,7 @@ def writev_all(fd: int, views: Sequence[memoryview]) -> int:
     pending = [v for v in views if len(v)]
     total = 0
     while pending:
-        done = os.writev(fd, pending)
+        done = os.writev(fd, pending[:_IOV_MAX])
         total += done
         pending = _advance(pending, done)
     return total
@@ -146,6 +153,51 @@ def _check_directory(directory: object) -> Path:
     except OSError as err:
         raise ValueError(f"directory {str(path)!r} is not writable: {err}") from err
     return path
+
+
+class OpenObject:
+    """One object of a :class:`FilePageStore`, open and of the expected size.
+
+    :meth:`read` fills buffers from it; with ``cached_only`` it takes the
+    bytes from the page cache alone (``preadv2(RWF_NOWAIT)``) and never
+    waits on the device or the network: the read an L3 job may run while it
+    holds its publish lock, straight into host rows. Close it (or use it as
+    a context manager) when done.
+    """
+
+    def __init__(self, fd: int, size: int, path: str, capacity: Optional[DirectoryCapacity]) -> None:
+        self.fd, self.size, self.path = fd, size, path
+        self._capacity = capacity
+
+    def read(self, views: Sequence[memoryview], *, cached_only: bool = False) -> Optional[int]:
+        """Fill ``views`` from the object's start; returns the bytes read
+        (fewer than the views hold only if the file shrank), or None on an
+        I/O error. ``cached_only``: 0 unless every byte was in the page
+        cache (the views may then hold part of the object)."""
+        try:
+            got = preadv_all(self.fd, views, cached_only=cached_only)
+        except BlockingIOError:
+            return 0
+        except OSError as err:
+            if cached_only and err.errno in (errno.EOPNOTSUPP, errno.EINVAL):
+                return 0  # this file system cannot tell: the caller reads the waiting way
+            logger.warning("L3 file store: cannot read %s: %s", self.path, err)
+            return None
+        if got == self.size and self._capacity is not None:
+            self._capacity.touch(Path(self.path))
+        want = sum(len(v) for v in views)
+        return 0 if cached_only and got < want else got
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            fd, self.fd = self.fd, -1
+            os.close(fd)
+
+    def __enter__(self) -> "OpenObject":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 class FilePageStore:
@@ -217,6 +269,18 @@ class FilePageStore:
         None where there is no object. The size comes from the open file
         (fstat) before any byte is read: a huge (or sparse) file under a
         key's name costs nothing."""
+        opened = self.open_object(key, size)
+        if not isinstance(opened, OpenObject):
+            return opened
+        with opened:
+            got = opened.read(views)
+        return got if got == size or got is None else SizeMismatch(got)
+
+    def open_object(self, key: str, size: int) -> "OpenObject | SizeMismatch | None":
+        """``key``'s object opened for reading, if it is there and is
+        ``size`` bytes (fstat: no byte read); None where there is none (or
+        it cannot be opened: a miss, never a crash). Opening can wait on
+        storage; :meth:`OpenObject.read` with ``cached_only`` never does."""
         path = self._file_of(key)
         try:
             fd = os.open(path, os.O_RDONLY)
@@ -227,17 +291,14 @@ class FilePageStore:
             return None
         try:
             stored = os.fstat(fd).st_size
-            if stored != size:
-                return SizeMismatch(stored)
-            got = preadv_all(fd, views)
-            if got == size and self.capacity is not None:
-                self.capacity.touch(path)
-            return got if got == size else SizeMismatch(got)
         except OSError as err:
+            os.close(fd)
             logger.warning("L3 file store: cannot read %s: %s", path, err)
             return None
-        finally:
+        if stored != size:
             os.close(fd)
+            return SizeMismatch(stored)
+        return OpenObject(fd, size, path, self.capacity)
 
     def write_from(self, key: str, views: Sequence[memoryview]) -> bool:
         """Store the concatenation of ``views`` under ``key`` in one gather

@@ -197,7 +197,7 @@ def test_a_failed_put_on_one_rank_keeps_every_rank_alike(tmp_path, monkeypatch, 
         reader.close()
 
 
-@pytest.mark.parametrize("method", ["exists", "read_into"])  # the query's, the fetch's
+@pytest.mark.parametrize("method", ["exists", "open_object"])  # the query's, the fetch's
 def test_a_store_call_that_raises_on_one_rank_restores_nothing_anywhere(written, monkeypatch, method):
     directory, _, _ = written
     monkeypatch.setenv(settings.L3_DIR.name, str(directory))

@@ -252,7 +252,7 @@ def test_l3_reads_run_on_the_worker_thread_not_the_scheduler_thread(written):
         seen: list[tuple[str, str]] = []
         for c in cl.caches:
             store = c.cp_l3.tier.store
-            for method in ("exists", "read_into"):
+            for method in ("exists", "open_object"):
                 real = getattr(store, method)
 
                 def recorded(keys, *args, _real=real, _method=method):
@@ -263,12 +263,12 @@ def test_l3_reads_run_on_the_worker_thread_not_the_scheduler_thread(written):
         queues = arrive(cl, ["a"])
         waiting_pass(cl, queues)
         assert waiting_pass(cl, queues) == [["a"], ["a"]]
-        assert {m for m, _ in seen} == {"exists", "read_into"}
+        assert {m for m, _ in seen} == {"exists", "open_object"}
         assert all(name.startswith("cp-hicache-l3-rank") and name not in callers for _, name in seen)
         assert all("-read-" in name for m, name in seen if m == "exists")
 
 
-@pytest.mark.parametrize("method", ["exists", "read_into"])  # the query's I/O, the fetch's
+@pytest.mark.parametrize("method", ["exists", "open_object"])  # the query's I/O, the fetch's
 def test_slow_io_on_one_rank_keeps_every_rank_waiting_alike(written, method):
     """Rank 1's store blocks: the step's MIN is NOT_READY on every rank, so
     both keep the prefetch and hold the request, step after step; once the
@@ -284,7 +284,7 @@ def test_slow_io_on_one_rank_keeps_every_rank_waiting_alike(written, method):
             return real(keys, *args)
         setattr(store, method, slow)
         queues = arrive(cl, ["a"])
-        if method == "read_into":  # the query is not slowed: let it settle first
+        if method == "open_object":  # the query is not slowed: let it settle first
             assert waiting_pass(cl, queues) == [[], []]
         stage = "query" if method == "exists" else "fetch"
         assert cl.caches[0].l3_wait_io(timeout=10)  # rank 0 is ready; rank 1 is not
@@ -314,8 +314,8 @@ def test_an_abort_while_one_ranks_fetch_still_runs_settles_at_the_next_min_and_t
     release = threading.Event()
     try:
         store = cl.caches[1].cp_l3.tier.store
-        real = store.read_into
-        store.read_into = lambda *args: (release.wait(20), real(*args))[1]
+        real = store.open_object
+        store.open_object = lambda *args: (release.wait(20), real(*args))[1]
         queues = arrive(cl, ["x"])
         assert waiting_pass(cl, queues) == [[], []]  # the fetch runs now
         jobs = cl.caches[1].cp_l3.prefetcher.pending[0].jobs
@@ -394,7 +394,7 @@ OTHER = list(range(60_000, 60_000 + 3 * P))  # a second chain, written beside TO
 OTHER_SERVED = array("q", OTHER)
 
 
-@pytest.mark.parametrize("method", ["exists", "read_into"])  # the query's I/O, the fetch's
+@pytest.mark.parametrize("method", ["exists", "open_object"])  # the query's I/O, the fetch's
 def test_a_read_that_blocks_forever_on_one_rank_settles_at_its_deadline_and_holds_up_nothing(
     tmp_path, method
 ):
@@ -424,7 +424,7 @@ def test_a_read_that_blocks_forever_on_one_rank_settles_at_its_deadline_and_hold
             return real(keys, *args)
         setattr(store, method, hangs)
         queues = arrive(cl, ["a"])
-        if method == "read_into":  # the query is not held: it settles first
+        if method == "open_object":  # the query is not held: it settles first
             assert waiting_pass(cl, queues) == [[], []]
         start = time.monotonic()
         staged = waiting_pass(cl, queues)  # waits for each rank's word: done, or past the deadline

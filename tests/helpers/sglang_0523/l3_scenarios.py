@@ -76,7 +76,7 @@ def _run(world: int, rank: int, group: Any, l3_dir: str, patch: Optional[Callabl
         return write(hashes, owners, slots, parent)
 
     driver.l3.writer.write = recorded_node_write
-    for method in ("exists", "read_into"):  # writes are recorded above
+    for method in ("exists", "open_object"):  # writes are recorded above
         real = getattr(driver.tier.store, method)
 
         def recorded(keys: Any, *args: Any, _real: Any = real) -> Any:
@@ -227,7 +227,7 @@ def _stuck_read_on_rank_1(method: str) -> Callable[[Any, int], None]:
         store = driver.tier.store
         real, calls = getattr(store, method), [0]
 
-        def hangs(keys: Any, *args: Any) -> Any:  # exists(keys) or read_into(key, size, views)
+        def hangs(keys: Any, *args: Any) -> Any:  # exists(keys) or open_object(key, size)
             calls[0] += 1
             if calls[0] == 1:
                 timing["release"].wait()  # until the run is over
@@ -341,7 +341,7 @@ def l3_suite(rank: int, world: int, *, l3_root: str) -> dict[str, Any]:
         out["after_put_fails"] = _run(2, rank, group2, str(base / "puts"))
         out["other_model"] = _other_model(rank, group2, str(base / "other"))
         out["stuck_query"] = _stuck(rank, group2, str(base / "stuck_q"), "exists")
-        out["stuck_fetch"] = _stuck(rank, group2, str(base / "stuck_f"), "read_into")
+        out["stuck_fetch"] = _stuck(rank, group2, str(base / "stuck_f"), "open_object")
         out["joined"] = _joined(rank, group2, str(base / "joined"))
         out["unusable"] = _unusable(rank, group2, str(base / "a-file"))
     dist.barrier()
