@@ -318,9 +318,10 @@ def _l3_file(f: dict[str, Any]) -> list[str]:
         "## L3 file store: this library vs SGLang's HiCacheFile vs the raw floor",
         "",
         f"`{f.get('command')}` ({n(f.get('cpus'))} CPUs, {n(f.get('threads'))} L3 I/O threads, median of "
-        f"{n((f.get('kv') or {}).get('rounds'))} rounds, GB/s of page bytes). Library: each page read into "
-        "a reused staging buffer, its header and XXH3-64 checked there, then copied into a layer_first "
-        "host pool (one single-threaded copy per I/O thread); HiCacheFile: SGLang 0.5.18's `batch_get` "
+        f"{n((f.get('kv') or {}).get('rounds'))} rounds, GB/s of page bytes). Library: each page's object read "
+        "straight into its rows of a layer_first host pool (one non-blocking scatter read of header + runs "
+        "where the page cache holds it, else into a staging buffer and copied), its header and XXH3-64 "
+        "checked there before the page is published; HiCacheFile: SGLang 0.5.18's `batch_get` "
         "into fresh flat pages, then SGLang's own host copy (`set_from_flat_data_page`), nothing "
         "verified; raw: `readinto` a preallocated tensor, one thread, no host pool.",
         "",

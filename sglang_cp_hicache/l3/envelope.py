@@ -225,7 +225,7 @@ def check_object(
     if len(head) != HEADER_BYTES:
         return Rejection("short", f"{len(head)} header bytes, expected {HEADER_BYTES}")
     parts = [payload] if isinstance(payload, memoryview) else list(payload)
-    stored = _check_header(expected_key, expected_namespace, head, sum(len(p) for p in parts))
+    stored = _check_header(expected_key, expected_namespace, head, sum(map(len, parts)))
     if isinstance(stored, Rejection):
         return stored
     if checksum_parts(parts) != stored:

@@ -88,9 +88,16 @@ def preadv_all(fd: int, views: Sequence[memoryview], offset: int = 0, *, cached_
     short read); returns the bytes read (fewer only at end of file).
     ``cached_only``: from the page cache alone (``RWF_NOWAIT``): raises
     BlockingIOError, or returns short, where a byte is not cached."""
-    pending = [v for v in views if len(v)]
-    total = 0
     flags = os.RWF_NOWAIT if cached_only else 0
+    if not views:
+        return 0
+    if len(views) <= _IOV_MAX:  # the usual case: one call fills every view
+        total = os.preadv(fd, views, offset, flags)
+        if total == 0 or total == sum(map(len, views)):
+            return total
+        pending = _advance(list(views), total)
+    else:
+        pending, total = [v for v in views if len(v)], 0
     while pending:
         got = os.preadv(fd, pending[:_IOV_MAX], offset + total, flags)
         if got == 0:
@@ -185,8 +192,7 @@ class OpenObject:
             return None
         if got == self.size and self._capacity is not None:
             self._capacity.touch(Path(self.path))
-        want = sum(len(v) for v in views)
-        return 0 if cached_only and got < want else got
+        return 0 if cached_only and got < sum(map(len, views)) else got
 
     def close(self) -> None:
         if self.fd >= 0:
@@ -368,9 +374,13 @@ class FilePageStore:
         tmp = path.with_name(
             f".{path.name}.{os.getpid()}.{threading.get_ident()}.{uuid.uuid4().hex}{TMP_SUFFIX}"
         )
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
         try:
-            path.parent.mkdir(exist_ok=True)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            try:
+                fd = os.open(tmp, flags, 0o644)
+            except FileNotFoundError:  # the key's subdirectory is not there yet (or was cleared)
+                path.parent.mkdir(exist_ok=True)
+                fd = os.open(tmp, flags, 0o644)
             try:
                 writev_all(fd, views)
                 if self.fsync:
