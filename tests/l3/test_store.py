@@ -13,7 +13,7 @@ import torch
 
 from sglang_cp_hicache.l3.envelope import HEADER_BYTES, Rejection, pack, unpack
 from sglang_cp_hicache.l3.keys import page_key, page_keys
-from sglang_cp_hicache.l3.store import STALE_TMP_S, FilePageStore, PageStore, SizeMismatch
+from sglang_cp_hicache.l3.store import STALE_TMP_S, FilePageStore, PageStore, SizeMismatch, preadv_all
 from tests.l3.common import hash_chain, namespace, payload
 
 NS = namespace()
@@ -220,3 +220,64 @@ def test_another_namespace_in_the_same_directory_is_never_valid(tmp_path):
     assert torch.equal(got[1], pages_a[1])
     assert isinstance(got[2], Rejection) and got[2].reason == "key"
     assert torch.equal(got[3], pages_a[3])
+
+
+def _views(sizes: list[int]) -> list[memoryview]:
+    return [memoryview(bytearray(n)) for n in sizes]
+
+
+@pytest.mark.parametrize("sizes", [[7, 0, 4096, 1, 9000], [3] * 1500, [0, 0]])
+def test_preadv_all_fills_every_view_in_order(tmp_path, sizes):
+    """One call where one fills them, several where the views are more than
+    IOV_MAX or the kernel reads short; zero-length views skipped, never an
+    error; the bytes land in the views in file order."""
+    data = os.urandom(sum(sizes) + 11)
+    path = tmp_path / "f"
+    path.write_bytes(data)
+    views = _views(sizes)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert preadv_all(fd, views, 5) == sum(sizes)
+        assert preadv_all(fd, []) == 0
+    finally:
+        os.close(fd)
+    assert b"".join(bytes(v) for v in views) == data[5:5 + sum(sizes)]
+
+
+def test_preadv_all_retries_a_short_read_and_stops_at_end_of_file(tmp_path, monkeypatch):
+    data = os.urandom(10_000)
+    path = tmp_path / "f"
+    path.write_bytes(data)
+    real = os.preadv
+    calls = []
+
+    def short(fd, views, offset, flags=0):  # at most 1000 bytes a call, as a slow file system may
+        calls.append(offset)
+        budget, cut = 1000, []
+        for v in views:
+            if budget <= 0:
+                break
+            cut.append(v[:budget])
+            budget -= len(cut[-1])
+        return real(fd, cut, offset, flags)
+
+    monkeypatch.setattr(os, "preadv", short)
+    views = _views([4000, 7000])  # 11,000 bytes asked, 10,000 there
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert preadv_all(fd, views) == 10_000
+    finally:
+        os.close(fd)
+    assert len(calls) == 11  # ten of 1,000 bytes, then one that finds the end
+    assert bytes(views[0]) + bytes(views[1])[:6000] == data and bytes(views[1])[6000:] == bytes(1000)
+
+
+def test_a_write_makes_a_subdirectory_removed_under_it_again(tmp_path):
+    store = FilePageStore(tmp_path)
+    keys = page_keys(hash_chain(2), NS)
+    blobs = [pack(k, NS, payload(NS, i)) for i, k in enumerate(keys)]
+    assert store.put(keys[:1], blobs[:1]) == [True]
+    shutil.rmtree(store.path_of(keys[0]).parent)  # cleared by an operator meanwhile
+    assert store.put(keys, blobs) == [True, True]
+    assert store.get(keys) == blobs
+    assert _leftovers(tmp_path) == []
