@@ -126,6 +126,27 @@ def test_missing_and_wrong_sized_objects_are_refused_without_a_read(tmp_path):
     assert torch.equal(host.kv_buffer.view(torch.uint8), before)
 
 
+def _cancel_while_stalled(store, ns, key, host, stalled: threading.Event, release: threading.Event) -> None:
+    """Read ``key`` into poisoned host rows on an L3 job; once the read
+    stalls (``stalled``), cancel the job (at once: it holds no lock while it
+    waits), let the read go on (``release``), and check the job ends
+    cancelled with every host byte still poison."""
+    host.kv_buffer.view(torch.uint8).fill_(POISON)
+    workers = L3Workers("test-host-read", 1, spare=0)
+    try:
+        job = workers.submit(lambda job: _read(store, ns, key, host, P, _Staging(ns), job.publish), timeout_s=30)
+        assert stalled.wait(10)
+        job.cancel()
+        release.set()
+        job.wait(10)
+        with pytest.raises(L3Cancelled):
+            job.result()
+    finally:
+        release.set()
+        workers.shutdown()
+    assert torch.equal(host.kv_buffer.view(torch.uint8), torch.full_like(host.kv_buffer.view(torch.uint8), POISON))
+
+
 def test_a_cancelled_job_whose_read_waited_on_storage_writes_nothing(tmp_path, monkeypatch):
     """The read not served by the page cache blocks (a storage outage); the
     job is cancelled meanwhile and its host rows handed out again; when the
@@ -142,20 +163,7 @@ def test_a_cancelled_job_whose_read_waited_on_storage_writes_nothing(tmp_path, m
         return real(self, views)
 
     monkeypatch.setattr(OpenObject, "read", stuck_when_waiting)
-    host.kv_buffer.view(torch.uint8).fill_(POISON)
-    workers = L3Workers("test-host-read", 1, spare=0)
-    try:
-        job = workers.submit(lambda job: _read(store, ns, keys[0], host, P, _Staging(ns), job.publish), timeout_s=30)
-        assert entered.wait(10)
-        job.cancel()
-        release.set()
-        job.wait(10)
-        with pytest.raises(L3Cancelled):
-            job.result()
-    finally:
-        release.set()
-        workers.shutdown()
-    assert torch.equal(host.kv_buffer.view(torch.uint8), torch.full_like(host.kv_buffer.view(torch.uint8), POISON))
+    _cancel_while_stalled(store, ns, keys[0], host, entered, release)
 
 
 def test_a_job_cancelled_before_its_cached_read_writes_nothing(tmp_path, monkeypatch):
@@ -169,20 +177,7 @@ def test_a_job_cancelled_before_its_cached_read_writes_nothing(tmp_path, monkeyp
         return real_open(key, size)
 
     monkeypatch.setattr(store, "open_object", slow_open)
-    host.kv_buffer.view(torch.uint8).fill_(POISON)
-    workers = L3Workers("test-host-read", 1, spare=0)
-    try:
-        job = workers.submit(lambda job: _read(store, ns, keys[0], host, P, _Staging(ns), job.publish), timeout_s=30)
-        assert opened.wait(10)
-        job.cancel()  # returns at once: the job holds no lock while it opens
-        release.set()
-        job.wait(10)
-        with pytest.raises(L3Cancelled):
-            job.result()
-    finally:
-        release.set()
-        workers.shutdown()
-    assert torch.equal(host.kv_buffer.view(torch.uint8), torch.full_like(host.kv_buffer.view(torch.uint8), POISON))
+    _cancel_while_stalled(store, ns, keys[0], host, opened, release)
 
 
 def test_the_indexer_pool_reads_in_place_too(tmp_path):
