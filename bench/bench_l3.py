@@ -220,8 +220,8 @@ class _LibraryPath:
 
     def read(self, threads: int | None = None) -> None:
         def read_page(job: L3Job, i: int) -> None:  # what HostL3Tier.read_page does for each object
-            head, payload, page = self._buffers()
-            bad = read_into_host(self.store, self.ns, self.keys[i], self.rows, i * P, head, page, payload, job.publish)
+            head, _, page = self._buffers()
+            bad = read_into_host(self.store, self.ns, self.keys[i], self.rows, i * P, head, page, job.publish)
             assert bad is None, bad
 
         _parallel(threads or self.threads, [lambda job, i=i: read_page(job, i) for i in range(len(self.data))])

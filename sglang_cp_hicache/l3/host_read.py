@@ -29,7 +29,7 @@ from typing import Callable
 
 import torch
 
-from sglang_cp_hicache.l3.envelope import Rejection, check_object
+from sglang_cp_hicache.l3.envelope import Rejection, byte_view, check_object
 from sglang_cp_hicache.l3.host_copy import HostPageRuns, write_host_page
 from sglang_cp_hicache.l3.keys import L3Namespace
 from sglang_cp_hicache.l3.pages import object_bytes, read_verified, size_rejection
@@ -44,17 +44,17 @@ Publish = Callable[[Callable[[], None]], None]
 
 def read_into_host(
     store: PageStore, namespace: L3Namespace, key: str, rows: HostPageRuns, row: int,
-    head: memoryview, staging: torch.Tensor, staging_view: memoryview, publish: Publish,
+    head: memoryview, staging: torch.Tensor, publish: Publish,
 ) -> Rejection | None:
     """Read ``key``'s object into host row ``row`` of ``rows``' pool and
     verify it; None if the page there is sound. ``head`` (``HEADER_BYTES``),
-    ``staging`` / ``staging_view`` (one page, a CPU uint8 tensor and its byte
-    view): this thread's buffers. Never raises on a bad object; raises what
-    ``publish`` raises once the job is cancelled."""
+    ``staging`` (one page, a CPU uint8 tensor): this thread's buffers. Never
+    raises on a bad object; raises what ``publish`` raises once the job is
+    cancelled."""
     open_object = getattr(store, "open_object", None)
     runs = rows.runs(row, namespace.page_bytes) if open_object is not None else None
     if runs is None:
-        bad = read_verified(store, namespace, key, head, staging_view)
+        bad = read_verified(store, namespace, key, head, byte_view(staging))
     else:
         want = object_bytes(namespace)
         opened = open_object(key, want)  # may wait on storage: no lock held
@@ -70,6 +70,7 @@ def read_into_host(
             publish(read_in_place)
             if direct:
                 return direct[0]
+            staging_view = byte_view(staging)
             got = opened.read([head, staging_view])  # not all cached: may wait, so outside the lock
         if got is None:
             return Rejection("missing", "unreadable")

@@ -315,10 +315,10 @@ class HostL3Tier:
         staging = self._staging()
         row = self.host_row(slot)
         bad = read_into_host(self.store, self.kv_ns, kv_key, self._kv_rows, row, staging.kv_head,
-                             staging.kv_page, staging.kv()[1], publish)
+                             staging.kv_page, publish)
         if bad is None:
             bad = read_into_host(self.store, self.indexer_ns, idx_key, self._idx_rows, row, staging.idx_head,
-                                 staging.idx_page, staging.indexer()[1], publish)
+                                 staging.idx_page, publish)
         if bad is not None:
             if bad.reason != "missing":
                 self.counters.add(rejected_pages=1)

@@ -88,16 +88,13 @@ def preadv_all(fd: int, views: Sequence[memoryview], offset: int = 0, *, cached_
     short read); returns the bytes read (fewer only at end of file).
     ``cached_only``: from the page cache alone (``RWF_NOWAIT``): raises
     BlockingIOError, or returns short, where a byte is not cached."""
-    flags = os.RWF_NOWAIT if cached_only else 0
     if not views:
         return 0
-    if len(views) <= _IOV_MAX:  # the usual case: one call fills every view
-        total = os.preadv(fd, views, offset, flags)
-        if total == 0 or total == sum(map(len, views)):
-            return total
-        pending = _advance(list(views), total)
-    else:
-        pending, total = [v for v in views if len(v)], 0
+    flags = os.RWF_NOWAIT if cached_only else 0
+    total = os.preadv(fd, views[:_IOV_MAX], offset, flags)  # the usual case: this one call fills every view
+    if total == 0 or (len(views) <= _IOV_MAX and total == sum(map(len, views))):
+        return total
+    pending = _advance(list(views), total)
     while pending:
         got = os.preadv(fd, pending[:_IOV_MAX], offset + total, flags)
         if got == 0:
@@ -105,7 +102,6 @@ def preadv_all(fd: int, views: Sequence[memoryview], offset: int = 0, *, cached_
         total += got
         pending = _advance(pending, got)
     return total
-
 
 
 def writev_all(fd: int, views: Sequence[memoryview]) -> int:

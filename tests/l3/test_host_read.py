@@ -32,7 +32,6 @@ class _Staging:
     def __init__(self, ns) -> None:
         self.head = memoryview(bytearray(HEADER_BYTES))
         self.page = torch.full((ns.page_bytes,), POISON, dtype=torch.uint8)
-        self.view = byte_view(self.page)
 
 
 def _written(tmp_path, ns, pages: int = 3):
@@ -47,7 +46,7 @@ def _written(tmp_path, ns, pages: int = 3):
 
 def _read(store, ns, key, host, row, staging, publish=lambda fn: fn()):
     rows = HostPageRuns(host, host.kv_buffer)
-    return read_into_host(store, ns, key, rows, row, staging.head, staging.page, staging.view, publish)
+    return read_into_host(store, ns, key, rows, row, staging.head, staging.page, publish)
 
 
 def _page(host, row) -> torch.Tensor:
@@ -188,7 +187,7 @@ def test_the_indexer_pool_reads_in_place_too(tmp_path):
     staging = _Staging(ns)
     rows = HostPageRuns(idx, idx.index_k_with_scale_buffer)
     assert len(rows.runs(3 * P, ns.page_bytes)) == idx.layer_num
-    assert read_into_host(store, ns, keys[0], rows, 3 * P, staging.head, staging.page, staging.view,
+    assert read_into_host(store, ns, keys[0], rows, 3 * P, staging.head, staging.page,
                           lambda fn: fn()) is None
     assert torch.equal(idx.get_data_page(3 * P), data[0])
     assert torch.equal(staging.page, torch.full_like(staging.page, POISON))
@@ -203,7 +202,7 @@ def test_a_pool_that_hands_out_copies_is_filled_through_its_own_copy(tmp_path):
     assert rows.runs(0, ns.page_bytes) is None
     host.kv_buffer.view(torch.uint8).fill_(POISON)
     staging = _Staging(ns)
-    assert read_into_host(store, ns, keys[1], rows, P, staging.head, staging.page, staging.view,
+    assert read_into_host(store, ns, keys[1], rows, P, staging.head, staging.page,
                           lambda fn: fn()) is None
     assert torch.equal(real(P).view(torch.uint8), data[1])
 
