@@ -31,6 +31,7 @@ __all__ = [
     "HOST_TAIL",
     "L3_DIR",
     "L3_EVICTION",
+    "L3_KEY_FILE",
     "L3_MODEL_ID",
     "L3_THREADS",
     "MOONCAKE_SETTINGS",
@@ -139,6 +140,17 @@ L3_MODEL_ID = Setting(
     "only on deployments whose checkpoints are byte-identical but sit at "
     "different paths; the revision, quantization, dtypes and model config "
     "still enter the namespace. Empty: the fingerprint.",
+)
+L3_KEY_FILE = Setting(
+    "SGLANG_CP_HICACHE_L3_KEY_FILE",
+    "",
+    (),
+    "A file holding the deployment's L3 secret (at least 32 bytes, owned by "
+    "the server's account, mode 600 or 400): every L3 object then carries a "
+    "keyed BLAKE3 MAC, and an object whose MAC does not hold is refused, so "
+    "nobody without the secret can plant pages in a shared L3. Every rank of "
+    "every deployment sharing the L3 names the same secret. Empty: objects "
+    "carry a checksum only (damage is caught, forgery is not).",
 )
 L3_EVICTION = Setting(
     "SGLANG_CP_HICACHE_L3_EVICTION",
@@ -252,7 +264,7 @@ MOONCAKE_SETTINGS: tuple[Setting, ...] = (
 
 #: Every setting, in the order the table shows them.
 SETTINGS: tuple[Setting, ...] = (
-    COPY, HOST_BALANCE, HOST_TAIL, DEBUG, ALLOW_ANY_SGLANG, L3_DIR, L3_THREADS, L3_MODEL_ID, L3_EVICTION,
+    COPY, HOST_BALANCE, HOST_TAIL, DEBUG, ALLOW_ANY_SGLANG, L3_DIR, L3_THREADS, L3_MODEL_ID, L3_KEY_FILE, L3_EVICTION,
     SGLANG_FILE_DIR, FILE_MAX_SIZE, FILE_MIN_FREE, FILE_EVICTION_RATIO, HF_HUB_CACHE, HF_HOME, SGLANG_PLUGINS,
     *MOONCAKE_SETTINGS,
 )

@@ -1,22 +1,25 @@
 """The object stored per page: a fixed header, then the page's bytes.
 
-Header (little-endian, 140 bytes, no padding)::
+Header (little-endian, 164 bytes, no padding)::
 
     magic        8 s   b"CPHCL3PG"
     version      u16   FORMAT_VERSION
     namespace   16 s   namespace digest (ASCII hex)
     key         98 s   page key (ASCII, NUL-padded)
     payload_len  u64   payload bytes that follow
-    checksum     u64   XXH3-64 of the payload
+    tag         32 s   the namespace's seal (``l3.auth``): XXH3-64 of the
+                       payload (zero-padded), or with a deployment secret
+                       keyed BLAKE3 over every header field above and the
+                       payload
 
 Every header byte is either compared exactly with what the reader expects
 (magic, version, namespace, key and its padding, and the length against both
-the bytes that follow and the namespace's page size) or is the checksum, so
-one flipped bit anywhere is refused. ``unpack`` never raises on corrupt data
-and never returns bytes that fail any check: the caller gets a
-:class:`Rejection`. An object of another format version (version 1: CRC-32,
-shorter keys) has another size and another key: it reads as a miss, never
-as a page.
+the bytes that follow and the namespace's page size) or is the tag, so one
+flipped bit anywhere is refused; with a secret, so is any object its holder
+did not write. ``unpack`` never raises on corrupt data and never returns
+bytes that fail any check: the caller gets a :class:`Rejection`. An object
+of another format version (2: an 8-byte checksum; 1: CRC-32, shorter keys)
+has another size and another key: it reads as a miss, never as a page.
 
 Writers send :func:`header` and the payload's own bytes in one gather write
 (no packed copy); readers read the header and the payload into buffers of
@@ -32,8 +35,8 @@ from dataclasses import dataclass
 from typing import Literal, Union
 
 import torch
-import xxhash
 
+from sglang_cp_hicache.l3.auth import TAG_BYTES, checksum, checksum_parts
 from sglang_cp_hicache.l3.keys import KEY_CHARS, DIGEST_CHARS, L3Namespace, check_page_key
 
 __all__ = [
@@ -42,6 +45,7 @@ __all__ = [
     "HEADER_FIELDS",
     "MAGIC",
     "REASONS",
+    "TAG_OFFSET",
     "Rejection",
     "byte_view",
     "check_object",
@@ -53,21 +57,24 @@ __all__ = [
 ]
 
 MAGIC = b"CPHCL3PG"
-#: 2: XXH3-64 checksum, keys with their parent link.
-FORMAT_VERSION = 2
-_HEADER = struct.Struct(f"<8sH{DIGEST_CHARS}s{KEY_CHARS}sQQ")
-HEADER_BYTES = _HEADER.size
+#: 2: XXH3-64 checksum, keys with their parent link. 3: a 32-byte tag (the
+#: namespace's seal: a checksum, or a keyed MAC over header and payload).
+FORMAT_VERSION = 3
+_FIELDS = struct.Struct(f"<8sH{DIGEST_CHARS}s{KEY_CHARS}sQ")  # what the tag covers, with the payload
+#: Where the tag starts: every header byte before it is covered by a keyed tag.
+TAG_OFFSET = _FIELDS.size
+HEADER_BYTES = TAG_OFFSET + TAG_BYTES
 #: Byte span ``[start, end)`` of each header field (tests flip every bit).
 HEADER_FIELDS: dict[str, tuple[int, int]] = {}
 _offset = 0
 for _name, _size in (("magic", 8), ("version", 2), ("namespace", DIGEST_CHARS),
-                     ("key", KEY_CHARS), ("payload_len", 8), ("checksum", 8)):
+                     ("key", KEY_CHARS), ("payload_len", 8), ("tag", TAG_BYTES)):
     HEADER_FIELDS[_name] = (_offset, _offset + _size)
     _offset += _size
 assert _offset == HEADER_BYTES
 
-Reason = Literal["missing", "short", "long", "checksum", "namespace", "key", "magic"]
-REASONS: tuple[str, ...] = ("missing", "short", "long", "checksum", "namespace", "key", "magic")
+Reason = Literal["missing", "short", "long", "checksum", "mac", "namespace", "key", "magic"]
+REASONS: tuple[str, ...] = ("missing", "short", "long", "checksum", "mac", "namespace", "key", "magic")
 
 
 @dataclass(frozen=True)
@@ -78,31 +85,12 @@ class Rejection:
     header declares, or a declared length that is not the namespace's page
     size. ``magic``: not this format or another format version.
     ``namespace``: written under another namespace. ``key``: another page's
-    object. ``checksum``: payload bytes changed.
+    object. ``checksum``: payload bytes changed. ``mac``: the keyed tag does
+    not hold (damaged, or not written by a holder of the deployment's secret).
     """
 
     reason: Reason
     detail: str
-
-
-def checksum(data: memoryview) -> int:
-    """XXH3-64 of ``data``: 4-13 GB/s on one core (CRC-32 of zlib: 1.3-1.8 on
-    the same machine; crc32c and isal 3.4-6; measured in bench/bench_l3.py),
-    and SGLang already depends on ``xxhash``. Random damage passes with
-    probability 2^-64. Identity (another page, another model) is decided by
-    the exact key and namespace match in the header, not by the checksum."""
-    return xxhash.xxh3_64_intdigest(data)
-
-
-def checksum_parts(parts: Sequence[memoryview]) -> int:
-    """:func:`checksum` of the concatenation of ``parts`` (a page's bytes
-    where they lie in a host pool: one run per layer), without joining them."""
-    if len(parts) == 1:
-        return checksum(parts[0])
-    state = xxhash.xxh3_64()
-    for part in parts:
-        state.update(part)
-    return state.intdigest()
 
 
 def byte_view(payload: torch.Tensor) -> memoryview:
@@ -142,10 +130,8 @@ def header(key: str, namespace: L3Namespace, payload: torch.Tensor) -> bytes:
     bytes, a contiguous CPU uint8 tensor of exactly ``namespace.page_bytes``
     elements (any shape)."""
     view = _payload_view(key, namespace, payload)
-    return _HEADER.pack(
-        MAGIC, FORMAT_VERSION, namespace.digest().encode("ascii"), key.encode("ascii"),
-        len(view), checksum(view),
-    )
+    fields = _FIELDS.pack(MAGIC, FORMAT_VERSION, namespace.digest().encode("ascii"), key.encode("ascii"), len(view))
+    return fields + namespace.seal.tag(fields, [view])
 
 
 def pack(key: str, namespace: L3Namespace, payload: torch.Tensor) -> bytes:
@@ -168,12 +154,12 @@ def _length_rejection(actual: int, declared: int, what: str) -> Rejection | None
     return None
 
 
-def _check_header(key: str, namespace: L3Namespace, head: memoryview, payload_bytes: int) -> Rejection | int:
-    """The header's checksum if the header and the ``payload_bytes`` that
-    follow it are sound, else why not."""
+def _check_header(key: str, namespace: L3Namespace, head: memoryview, payload_bytes: int) -> Rejection | bytes:
+    """The header's tag if the header and the ``payload_bytes`` that follow
+    it are sound, else why not."""
     if len(head) < HEADER_BYTES:
         return Rejection("short", f"{len(head)} bytes, shorter than the {HEADER_BYTES}-byte header")
-    magic, version, digest, stored_key, declared, stored = _HEADER.unpack_from(head)
+    magic, version, digest, stored_key, declared = _FIELDS.unpack_from(head)
     if magic != MAGIC or version != FORMAT_VERSION:
         return Rejection("magic", f"format {magic!r} v{version}, expected {MAGIC!r} v{FORMAT_VERSION}")
     if digest != namespace.digest().encode("ascii"):
@@ -182,7 +168,13 @@ def _check_header(key: str, namespace: L3Namespace, head: memoryview, payload_by
         return Rejection("key", f"object of {stored_key.rstrip(bytes(1))!r}")
     bad = _length_rejection(payload_bytes, declared, "header declares")
     bad = bad or _length_rejection(declared, namespace.page_bytes, "a page of the namespace has")
-    return stored if bad is None else bad
+    return bytes(head[TAG_OFFSET:HEADER_BYTES]) if bad is None else bad
+
+
+def _tag_rejection(namespace: L3Namespace) -> Rejection:
+    if namespace.seal.authenticates:
+        return Rejection("mac", "the keyed BLAKE3 tag does not hold (damaged, or not written with this secret)")
+    return Rejection("checksum", "payload XXH3-64 differs from the header's")
 
 
 def unpack(
@@ -208,8 +200,8 @@ def unpack(
     # Copy first, then checksum the copy: what is returned is exactly what was
     # verified, even if the caller's buffer changes meanwhile.
     payload = bytearray(view[HEADER_BYTES:])
-    if checksum(memoryview(payload)) != checked:
-        return Rejection("checksum", f"payload XXH3-64 differs from the header's {checked:#018x}")
+    if not expected_namespace.seal.matches(checked, view[:TAG_OFFSET], [memoryview(payload)]):
+        return _tag_rejection(expected_namespace)
     return torch.frombuffer(payload, dtype=torch.uint8)
 
 
@@ -228,6 +220,6 @@ def check_object(
     stored = _check_header(expected_key, expected_namespace, head, sum(map(len, parts)))
     if isinstance(stored, Rejection):
         return stored
-    if checksum_parts(parts) != stored:
-        return Rejection("checksum", f"payload XXH3-64 differs from the header's {stored:#018x}")
+    if not expected_namespace.seal.matches(stored, head[:TAG_OFFSET], parts):
+        return _tag_rejection(expected_namespace)
     return None

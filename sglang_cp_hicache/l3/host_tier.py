@@ -26,13 +26,14 @@ from typing import Any, Callable, Mapping, Optional
 
 import torch
 
+from sglang_cp_hicache.l3.auth import UNKEYED, ObjectSeal
 from sglang_cp_hicache.l3.consensus import local_usable_pages
 from sglang_cp_hicache.l3.keys import L3Namespace, page_keys
-from sglang_cp_hicache.l3.envelope import HEADER_BYTES, byte_view
 from sglang_cp_hicache.l3.host_copy import HostPageRuns, write_host_page
 from sglang_cp_hicache.l3.host_read import read_into_host
 from sglang_cp_hicache.l3.pages import PutOutcome, fetch_owned, store_verified
 from sglang_cp_hicache.l3.plan import read_plan, write_plan
+from sglang_cp_hicache.l3.staging import StagingPool
 from sglang_cp_hicache.l3.store import PageStore
 from sglang_cp_hicache.placement import CpPlacement
 
@@ -96,31 +97,6 @@ class L3Snapshot:
     parent: Optional[str] = None
 
 
-@dataclass
-class _Staging:
-    """One thread's buffers for one page's objects (header + page, KV and
-    indexer): a read that cannot go straight into the host rows (not all in
-    the page cache, or a store that is not a file store) lands here, is
-    verified here, and only then copied into the host pools; allocated once
-    per thread and reused."""
-
-    kv_head: memoryview
-    kv_page: torch.Tensor
-    idx_head: memoryview
-    idx_page: torch.Tensor
-
-    @classmethod
-    def for_namespaces(cls, kv: L3Namespace, idx: L3Namespace) -> "_Staging":
-        return cls(memoryview(bytearray(HEADER_BYTES)), torch.empty(kv.page_bytes, dtype=torch.uint8),
-                   memoryview(bytearray(HEADER_BYTES)), torch.empty(idx.page_bytes, dtype=torch.uint8))
-
-    def kv(self) -> tuple[memoryview, memoryview]:
-        return self.kv_head, byte_view(self.kv_page)
-
-    def indexer(self) -> tuple[memoryview, memoryview]:
-        return self.idx_head, byte_view(self.idx_page)
-
-
 @dataclass(frozen=True)
 class L3Fetched:
     """One rank's fetch of a chain: its local usable prefix (pages), and the
@@ -130,14 +106,17 @@ class L3Fetched:
     pages: dict[int, tuple[torch.Tensor, torch.Tensor]]
 
 
-def namespaces(model_id: str, kv_host: Any, indexer_host: Any, layer_start: int) -> tuple[L3Namespace, L3Namespace]:
-    """The KV and indexer namespaces of a rank's host pools."""
+def namespaces(
+    model_id: str, kv_host: Any, indexer_host: Any, layer_start: int, seal: ObjectSeal = UNKEYED,
+) -> tuple[L3Namespace, L3Namespace]:
+    """The KV and indexer namespaces of a rank's host pools, their objects
+    sealed with ``seal``."""
     page_size = int(kv_host.page_size)
     kv_dtype = kv_host.kv_buffer.dtype
     kv = L3Namespace(
         model_id=model_id, kv_dtype=kv_dtype, row_bytes=int(kv_host.kv_cache_dim) * kv_dtype.itemsize,
         page_size=page_size, pool="kv", layer_start=layer_start, layer_end=layer_start + int(kv_host.layer_num),
-        byte_order=_KV_BYTE_ORDER[kv_host.layout],
+        byte_order=_KV_BYTE_ORDER[kv_host.layout], seal=seal,
     )
     idx_dtype = indexer_host.index_k_with_scale_buffer.dtype
     page_bytes = int(indexer_host.indexer_page_stride_size) * idx_dtype.itemsize
@@ -146,7 +125,7 @@ def namespaces(model_id: str, kv_host: Any, indexer_host: Any, layer_start: int)
     indexer = L3Namespace(
         model_id=model_id, kv_dtype=idx_dtype, row_bytes=page_bytes // page_size, page_size=page_size,
         pool="indexer", layer_start=layer_start, layer_end=layer_start + int(indexer_host.layer_num),
-        byte_order="LPD",  # (layers, page stride) in every host layout
+        byte_order="LPD", seal=seal,  # (layers, page stride) in every host layout
     )
     return kv, indexer
 
@@ -184,7 +163,7 @@ class HostL3Tier:
     def __init__(
         self, store: PageStore, placement: CpPlacement, kv_host: Any, indexer_host: Any, *,
         model_id: str, page_hasher: PageHasher, layer_start: int = 0, host_row: Optional[HostRow] = None,
-        model_label: str = "",
+        model_label: str = "", seal: ObjectSeal = UNKEYED,
     ) -> None:
         self.store = store
         self.placement = placement
@@ -192,19 +171,18 @@ class HostL3Tier:
         self.indexer_host = indexer_host
         self.page_hasher = page_hasher
         self.host_row: HostRow = host_row if host_row is not None else _same_row
-        self.kv_ns, self.indexer_ns = namespaces(model_id, kv_host, indexer_host, layer_start)
+        self.kv_ns, self.indexer_ns = namespaces(model_id, kv_host, indexer_host, layer_start, seal)
         self.model_label = model_label or model_id  # what the start-up log names
         self.page_size = self.kv_ns.page_size
         self.counters = L3Counters()
-        self._local = threading.local()  # each I/O thread's staging buffers
         self._kv_rows = HostPageRuns(kv_host, kv_host.kv_buffer)
         self._idx_rows = HostPageRuns(indexer_host, indexer_host.index_k_with_scale_buffer)
-        self._staging_buffers: list[_Staging] = []
+        self.staging = StagingPool(self.kv_ns, self.indexer_ns, store)
 
     def describe(self) -> str:
         """What every rank must agree on: both namespaces (a file store's
         directory may be mounted at different paths on different hosts)."""
-        return f"kv:{self.kv_ns.digest()}|indexer:{self.indexer_ns.digest()}"
+        return f"kv:{self.kv_ns.digest()}|indexer:{self.indexer_ns.digest()}|objects:{self.kv_ns.seal.scheme}"
 
     # ---- keys ----------------------------------------------------------------
     def page_hashes(self, token_ids: list[int]) -> list[str]:
@@ -222,16 +200,6 @@ class HostL3Tier:
         """The KV and indexer keys of a chain's pages (``parent``: the page
         hash before the first one; None: the chain starts at the root)."""
         return page_keys(hashes, self.kv_ns, parent), page_keys(hashes, self.indexer_ns, parent)
-
-    def _staging(self) -> _Staging:
-        staging = getattr(self._local, "staging", None)
-        if staging is None:
-            staging = self._local.staging = _Staging.for_namespaces(self.kv_ns, self.indexer_ns)
-            self._staging_buffers.append(staging)  # lives as long as the tier: registered memory stays valid
-            register = getattr(self.store, "register_buffers", None)
-            if register is not None:  # a store that reads in place (Mooncake)
-                register([*staging.kv(), *staging.indexer()])
-        return staging
 
     # ---- host -> L3 ------------------------------------------------------------
     def store_pages(self, hashes: list[str], owners: list[int], slots: list[int], parent: Optional[str] = None) -> int:
@@ -272,9 +240,9 @@ class HostL3Tier:
     def store_page(self, kv_key: str, idx_key: str, kv: torch.Tensor, idx: torch.Tensor) -> bool:
         """Store one own page (both objects; a sound object already there is
         kept, a damaged one replaced); counts it; True if both are in L3."""
-        staging = self._staging()
-        a = store_verified(self.store, self.kv_ns, kv_key, kv, staging.kv())
-        b = store_verified(self.store, self.indexer_ns, idx_key, idx, staging.indexer())
+        with self.staging.borrow() as staging:
+            a = store_verified(self.store, self.kv_ns, kv_key, kv, staging.kv())
+            b = store_verified(self.store, self.indexer_ns, idx_key, idx, staging.indexer())
         kept = a is PutOutcome.KEPT and b is PutOutcome.KEPT
         whole = a.in_l3 and b.in_l3
         self.counters.add(
@@ -308,17 +276,17 @@ class HostL3Tier:
         """Read and verify one own page's two objects into the host pools
         at host slot ``slot``, every write into them through ``publish`` (an
         L3 job's: a cancelled job writes nothing): straight into the host
-        rows where the page cache holds the objects, else through this
-        thread's staging buffers (:mod:`.host_read`). False if either object
+        rows where the page cache holds the objects, else through a
+        staging buffer (:mod:`.host_read`). False if either object
         is missing or refused: the page is not this rank's to use, and what
         its rows hold is no page."""
-        staging = self._staging()
         row = self.host_row(slot)
-        bad = read_into_host(self.store, self.kv_ns, kv_key, self._kv_rows, row, staging.kv_head,
-                             staging.kv_page, publish)
-        if bad is None:
-            bad = read_into_host(self.store, self.indexer_ns, idx_key, self._idx_rows, row, staging.idx_head,
-                                 staging.idx_page, publish)
+        with self.staging.borrow() as staging:
+            bad = read_into_host(self.store, self.kv_ns, kv_key, self._kv_rows, row, staging.kv_head,
+                                 staging.kv_page, publish)
+            if bad is None:
+                bad = read_into_host(self.store, self.indexer_ns, idx_key, self._idx_rows, row, staging.idx_head,
+                                     staging.idx_page, publish)
         if bad is not None:
             if bad.reason != "missing":
                 self.counters.add(rejected_pages=1)

@@ -27,6 +27,7 @@ from typing import Optional
 
 import torch
 
+from sglang_cp_hicache.l3.auth import UNKEYED, ObjectSeal
 from sglang_cp_hicache.validation import check_int
 
 __all__ = [
@@ -49,7 +50,8 @@ __all__ = [
 #: Version of the namespace encoding and of what its fields mean; a change to
 #: either must bump it, so old objects stop matching instead of being misread.
 #: 2: the model is its identity (``l3.identity``), no longer the served name.
-SCHEMA_VERSION = 2
+#: 3: the object seal's scheme (``l3.auth``) is part of the namespace.
+SCHEMA_VERSION = 3
 PAGE_HASH_CHARS = 64
 #: 64 bits of SHA-256: two distinct namespaces collide with probability 2^-64.
 DIGEST_CHARS = 16
@@ -103,6 +105,8 @@ class L3Namespace:
     row *format*, not only the dtype (DSA KV: 656 scaled FP8, 576 raw FP8,
     1152 bf16). ``layer_start``/``layer_end``: absolute layer range
     ``[start, end)`` held by the page (packed draft layers included).
+    ``seal``: how its objects are sealed (``l3.auth``): its scheme enters
+    the digest, its secret never does.
     """
 
     model_id: str
@@ -114,6 +118,7 @@ class L3Namespace:
     layer_end: int
     byte_order: str = "LPD"
     schema_version: int = SCHEMA_VERSION
+    seal: ObjectSeal = UNKEYED
     _digest: str = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -138,12 +143,15 @@ class L3Namespace:
             raise ValueError(f"pool must be one of {POOLS}, got {self.pool!r}")
         if self.byte_order not in BYTE_ORDERS:
             raise ValueError(f"byte_order must be one of {BYTE_ORDERS}, got {self.byte_order!r}")
+        if not isinstance(self.seal, ObjectSeal):
+            raise TypeError(f"seal must be an ObjectSeal, got {type(self.seal).__name__}")
         object.__setattr__(self, "_digest", self._compute_digest())
 
     def _compute_digest(self) -> str:
         # Sorted, compact, ASCII-only JSON: one byte string per namespace on
         # every platform and Python version (no hash seed, no float text).
         record = {f.name: getattr(self, f.name) for f in fields(self) if f.init}
+        record["seal"] = self.seal.scheme  # the scheme only: the secret is in no name
         text = json.dumps(record, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
         return hashlib.sha256(text.encode("ascii")).hexdigest()[:DIGEST_CHARS]
 

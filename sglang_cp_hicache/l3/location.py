@@ -56,6 +56,11 @@ SGLANG_PREFETCH_KEYS = ("prefetch_threshold", "prefetch_timeout_base", "prefetch
 SUPPORTED_BACKENDS = ("file", "mooncake")
 
 
+#: No L3 operation may be given longer than a day: a deadline is a wait, and
+#: threads cannot wait past ``threading.TIMEOUT_MAX`` (an infinite or huge one raised).
+MAX_TIMEOUT_S = 86400.0
+
+
 @dataclass(frozen=True)
 class L3Timeouts:
     """The deadline of an L3 operation on ``tokens`` tokens:
@@ -70,8 +75,8 @@ class L3Timeouts:
     def __post_init__(self) -> None:
         for name in ("base_s", "per_ki_token_s", "max_s"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or value != value:
-                raise ValueError(f"{name} must be a number >= 0, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= MAX_TIMEOUT_S:
+                raise ValueError(f"{name} must be a number of seconds in [0, {MAX_TIMEOUT_S:.0f}], got {value!r}")
         if self.max_s <= 0:
             raise ValueError(f"max_s must be > 0, got {self.max_s!r}")
 
@@ -88,8 +93,9 @@ class L3Timeouts:
                           ("prefetch_timeout_max", "max_s")):
             if key in extra:
                 value = extra[key]
-                if isinstance(value, bool) or not isinstance(value, (int, float)):
-                    raise ValueError(f"{key} in hicache_storage_backend_extra_config must be a number, got {value!r}")
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= MAX_TIMEOUT_S:
+                    raise ValueError(f"{key} in hicache_storage_backend_extra_config must be a number of seconds "
+                                     f"in [0, {MAX_TIMEOUT_S:.0f}], got {value!r}")
                 values[name] = float(value)
         try:
             return cls(**values)

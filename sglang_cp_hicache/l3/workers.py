@@ -29,6 +29,9 @@ from sglang_cp_hicache.validation import check_int
 
 __all__ = ["L3Cancelled", "L3Job", "L3Workers"]
 
+#: The longest deadline a job gets (a year): far inside ``threading.TIMEOUT_MAX``.
+_LONGEST_WAIT_S = 365 * 86400.0
+
 logger = logging.getLogger(__name__)
 
 
@@ -122,9 +125,10 @@ class L3Workers:
     def submit(self, fn: Callable[..., Any], *args: Any, timeout_s: float, what: str = "L3 I/O") -> L3Job:
         """Queue ``fn(job, *args)``; it must be done within ``timeout_s``
         seconds from now or its caller gives up on it."""
-        if not timeout_s > 0:
-            raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
-        job = L3Job(fn, args, time.monotonic() + timeout_s, what)
+        if not 0 < timeout_s < float("inf"):
+            raise ValueError(f"timeout_s must be a finite number > 0, got {timeout_s!r}")
+        # A wait past threading.TIMEOUT_MAX raises OverflowError: no deadline goes beyond it.
+        job = L3Job(fn, args, time.monotonic() + min(timeout_s, _LONGEST_WAIT_S), what)
         with self._cond:
             if self._closed:
                 raise RuntimeError(f"{self.name}: the L3 workers are shut down")

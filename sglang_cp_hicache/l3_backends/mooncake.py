@@ -294,6 +294,21 @@ class MooncakePageStore:
                 self._registered.add(region)
         return True
 
+    def unregister_buffers(self, views: Sequence[memoryview]) -> None:
+        """Release the registration of buffers about to be freed (no read
+        into them may be in flight); buffers never registered are ignored."""
+        with self._register_lock:
+            for view in views:
+                region = (_address(view), len(view))
+                if region not in self._registered:
+                    continue
+                self._registered.discard(region)  # never read into again, whatever the client says
+                try:
+                    if self._client is not None and self._client.unregister_buffer(region[0]) != 0:
+                        logger.warning("L3 mooncake store: the client kept a %d-byte buffer registered", region[1])
+                except Exception as exc:
+                    logger.warning("L3 mooncake store: cannot unregister a %d-byte buffer: %s", region[1], exc)
+
     def read_into(self, key: str, size: int, views: Sequence[memoryview]) -> int | SizeMismatch | None:
         """Read ``key``'s object (``size`` bytes) into ``views``: in place when
         every view is registered (:meth:`register_buffers`), else through the

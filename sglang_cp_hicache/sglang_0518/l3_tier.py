@@ -20,6 +20,7 @@ from typing import Any, Optional
 from sglang.srt.mem_cache.utils import get_hash_str
 
 from sglang_cp_hicache import settings
+from sglang_cp_hicache.l3.auth import UNKEYED, ObjectSeal, seal_from_settings
 from sglang_cp_hicache.l3.host_tier import HostL3Tier, L3Counters, L3Fetched, L3Snapshot, open_tier_store
 from sglang_cp_hicache.l3.host_tier import namespaces as _namespaces  # noqa: F401 (the 0.5.23 tests compare it)
 from sglang_cp_hicache.l3.identity import ModelIdentity, identity_of_server_args
@@ -50,10 +51,10 @@ class L3Tier(HostL3Tier):
 
     def __init__(
         self, store: PageStore, placement: CpPlacement, kv_host: Any, indexer_host: Any, *,
-        model_id: str, layer_start: int = 0, model_label: str = "",
+        model_id: str, layer_start: int = 0, model_label: str = "", seal: ObjectSeal = UNKEYED,
     ) -> None:
         super().__init__(store, placement, kv_host, indexer_host, model_id=model_id, page_hasher=get_hash_str,
-                         layer_start=layer_start, model_label=model_label)
+                         layer_start=layer_start, model_label=model_label, seal=seal)
 
 
 def storage_tp_size(server_args: Any, cp_size: int) -> int:
@@ -90,6 +91,7 @@ def open_l3(
         return L3Tier(
             store, placement, targets.kv_host_pool, targets.indexer_host_pool, model_id=model.text(),
             layer_start=int(getattr(device_pool, "start_layer", 0) or 0), model_label=model.short(),
+            seal=seal_from_settings(),
         )
 
     return open_tier(location, build)

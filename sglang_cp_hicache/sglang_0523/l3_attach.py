@@ -21,6 +21,7 @@ from typing import Any, Optional
 from sglang.srt.mem_cache.hicache_storage import PoolName
 
 from sglang_cp_hicache import settings
+from sglang_cp_hicache.l3.auth import seal_from_settings
 from sglang_cp_hicache.l3.identity import ModelIdentity, identity_of_server_args
 from sglang_cp_hicache.l3.location import L3Location
 from sglang_cp_hicache.l3.rank import L3Opening, RankL3, open_tier
@@ -102,7 +103,7 @@ def open_l3(
         return L3Tier.open(
             location.directory, _source_text(location), placement, kv_host, indexer_host,
             backend=location.backend, extra_config=location.extra_config, model_id=model.text(),
-            layer_start=layer_start, model_label=model.short(), mooncake_rules=rules,
+            layer_start=layer_start, model_label=model.short(), mooncake_rules=rules, seal=seal_from_settings(),
         )
 
     return open_tier(location, build)

@@ -23,6 +23,7 @@ from typing import Any, Mapping, Optional
 import torch
 from sglang.srt.mem_cache.utils import get_hash_str
 
+from sglang_cp_hicache.l3.auth import UNKEYED, ObjectSeal
 from sglang_cp_hicache.l3.host_tier import HostL3Tier, L3Counters, L3Fetched, namespaces, open_tier_store
 from sglang_cp_hicache.l3.store import PageStore
 from sglang_cp_hicache.l3_backends import SGLangRules, open_page_store
@@ -53,12 +54,13 @@ class L3Tier(HostL3Tier):
     @classmethod
     def on_store(
         cls, store: PageStore, placement: CpPlacement, kv_host: Any, indexer_host: Any, *,
-        model_id: str, layer_start: int = 0, model_label: str = "",
+        model_id: str, layer_start: int = 0, model_label: str = "", seal: ObjectSeal = UNKEYED,
     ) -> "L3Tier":
         """The tier on an opened ``store``: SGLang's page hash, and each
-        logical host slot at this rank's local row."""
+        logical host slot at this rank's local row; objects sealed with ``seal``."""
         tier = cls(store, placement, kv_host, indexer_host, model_id=model_id, page_hasher=get_hash_str,
-                   layer_start=layer_start, host_row=partial(local_row, placement), model_label=model_label)
+                   layer_start=layer_start, host_row=partial(local_row, placement), model_label=model_label,
+                   seal=seal)
         if tier.page_size != placement.page_size:
             raise ValueError(f"host page size {tier.page_size} != the placement's {placement.page_size}")
         return tier

@@ -76,7 +76,7 @@ def test_header_layout_is_what_the_docstring_says():
     assert blob[start:end] == NS.digest().encode()
     start, _ = HEADER_FIELDS["payload_len"]
     assert struct.unpack_from("<Q", blob, start) == (NS.page_bytes,)
-    assert HEADER_FIELDS["checksum"][1] == HEADER_BYTES
+    assert HEADER_FIELDS["tag"][1] == HEADER_BYTES
 
 
 def _expected_for_header_flip(field: str, bit_in_field: int) -> str:
@@ -87,7 +87,7 @@ def _expected_for_header_flip(field: str, bit_in_field: int) -> str:
         # follows is then shorter or longer than declared.
         declared = NS.page_bytes ^ (1 << bit_in_field)
         return "short" if declared > NS.page_bytes else "long"
-    return {"namespace": "namespace", "key": "key", "checksum": "checksum"}[field]
+    return {"namespace": "namespace", "key": "key", "tag": "checksum"}[field]
 
 
 def test_every_header_bit_flip_is_refused_with_its_reason():

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from sglang_cp_hicache.l3.auth import UNKEYED
 from sglang_cp_hicache.l3.host_tier import HostL3Tier, L3Snapshot, namespaces, open_tier_store
 from sglang_cp_hicache.l3.keys import page_key
 from sglang_cp_hicache.l3.store import FilePageStore
@@ -83,12 +84,12 @@ def shifted_row(slot: int) -> int:
 
 
 def _tier(store, rank: int, seed: int, host_row=None, poisoned: bool = False,
-          layout: str = "layer_first") -> HostL3Tier:
+          layout: str = "layer_first", seal=UNKEYED) -> HostL3Tier:
     kv, idx = KvHost(seed, layout), IndexerHost(seed + 1000)
     if poisoned:
         _poisoned(kv), _poisoned(idx)
     return HostL3Tier(store, CpPlacement(P, 2, rank), kv, idx, model_id="tiny/dsa", page_hasher=fake_hasher,
-                      host_row=host_row)
+                      host_row=host_row, seal=seal)
 
 
 def _own_slots(rank: int) -> list[int]:

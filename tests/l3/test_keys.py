@@ -13,6 +13,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from sglang_cp_hicache.l3.auth import ObjectSeal
 from sglang_cp_hicache.l3.keys import (
     KEY_CHARS,
     L3Namespace,
@@ -29,14 +30,16 @@ DSV32 = dict(model_id="deepseek-ai/DeepSeek-V3.2", kv_dtype="float8_e4m3fn", row
              page_size=64, pool="kv", layer_start=0, layer_end=61)
 # Known vectors: these digests are what every process, platform and Python
 # version must compute; a change here orphans every stored object.
-DSV32_DIGEST = "ef4d8e8602811a40"  # schema 2 (the model identity); schema 1 was b41d6c1dcf49f606
+# schema 3 (the object seal's scheme); schema 2 (the model identity) was
+# ef4d8e8602811a40, schema 1 b41d6c1dcf49f606
+DSV32_DIGEST = "9975222420546907"
 DSV32_CANONICAL = (
     '{"byte_order":"LPD","kv_dtype":"float8_e4m3fn","layer_end":61,"layer_start":0,'
     '"model_id":"deepseek-ai/DeepSeek-V3.2","page_size":64,"pool":"kv","row_bytes":656,'
-    '"schema_version":2}'
+    '"schema_version":3,"seal":"xxh3-64"}'
 )
 NAMESPACE_FIELDS = {"model_id", "kv_dtype", "row_bytes", "page_size", "pool",
-                    "layer_start", "layer_end", "byte_order", "schema_version"}
+                    "layer_start", "layer_end", "byte_order", "schema_version", "seal"}
 
 
 def test_known_vector_and_its_canonical_encoding():
@@ -94,6 +97,8 @@ def _other_value(field: str, value, pick: int):
         return "PLD"
     if field == "row_bytes":
         return [576, 1152, 132][pick % 3]
+    if field == "seal":
+        return ObjectSeal.keyed(bytes([pick]) * 32)  # the scheme changes the digest (the secret does not)
     return value + 1 + pick  # page_size, layer_start/end, schema_version
 
 

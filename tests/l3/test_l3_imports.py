@@ -27,8 +27,8 @@ def _imports(path: pathlib.Path) -> list[tuple[int, str]]:
 #: counters (SGLang's metrics library, only with --enable-metrics).
 LAZY_OPTIONAL = {"yaml", "prometheus_client"}
 #: Declared dependencies besides torch (pyproject.toml): the envelope's
-#: checksum; numpy for the host copy (one thread per copy, the GIL released).
-DEPENDENCIES = {"xxhash", "numpy"}
+#: checksum and keyed MAC; numpy for the host copy (one thread per copy, the GIL released).
+DEPENDENCIES = {"xxhash", "numpy", "blake3"}
 
 
 def test_the_dependencies_l3_imports_are_declared():

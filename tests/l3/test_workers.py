@@ -99,11 +99,34 @@ def test_shutdown_finishes_queued_jobs_as_cancelled():
     assert busy.wait(5) and busy.result() is True
 
 
-@pytest.mark.parametrize("bad", [0, -1.0, float("nan")])
-def test_a_deadline_must_be_positive(bad):
+@pytest.mark.parametrize("bad", [0, -1.0, float("nan"), float("inf")])
+def test_a_deadline_must_be_positive_and_finite(bad):
     workers = L3Workers("t", 1)
     try:
-        with pytest.raises(ValueError, match="timeout_s must be > 0"):
+        with pytest.raises(ValueError, match="timeout_s must be a finite number > 0"):
             workers.submit(lambda job: 1, timeout_s=bad)
     finally:
         workers.shutdown()
+
+
+def test_a_huge_deadline_is_waited_on_without_overflow():
+    """threading's waits raise OverflowError past TIMEOUT_MAX (~292 years);
+    a job's deadline stops well inside it, so waiting on it works."""
+    workers = L3Workers("t", 1)
+    release = threading.Event()
+    try:
+        job = workers.submit(lambda job: release.wait(5), timeout_s=1e300)
+        assert workers.wait([job], timeout=0.05) is False  # not done, not overdue: a plain timeout
+        release.set()
+        assert workers.wait([job]) and job.result() is True  # no timeout: waits on the capped deadline
+    finally:
+        release.set()
+        workers.shutdown()
+
+
+@pytest.mark.parametrize("bad", [float("inf"), 1e300, 86401])
+def test_a_timeout_setting_beyond_a_day_is_refused_naming_it(bad):
+    from sglang_cp_hicache.l3.location import L3Timeouts
+
+    with pytest.raises(ValueError, match=r"prefetch_timeout_max in hicache_storage_backend_extra_config must be a number of seconds in \[0, 86400\]"):
+        L3Timeouts.from_extra_config({"prefetch_timeout_max": bad})

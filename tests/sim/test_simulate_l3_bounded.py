@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from sglang_cp_hicache.l3.envelope import HEADER_BYTES
 from sglang_cp_hicache.sim.l3_usage import peak_stored_bytes, stored_bytes
 
 from tests.sim.simrun import ROOT, sim_command, sim_env
@@ -20,9 +21,9 @@ from tests.sim.simrun import ROOT, sim_command, sim_env
 REQUESTS = 40
 CP4 = ("--cp-size", "4", "--device-pages", "16", "--host-pages", "8")
 CP2 = ("--cp-size", "2", "--device-pages", "32", "--host-pages", "16")
-#: The sim's pages: 2 layers x 64 tokens (KV 576 B rows, indexer 132 B) + a 140-byte header.
-KV_OBJECT = 140 + 2 * 64 * 576
-PAGE_OBJECTS = KV_OBJECT + 140 + 2 * 64 * 132
+#: The sim's pages: 2 layers x 64 tokens (KV 576 B rows, indexer 132 B) + the header.
+KV_OBJECT = HEADER_BYTES + 2 * 64 * 576
+PAGE_OBJECTS = KV_OBJECT + HEADER_BYTES + 2 * 64 * 132
 CAP = 40 * PAGE_OBJECTS  # an unbounded CP 4 run of these requests writes about 110 pages
 THREADS = 2
 
