@@ -6,7 +6,7 @@ Per DeepSeek-V3.2 page object -- KV (61 layers x 64 tokens x 656 B =
 2,561,024 B) and DSA indexer (61 x 64 x 132 B = 515,328 B) -- write then
 read ``--pages`` pages, page-cache hot (``--rounds`` rounds, the paths'
 order rotated each round, the median reported) and once cold (dropped with
-``posix_fadvise(DONTNEED)``), on three paths:
+``posix_fadvise(DONTNEED)``), on four paths:
 
 * ``library``: the library's path, as its L3 I/O threads run it
   (``--threads`` of them, each page its own job): write = read the object
@@ -18,6 +18,8 @@ order rotated each round, the median reported) and once cold (dropped with
   blocking read into the thread's staging buffer outside the lock, checked,
   then copied into the rows (``host_read.read_into_host``). Every byte
   verified before the page is published.
+* ``library_keyed``: the same with a deployment secret: each object's tag
+  is keyed BLAKE3 over header and payload (``l3.auth``), written and checked.
 * ``hicachefile``: SGLang 0.5.18's own L3 path on its file backend, from and
   to the same host pool: write = each page's flat copy (``get_data_page(flat)``)
   then ``HiCacheFile.batch_set``; read = ``batch_get`` into a fresh flat page
@@ -29,7 +31,8 @@ order rotated each round, the median reported) and once cold (dropped with
 Then the time one CP rank takes to restore its pages of a ``--prefix-tokens``
 DeepSeek-V3.2 prefix (KV and indexer objects, through ``HostL3Tier.read_page``
 on the L3 threads, into host pools) at CP 1/2/4/8, hot and cold. And the
-checksum candidates on this machine. Figures are GB/s of page bytes (1e9).
+checksum candidates on this machine, and the MAC candidates on a page (its
+61 layer runs streamed, and whole; one thread and ``--threads`` at once). Figures are GB/s of page bytes (1e9).
 
 Without ``--out`` it writes a new file under ``build/bench-results/``;
 ``--out bench/results/l3.json`` replaces the committed figures.
@@ -38,6 +41,9 @@ Without ``--out`` it writes a new file under ``build/bench-results/``;
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import hashlib
+import hmac
 import json
 import os
 import shutil
@@ -51,6 +57,7 @@ from typing import Any, Callable
 
 import torch
 
+from sglang_cp_hicache.l3.auth import ObjectSeal
 from sglang_cp_hicache.l3.envelope import HEADER_BYTES, byte_view
 from sglang_cp_hicache.l3.host_copy import HostPageRuns
 from sglang_cp_hicache.l3.host_read import read_into_host
@@ -230,7 +237,15 @@ class _LibraryPath:
         return all(torch.equal(self.host.page(i).reshape(-1), page) for i, page in enumerate(self.data))
 
 
-PATHS = {"raw": _RawPath, "hicachefile": _HiCacheFilePath, "library": _LibraryPath}
+class _KeyedLibraryPath(_LibraryPath):
+    """The library with a deployment secret: every object sealed and
+    checked with keyed BLAKE3 over header and payload (``l3.auth``)."""
+
+    def __init__(self, data: list[torch.Tensor], ns: L3Namespace, row: int, threads: int) -> None:
+        super().__init__(data, dataclasses.replace(ns, seal=ObjectSeal.keyed(os.urandom(32))), row, threads)
+
+
+PATHS = {"raw": _RawPath, "hicachefile": _HiCacheFilePath, "library": _LibraryPath, "library_keyed": _KeyedLibraryPath}
 
 
 def _timed(fn: Callable[[], Any], before: Callable[[], Any] | None = None) -> float:
@@ -280,7 +295,8 @@ def bench_kind(kind: str, pages: int, threads: int, root: Path, rounds: int) -> 
         assert path.check(), f"{name} read back other bytes (cold)"
     for name in ("raw", "hicachefile"):
         for op in ("read", "write"):
-            out[f"library_over_{name}_{op}"] = round(out[f"library_{op}_GBps"] / out[f"{name}_{op}_GBps"], 3)
+            for lib in ("library", "library_keyed"):
+                out[f"{lib}_over_{name}_{op}"] = round(out[f"{lib}_{op}_GBps"] / out[f"{name}_{op}_GBps"], 3)
     return out
 
 
@@ -375,6 +391,59 @@ def bench_checksums() -> dict[str, float]:
     return out
 
 
+def _mac_candidates() -> dict[str, Callable[[list[memoryview]], bytes]]:
+    """Keyed MACs over a page's runs (streamed, as a host page is checked),
+    beside the unkeyed XXH3-64 of today's objects."""
+    import blake3
+    import xxhash
+
+    key = os.urandom(32)
+
+    def streamed(make: Callable[[], Any]) -> Callable[[list[memoryview]], bytes]:
+        def run(parts: list[memoryview]) -> bytes:
+            state = make()
+            for part in parts:
+                state.update(part)
+            return state.digest()
+        return run
+
+    return {
+        "xxh3_64 (unkeyed)": streamed(xxhash.xxh3_64),
+        "blake3 keyed": streamed(lambda: blake3.blake3(key=key)),
+        "hmac-sha256": streamed(lambda: hmac.new(key, digestmod="sha256")),
+        "blake2b keyed": streamed(lambda: hashlib.blake2b(key=key, digest_size=32)),
+    }
+
+
+def bench_macs(threads: int) -> dict[str, Any]:
+    """GB/s of each MAC candidate over one DeepSeek-V3.2 page, as a host page
+    is checked (61 layer runs) and whole, on one thread and on ``threads``
+    at once (a MAC that holds the GIL does not scale), and the microseconds
+    one page's check costs on one thread."""
+    out: dict[str, Any] = {}
+    for kind, row in KINDS.items():
+        run = P * row
+        data = memoryview(os.urandom(LAYERS * run))
+        shapes = {"runs": [data[i * run:(i + 1) * run] for i in range(LAYERS)], "whole": [data]}
+        reps = max(8, (256 << 20) // len(data))
+        for name, mac in _mac_candidates().items():
+            for shape, parts in shapes.items():
+                mac(parts)
+                t = time.perf_counter()
+                for _ in range(reps):
+                    mac(parts)
+                one = time.perf_counter() - t
+                out[f"{kind}_{shape}_{name}_GBps"] = _gbps(reps * len(data), one)
+                if shape == "runs":
+                    out[f"{kind}_{name}_us_per_page"] = round(one / reps * 1e6, 1)
+            t = time.perf_counter()
+            _parallel(threads, [lambda job: [mac(shapes["runs"]) for _ in range(reps // threads)]
+                                for _ in range(threads)])
+            out[f"{kind}_runs_{name}_GBps_{threads}threads"] = _gbps(threads * (reps // threads) * len(data),
+                                                                      time.perf_counter() - t)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     ap.add_argument("--pages", type=int, default=64, help="pages per path and kind (default 64)")
@@ -399,6 +468,7 @@ def main() -> None:
             "cpus": os.cpu_count(),
             "load_average_before": os.getloadavg(),
             "checksums": bench_checksums(),
+            "macs": bench_macs(args.threads),
         }
         for kind in KINDS:
             result[kind] = bench_kind(kind, args.pages, args.threads, root, args.rounds)

@@ -37,7 +37,8 @@ def test_a_free_form_setting_is_trimmed_and_keeps_its_case():
     # directories, the operator's model id, SGLang's file-backend bounds, SGLang's plugin allow-list and
     # SGLang's / Mooncake's own variables (read as SGLang reads them, only for the backend that uses them);
     # every other setting has choices or is a number
-    assert free == [settings.L3_DIR, settings.L3_MODEL_ID, settings.SGLANG_FILE_DIR, settings.FILE_MAX_SIZE,
+    assert free == [settings.L3_DIR, settings.L3_MODEL_ID, settings.L3_KEY_FILE, settings.SGLANG_FILE_DIR,
+                    settings.FILE_MAX_SIZE,
                     settings.FILE_MIN_FREE, settings.FILE_EVICTION_RATIO, settings.HF_HUB_CACHE, settings.HF_HOME,
                     settings.SGLANG_PLUGINS, *settings.MOONCAKE_SETTINGS]
     assert not settings.L3_DIR.is_flag
