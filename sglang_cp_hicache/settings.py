@@ -28,6 +28,8 @@ __all__ = [
     "HOST_BALANCE",
     "HF_HOME",
     "HF_HUB_CACHE",
+    "HUGGINGFACE_HUB_CACHE",
+    "XDG_CACHE_HOME",
     "HOST_TAIL",
     "L3_DIR",
     "L3_EVICTION",
@@ -183,7 +185,21 @@ HF_HOME = Setting(
     "",
     (),
     "Hugging Face's own variable, read (never set): its home, holding hub/ "
-    "(see HF_HUB_CACHE). Empty: ~/.cache/huggingface.",
+    "(see HF_HUB_CACHE). Empty: XDG_CACHE_HOME/huggingface.",
+)
+HUGGINGFACE_HUB_CACHE = Setting(
+    "HUGGINGFACE_HUB_CACHE",
+    "",
+    (),
+    "Hugging Face's legacy variable, read (never set): the Hub cache when "
+    "HF_HUB_CACHE is empty. Empty: HF_HOME/hub.",
+)
+XDG_CACHE_HOME = Setting(
+    "XDG_CACHE_HOME",
+    "",
+    (),
+    "The XDG base directory variable, read (never set): holds huggingface/ "
+    "when HF_HOME is empty (as huggingface_hub reads it). Empty: ~/.cache.",
 )
 SGLANG_FILE_DIR = Setting(
     "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR",
@@ -253,7 +269,8 @@ MOONCAKE_SETTINGS: tuple[Setting, ...] = (
 #: Every setting, in the order the table shows them.
 SETTINGS: tuple[Setting, ...] = (
     COPY, HOST_BALANCE, HOST_TAIL, DEBUG, ALLOW_ANY_SGLANG, L3_DIR, L3_THREADS, L3_MODEL_ID, L3_EVICTION,
-    SGLANG_FILE_DIR, FILE_MAX_SIZE, FILE_MIN_FREE, FILE_EVICTION_RATIO, HF_HUB_CACHE, HF_HOME, SGLANG_PLUGINS,
+    SGLANG_FILE_DIR, FILE_MAX_SIZE, FILE_MIN_FREE, FILE_EVICTION_RATIO, HF_HUB_CACHE, HF_HOME, HUGGINGFACE_HUB_CACHE,
+    XDG_CACHE_HOME, SGLANG_PLUGINS,
     *MOONCAKE_SETTINGS,
 )
 

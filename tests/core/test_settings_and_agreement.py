@@ -39,7 +39,7 @@ def test_a_free_form_setting_is_trimmed_and_keeps_its_case():
     # every other setting has choices or is a number
     assert free == [settings.L3_DIR, settings.L3_MODEL_ID, settings.SGLANG_FILE_DIR, settings.FILE_MAX_SIZE,
                     settings.FILE_MIN_FREE, settings.FILE_EVICTION_RATIO, settings.HF_HUB_CACHE, settings.HF_HOME,
-                    settings.SGLANG_PLUGINS, *settings.MOONCAKE_SETTINGS]
+                    settings.HUGGINGFACE_HUB_CACHE, settings.XDG_CACHE_HOME, settings.SGLANG_PLUGINS, *settings.MOONCAKE_SETTINGS]
     assert not settings.L3_DIR.is_flag
     env = {settings.L3_DIR.name: "  /Data/L3 Dir/ "}
     assert settings.read(settings.L3_DIR, env) == "/Data/L3 Dir/"
