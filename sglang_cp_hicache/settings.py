@@ -137,7 +137,7 @@ L3_MODEL_ID = Setting(
     "",
     (),
     "Replaces the weights fingerprint in the L3 namespace (real path and "
-    "file listing of the checkpoint, or its Hub commit). Set the same text "
+    "content fingerprint of the checkpoint, or its Hub commit). Set the same text "
     "only on deployments whose checkpoints are byte-identical but sit at "
     "different paths; the revision, quantization, dtypes and model config "
     "still enter the namespace. Empty: the fingerprint.",
