@@ -137,15 +137,27 @@ def hub_caches(download_dir: object = None) -> list[HubCache]:
     cache."""
     caches = []
     if _text(download_dir):
-        caches.append(HubCache(_expand(_text(download_dir)), "--download-dir"))
+        # SGLang joins it as given; huggingface_hub expands only ~ in a cache_dir
+        caches.append(HubCache(os.path.expanduser(_text(download_dir)), "--download-dir"))
     caches.append(_default_hub_cache())
     return caches
 
 
-def _cached_hub_dir(repo: str, revision: str, caches: list[HubCache]) -> Optional[str]:
-    """The first local snapshot directory of hub id ``repo`` in ``caches``
-    (the caches' own refs only: no network). ``revision``: a commit, or a
-    branch / tag the cache has a ref for (default main)."""
+@dataclass(frozen=True)
+class _HubSnapshot:
+    directory: str
+    repo: str
+    commit: str
+
+    @property
+    def weights(self) -> str:
+        return f"hf:{self.repo}@{self.commit}"
+
+
+def _cached_hub_snapshot(repo: str, revision: str, caches: list[HubCache]) -> Optional[_HubSnapshot]:
+    """The first local snapshot of hub id ``repo`` in ``caches`` (the
+    caches' own refs only: no network). ``revision``: a commit, or a branch /
+    tag the cache has a ref for (default main)."""
     folder = "models--" + repo.replace("/", "--")
     rev = revision or "main"
     for cache in caches:
@@ -157,7 +169,7 @@ def _cached_hub_dir(repo: str, revision: str, caches: list[HubCache]) -> Optiona
                 continue
         snapshot = Path(cache.directory, folder, "snapshots", commit)
         if _COMMIT.fullmatch(commit) and snapshot.is_dir():
-            return str(snapshot)
+            return _HubSnapshot(str(snapshot), repo, commit)
     return None
 
 
@@ -237,10 +249,11 @@ def model_identity(
     else:
         caches = hub_caches(download_dir)
         repo = model_path.strip()
-        directory = _cached_hub_dir(repo, revision_text, caches) if _is_hub_id(repo) else None
-        weights = _hub_snapshot(os.path.realpath(directory)) if directory else None
-        if weights is None and not override:
+        found = _cached_hub_snapshot(repo, revision_text, caches) if _is_hub_id(repo) else None
+        if found is None and not override:
             raise _unnamed(repo, revision_text, caches)
+        directory = found.directory if found else None
+        weights = found.weights if found else None
     if override or weights is None:  # None only with an override
         weights = f"override:{override}"
     return ModelIdentity(

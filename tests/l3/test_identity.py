@@ -206,6 +206,14 @@ def test_the_download_dir_comes_first_then_the_hub_cache_as_sglang_looks(tmp_pat
     assert identity_of_server_args(args(REPO)).weights.endswith(OTHER_COMMIT)
 
 
+def test_a_legacy_hub_id_without_an_org_is_named_by_its_commit_by_id_and_by_path(tmp_path, monkeypatch):
+    hub_repo(tmp_path / "hub", {"main": COMMIT}, repo="gpt2")
+    monkeypatch.setenv(HF_HUB_CACHE.name, str(tmp_path / "hub"))
+    by_id = identity_of_server_args(args("gpt2"))
+    assert by_id.weights == f"hf:gpt2@{COMMIT}"
+    assert identity_of_server_args(args(str(tmp_path / "hub" / "models--gpt2" / "snapshots" / COMMIT))) == by_id
+
+
 @pytest.mark.parametrize("model,revision", [
     ("org/model", None),  # no snapshot of the repo anywhere
     (REPO, "v3"),  # the repo is cached, but no ref names v3
