@@ -178,7 +178,7 @@ HF_HUB_CACHE = Setting(
     (),
     "Hugging Face's own variable, read (never set) by the library: where the "
     "Hub cache lives, to name a Hub model in the L3 namespace by its commit. "
-    "Empty: HF_HOME/hub.",
+    "Empty: HUGGINGFACE_HUB_CACHE, else HF_HOME/hub.",
 )
 HF_HOME = Setting(
     "HF_HOME",
