@@ -50,8 +50,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 __all__ = [
-    "BLOCK", "SAMPLES", "JSON_WHOLE_LIMIT", "WEIGHT_SUFFIXES", "FileFingerprint", "directory_fingerprint",
-    "file_fingerprint", "forget_cached", "sample_offsets",
+    "BLOCK", "JSON_WHOLE_LIMIT", "READ_THREADS", "SAFETENSORS_HEADER_LIMIT", "SAMPLES", "WEIGHT_SUFFIXES",
+    "FileFingerprint", "directory_fingerprint", "file_fingerprint", "forget_cached", "sample_offsets",
 ]
 
 #: Files that make a checkpoint: weights and the index / config files.
@@ -165,10 +165,9 @@ def file_fingerprint(path: str | os.PathLike[str]) -> FileFingerprint:
 
 
 def _checkpoint_files(directory: Path) -> list[Path]:
-    return sorted(
-        (Path(e.path) for e in os.scandir(directory) if e.name.endswith(WEIGHT_SUFFIXES) and e.is_file()),
-        key=lambda p: p.name,
-    )
+    with os.scandir(directory) as entries:
+        found = [Path(e.path) for e in entries if e.name.endswith(WEIGHT_SUFFIXES) and e.is_file()]
+    return sorted(found, key=lambda p: p.name)
 
 
 def directory_fingerprint(directory: str | os.PathLike[str]) -> str:
