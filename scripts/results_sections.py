@@ -296,6 +296,7 @@ def section_l3_bench(res: Results) -> list[str]:
         _json_section(res, "l3_file.json", "kv", _l3_file)
         + _json_section(res, "l3_mooncake.json", "copy_free_read_GBps", _l3_mooncake)
         + _json_section(res, "l3_bound.json", "lru-leaves", _l3_bound)
+        + _json_section(res, "identity_fingerprint.json", "cold_s", _identity)
     )
 
 
@@ -346,6 +347,22 @@ def _l3_mooncake(m: dict[str, Any]) -> list[str]:
             ["copy-free (`upsert_parts` / `batch_get_into_multi_buffers`)", n(m.get("copy_free_write_GBps")),
              n(m.get("copy_free_read_GBps"))],
         ]),
+    ]
+
+
+def _identity(d: dict[str, Any]) -> list[str]:
+    layout = d.get("layout") or {}
+    return [
+        "## The L3 model identity's content fingerprint",
+        "",
+        f"`{d.get('command')}`: {n(layout.get('shards'))} sparse safetensors shards of "
+        f"{n(layout.get('shard_bytes'))} B ({n(layout.get('apparent_bytes'))} B in all, "
+        f"{n(layout.get('tensors'))} tensors, {n(layout.get('json_bytes'))} B of JSON) fingerprinted with "
+        f"{n(d.get('samples_per_file'))} blocks of {n(d.get('block_bytes'))} B per file, "
+        f"{n(d.get('read_threads'))} files at a time: {n(d.get('bytes_read'))} B in {n(d.get('read_calls'))} reads; "
+        f"{n(d.get('cold_s'))} s with the page cache dropped, {n(d.get('warm_s'))} s warm, "
+        f"{n(d.get('cached_s'))} s from the process's cache (median of {len(d.get('cold_s_all') or [])}, "
+        f"{n(d.get('cpus'))} CPUs). {d.get('note', '')}.".replace("cold_s", "the first figure"),
     ]
 
 

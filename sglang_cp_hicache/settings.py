@@ -28,6 +28,8 @@ __all__ = [
     "HOST_BALANCE",
     "HF_HOME",
     "HF_HUB_CACHE",
+    "HUGGINGFACE_HUB_CACHE",
+    "XDG_CACHE_HOME",
     "HOST_TAIL",
     "L3_DIR",
     "L3_EVICTION",
@@ -136,7 +138,7 @@ L3_MODEL_ID = Setting(
     "",
     (),
     "Replaces the weights fingerprint in the L3 namespace (real path and "
-    "file listing of the checkpoint, or its Hub commit). Set the same text "
+    "content fingerprint of the checkpoint, or its Hub commit). Set the same text "
     "only on deployments whose checkpoints are byte-identical but sit at "
     "different paths; the revision, quantization, dtypes and model config "
     "still enter the namespace. Empty: the fingerprint.",
@@ -188,14 +190,28 @@ HF_HUB_CACHE = Setting(
     (),
     "Hugging Face's own variable, read (never set) by the library: where the "
     "Hub cache lives, to name a Hub model in the L3 namespace by its commit. "
-    "Empty: HF_HOME/hub.",
+    "Empty: HUGGINGFACE_HUB_CACHE, else HF_HOME/hub.",
 )
 HF_HOME = Setting(
     "HF_HOME",
     "",
     (),
     "Hugging Face's own variable, read (never set): its home, holding hub/ "
-    "(see HF_HUB_CACHE). Empty: ~/.cache/huggingface.",
+    "(see HF_HUB_CACHE). Empty: XDG_CACHE_HOME/huggingface.",
+)
+HUGGINGFACE_HUB_CACHE = Setting(
+    "HUGGINGFACE_HUB_CACHE",
+    "",
+    (),
+    "Hugging Face's legacy variable, read (never set): the Hub cache when "
+    "HF_HUB_CACHE is empty. Empty: HF_HOME/hub.",
+)
+XDG_CACHE_HOME = Setting(
+    "XDG_CACHE_HOME",
+    "",
+    (),
+    "The XDG base directory variable, read (never set): holds huggingface/ "
+    "when HF_HOME is empty (as huggingface_hub reads it). Empty: ~/.cache.",
 )
 SGLANG_FILE_DIR = Setting(
     "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR",
@@ -265,7 +281,8 @@ MOONCAKE_SETTINGS: tuple[Setting, ...] = (
 #: Every setting, in the order the table shows them.
 SETTINGS: tuple[Setting, ...] = (
     COPY, HOST_BALANCE, HOST_TAIL, DEBUG, ALLOW_ANY_SGLANG, L3_DIR, L3_THREADS, L3_MODEL_ID, L3_KEY_FILE, L3_EVICTION,
-    SGLANG_FILE_DIR, FILE_MAX_SIZE, FILE_MIN_FREE, FILE_EVICTION_RATIO, HF_HUB_CACHE, HF_HOME, SGLANG_PLUGINS,
+    SGLANG_FILE_DIR, FILE_MAX_SIZE, FILE_MIN_FREE, FILE_EVICTION_RATIO, HF_HUB_CACHE, HF_HOME, HUGGINGFACE_HUB_CACHE,
+    XDG_CACHE_HOME, SGLANG_PLUGINS,
     *MOONCAKE_SETTINGS,
 )
 

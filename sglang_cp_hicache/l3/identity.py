@@ -6,20 +6,29 @@ path, and operators reuse one name across checkpoints), so it never enters
 the namespace. What does (:class:`ModelIdentity`):
 
 ``weights``
-    * ``hf:{repo}@{commit}`` -- a Hugging Face Hub snapshot (a local path
+    * ``hf:{repo}@{commit}`` -- a Hugging Face Hub snapshot: a local path
       inside a hub cache ``.../models--{org}--{name}/snapshots/{commit}``, or
-      a hub id found in the local cache): the commit names the bytes exactly,
-      so one checkpoint served under two aliases or mount paths shares;
-    * ``dir:{real path}#{listing digest}`` -- any other local directory: its
+      a hub id whose snapshot is in a local cache where SGLang loads it from
+      (:func:`hub_caches`: ``--download-dir`` first, then huggingface_hub's
+      cache). The commit names the bytes exactly, so one checkpoint served
+      under two aliases or mount paths shares;
+    * ``dir:{real path}#{fingerprint}`` -- any other local directory: its
       real path (symlinks resolved, so a ``latest`` link swapped to another
-      checkpoint is another model) and a digest of the name, size and
-      modification time of every weight file in it (a checkpoint rewritten in
-      place is another model);
-    * ``name:{model path}`` -- a path that is neither (nothing to fingerprint
-      here: the name as given, with the revision beside it);
+      checkpoint is another model) and the content fingerprint of its weight
+      and index files (:mod:`.fingerprint`: names, sizes, mtimes, every
+      safetensors header, the JSON files, sampled blocks of every weight
+      file; a checkpoint rewritten in place is another model);
+    * ``file:{real path}#{fingerprint}`` -- a single-file model (GGUF), by
+      the same sampling;
     * ``override:{text}`` -- ``SGLANG_CP_HICACHE_L3_MODEL_ID``: the operator
       vouches that deployments setting the same text serve byte-identical
       weights (the other fields still apply).
+
+    Nothing else: a model path that is no local directory or file and no
+    hub id with a commit in a local cache is refused (``ValueError`` naming
+    the path, the caches searched and the override) -- a bare name would let
+    two commits of one repo, or two checkpoints under one name, restore each
+    other's KV.
 ``revision``, ``quantization``, ``kv_cache_dtype``, ``dtype``, ``load_format``
     as the server was started (empty when unset);
 ``config``
@@ -27,6 +36,8 @@ the namespace. What does (:class:`ModelIdentity`):
     checkpoint with ``--json-model-override-args`` applied (rope scaling
     changes ``k_pe``), or of the override args alone when no config is
     readable here.
+
+Only local files are read, never the network.
 """
 
 from __future__ import annotations
@@ -39,13 +50,16 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
-from sglang_cp_hicache.settings import HF_HOME, HF_HUB_CACHE, read
+from sglang_cp_hicache.l3.fingerprint import directory_fingerprint, file_fingerprint
+from sglang_cp_hicache.settings import HF_HOME, HF_HUB_CACHE, HUGGINGFACE_HUB_CACHE, L3_MODEL_ID, XDG_CACHE_HOME, read
 
-__all__ = ["ModelIdentity", "model_identity", "identity_of_server_args"]
+__all__ = ["HubCache", "ModelIdentity", "hub_caches", "identity_of_server_args", "model_identity"]
 
-#: Weight and index files whose listing fingerprints a local checkpoint.
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".json")
-_HUB_SNAPSHOT = re.compile(r"/models--(?P<org>[^/]+?)--(?P<name>[^/]+)/snapshots/(?P<commit>[0-9a-f]{40})(?:/|$)")
+#: A hub cache's snapshot path: ``models--{repo with / as --}/snapshots/{commit}``.
+_HUB_SNAPSHOT = re.compile(r"/models--(?P<repo>[^/]+)/snapshots/(?P<commit>[0-9a-f]{40})(?:/|$)")
+#: A Hub repo id (``org/name`` or a legacy ``name``); the Hub forbids ``--`` and ``..`` in it.
+_HUB_ID = re.compile(r"(?:[\w.-]+/)?[\w.-]+")
+_COMMIT = re.compile(r"[0-9a-f]{40}")
 
 
 @dataclass(frozen=True)
@@ -85,44 +99,96 @@ def _hub_snapshot(path: str) -> Optional[str]:
     found = _HUB_SNAPSHOT.search(path)
     if found is None:
         return None
-    return f"hf:{found['org']}/{found['name']}@{found['commit']}"
+    return f"hf:{found['repo'].replace('--', '/')}@{found['commit']}"
 
 
-def _hub_cache_root() -> Path:
-    """Where the Hugging Face Hub cache lives (its own variables, its default)."""
-    explicit = read(HF_HUB_CACHE)
-    if explicit:
-        return Path(explicit)
-    home = read(HF_HOME) or os.path.join(os.path.expanduser("~"), ".cache", "huggingface")
-    return Path(home) / "hub"
+@dataclass(frozen=True)
+class HubCache:
+    """A directory holding Hub snapshots, and what named it (for messages)."""
+
+    directory: str
+    source: str
 
 
-def _cached_hub_dir(model_path: str, revision: str) -> Optional[str]:
-    """The local snapshot directory of a hub id ``org/name``, if the hub
-    cache holds it (no network: the cache's own refs only). ``revision``: a
-    commit, or a branch / tag name the cache has a ref for (default main)."""
-    parts = model_path.strip().split("/")
-    if len(parts) != 2 or not all(parts) or any(p in (".", "..") for p in parts):
-        return None
-    repo = _hub_cache_root() / f"models--{parts[0]}--{parts[1]}"
+def _expand(path: str) -> str:
+    return os.path.expandvars(os.path.expanduser(path))  # as huggingface_hub expands its variables
+
+
+def _default_hub_cache() -> HubCache:
+    """huggingface_hub's cache (its ``constants.HF_HUB_CACHE``): HF_HUB_CACHE,
+    else the legacy HUGGINGFACE_HUB_CACHE, else HF_HOME/hub, where HF_HOME
+    defaults to $XDG_CACHE_HOME/huggingface, else ~/.cache/huggingface."""
+    for setting in (HF_HUB_CACHE, HUGGINGFACE_HUB_CACHE):
+        value = read(setting)
+        if value:
+            return HubCache(_expand(value), setting.name)
+    home = read(HF_HOME)
+    if home:
+        return HubCache(os.path.join(_expand(home), "hub"), f"{HF_HOME.name}/hub")
+    xdg = read(XDG_CACHE_HOME)
+    if xdg:
+        return HubCache(os.path.join(_expand(xdg), "huggingface", "hub"), f"{XDG_CACHE_HOME.name}/huggingface/hub")
+    return HubCache(os.path.join(os.path.expanduser("~"), ".cache", "huggingface", "hub"), "~/.cache/huggingface/hub")
+
+
+def hub_caches(download_dir: object = None) -> list[HubCache]:
+    """Where SGLang finds a hub id's snapshot, in its order: ``--download-dir``
+    (passed to huggingface_hub as ``cache_dir``), then huggingface_hub's own
+    cache."""
+    caches = []
+    if _text(download_dir):
+        # SGLang joins it as given; huggingface_hub expands only ~ in a cache_dir
+        caches.append(HubCache(os.path.expanduser(_text(download_dir)), "--download-dir"))
+    caches.append(_default_hub_cache())
+    return caches
+
+
+@dataclass(frozen=True)
+class _HubSnapshot:
+    directory: str
+    repo: str
+    commit: str
+
+    @property
+    def weights(self) -> str:
+        return f"hf:{self.repo}@{self.commit}"
+
+
+def _cached_hub_snapshot(repo: str, revision: str, caches: list[HubCache]) -> Optional[_HubSnapshot]:
+    """The first local snapshot of hub id ``repo`` in ``caches`` (the
+    caches' own refs only: no network). ``revision``: a commit, or a branch /
+    tag the cache has a ref for (default main)."""
+    folder = "models--" + repo.replace("/", "--")
     rev = revision or "main"
-    commit = rev if re.fullmatch(r"[0-9a-f]{40}", rev) else None
-    if commit is None:
-        try:
-            commit = (repo / "refs" / rev).read_text().strip()
-        except OSError:
-            return None
-    snapshot = repo / "snapshots" / commit
-    return str(snapshot) if snapshot.is_dir() else None
+    for cache in caches:
+        commit: Optional[str] = rev if _COMMIT.fullmatch(rev) else None
+        if commit is None:
+            try:
+                commit = Path(cache.directory, folder, "refs", rev).read_text().strip()
+            except (OSError, UnicodeDecodeError):
+                continue
+        snapshot = Path(cache.directory, folder, "snapshots", commit)
+        if _COMMIT.fullmatch(commit) and snapshot.is_dir():
+            return _HubSnapshot(str(snapshot), repo, commit)
+    return None
 
 
-def _listing_digest(directory: Path) -> str:
-    rows = []
-    for entry in sorted(os.scandir(directory), key=lambda e: e.name):
-        if entry.name.endswith(_WEIGHT_SUFFIXES) and entry.is_file():
-            st = entry.stat()
-            rows.append(f"{entry.name}\t{st.st_size}\t{st.st_mtime_ns}")
-    return hashlib.sha256("\n".join(rows).encode()).hexdigest()[:16]
+def _is_hub_id(text: str) -> bool:
+    return _HUB_ID.fullmatch(text) is not None and ".." not in text and "--" not in text
+
+
+def _unnamed(model_path: str, revision: str, caches: list[HubCache]) -> ValueError:
+    if _is_hub_id(model_path):
+        where = ", ".join(f"{c.directory} ({c.source})" for c in caches)
+        what = f"no snapshot of hub id {model_path!r} at revision {revision or 'main'} is in {where}"
+    else:
+        what = "it is no hub id either"
+    return ValueError(
+        f"L3 cannot name the model of --model-path {model_path!r} by its bytes: it is no local directory "
+        f"or file, and {what}. Load the model from a local path or a cache SGLang uses (HF_HUB_CACHE, "
+        f"HF_HOME, --download-dir), or set {L3_MODEL_ID.name} to a text naming exactly these weights "
+        f"(deployments setting the same text share L3 pages)"
+    )
 
 
 def _config_digest(directory: Optional[str], overrides: Mapping[str, Any]) -> str:
@@ -158,22 +224,37 @@ def _overrides(value: object) -> Mapping[str, Any]:
 def model_identity(
     model_path: str, *, revision: object = None, quantization: object = None, kv_cache_dtype: object = None,
     dtype: object = None, load_format: object = None, json_model_override_args: object = None,
-    override: Optional[str] = None,
+    download_dir: object = None, override: Optional[str] = None,
 ) -> ModelIdentity:
     """The identity of the model at ``model_path`` as the server was started
-    with these arguments (reads only local files)."""
+    with these arguments (reads only local files; see the module doc).
+    ``download_dir``: SGLang's ``--download-dir``. ValueError when nothing
+    local names the weights and no ``override`` is given."""
     if not isinstance(model_path, str) or not model_path.strip():
         raise ValueError(f"model_path must be a non-empty str, got {model_path!r}")
+    overrides = _overrides(json_model_override_args)  # bad arguments first, before any file is read
     revision_text = _text(revision)
     directory: Optional[str] = None
+    weights: Optional[str] = None
+    # With an override the operator names the weights: nothing is read or refused for them.
     if os.path.isdir(model_path):
         directory = os.path.realpath(model_path)
-        weights = _hub_snapshot(directory) or f"dir:{directory}#{_listing_digest(Path(directory))}"
+        weights = _hub_snapshot(directory)
+        if weights is None and not override:
+            weights = f"dir:{directory}#{directory_fingerprint(directory)}"
+    elif os.path.isfile(model_path):
+        real = os.path.realpath(model_path)
+        if not override:
+            weights = f"file:{real}#{file_fingerprint(real).digest[:32]}"
     else:
-        directory = _cached_hub_dir(model_path, revision_text)
-        hub = _hub_snapshot(os.path.realpath(directory)) if directory else None
-        weights = hub or f"name:{model_path.strip()}"
-    if override:
+        caches = hub_caches(download_dir)
+        repo = model_path.strip()
+        found = _cached_hub_snapshot(repo, revision_text, caches) if _is_hub_id(repo) else None
+        if found is None and not override:
+            raise _unnamed(repo, revision_text, caches)
+        directory = found.directory if found else None
+        weights = found.weights if found else None
+    if override or weights is None:  # None only with an override
         weights = f"override:{override}"
     return ModelIdentity(
         weights=weights,
@@ -182,7 +263,7 @@ def model_identity(
         kv_cache_dtype=_text(kv_cache_dtype),
         dtype=_text(dtype),
         load_format=_text(load_format),
-        config=_config_digest(directory, _overrides(json_model_override_args)),
+        config=_config_digest(directory, overrides),
     )
 
 
@@ -200,5 +281,6 @@ def identity_of_server_args(server_args: Any, override: Optional[str] = None) ->
         dtype=getattr(server_args, "dtype", None),
         load_format=getattr(server_args, "load_format", None),
         json_model_override_args=getattr(server_args, "json_model_override_args", None),
+        download_dir=getattr(server_args, "download_dir", None),
         override=override,
     )

@@ -38,8 +38,8 @@ def test_a_free_form_setting_is_trimmed_and_keeps_its_case():
     # SGLang's / Mooncake's own variables (read as SGLang reads them, only for the backend that uses them);
     # every other setting has choices or is a number
     assert free == [settings.L3_DIR, settings.L3_MODEL_ID, settings.L3_KEY_FILE, settings.SGLANG_FILE_DIR,
-                    settings.FILE_MAX_SIZE,
-                    settings.FILE_MIN_FREE, settings.FILE_EVICTION_RATIO, settings.HF_HUB_CACHE, settings.HF_HOME,
+                    settings.FILE_MAX_SIZE, settings.FILE_MIN_FREE, settings.FILE_EVICTION_RATIO,
+                    settings.HF_HUB_CACHE, settings.HF_HOME, settings.HUGGINGFACE_HUB_CACHE, settings.XDG_CACHE_HOME,
                     settings.SGLANG_PLUGINS, *settings.MOONCAKE_SETTINGS]
     assert not settings.L3_DIR.is_flag
     env = {settings.L3_DIR.name: "  /Data/L3 Dir/ "}
