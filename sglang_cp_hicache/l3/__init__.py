@@ -3,13 +3,15 @@
 * ``keys`` -- topology-free page keys: SGLang's page hash + a digest of
   what makes the page's bytes (:class:`L3Namespace`); no CP rank or size;
 * ``envelope`` -- the stored object: header (format, namespace, key,
-  length, CRC-32) + payload; ``unpack`` verifies or says why not;
+  length, tag) + payload; ``unpack`` verifies or says why not;
+* ``auth`` -- the tag: XXH3-64, or keyed BLAKE3 with a deployment secret;
 * ``plan`` -- which pages of a chain each rank writes and reads (its own);
 * ``consensus`` -- each rank's usable prefix, and the agreed one (the MIN);
 * ``store`` -- the :class:`PageStore` interface and a file store;
 * ``pages`` -- one rank's store/fetch of its own pages of a chain;
 * ``host_tier`` -- one rank's L3 tier on a pair of host pools (KV and DSA
-  indexer), what both SGLang adapters share.
+  indexer), what both SGLang adapters share;
+* ``staging`` -- staging buffers lent one page at a time (bounded).
 """
 
 from sglang_cp_hicache.l3.consensus import agreed_usable_pages, local_usable_pages

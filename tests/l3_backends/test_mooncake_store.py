@@ -284,6 +284,35 @@ def test_reads_in_place_into_registered_buffers_and_writes_in_parts(cluster):
     short = bytes(pack(chain.keys[5], NS, chain.pages[5]))[:-3]
     assert store.put([chain.keys[5]], [short]) == [True]
     assert reader.read_into(chain.keys[5], HEADER_BYTES + NS.page_bytes, views) == SizeMismatch(len(short))
+    reader.unregister_buffers(views)  # freed staging: never read into in place again
+    assert reader.unregister_buffers(views) is None  # a second time: nothing left to release
+    page.zero_()
+    assert read_verified(reader, NS, chain.keys[6], *views) is None  # the copying path again
+    assert torch.equal(page, chain.pages[6])
+
+
+def test_with_a_secret_a_forged_object_in_the_store_is_refused_and_counted(cluster):
+    """Anyone with a client of the store can upsert under a page's key. With
+    a deployment secret, an object whose payload was replaced and whose
+    checksum was recomputed (all an unkeyed reader checks) fails its MAC:
+    that page and the chain after it are misses, never restored."""
+    import xxhash
+
+    from sglang_cp_hicache.l3.auth import ObjectSeal
+    from sglang_cp_hicache.l3.envelope import TAG_OFFSET
+
+    keyed = namespace(seal=ObjectSeal.keyed(os.urandom(32)))
+    chain = Chain(seed=73, ns=keyed)
+    owners = interleaved_owners(0, NUM_PAGES, 2)
+    assert all(all(r) for r in chain.write(cluster.stores[:2], owners))
+    good = bytes(pack(chain.keys[4], keyed, chain.pages[4]))
+    fake = payload(keyed, 666).numpy().tobytes()
+    forged = good[:TAG_OFFSET] + xxhash.xxh3_64_intdigest(fake).to_bytes(8, "little") + bytes(24) + fake
+    assert cluster.stores[2].put([chain.keys[4]], [forged]) == [True]
+    read, agreed = chain.read(cluster.stores[2:4], owners)
+    assert agreed == 4
+    assert [r.reason for res in read for r in res.rejections if r is not None] == ["mac"]
+    chain.check_restored(read, agreed)
 
 
 def test_clear_removes_this_deployments_namespaces_from_the_whole_store_and_nothing_else(cluster):
