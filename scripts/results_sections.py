@@ -306,10 +306,13 @@ def _l3_file(f: dict[str, Any]) -> list[str]:
         d = f.get(kind) or {}
         for op in ("read", "write"):
             rows.append([f"{kind} ({n(d.get('page_bytes'))} B)", op, n(d.get(f"library_{op}_GBps")),
+                         n(d.get(f"library_keyed_{op}_GBps")),
                          n(d.get(f"hicachefile_{op}_GBps")), n(d.get(f"raw_{op}_GBps")),
-                         n(d.get(f"library_over_hicachefile_{op}")), n(d.get(f"library_over_raw_{op}"))])
+                         n(d.get(f"library_over_hicachefile_{op}")), n(d.get(f"library_keyed_over_hicachefile_{op}")),
+                         n(d.get(f"library_over_raw_{op}"))])
         rows.append([f"{kind}", "read, page cache cold", n(d.get("library_read_cold_GBps")),
-                     n(d.get("hicachefile_read_cold_GBps")), n(d.get("raw_read_cold_GBps")), "", ""])
+                     n(d.get("library_keyed_read_cold_GBps")),
+                     n(d.get("hicachefile_read_cold_GBps")), n(d.get("raw_read_cold_GBps")), "", "", ""])
     p = f.get("prefix") or {}
     restore = "; ".join(f"CP {cp}: {n(p.get(f'pages_per_rank_cp{cp}'))} pages, {n(p.get(f'restore_seconds_cp{cp}'))} s "
                         f"hot / {n(p.get(f'restore_seconds_cp{cp}_cold'))} s cold" for cp in (1, 2, 4, 8)
@@ -326,12 +329,32 @@ def _l3_file(f: dict[str, Any]) -> list[str]:
         "into fresh flat pages, then SGLang's own host copy (`set_from_flat_data_page`), nothing "
         "verified; raw: `readinto` a preallocated tensor, one thread, no host pool.",
         "",
-        *table(["page", "op", "library", "HiCacheFile", "raw floor", "library / HiCacheFile",
-                "library / raw"], rows),
+        *table(["page", "op", "library", "library, keyed", "HiCacheFile", "raw floor", "library / HiCacheFile",
+                "keyed / HiCacheFile", "library / raw"], rows),
         "",
         f"A {n(p.get('prefix_tokens'))}-token DeepSeek-V3.2 prefix ({n(p.get('pages'))} pages of KV and "
         f"indexer objects) restored by one rank into host pools: {restore}. Checksums on 64 MiB, GB/s: "
         f"{checks}.",
+        *_macs(f.get("macs") or {}, f.get("threads")),
+    ]
+
+
+def _macs(m: dict[str, Any], threads: Any) -> list[str]:
+    """The MAC candidates on one page (``bench_l3.bench_macs``)."""
+    names = sorted({k.split("_", 2)[2].rsplit("_GBps", 1)[0] for k in m if k.startswith("kv_runs_") and
+                    k.endswith("_GBps")})
+    if not names:
+        return []
+    rows = [[name, *[n(m.get(f"{kind}_runs_{name}_GBps")) for kind in ("kv", "indexer")],
+             n(m.get(f"kv_whole_{name}_GBps")), n(m.get(f"kv_runs_{name}_GBps_{threads}threads")),
+             n(m.get(f"kv_{name}_us_per_page")), n(m.get(f"indexer_{name}_us_per_page"))] for name in names]
+    return [
+        "",
+        "Each object's tag, on one DeepSeek-V3.2 page streamed as its 61 layer runs (as a host page is checked), "
+        "GB/s; the keyed ones are the MAC candidates of `SGLANG_CP_HICACHE_L3_KEY_FILE`:",
+        "",
+        *table(["tag", "KV page, 1 thread", "indexer page, 1 thread", "KV page whole, 1 thread",
+                f"KV page, {n(threads)} threads", "µs per KV page", "µs per indexer page"], rows),
     ]
 
 

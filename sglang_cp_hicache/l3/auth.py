@@ -114,6 +114,19 @@ class ObjectSeal:
     def __repr__(self) -> str:
         return f"ObjectSeal({self.scheme!r})"
 
+    def check_value(self) -> str:
+        """A key check value: 8 hex of a MAC of a fixed text under the key
+        ("" without one). Ranks and deployments compare it to find one that
+        names another secret, at start-up rather than by refusals later; it
+        tells nothing of the secret (a BLAKE3 output under a derived key)."""
+        if self._key is None:
+            return ""
+        return blake3.blake3(b"sglang-cp-hicache key check value", key=self._key).hexdigest()[:8]
+
+    def describe(self) -> str:
+        """The scheme, and the key check value where there is a key."""
+        return f"{self.scheme}:kcv={self.check_value()}" if self._key is not None else self.scheme
+
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, ObjectSeal):
             return NotImplemented

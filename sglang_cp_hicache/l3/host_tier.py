@@ -181,8 +181,10 @@ class HostL3Tier:
 
     def describe(self) -> str:
         """What every rank must agree on: both namespaces (a file store's
-        directory may be mounted at different paths on different hosts)."""
-        return f"kv:{self.kv_ns.digest()}|indexer:{self.indexer_ns.digest()}|objects:{self.kv_ns.seal.scheme}"
+        directory may be mounted at different paths on different hosts) and
+        the objects' seal (with a secret, its key check value: a rank given
+        another secret refuses to start rather than refuse every page)."""
+        return f"kv:{self.kv_ns.digest()}|indexer:{self.indexer_ns.digest()}|objects:{self.kv_ns.seal.describe()}"
 
     # ---- keys ----------------------------------------------------------------
     def page_hashes(self, token_ids: list[int]) -> list[str]:

@@ -217,3 +217,16 @@ def test_keyed_and_unkeyed_tiers_on_one_store_never_read_each_others_objects(tmp
     assert stranger.store.exists([kv_key, idx_key]) == [True, True]  # same names as the keyed deployment's...
     assert not stranger.read_page(kv_key, idx_key, 0, lambda fn: fn())
     assert stranger.counters.rejected_pages == 1  # ...refused by the MAC
+
+
+def test_the_key_check_value_tells_secrets_apart_and_nothing_of_them(tmp_path):
+    from tests.l3.test_host_tier import _tier
+
+    store = FilePageStore(tmp_path / "l3")
+    a, b = ObjectSeal.keyed(SECRET), ObjectSeal.keyed(OTHER_SECRET)
+    assert a.check_value() == KEYED.check_value() != b.check_value()
+    assert len(a.check_value()) == 8 and UNKEYED.check_value() == ""
+    views = {_tier(store, 0, seed=1, seal=seal).describe() for seal in (a, b, UNKEYED)}
+    assert len(views) == 3  # ranks that name different secrets disagree at start-up
+    assert all(SECRET.hex() not in v and SECRET.decode("latin-1") not in v for v in views)
+    assert _tier(store, 0, seed=1, seal=a).describe().endswith(f"|objects:blake3-keyed:kcv={a.check_value()}")
