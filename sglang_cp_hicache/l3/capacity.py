@@ -55,7 +55,9 @@ from pathlib import Path
 from typing import Any, Iterator, Mapping, Optional
 
 from sglang_cp_hicache.l3.keys import DIGEST_CHARS, PAGE_HASH_CHARS, PARENT_CHARS, ROOT_PARENT
-from sglang_cp_hicache.l3.safe_files import FILE_MODE, create_exclusive, iter_subdirs, open_regular, open_subdir
+from sglang_cp_hicache.l3.safe_files import (
+    FILE_MODE, create_exclusive, iter_subdirs, open_regular, open_subdir, write_all,
+)
 
 __all__ = ["CAPACITY_TMP_PREFIX", "CapacityConfig", "DirectoryCapacity", "EVICTION_POLICIES", "is_capacity_tmp",
            "parse_size"]
@@ -344,7 +346,7 @@ class DirectoryCapacity:
         fd, tmp = create_exclusive(self._root, CAPACITY_TMP_PREFIX)
         try:
             try:
-                os.write(fd, body)
+                write_all(fd, body)
             finally:
                 os.close(fd)
             os.replace(f"{self._root}/{tmp}", f"{self._root}/{_STATE_FILE}")

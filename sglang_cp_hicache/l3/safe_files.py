@@ -29,7 +29,7 @@ from typing import Iterator
 
 __all__ = [
     "CREATE_FLAGS", "DIR_FLAGS", "FILE_MODE", "READ_FLAGS", "create_exclusive", "iter_subdirs", "open_regular",
-    "open_subdir",
+    "open_subdir", "write_all",
 ]
 
 #: Opening an existing file to read: no link followed, no wait on a FIFO.
@@ -74,6 +74,13 @@ def create_exclusive(directory: str, prefix: str, suffix: str = "", *, dir_fd: i
             return os.open(path, CREATE_FLAGS, FILE_MODE, dir_fd=dir_fd), name
         except FileExistsError:
             continue  # a 64-bit collision, or a name planted in advance: draw again
+
+
+def write_all(fd: int, data: bytes) -> None:
+    """Every byte of ``data`` written to ``fd`` (retried on a short write)."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
 
 
 def open_subdir(root: str, name: str, *, create: bool = False, mode: int = 0o777) -> int:

@@ -382,7 +382,10 @@ class FilePageStore:
                 return False
         ok = self._put_one(path, views)
         if self.capacity is not None:
-            self.capacity.done(path.name, reserved, ok)
+            try:
+                self.capacity.done(path.name, reserved, ok)
+            except OSError as err:  # the registration lapses (STALE_PENDING_S); the write itself stands
+                logger.warning("L3 file store: cannot record the write of %s: %s", key, err)
         if time.monotonic() - self._last_sweep > SWEEP_EVERY_S:
             self.sweep()
         return ok

@@ -101,6 +101,19 @@ def test_a_link_at_the_lock_name_is_refused_naming_it(tmp_path, dangling):
     assert _untouched(victim)
 
 
+def test_a_lock_swapped_for_a_link_while_running_fails_the_write_not_the_server(tmp_path, caplog):
+    directory, victim = tmp_path / "l3", _victim(tmp_path)
+    store = FilePageStore(directory, capacity=BOUNDED)
+    lock = directory / ".l3-capacity.lock"
+    lock.unlink()
+    lock.symlink_to(victim)
+    key, blob = _key_and_blob()
+    assert store.put([key], [blob]) == [False]
+    assert "is a symbolic link" in caplog.text and _untouched(victim)
+    lock.unlink()  # the operator removes it: writes go on
+    assert store.put([key], [blob]) == [True]
+
+
 def test_a_lock_that_is_not_a_regular_file_is_refused(tmp_path):
     directory = tmp_path / "l3"
     directory.mkdir()
