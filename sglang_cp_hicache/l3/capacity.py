@@ -368,7 +368,7 @@ class DirectoryCapacity:
         show recent frees yet (counted for :data:`FLOOR_CREDIT_S`)."""
         shown = self._free_bytes()
         floor = state.floor
-        if floor is not None and floor[0] > shown and time.time() - floor[1] < FLOOR_CREDIT_S:
+        if floor is not None and floor[0] > shown and abs(time.time() - floor[1]) < FLOOR_CREDIT_S:
             return int(floor[0])
         state.floor = None  # shown by now (or too old to trust)
         return shown
@@ -522,7 +522,8 @@ def _drop_dead_writers(state: _State) -> bool:
     for name, entry in list(state.pending.items()):
         writer = state.writers.get(name)
         here = _HOST is not None and writer is not None and len(writer) == 2 and writer[1] == _HOST
-        if now - float(entry[2]) > STALE_PENDING_S or (here and not _alive(writer[0])):
+        # abs: a time in the future (a skewed clock, or a forged one) does not pin a registration
+        if abs(now - float(entry[2])) > STALE_PENDING_S or (here and not _alive(writer[0])):
             del state.pending[name]
             state.writers.pop(name, None)
             dropped = True

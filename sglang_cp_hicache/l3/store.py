@@ -170,24 +170,25 @@ def _check_directory(directory: object) -> Path:
 
 
 def _in_shared_temp_dir(path: Path) -> bool:
-    """Whether ``path`` lies under the system temp dir with no directory on
-    the way (below the temp dir) that is this account's alone: one any
-    local user could have created first, or could fill."""
+    """Whether ``path`` lies below the system temp dir or another
+    world-writable directory (``/var/tmp``, ``/dev/shm``) with no directory
+    on the way that is this account's alone: any local user could have
+    created it first, or can fill it."""
     try:
-        temp, real = Path(tempfile.gettempdir()).resolve(), path.resolve()
-        below = real.relative_to(temp)
-    except (OSError, ValueError):
+        real, temp = path.resolve(), Path(tempfile.gettempdir()).resolve()
+    except OSError:
         return False
-    step, euid = temp, os.geteuid()
-    for part in below.parts:
-        step = step / part
+    exposed, euid = False, os.geteuid()
+    for step in (*reversed(real.parents), real):
         try:
             st = step.stat()
         except OSError:
-            return True
-        if st.st_uid == euid and not st.st_mode & 0o077:
-            return False  # private to this account: no one else created or reaches what is below
-    return True
+            return exposed
+        if step == temp or st.st_mode & stat.S_IWOTH:
+            exposed = True
+        elif exposed and st.st_uid == euid and not st.st_mode & 0o077:
+            exposed = False  # private to this account: no one else created or reaches what is below
+    return exposed
 
 
 def _warn_if_in_temp_dir(path: Path) -> None:

@@ -291,3 +291,13 @@ def test_the_free_space_floor_counts_its_own_frees_and_leaves_a_margin(tmp_path,
     assert store.capacity.refused_writes == 0
     assert 10 <= store.capacity.evicted_objects <= 12  # the write and the margin, not all 30
     assert len(scans) == 1  # one round for ten writes
+
+
+def test_a_registration_dated_in_the_future_does_not_pin_its_bytes(tmp_path):
+    store = FilePageStore(tmp_path, capacity=CapacityConfig(max_size=10 * OBJECT))
+    state = json.loads((tmp_path / ".l3-capacity").read_text())
+    state["pending"]["x.bin"] = [5 * OBJECT, "0" * 16, time.time() + 86400]  # forged, or a skewed clock
+    state["used"] = 5 * OBJECT
+    (tmp_path / ".l3-capacity").write_text(json.dumps(state))
+    assert store.capacity.used_bytes() == 0
+    assert store.capacity.reserve("y.bin", OBJECT) == OBJECT and set(_pending(tmp_path)) == {"y.bin"}

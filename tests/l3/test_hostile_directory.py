@@ -267,6 +267,11 @@ def test_a_directory_in_the_system_temp_dir_is_warned_about_once_at_open(tmp_pat
         finally:
             shutil.rmtree(outside)
         assert _warnings(caplog) == []
+        shared = tmp_path / "shared"  # like /var/tmp or /dev/shm: world-writable, sticky
+        shared.mkdir()
+        shared.chmod(0o1777)
+        FilePageStore(shared / "l3")
+        assert len(_warnings(caplog)) == 1
 
 
 # ---- 3. shared between accounts --------------------------------------------------------------------
