@@ -52,7 +52,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Optional
+from typing import Any, Callable, Iterator, Mapping, Optional
 
 from sglang_cp_hicache.l3.keys import DIGEST_CHARS, PAGE_HASH_CHARS, PARENT_CHARS, ROOT_PARENT
 from sglang_cp_hicache.l3.safe_files import (
@@ -397,7 +397,8 @@ class DirectoryCapacity:
         cap, min_free, ratio = self.config.max_size, self.config.min_free_space, self.config.eviction_ratio
         target = int(cap * ratio) if cap else None
         floor = min_free + int(min_free * (1.0 - ratio)) + max(need, 0)
-        free = [self._free_estimate(state) if min_free else 0]
+        start = self._free_estimate(state) if min_free else 0
+        free = [start]
         children: Counter[str] = Counter(p.parent for p in pages.values())
         children.update(v[1] for v in state.pending.values())
         by_prefix: dict[str, list[str]] = {}
@@ -421,10 +422,11 @@ class DirectoryCapacity:
             self._evict_random_chains(pages, children, full, evict, parent_page)
         else:
             self._evict_lru_leaves(pages, children, full, evict, parent_page)
-        if min_free:
+        if min_free and free[0] > start:  # frees this round: credited until the file system shows them
             state.floor = [free[0], time.time()]
 
-    def _evict_random_chains(self, pages, children, full, evict, parent_page) -> None:  # type: ignore[no-untyped-def]
+    def _evict_random_chains(self, pages: dict[str, _Page], children: Counter[str], full: Callable[[], bool],
+                             evict: Callable[[str], None], parent_page: Callable[[str], Optional[str]]) -> None:
         while full():
             leaves = sorted(h for h in pages if children[h[:PARENT_CHARS]] == 0)
             if not leaves:
@@ -436,7 +438,8 @@ class DirectoryCapacity:
                 evict(page)
                 page = up if up is not None and children[up[:PARENT_CHARS]] == 0 else None
 
-    def _evict_lru_leaves(self, pages, children, full, evict, parent_page) -> None:  # type: ignore[no-untyped-def]
+    def _evict_lru_leaves(self, pages: dict[str, _Page], children: Counter[str], full: Callable[[], bool],
+                          evict: Callable[[str], None], parent_page: Callable[[str], Optional[str]]) -> None:
         heap = [(p.mtime, h) for h, p in pages.items() if children[h[:PARENT_CHARS]] == 0]
         heapq.heapify(heap)
         while heap and full():

@@ -194,7 +194,8 @@ def _in_shared_temp_dir(path: Path) -> bool:
 def _warn_if_in_temp_dir(path: Path) -> None:
     if _in_shared_temp_dir(path):
         logger.warning(
-            "L3 file store: %s is in the system temp dir (SGLang's default is /tmp/hicache): other local users "
+            "L3 file store: %s is in the system temp dir or another world-writable directory (SGLang's default "
+            "is /tmp/hicache): other local users "
             "can pre-create it or fill it, and the server would use what they left there; choose a private "
             "directory with SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR, file_storage_path of "
             "--hicache-storage-backend-extra-config or SGLANG_CP_HICACHE_L3_DIR", path)
