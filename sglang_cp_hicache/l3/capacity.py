@@ -20,10 +20,24 @@
   A chain is never cut in the middle while a tail could go.
 * **Readers only ever miss.** An object is unlinked whole; a reader that
   opened it reads it whole, one that comes later finds nothing.
+* **One bound per directory.** The state records the ``max_size`` and
+  ``min_free_space`` it was made with; a writer asking another bound is
+  refused at open (two bounds on one directory evict against each other).
+* **Dead writers let go.** A registration names its writer (pid, host,
+  boot, pid namespace): one whose writer is gone from this host is dropped
+  when the state is read; another host's, after :data:`STALE_PENDING_S`.
+* **Frees counted, not re-read.** Evicting for the free-space floor counts
+  the bytes it unlinks (ZFS, btrfs and NFS show a free late) and evicts a
+  margin of ``(1 - eviction_ratio) * min_free_space`` past the floor, so the
+  next writes fit without a rescan.
+* **Nothing through a link** (:mod:`.safe_files`): the state is written to
+  a new file of a random name and renamed into place, the lock and state
+  are opened without following a link and used only if regular files.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import heapq
 import json
@@ -31,30 +45,77 @@ import logging
 import os
 import random
 import re
+import socket
+import stat
 import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Optional
+from typing import Any, Callable, Iterator, Mapping, Optional
 
 from sglang_cp_hicache.l3.keys import DIGEST_CHARS, PAGE_HASH_CHARS, PARENT_CHARS, ROOT_PARENT
+from sglang_cp_hicache.l3.safe_files import (
+    FILE_MODE, create_exclusive, iter_subdirs, open_regular, open_subdir, write_all,
+)
 
-__all__ = ["CapacityConfig", "DirectoryCapacity", "EVICTION_POLICIES", "parse_size"]
+__all__ = ["CAPACITY_TMP_PREFIX", "CapacityConfig", "DirectoryCapacity", "EVICTION_POLICIES", "is_capacity_tmp",
+           "parse_size"]
 
 logger = logging.getLogger(__name__)
 
 EVICTION_POLICIES = ("lru-leaves", "random-chains")
 #: A registration older than this belongs to a writer that died mid-write.
 STALE_PENDING_S = 600.0
+#: How long bytes freed for the free-space floor are counted before the
+#: file system shows them (ZFS commits within seconds, NFS caches a minute).
+FLOOR_CREDIT_S = 60.0
 _STATE_FILE = ".l3-capacity"
 _LOCK_FILE = ".l3-capacity.lock"
+#: The state's temporary files (random names): the store's sweep removes a dead writer's.
+CAPACITY_TMP_PREFIX = ".l3-capacity.tmp."
+_LEGACY_TMP = re.compile(r"^\.l3-capacity\.\d+\.\d+$")  # {pid}.{thread}: earlier releases'
+#: A state file larger than this is not one (it is rebuilt, never read into memory).
+_STATE_MAX_BYTES = 1 << 24
 _NAME = re.compile(
     rf"^(?P<hash>[0-9a-f]{{{PAGE_HASH_CHARS}}})_(?P<digest>[0-9a-f]{{{DIGEST_CHARS}}})_"
     rf"(?P<parent>[0-9a-f]{{{PARENT_CHARS}}}|{ROOT_PARENT})\.bin$"
 )
 _SI = {"k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
 _IEC = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
+
+
+def is_capacity_tmp(name: str) -> bool:
+    """Whether ``name`` is a temporary file of the shared state."""
+    return name.startswith(CAPACITY_TMP_PREFIX) or _LEGACY_TMP.match(name) is not None
+
+
+def _host_identity() -> Optional[str]:
+    """This host, boot and pid namespace: where a pid names the same
+    process (containers on one host may share its name). None: unknown."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        pid_ns = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return None
+    return f"{socket.gethostname()}/{boot}/{pid_ns}"
+
+
+_HOST = _host_identity()
+
+
+def _alive(pid: object) -> bool:
+    """Whether process ``pid`` of this host runs (True when it cannot tell)."""
+    if isinstance(pid, bool) or not isinstance(pid, int) or pid <= 0:
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # another account's: alive
+    return True
 
 
 def parse_size(name: str, value: object) -> int:
@@ -124,11 +185,19 @@ class CapacityConfig:
 
 @dataclass
 class _State:
-    """The shared state: bytes in use, and the objects being written
-    (name -> [bytes, parent, registered at])."""
+    """The shared state: bytes in use; the objects being written (name ->
+    [bytes, parent, registered at]) and their writers (name -> [pid, host];
+    a key of its own, so earlier releases read the state as they did); the
+    bound it was made with (None: not recorded); ``floor``: [free bytes
+    expected once the file system shows the last frees, when counted] or
+    None."""
 
     used: int = 0
     pending: dict[str, list] = field(default_factory=dict)
+    writers: dict[str, list] = field(default_factory=dict)
+    max_size: Optional[int] = None
+    min_free_space: Optional[int] = None
+    floor: Optional[list] = None
 
 
 @dataclass
@@ -145,6 +214,8 @@ class DirectoryCapacity:
 
     def __init__(self, directory: Path, config: CapacityConfig) -> None:
         self.directory = directory
+        self._root = os.fspath(directory)
+        self.configured = config
         total = self._file_system_bytes()
         if config.max_size and total and config.max_size > total - config.min_free_space:
             logger.warning("L3 directory cap %d B is above what the file system holds (%d B); clamping",
@@ -156,11 +227,30 @@ class DirectoryCapacity:
         self.refused_writes = 0
         self._mutex = threading.Lock()  # a flock is per open file: this process's threads queue here
         self._random = random.Random(0)
-        with self._locked():
-            state = self._read_state()
-            self._rescan(state)
-            self._make_room(state, 0)
-            self._write_state(state)
+        try:
+            with self._locked():
+                state = self._read_state()
+                self._check_bound(state)
+                self._make_room(state, 0)
+                self._write_state(state)
+        except OSError as err:
+            raise ValueError(f"directory {self._root!r}: cannot use its capacity state: {err}") from err
+
+    def _check_bound(self, state: _State) -> None:
+        """Refuse a bound other than the one the directory's state records."""
+        mine = (self.configured.max_size, self.configured.min_free_space)
+        if state.max_size is None or state.min_free_space is None:
+            state.max_size, state.min_free_space = mine
+            return
+        if (state.max_size, state.min_free_space) != mine:
+            raise ValueError(
+                f"L3 directory {self._root!r} is bounded at max_size={state.max_size} B, "
+                f"min_free_space={state.min_free_space} B by the servers writing it; this one asks "
+                f"max_size={mine[0]} B, min_free_space={mine[1]} B. Every deployment writing one directory "
+                "must use the same bound (SGLANG_HICACHE_FILE_BACKEND_MAX_SIZE / _MIN_FREE_SPACE, or max_size / "
+                "min_free_space in --hicache-storage-backend-extra-config); to change it, stop every server "
+                f"writing the directory and remove {self._root}/{_STATE_FILE}"
+            )
 
     # ---- writes ------------------------------------------------------------------------
     def reserve(self, name: str, size: int) -> Optional[int]:
@@ -174,20 +264,19 @@ class DirectoryCapacity:
         found = _NAME.match(name)
         parent = found["parent"] if found is not None else ROOT_PARENT
         with self._locked():
-            try:
-                old = (self.directory / name[:2] / name).stat().st_size
-            except OSError:
-                old = 0
-            need = size - old
+            need = size - self._stored_size(name)
             state = self._read_state()
-            if not self._fits(state.used, need):
+            if not self._fits(state, need):
                 self._make_room(state, need)
-            if not self._fits(state.used, need):
+            if not self._fits(state, need):
                 self._write_state(state)
                 self.refused_writes += 1
                 return None
             state.used += need
+            if state.floor is not None:
+                state.floor[0] -= max(need, 0)
             state.pending[name] = [need, parent, time.time()]
+            state.writers[name] = [os.getpid(), _HOST]
             self._write_state(state)
         return need
 
@@ -197,49 +286,92 @@ class DirectoryCapacity:
         with self._locked():
             state = self._read_state()
             state.pending.pop(name, None)
+            state.writers.pop(name, None)
             if not ok:
                 state.used -= reserved
+                if state.floor is not None:
+                    state.floor[0] += max(reserved, 0)
             self._write_state(state)
 
-    def touch(self, path: Path) -> None:
-        """A read or a kept write: the object is recently used."""
+    def touch(self, fd: int) -> None:
+        """A read or a kept write: the object (open as ``fd``: no path
+        looked up again) is recently used."""
         try:
-            os.utime(path)
+            os.utime(fd)
         except OSError:
-            pass  # evicted meanwhile: nothing to keep
+            pass  # not ours to touch: its recency is its writer's
 
     def used_bytes(self) -> int:
         """The bytes in use, as every writer counts them."""
         with self._locked():
             return self._read_state().used
 
+    def _stored_size(self, name: str) -> int:
+        """The size of the object now under ``name`` (0: none, or not a
+        regular file); a count only, nothing is opened."""
+        try:
+            st = os.stat(f"{self._root}/{name[:2]}/{name}", follow_symlinks=False)
+        except OSError:
+            return 0
+        return st.st_size if stat.S_ISREG(st.st_mode) else 0
+
     # ---- the shared state -------------------------------------------------------------
     def _locked(self) -> "_Locked":
         return _Locked(self)
 
     def _read_state(self) -> _State:
+        """The shared state; rebuilt from the directory where it is missing,
+        torn, or not a regular file."""
         try:
-            raw = json.loads((self.directory / _STATE_FILE).read_text())
-            state = _State(int(raw["used"]), {str(k): list(v) for k, v in raw["pending"].items()})
-        except (OSError, ValueError, KeyError, TypeError):
+            fd, st = open_regular(f"{self._root}/{_STATE_FILE}")
+            with os.fdopen(fd, "rb") as f:
+                data = f.read(_STATE_MAX_BYTES + 1) if st.st_size <= _STATE_MAX_BYTES else b""
+            state = _parse_state(json.loads(data))
+        except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError):
             state = _State()
             self._rescan(state)  # missing or torn (a writer died mid-write): count again
-        now = time.time()
-        for name, (_, _, at) in list(state.pending.items()):
-            if now - at > STALE_PENDING_S:  # its writer died: its bytes are counted by a rescan, if any
-                del state.pending[name]
+            return state
+        if _drop_dead_writers(state):
+            self._rescan(state)  # what a dead writer left (an object or none) is counted from the directory
         return state
 
     def _write_state(self, state: _State) -> None:
-        tmp = self.directory / f"{_STATE_FILE}.{os.getpid()}.{threading.get_ident()}"
-        tmp.write_text(json.dumps({"used": max(0, state.used), "pending": state.pending}))
-        os.replace(tmp, self.directory / _STATE_FILE)
+        """Written to a new file of a random name, renamed into place: a
+        link planted at any name is never written through."""
+        body = json.dumps({
+            "used": max(0, state.used), "pending": state.pending, "writers": state.writers, "floor": state.floor,
+            "max_size": self.configured.max_size if state.max_size is None else state.max_size,
+            "min_free_space": self.configured.min_free_space if state.min_free_space is None else state.min_free_space,
+        }).encode()
+        fd, tmp = create_exclusive(self._root, CAPACITY_TMP_PREFIX)
+        try:
+            try:
+                write_all(fd, body)
+            finally:
+                os.close(fd)
+            os.replace(f"{self._root}/{tmp}", f"{self._root}/{_STATE_FILE}")
+        except BaseException:
+            try:
+                os.unlink(f"{self._root}/{tmp}")
+            except OSError:
+                pass
+            raise
 
-    def _fits(self, used: int, need: int) -> bool:
+    def _fits(self, state: _State, need: int) -> bool:
         cap, min_free = self.config.max_size, self.config.min_free_space
-        if cap and used + need > cap:
+        if cap and state.used + need > cap:
             return False
-        return not (min_free and self._free_bytes() - max(need, 0) < min_free)
+        return not (min_free and self._free_estimate(state) - max(need, 0) < min_free)
+
+    def _free_estimate(self, state: _State) -> int:
+        """Free bytes: what the file system shows, or more where it does not
+        show recent frees yet (counted for :data:`FLOOR_CREDIT_S`)."""
+        shown = self._free_bytes()
+        floor = state.floor
+        if floor is not None and floor[0] > shown and abs(time.time() - floor[1]) < FLOOR_CREDIT_S:
+            return int(floor[0])
+        state.floor = None  # shown by now (or too old to trust)
+        return shown
 
     def _free_bytes(self) -> int:
         st = os.statvfs(self.directory)
@@ -258,10 +390,15 @@ class DirectoryCapacity:
 
     def _make_room(self, state: _State, need: int) -> None:
         """Evict leaves until ``need`` more bytes fit at the eviction ratio
-        of the cap and above the free-space floor."""
+        of the cap and the margin above the free-space floor. Free space is
+        read once and the bytes unlinked are added to it: a file system
+        that shows frees late must not make a round evict everything."""
         pages = self._rescan(state)
-        cap = self.config.max_size
-        target = int(cap * self.config.eviction_ratio) if cap else None
+        cap, min_free, ratio = self.config.max_size, self.config.min_free_space, self.config.eviction_ratio
+        target = int(cap * ratio) if cap else None
+        floor = min_free + int(min_free * (1.0 - ratio)) + max(need, 0)
+        start = self._free_estimate(state) if min_free else 0
+        free = [start]
         children: Counter[str] = Counter(p.parent for p in pages.values())
         children.update(v[1] for v in state.pending.values())
         by_prefix: dict[str, list[str]] = {}
@@ -269,28 +406,40 @@ class DirectoryCapacity:
             by_prefix.setdefault(h[:PARENT_CHARS], []).append(h)
 
         def full() -> bool:
-            return (target is not None and state.used + need > target) or not self._fits(state.used, need)
+            return (target is not None and state.used + need > target) or (min_free > 0 and free[0] < floor)
 
         def evict(page: str) -> None:
             for name in pages.pop(page).names:
-                state.used -= self._unlink(name)
+                freed = self._unlink(name)
+                state.used -= freed
+                free[0] += freed
 
         def parent_page(page: str) -> Optional[str]:
             parent = pages[page].parent
             return None if parent == ROOT_PARENT else next(iter(sorted(by_prefix.get(parent, ()))), None)
 
         if self.config.policy == "random-chains":
-            while full():
-                leaves = sorted(h for h in pages if children[h[:PARENT_CHARS]] == 0)
-                if not leaves:
-                    break
-                page = self._random.choice(leaves)
-                while page is not None and full():
-                    up = parent_page(page)
-                    children[pages[page].parent] -= 1
-                    evict(page)
-                    page = up if up is not None and children[up[:PARENT_CHARS]] == 0 else None
-            return
+            self._evict_random_chains(pages, children, full, evict, parent_page)
+        else:
+            self._evict_lru_leaves(pages, children, full, evict, parent_page)
+        if min_free and free[0] > start:  # frees this round: credited until the file system shows them
+            state.floor = [free[0], time.time()]
+
+    def _evict_random_chains(self, pages: dict[str, _Page], children: Counter[str], full: Callable[[], bool],
+                             evict: Callable[[str], None], parent_page: Callable[[str], Optional[str]]) -> None:
+        while full():
+            leaves = sorted(h for h in pages if children[h[:PARENT_CHARS]] == 0)
+            if not leaves:
+                break
+            page = self._random.choice(leaves)
+            while page is not None and full():
+                up = parent_page(page)
+                children[pages[page].parent] -= 1
+                evict(page)
+                page = up if up is not None and children[up[:PARENT_CHARS]] == 0 else None
+
+    def _evict_lru_leaves(self, pages: dict[str, _Page], children: Counter[str], full: Callable[[], bool],
+                          evict: Callable[[str], None], parent_page: Callable[[str], Optional[str]]) -> None:
         heap = [(p.mtime, h) for h, p in pages.items() if children[h[:PARENT_CHARS]] == 0]
         heapq.heapify(heap)
         while heap and full():
@@ -302,15 +451,26 @@ class DirectoryCapacity:
                 heapq.heappush(heap, (pages[up].mtime, up))  # a leaf now: in line to go
 
     def _unlink(self, name: str) -> int:
-        path = self.directory / name[:2] / name
+        """Remove object ``name``, relative to its subdirectory opened
+        without following a link; returns the bytes freed (0 for a link)."""
         try:
-            size = path.stat().st_size
-            path.unlink()
+            sub = open_subdir(self._root, name[:2])
         except FileNotFoundError:
             return 0
         except OSError as err:
-            logger.warning("L3 file store: cannot evict %s: %s", path, err)
+            logger.warning("L3 file store: cannot evict %s: %s", name, err)
             return 0
+        try:
+            st = os.stat(name, dir_fd=sub, follow_symlinks=False)
+            os.unlink(name, dir_fd=sub)
+        except FileNotFoundError:
+            return 0
+        except OSError as err:
+            logger.warning("L3 file store: cannot evict %s/%s/%s: %s", self._root, name[:2], name, err)
+            return 0
+        finally:
+            os.close(sub)
+        size = st.st_size if stat.S_ISREG(st.st_mode) else 0
         self.evicted_objects += 1
         self.evicted_bytes += size
         return size
@@ -329,17 +489,48 @@ class DirectoryCapacity:
         return pages
 
     def _listing(self) -> Iterator[tuple[str, int, float]]:
-        for sub in os.scandir(self.directory):
-            if not sub.is_dir(follow_symlinks=False) or sub.name.startswith("."):
+        for sub, fd in iter_subdirs(self._root):
+            if sub.startswith("."):
                 continue
-            for entry in os.scandir(sub.path):
-                if _NAME.match(entry.name) is None:
-                    continue
-                try:
-                    st = entry.stat(follow_symlinks=False)
-                except OSError:
-                    continue  # evicted meanwhile
-                yield entry.name, st.st_size, st.st_mtime
+            with os.scandir(fd) as entries:
+                for entry in entries:
+                    if _NAME.match(entry.name) is None:
+                        continue
+                    try:
+                        st = entry.stat(follow_symlinks=False)
+                    except OSError:
+                        continue  # evicted meanwhile
+                    if stat.S_ISREG(st.st_mode):
+                        yield entry.name, st.st_size, st.st_mtime
+
+
+def _parse_state(raw: Any) -> _State:
+    """The state as read from JSON (hostile input: any bad field raises)."""
+    pending = {str(k): list(v) for k, v in raw["pending"].items()}
+    for entry in pending.values():
+        int(entry[0]), str(entry[1]), float(entry[2])
+    writers = {str(k): list(v) for k, v in (raw.get("writers") or {}).items() if k in pending}
+    floor = raw.get("floor")
+    if floor is not None:
+        floor = [int(floor[0]), float(floor[1])]
+    bound = raw.get("max_size"), raw.get("min_free_space")
+    max_size, min_free = (None, None) if None in bound else (int(bound[0]), int(bound[1]))
+    return _State(int(raw["used"]), pending, writers, max_size, min_free, floor)
+
+
+def _drop_dead_writers(state: _State) -> bool:
+    """Drop registrations of writers that died: gone from this host, or
+    older than :data:`STALE_PENDING_S`; returns whether any was dropped."""
+    now, dropped = time.time(), False
+    for name, entry in list(state.pending.items()):
+        writer = state.writers.get(name)
+        here = _HOST is not None and writer is not None and len(writer) == 2 and writer[1] == _HOST
+        # abs: a time in the future (a skewed clock, or a forged one) does not pin a registration
+        if abs(now - float(entry[2])) > STALE_PENDING_S or (here and not _alive(writer[0])):
+            del state.pending[name]
+            state.writers.pop(name, None)
+            dropped = True
+    return dropped
 
 
 class _Locked:
@@ -352,11 +543,12 @@ class _Locked:
     def __enter__(self) -> "_Locked":
         self.capacity._mutex.acquire()
         try:
-            self.fd = os.open(self.capacity.directory / _LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+            self.fd = _open_lock(f"{self.capacity._root}/{_LOCK_FILE}")
             fcntl.flock(self.fd, fcntl.LOCK_EX)
         except BaseException:
             if self.fd >= 0:
                 os.close(self.fd)
+                self.fd = -1
             self.capacity._mutex.release()
             raise
         return self
@@ -366,4 +558,20 @@ class _Locked:
             fcntl.flock(self.fd, fcntl.LOCK_UN)
             os.close(self.fd)
         finally:
+            self.fd = -1
             self.capacity._mutex.release()
+
+
+def _open_lock(path: str) -> int:
+    """The lock file, created if missing (0o666 less the umask: accounts of
+    one group share it), never through a link, and only a regular file
+    (read-write: NFS grants an exclusive lock only to a writer)."""
+    flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    try:
+        fd, _ = open_regular(path, flags, FILE_MODE)
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            raise OSError(errno.ELOOP, f"capacity lock {path} is a symbolic link: refused (a lock is never "
+                                       "opened through a link; remove it)") from None
+        raise
+    return fd

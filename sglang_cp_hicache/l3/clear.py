@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 from sglang_cp_hicache.l3.keys import ROOT_PARENT, split_page_key
+from sglang_cp_hicache.l3.safe_files import iter_subdirs
 from sglang_cp_hicache.l3.store import FilePageStore
 
 __all__ = ["ClearReport", "NamespaceClearable", "clear_file_namespaces", "clear_namespaces"]
@@ -94,35 +95,42 @@ def clear_file_namespaces(store: FilePageStore, digests: Sequence[str]) -> Clear
     file whose name is a page key of one of them and that sits where the
     store keeps that key (``store.path_of``)."""
     wanted = _digests(digests)
+    root = os.fspath(store.directory)
     removed = errors = 0
     problems: list[str] = []
     try:
-        subdirs = [e for e in os.scandir(store.directory) if e.is_dir(follow_symlinks=False)]
+        for sub, fd in iter_subdirs(root):  # each opened without following a link: removals stay inside
+            done, failed = _clear_subdir(fd, sub, f"{root}/{sub}", store, wanted, problems)
+            removed, errors = removed + done, errors + failed
     except OSError as err:
-        return ClearReport(0, 1, f"cannot list {store.directory}: {err}")
-    for sub in subdirs:
-        try:
-            entries = list(os.scandir(sub.path))
-        except FileNotFoundError:
+        return ClearReport(removed, errors + 1, f"cannot list {store.directory}: {err}")
+    return ClearReport(removed, errors, "; ".join(problems))
+
+
+def _clear_subdir(fd: int, sub: str, where: str, store: FilePageStore, wanted: frozenset[str],
+                  problems: list[str]) -> tuple[int, int]:
+    """Remove the wanted objects of one subdirectory (open as ``fd``);
+    returns (removed, errors)."""
+    removed = errors = 0
+    try:
+        names = [e.name for e in os.scandir(fd)]
+    except OSError as err:
+        problems.append(f"cannot list {where}: {err}")
+        return 0, 1
+    for name in names:
+        key = _own_key(name, wanted)
+        if key is None or store.path_of(key).parent.name != sub:
             continue
+        try:
+            os.unlink(name, dir_fd=fd)
+            removed += 1
+        except FileNotFoundError:
+            pass  # a peer (or another deployment of this namespace) removed it first
         except OSError as err:
             errors += 1
-            problems.append(f"cannot list {sub.path}: {err}")
-            continue
-        for entry in entries:
-            key = _own_key(entry.name, wanted)
-            if key is None or os.fspath(store.path_of(key)) != entry.path:
-                continue
-            try:
-                os.unlink(entry.path)
-                removed += 1
-            except FileNotFoundError:
-                pass  # a peer (or another deployment of this namespace) removed it first
-            except OSError as err:
-                errors += 1
-                if len(problems) < 3:
-                    problems.append(f"cannot remove {entry.path}: {err}")
-    return ClearReport(removed, errors, "; ".join(problems))
+            if len(problems) < 3:
+                problems.append(f"cannot remove {where}/{name}: {err}")
+    return removed, errors
 
 
 def _own_key(name: str, wanted: frozenset[str]) -> str | None:

@@ -12,17 +12,18 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import stat
 import tempfile
 import threading
 import time
-import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Protocol, Union, runtime_checkable
+from typing import Callable, Optional, Protocol, Union, runtime_checkable
 
-from sglang_cp_hicache.l3.capacity import CapacityConfig, DirectoryCapacity
+from sglang_cp_hicache.l3.capacity import CapacityConfig, DirectoryCapacity, is_capacity_tmp
 from sglang_cp_hicache.l3.keys import check_page_key
+from sglang_cp_hicache.l3.safe_files import READ_FLAGS, create_exclusive, iter_subdirs, not_regular, open_subdir
 
 __all__ = ["FilePageStore", "OpenObject", "PageStore", "SizeMismatch", "TMP_SUFFIX", "preadv_all", "writev_all"]
 
@@ -139,16 +140,26 @@ def check_sizes(sizes: object, count: int) -> list[Optional[int]]:
 def _check_directory(directory: object) -> Path:
     """``directory`` as a Path, created if missing, proven writable by
     creating and removing a file in it: permission bits alone do not tell
-    (root writes through 0o500; a read-only mount ignores them)."""
+    (root writes through 0o500; a read-only mount ignores them). A
+    world-writable directory without the sticky bit is refused."""
     if not isinstance(directory, (str, os.PathLike)):
         raise TypeError(f"directory must be a str or path, got {type(directory).__name__}")
     path = Path(directory)
     try:
         path.mkdir(parents=True, exist_ok=True)
+        mode = path.stat().st_mode
     except FileExistsError as err:
         raise ValueError(f"directory {str(path)!r} exists and is not a directory") from err
     except OSError as err:
         raise ValueError(f"directory {str(path)!r} cannot be created: {err}") from err
+    if not stat.S_ISDIR(mode):
+        raise ValueError(f"directory {str(path)!r} exists and is not a directory")
+    if mode & stat.S_IWOTH and not mode & stat.S_ISVTX:
+        raise ValueError(
+            f"directory {str(path)!r} is world-writable without the sticky bit (mode {stat.S_IMODE(mode):o}): "
+            "anyone can delete or replace other users' files in it, so the tier's lock, state and objects are "
+            "not safe there; use a private or group directory (e.g. chmod 2770), or chmod +t it"
+        )
     try:
         fd, probe = tempfile.mkstemp(prefix=".write-probe.", dir=path)
         os.close(fd)
@@ -156,6 +167,45 @@ def _check_directory(directory: object) -> Path:
     except OSError as err:
         raise ValueError(f"directory {str(path)!r} is not writable: {err}") from err
     return path
+
+
+def _in_shared_temp_dir(path: Path) -> bool:
+    """Whether ``path`` lies below the system temp dir or another
+    world-writable directory (``/var/tmp``, ``/dev/shm``) with no directory
+    on the way that is this account's alone: any local user could have
+    created it first, or can fill it."""
+    try:
+        real, temp = path.resolve(), Path(tempfile.gettempdir()).resolve()
+    except OSError:
+        return False
+    exposed, euid = False, os.geteuid()
+    for step in (*reversed(real.parents), real):
+        try:
+            st = step.stat()
+        except OSError:
+            return exposed
+        if step == temp or st.st_mode & stat.S_IWOTH:
+            exposed = True
+        elif exposed and st.st_uid == euid and not st.st_mode & 0o077:
+            exposed = False  # private to this account: no one else created or reaches what is below
+    return exposed
+
+
+def _warn_if_in_temp_dir(path: Path) -> None:
+    if _in_shared_temp_dir(path):
+        logger.warning(
+            "L3 file store: %s is in the system temp dir or another world-writable directory (SGLang's default "
+            "is /tmp/hicache): other local users "
+            "can pre-create it or fill it, and the server would use what they left there; choose a private "
+            "directory with SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR, file_storage_path of "
+            "--hicache-storage-backend-extra-config or SGLANG_CP_HICACHE_L3_DIR", path)
+
+
+def _subdir_mode(root_mode: int) -> int:
+    """A key subdirectory is never more open than the directory itself
+    (a umask of 0 must not make world-writable subdirectories of a group
+    one); it keeps the sticky bit of a sticky one."""
+    return (stat.S_IMODE(root_mode) & 0o777 | 0o700) | (root_mode & stat.S_ISVTX)
 
 
 class OpenObject:
@@ -187,7 +237,7 @@ class OpenObject:
             logger.warning("L3 file store: cannot read %s: %s", self.path, err)
             return None
         if got == self.size and self._capacity is not None:
-            self._capacity.touch(Path(self.path))
+            self._capacity.touch(self.fd)
         return 0 if cached_only and got < sum(map(len, views)) else got
 
     def close(self) -> None:
@@ -226,7 +276,9 @@ class FilePageStore:
         if capacity is not None and not isinstance(capacity, CapacityConfig):
             raise TypeError(f"capacity must be a CapacityConfig, got {type(capacity).__name__}")
         self.directory = _check_directory(directory)
+        _warn_if_in_temp_dir(self.directory)
         self._root = os.fspath(self.directory)
+        self._subdir_mode = _subdir_mode(self.directory.stat().st_mode)
         self.fsync = fsync
         # The bound (max_size / min_free_space), None: unbounded.
         self.capacity = DirectoryCapacity(self.directory, capacity) if capacity and capacity.bounded else None
@@ -245,7 +297,15 @@ class FilePageStore:
         return f"{self._root}/{key[:2]}/{key}.bin"
 
     def exists(self, keys: Sequence[str]) -> list[bool]:
-        return [self.path_of(key).is_file() for key in _check_keys(keys)]
+        return [self._is_object(self._file_of(key)) for key in _check_keys(keys)]
+
+    @staticmethod
+    def _is_object(path: str) -> bool:
+        """A regular file (not a link to one: it is never read)."""
+        try:
+            return stat.S_ISREG(os.stat(path, follow_symlinks=False).st_mode)
+        except OSError:
+            return False
 
     def get(self, keys: Sequence[str], sizes: Optional[Sequence[int]] = None) -> list[bytes | SizeMismatch | None]:
         checked = _check_keys(keys)
@@ -284,22 +344,26 @@ class FilePageStore:
         it cannot be opened: a miss, never a crash). Opening can wait on
         storage; :meth:`OpenObject.read` with ``cached_only`` never does."""
         path = self._file_of(key)
+        # No link followed, no wait on a FIFO; the one fstat refuses any non-regular file.
         try:
-            fd = os.open(path, os.O_RDONLY)
+            fd = os.open(path, READ_FLAGS)
         except FileNotFoundError:
             return None
-        except OSError as err:  # unreadable counts as absent: a miss, never a crash
+        except OSError as err:  # unreadable (or a link: ELOOP) counts as absent: a miss, never a crash
             logger.warning("L3 file store: cannot read %s: %s", path, err)
             return None
         try:
-            stored = os.fstat(fd).st_size
+            st = os.fstat(fd)
         except OSError as err:
             os.close(fd)
             logger.warning("L3 file store: cannot read %s: %s", path, err)
             return None
-        if stored != size:
+        if not stat.S_ISREG(st.st_mode) or st.st_size != size:
             os.close(fd)
-            return SizeMismatch(stored)
+            if stat.S_ISREG(st.st_mode):
+                return SizeMismatch(st.st_size)
+            logger.warning("L3 file store: cannot read %s", not_regular(path, st.st_mode))
+            return None
         return OpenObject(fd, size, path, self.capacity)
 
     def write_from(self, key: str, views: Sequence[memoryview]) -> bool:
@@ -310,53 +374,64 @@ class FilePageStore:
         size = sum(len(v) for v in views)
         reserved = None
         if self.capacity is not None:
-            reserved = self.capacity.reserve(path.name, size)
+            try:
+                reserved = self.capacity.reserve(path.name, size)
+            except OSError as err:  # the lock or state was tampered with: this write fails, the server goes on
+                logger.warning("L3 file store: cannot write %s: %s", key, err)
+                return False
             if reserved is None:
                 logger.warning("L3 file store: no room for %s under the directory's bound", key)
                 return False
         ok = self._put_one(path, views)
         if self.capacity is not None:
-            self.capacity.done(path.name, reserved, ok)
+            try:
+                self.capacity.done(path.name, reserved, ok)
+            except OSError as err:  # the registration lapses (STALE_PENDING_S); the write itself stands
+                logger.warning("L3 file store: cannot record the write of %s: %s", key, err)
         if time.monotonic() - self._last_sweep > SWEEP_EVERY_S:
             self.sweep()
         return ok
 
     def _get_one(self, path: Path, size: Optional[int]) -> bytearray | SizeMismatch | None:
         try:
-            with open(path, "rb", buffering=0) as f:
-                stored = os.fstat(f.fileno()).st_size
-                if size is not None and stored != size:
-                    return SizeMismatch(stored)
-                data = bytearray(stored)
-                got = preadv_all(f.fileno(), [memoryview(data)])
-                return data if got == stored else SizeMismatch(got)
+            fd = os.open(path, READ_FLAGS)  # no link followed, no wait on a FIFO
         except FileNotFoundError:
             return None
-        except OSError as err:  # unreadable counts as absent: a miss, never a crash
+        except OSError as err:  # unreadable (or a link: ELOOP) counts as absent: a miss, never a crash
             logger.warning("L3 file store: cannot read %s: %s", path, err)
             return None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise not_regular(os.fspath(path), st.st_mode)
+            if size is not None and st.st_size != size:
+                return SizeMismatch(st.st_size)
+            data = bytearray(st.st_size)
+            got = preadv_all(fd, [memoryview(data)])
+            return data if got == st.st_size else SizeMismatch(got)
+        except OSError as err:
+            logger.warning("L3 file store: cannot read %s: %s", path, err)
+            return None
+        finally:
+            os.close(fd)
 
     def sweep(self, max_age_s: float = STALE_TMP_S) -> int:
         """Remove temporary files untouched for ``max_age_s`` seconds (their
-        writers died mid-write); returns how many."""
+        writers died mid-write): objects' in the key subdirectories, the
+        capacity state's in the directory; returns how many."""
         if not self._sweep_lock.acquire(blocking=False):
             return 0  # another thread sweeps right now
         removed = 0
         try:
             self._last_sweep = time.monotonic()
             cutoff = time.time() - max_age_s
-            for sub in os.scandir(self.directory):
-                if not sub.is_dir(follow_symlinks=False):
-                    continue
-                for entry in os.scandir(sub.path):
-                    if not entry.name.endswith(TMP_SUFFIX):
-                        continue
-                    try:
-                        if entry.stat(follow_symlinks=False).st_mtime < cutoff:
-                            os.unlink(entry.path)
-                            removed += 1
-                    except OSError:
-                        pass  # gone already, or another deployment's to remove
+            root_fd = os.open(self._root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                removed += _sweep_in(root_fd, is_capacity_tmp, cutoff)
+            finally:
+                os.close(root_fd)
+            for _, fd in iter_subdirs(self._root):
+                removed += _sweep_in(fd, lambda name: name.endswith(TMP_SUFFIX), cutoff)
         except OSError as err:
             logger.warning("L3 file store: cannot sweep %s: %s", self.directory, err)
         finally:
@@ -367,28 +442,49 @@ class FilePageStore:
         return removed
 
     def _put_one(self, path: Path, views: Sequence[memoryview]) -> bool:
-        tmp = path.with_name(
-            f".{path.name}.{os.getpid()}.{threading.get_ident()}.{uuid.uuid4().hex}{TMP_SUFFIX}"
-        )
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
+        # Every step is relative to the key's subdirectory opened without
+        # following a link: a subdirectory swapped for one refuses the write
+        # (ENOTDIR) instead of sending it elsewhere.
+        tmp = None
         try:
-            try:
-                fd = os.open(tmp, flags, 0o644)
-            except FileNotFoundError:  # the key's subdirectory is not there yet (or was cleared)
-                path.parent.mkdir(exist_ok=True)
-                fd = os.open(tmp, flags, 0o644)
+            sub = open_subdir(self._root, path.parent.name, create=True, mode=self._subdir_mode)
+        except OSError as err:
+            logger.warning("L3 file store: cannot write %s: %s", path, err)
+            return False
+        try:
+            fd, tmp = create_exclusive("", f".{path.name}.{os.getpid()}.", TMP_SUFFIX, dir_fd=sub)
             try:
                 writev_all(fd, views)
                 if self.fsync:
                     os.fsync(fd)
             finally:
                 os.close(fd)
-            os.replace(tmp, path)
+            os.replace(tmp, path.name, src_dir_fd=sub, dst_dir_fd=sub)
             return True
         except OSError as err:
             logger.warning("L3 file store: cannot write %s: %s", path, err)
-            try:
-                tmp.unlink()
-            except OSError:
-                pass
+            if tmp is not None:
+                try:
+                    os.unlink(tmp, dir_fd=sub)
+                except OSError:
+                    pass
             return False
+        finally:
+            os.close(sub)
+
+
+def _sweep_in(dir_fd: int, is_tmp: Callable[[str], bool], cutoff: float) -> int:
+    """Remove the temporary files in ``dir_fd`` last changed before
+    ``cutoff`` (a link is removed, never followed); returns how many."""
+    removed = 0
+    with os.scandir(dir_fd) as entries:
+        for entry in entries:
+            if not is_tmp(entry.name):
+                continue
+            try:
+                if entry.stat(follow_symlinks=False).st_mtime < cutoff:
+                    os.unlink(entry.name, dir_fd=dir_fd)
+                    removed += 1
+            except OSError:
+                pass  # gone already, or another deployment's to remove
+    return removed

@@ -16,6 +16,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Iterable
 
+from sglang_cp_hicache.l3.safe_files import create_exclusive, open_regular, open_subdir, write_all
+
 __all__ = ["MANIFEST_DIR", "object_names", "restored_by_writer", "write_manifest", "writers_of"]
 
 MANIFEST_DIR = ".sim-writers"
@@ -42,7 +44,9 @@ def writers_of(directory: str) -> dict[str, str]:
         return out
     for path in sorted(folder.glob("*.json")):
         try:
-            manifest = json.loads(path.read_text())
+            fd, _ = open_regular(os.fspath(path))  # no link followed, no wait on a FIFO
+            with os.fdopen(fd, "rb") as f:
+                manifest = json.loads(f.read())
             release, keys = manifest["release"], manifest["objects"]
         except (OSError, ValueError, KeyError, TypeError):
             continue  # a torn or foreign file names no writer
@@ -52,14 +56,26 @@ def writers_of(directory: str) -> dict[str, str]:
 
 
 def write_manifest(directory: str, release: str, added: Iterable[str]) -> Path:
-    """Record the objects this run added (atomically: a reader sees all or nothing)."""
-    folder = Path(directory, MANIFEST_DIR)
-    folder.mkdir(exist_ok=True)
-    path = folder / f"{release}-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}.json"
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"release": release, "objects": sorted(added)}))
-    os.replace(tmp, path)
-    return path
+    """Record the objects this run added (atomically: a reader sees all or
+    nothing), in a new file of a random name renamed into place, relative
+    to the manifest folder opened without following a link: the L3
+    directory is shared, and a link planted there is never written through."""
+    name = f"{release}-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}.json"
+    folder = open_subdir(os.fspath(directory), MANIFEST_DIR, create=True)
+    try:
+        fd, tmp = create_exclusive("", f".{name}.", ".tmp", dir_fd=folder)
+        try:
+            try:
+                write_all(fd, json.dumps({"release": release, "objects": sorted(added)}).encode())
+            finally:
+                os.close(fd)
+            os.replace(tmp, name, src_dir_fd=folder, dst_dir_fd=folder)
+        except BaseException:
+            os.unlink(tmp, dir_fd=folder)
+            raise
+    finally:
+        os.close(folder)
+    return Path(directory, MANIFEST_DIR, name)
 
 
 def restored_by_writer(restored_keys: Iterable[str], before: set[str], writers: dict[str, str]) -> dict[str, int]:

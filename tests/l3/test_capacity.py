@@ -4,6 +4,7 @@ readers that only ever miss."""
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from sglang_cp_hicache.l3.capacity import CapacityConfig, parse_size
+from sglang_cp_hicache.l3.capacity import CapacityConfig, DirectoryCapacity, parse_size
 from sglang_cp_hicache.l3.envelope import HEADER_BYTES
 from sglang_cp_hicache.l3.keys import page_keys, split_page_key
 from sglang_cp_hicache.l3.pages import PutOutcome, read_verified, store_verified
@@ -198,3 +199,105 @@ def test_the_count_is_rebuilt_from_the_directory_when_a_store_opens(tmp_path):
     _write_chain(store, 1, 3, _scratch())
     (tmp_path / ".l3-capacity").write_bytes(os.urandom(8))  # a torn state (a writer died mid-write)
     assert FilePageStore(tmp_path, capacity=config).capacity.used_bytes() == 3 * OBJECT
+
+
+# ---- writers that die, temporary files, one bound per directory, a floor shown late -------------------
+
+
+def _reserve_in_child_and_die(directory: Path, config: CapacityConfig, name: str) -> None:
+    """A forked writer reserves ``name`` and dies before its write is done."""
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            store = FilePageStore(directory, capacity=config)
+            code = 0 if store.capacity.reserve(name, OBJECT) == OBJECT else 1
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
+def _pending(directory: Path) -> dict:
+    return json.loads((directory / ".l3-capacity").read_text())["pending"]
+
+
+def test_a_writer_that_died_on_this_host_lets_go_of_its_reservation_at_once(tmp_path):
+    config = CapacityConfig(max_size=10 * OBJECT)
+    store = FilePageStore(tmp_path, capacity=config)
+    keys = page_keys(hash_chain(2, seed=5), NS)
+    dead = f"{keys[1]}.bin"
+    _reserve_in_child_and_die(tmp_path, config, dead)
+    assert dead in _pending(tmp_path)  # registered, and its writer is gone
+    assert store.capacity.reserve(f"{keys[0]}.bin", OBJECT) == OBJECT
+    assert set(_pending(tmp_path)) == {f"{keys[0]}.bin"}  # the dead writer's was dropped at once
+    assert store.capacity.used_bytes() == OBJECT  # and its bytes (no object was written) with it
+
+
+def test_another_hosts_registration_waits_for_the_timeout(tmp_path):
+    config = CapacityConfig(max_size=10 * OBJECT)
+    store = FilePageStore(tmp_path, capacity=config)
+    state = json.loads((tmp_path / ".l3-capacity").read_text())
+    state["pending"]["x.bin"] = [OBJECT, "0" * 16, time.time()]
+    state["writers"]["x.bin"] = [1, "another-host/boot/1"]
+    state["used"] = OBJECT
+    (tmp_path / ".l3-capacity").write_text(json.dumps(state))
+    assert store.capacity.used_bytes() == OBJECT and "x.bin" in _pending(tmp_path)
+
+
+def test_the_states_temporary_files_of_dead_writers_are_swept(tmp_path):
+    store = FilePageStore(tmp_path, capacity=CapacityConfig(max_size=10 * OBJECT))
+    old = [tmp_path / ".l3-capacity.tmp.0123456789abcdef", tmp_path / ".l3-capacity.123.456"]  # ours, earlier releases'
+    fresh = tmp_path / ".l3-capacity.tmp.fedcba9876543210"
+    for path in old + [fresh]:
+        path.write_text("{}")
+    for path in old:
+        os.utime(path, (0, 0))
+    assert store.sweep() == 2
+    assert not any(p.exists() for p in old) and fresh.exists()
+    assert (tmp_path / ".l3-capacity").exists() and (tmp_path / ".l3-capacity.lock").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".l3-capacity", ".l3-capacity.lock", fresh.name]
+
+
+def test_a_deployment_with_another_bound_is_refused_naming_both(tmp_path):
+    FilePageStore(tmp_path, capacity=CapacityConfig(max_size=10 * OBJECT))
+    FilePageStore(tmp_path, capacity=CapacityConfig(max_size=10 * OBJECT, eviction_ratio=0.5))  # same bound
+    with pytest.raises(ValueError, match=rf"max_size={10 * OBJECT} B.*this one asks max_size={20 * OBJECT} B"
+                                         r".*SGLANG_HICACHE_FILE_BACKEND_MAX_SIZE.*remove .*\.l3-capacity"):
+        FilePageStore(tmp_path, capacity=CapacityConfig(max_size=20 * OBJECT))
+    with pytest.raises(ValueError, match="min_free_space=1 B"):
+        FilePageStore(tmp_path, capacity=CapacityConfig(max_size=10 * OBJECT, min_free_space=1))
+    (tmp_path / ".l3-capacity").unlink()  # every server stopped: the bound may change
+    assert FilePageStore(tmp_path, capacity=CapacityConfig(max_size=20 * OBJECT)).capacity is not None
+
+
+def test_the_free_space_floor_counts_its_own_frees_and_leaves_a_margin(tmp_path, monkeypatch):
+    """A file system that shows frees late (ZFS, btrfs, NFS): a round evicts
+    what the floor and its margin need, not everything; later writes fit in
+    the margin without a rescan each."""
+    floor = 100 * OBJECT  # margin: (1 - 0.9) * floor = 10 objects
+    shown = [10**15]
+    monkeypatch.setattr(DirectoryCapacity, "_free_bytes", lambda self: shown[0])
+    store = FilePageStore(tmp_path, capacity=CapacityConfig(min_free_space=floor, eviction_ratio=0.9))
+    scratch = _scratch()
+    for seed in range(30):
+        _write_chain(store, seed, 1, scratch)
+    shown[0] = floor  # at the floor, and it never shows a free
+    scans = []
+    listing = store.capacity._pages
+    monkeypatch.setattr(store.capacity, "_pages", lambda: scans.append(1) or listing())
+    for seed in range(100, 110):
+        _write_chain(store, seed, 1, scratch)
+    assert store.capacity.refused_writes == 0
+    assert 10 <= store.capacity.evicted_objects <= 12  # the write and the margin, not all 30
+    assert len(scans) == 1  # one round for ten writes
+
+
+def test_a_registration_dated_in_the_future_does_not_pin_its_bytes(tmp_path):
+    store = FilePageStore(tmp_path, capacity=CapacityConfig(max_size=10 * OBJECT))
+    state = json.loads((tmp_path / ".l3-capacity").read_text())
+    state["pending"]["x.bin"] = [5 * OBJECT, "0" * 16, time.time() + 86400]  # forged, or a skewed clock
+    state["used"] = 5 * OBJECT
+    (tmp_path / ".l3-capacity").write_text(json.dumps(state))
+    assert store.capacity.used_bytes() == 0
+    assert store.capacity.reserve("y.bin", OBJECT) == OBJECT and set(_pending(tmp_path)) == {"y.bin"}

@@ -181,7 +181,7 @@ def test_a_failed_rename_reports_false_and_removes_its_temp_file(tmp_path, monke
     store = FilePageStore(tmp_path)
     key = page_key("6" * 64, NS)
 
-    def no_space(src, dst):
+    def no_space(src, dst, **kwargs):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(os, "replace", no_space)
