@@ -94,7 +94,7 @@ def chain_hashes_or_none(tier: HostL3Tier, tokens: list[int], first_page: int) -
     try:
         return chain_hashes(tier, tokens, first_page)
     except Exception:
-        logger.exception("cp-hicache L3: hashing a chain failed on cp_rank %d", tier.placement.cp_rank)
+        logger.exception("sglang-cp-hicache L3: hashing a chain failed on cp_rank %d", tier.placement.cp_rank)
         return None, None
 
 
@@ -256,7 +256,7 @@ class L3Prefetcher:
                 what=f"L3 query of {plan.num_pages} pages",
             ))
         except Exception:  # the group hears of it as a present prefix of 0
-            logger.exception("cp-hicache L3: query failed on cp_rank %d", self.tier.placement.cp_rank)
+            logger.exception("sglang-cp-hicache L3: query failed on cp_rank %d", self.tier.placement.cp_rank)
             lookup.word = 0
         self.pending.append(lookup)
         if waiters is not None:
@@ -293,7 +293,7 @@ class L3Prefetcher:
             self.counters.add(timeouts=1)
             late = next(job for job in lookup.jobs if job.overdue(now))
             logger.warning(
-                "cp-hicache L3: %s on cp_rank %d passed its %.1f s deadline; answering a miss from here",
+                "sglang-cp-hicache L3: %s on cp_rank %d passed its %.1f s deadline; answering a miss from here",
                 late.what, self.tier.placement.cp_rank, late.deadline - lookup.started,
             )
         else:
@@ -312,7 +312,7 @@ class L3Prefetcher:
                     return index
             return lookup.pages
         except Exception:  # the group hears of it as a prefix of 0
-            logger.exception("cp-hicache L3: %s of %d pages failed on cp_rank %d", lookup.stage.value,
+            logger.exception("sglang-cp-hicache L3: %s of %d pages failed on cp_rank %d", lookup.stage.value,
                              lookup.pages, rank)
             return 0
 
@@ -368,7 +368,7 @@ class L3Prefetcher:
                 if not mine:
                     fetch.word = pages  # nothing of its own to read: the others judge theirs
             except Exception:
-                logger.exception("cp-hicache L3: fetch failed on cp_rank %d", rank)
+                logger.exception("sglang-cp-hicache L3: fetch failed on cp_rank %d", rank)
                 fetch.cancel()
                 fetch.word = 0
         self.pending.append(fetch)
@@ -404,7 +404,7 @@ class L3Prefetcher:
         rank = self.tier.placement.cp_rank
         what = ", ".join(f"{p.stage.value} of {p.pages} pages" for p in pending)
         logger.error(
-            "cp-hicache L3: the step all-reduce failed on cp_rank %d with %d L3 lookup(s) pending (%s); "
+            "sglang-cp-hicache L3: the step all-reduce failed on cp_rank %d with %d L3 lookup(s) pending (%s); "
             "none is inserted, what they held is given back: %r", rank, len(pending), what, error,
         )
         for lookup in pending:

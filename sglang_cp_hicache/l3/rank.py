@@ -112,7 +112,7 @@ class RankL3:
         try:
             self.metrics_sink.publish(self.metrics.step(), self.metrics.snapshot())
         except Exception:
-            logger.exception("cp-hicache L3: publishing metrics failed on cp_rank %d", self.tier.placement.cp_rank)
+            logger.exception("sglang-cp-hicache L3: publishing metrics failed on cp_rank %d", self.tier.placement.cp_rank)
 
     def clear(self) -> ClearReport:
         """Remove every object of this deployment's two namespaces (SGLang's
@@ -121,20 +121,20 @@ class RankL3:
         whole namespaces, whatever rank wrote them. Never raises on I/O."""
         rank = self.tier.placement.cp_rank
         if not self.writer.wait(self.location.timeouts.max_s):
-            logger.warning("cp-hicache L3: writes still running on cp_rank %d at the clear; what they store "
+            logger.warning("sglang-cp-hicache L3: writes still running on cp_rank %d at the clear; what they store "
                            "afterwards stays", rank)
         digests = [self.tier.kv_ns.digest(), self.tier.indexer_ns.digest()]
         try:
             report = clear_namespaces(self.tier.store, digests)
         except Exception as exc:  # an admin call answers, it never takes the scheduler down
-            logger.exception("cp-hicache L3: clearing failed on cp_rank %d", rank)
+            logger.exception("sglang-cp-hicache L3: clearing failed on cp_rank %d", rank)
             report = ClearReport(0, 1, f"{type(exc).__name__}: {exc}")
         self.io.record_cleared(report.removed)
         if report.ok:
-            logger.info("cp-hicache L3: cleared namespaces %s on cp_rank %d (%d object(s) removed by this rank)",
+            logger.info("sglang-cp-hicache L3: cleared namespaces %s on cp_rank %d (%d object(s) removed by this rank)",
                         self.describe(), rank, report.removed)
         else:
-            logger.error("cp-hicache L3: clearing namespaces %s on cp_rank %d left %d object(s) or listing(s) "
+            logger.error("sglang-cp-hicache L3: clearing namespaces %s on cp_rank %d left %d object(s) or listing(s) "
                          "behind: %s", self.describe(), rank, report.errors, report.detail)
         return report
 

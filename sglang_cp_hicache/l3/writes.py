@@ -52,14 +52,14 @@ class L3Writer:
         queued = self._prune()
         if queued + mine > self.max_queued_pages:
             self.tier.counters.add(dropped_writes=mine)
-            logger.warning("cp-hicache L3: %d writes queued on cp_rank %d; dropping a write of %d pages",
+            logger.warning("sglang-cp-hicache L3: %d writes queued on cp_rank %d; dropping a write of %d pages",
                            queued, rank, mine)
             return
         try:
             snap = self.tier.snapshot_pages(hashes, owners, slots, parent)
             keys = self.tier.snapshot_keys(snap)
         except Exception:  # L3 is a cache: a failed write is a later miss, never an error
-            logger.exception("cp-hicache L3: storing %d pages failed on cp_rank %d", mine, rank)
+            logger.exception("sglang-cp-hicache L3: storing %d pages failed on cp_rank %d", mine, rank)
             self.tier.counters.add(write_failures=mine)
             return
         timeout_s = self.timeouts.for_tokens(mine * self.tier.page_size)
@@ -68,7 +68,7 @@ class L3Writer:
                 job = self.workers.submit(self._store_job, kv_key, idx_key, kv, idx, timeout_s=timeout_s,
                                           what="L3 write of a page")
             except Exception:
-                logger.exception("cp-hicache L3: queueing a page write failed on cp_rank %d", rank)
+                logger.exception("sglang-cp-hicache L3: queueing a page write failed on cp_rank %d", rank)
                 self.tier.counters.add(write_failures=1)
                 continue
             self._jobs.append((job, 1))
@@ -82,7 +82,7 @@ class L3Writer:
         try:
             return self.tier.store_page(kv_key, idx_key, kv, idx)
         except Exception:
-            logger.exception("cp-hicache L3: storing %s failed on cp_rank %d", kv_key, self.tier.placement.cp_rank)
+            logger.exception("sglang-cp-hicache L3: storing %s failed on cp_rank %d", kv_key, self.tier.placement.cp_rank)
             self.tier.counters.add(write_failures=1)
             return False
 

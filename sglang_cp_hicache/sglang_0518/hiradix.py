@@ -217,7 +217,7 @@ class CpHiRadixCache(HiRadixCache):
             device=kv_layer.device,
         )
         logger.info(
-            "cp-hicache: copy kernels ready on cp_rank %d/%d: backend=%s, %d kernel(s) %s in %.2f s "
+            "sglang-cp-hicache: copy kernels ready on cp_rank %d/%d: backend=%s, %d kernel(s) %s in %.2f s "
             "(cache dir: %s; set TRITON_CACHE_DIR to a persistent directory to skip this on restart)",
             self.cp_placement.cp_rank, self.cp_placement.cp_size, report.backend, report.compiled,
             ",".join(report.ops) or "-", report.seconds, report.cache_dir,

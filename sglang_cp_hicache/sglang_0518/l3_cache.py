@@ -75,7 +75,7 @@ class L3Cache:
         try:
             hashes, parent = chain_hashes(tier, tokens, first)
         except Exception:  # L3 is a cache: a failed write is a later miss, never an error
-            logger.exception("cp-hicache L3: hashing node %d failed on cp_rank %d", node.id, rank)
+            logger.exception("sglang-cp-hicache L3: hashing node %d failed on cp_rank %d", node.id, rank)
             tier.counters.add(write_failures=sum(o == rank for o in owners))
             return
         self.rank_l3.writer.write(hashes, owners, meta.host_indices[::P].tolist(), parent)

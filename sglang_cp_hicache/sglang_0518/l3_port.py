@@ -111,10 +111,10 @@ class L3Port0518:
         try:
             slots = self.tree.cache_controller.mem_pool_host.alloc(mine * P) if mine else _EMPTY
         except Exception:
-            logger.exception("cp-hicache L3: host allocation for a fetch raised on cp_rank %d", rank)
+            logger.exception("sglang-cp-hicache L3: host allocation for a fetch raised on cp_rank %d", rank)
             return None
         if slots is None:
-            logger.warning("cp-hicache L3: host pool short on cp_rank %d (ledger said it fits)", rank)
+            logger.warning("sglang-cp-hicache L3: host pool short on cp_rank %d (ledger said it fits)", rank)
             return None
         return slots.to("cpu", torch.int64).reshape(-1)
 

@@ -89,14 +89,14 @@ def log_l3_start(placement: CpPlacement, rank_l3: Optional[RankL3], location: L3
     where = f"directory {location.directory}" if location.backend == "file" else f"{location.backend} store"
     timeouts = location.timeouts
     logger.info(
-        "cp-hicache L3 on cp_rank %d/%d: %s (from %s), model %s, %s, deadline %.1f s + %.2f s per 1024 "
+        "sglang-cp-hicache L3 on cp_rank %d/%d: %s (from %s), model %s, %s, deadline %.1f s + %.2f s per 1024 "
         "tokens (at most %.0f s), scheduler prefetch %s",
         rank, placement.cp_size, where, source_label(location), tier.model_label, tier.describe(),
         timeouts.base_s, timeouts.per_ki_token_s, timeouts.max_s, "on" if location.scheduler_driven else "off",
     )
     if not location.scheduler_driven:
         logger.warning(
-            "cp-hicache L3 on cp_rank %d: set by %s alone; a server's scheduler writes L3 but never "
+            "sglang-cp-hicache L3 on cp_rank %d: set by %s alone; a server's scheduler writes L3 but never "
             "prefetches from it without --hicache-storage-backend file", rank, location.source,
         )
 

@@ -50,7 +50,7 @@ def cp_hicache_factory(ctx):
     allocator = ctx.params.token_to_kv_pool_allocator
     if not isinstance(allocator, CpSharedPagedTokenToKVPoolAllocator):
         logger.warning(
-            "cp-hicache: --radix-cache-backend %s needs a CP shared KV pool: the token allocator must be "
+            "sglang-cp-hicache: --radix-cache-backend %s needs a CP shared KV pool: the token allocator must be "
             "%s, this server's is %s.%s. Stock SGLang 0.5.18 never builds one; install it where the "
             "model runner builds the KV pool. Copy path: SGLang's default cache, no CP HiCache on this rank.",
             BACKEND_NAME, CP_ALLOCATOR, type(allocator).__module__, type(allocator).__qualname__,
@@ -67,7 +67,7 @@ def cp_hicache_factory(ctx):
     cache = CpHiRadixCache(ctx.params, ctx.server_args)
     ctx.tp_worker.register_hicache_layer_transfer_counter(cache.cache_controller.layer_done_counter)
     logger.info(
-        "cp-hicache: CP shared KV HiCache on cp_rank %d of %d. Copy path: library (this library's "
+        "sglang-cp-hicache: CP shared KV HiCache on cp_rank %d of %d. Copy path: library (this library's "
         "kernels, backend %s)",
         allocator.cp_rank, allocator.cp_size, cache.cp_warmup.backend,
     )
@@ -106,6 +106,6 @@ def register() -> None:
     try:
         check_hooks()
     except HookMismatchError as exc:  # said now, in every scheduler; the cache refuses to build
-        logger.warning("cp-hicache: %s; building the CP cache will fail", exc)
+        logger.warning("sglang-cp-hicache: %s; building the CP cache will fail", exc)
     if get_radix_cache_factory(BACKEND_NAME) is None:
         register_radix_cache_backend(BACKEND_NAME, cp_hicache_factory)

@@ -62,7 +62,7 @@ class PageMirror:
             if not self._warned_device_read:
                 self._warned_device_read = True
                 logger.warning(
-                    "cp-hicache: insert without CpInsertParams.value_pages: reading the node's "
+                    "sglang-cp-hicache: insert without CpInsertParams.value_pages: reading the node's "
                     "locs back from the device (one sync per insert); pass the allocator's CPU "
                     "page mirror to keep the write path sync-free"
                 )

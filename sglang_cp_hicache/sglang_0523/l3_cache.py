@@ -131,7 +131,7 @@ class L3Driver:
             firsts = host[::P].to(torch.int64)
             owners = self.placement.owner_of(firsts).tolist()
         except Exception:  # L3 is a cache: a failed write is a later miss, never an error
-            logger.exception("cp-hicache L3: storing node %s failed on cp_rank %d", node.id, rank)
+            logger.exception("sglang-cp-hicache L3: storing node %s failed on cp_rank %d", node.id, rank)
             self.counters.add(write_failures=1)
             return
         self.l3.writer.write(hashes, owners, [int(s) for s, o in zip(firsts.tolist(), owners) if o == rank], parent)

@@ -134,7 +134,7 @@ class L3Port0523:
         firsts = slots[::P]
         slot_owners = self.placement.owner_of(firsts).tolist()
         if slot_owners != owners:
-            logger.error("cp-hicache L3: host slots of owners %s for a chain of owners %s", slot_owners, owners)
+            logger.error("sglang-cp-hicache L3: host slots of owners %s for a chain of owners %s", slot_owners, owners)
             return HostRoom0523(slots, None)
         rank = self.placement.cp_rank
         return HostRoom0523(slots, [int(s) for s, o in zip(firsts.tolist(), owners) if o == rank])
@@ -151,7 +151,7 @@ class L3Port0523:
             node = None if node_id is None else core.node_by_id(node_id)
             if node is None or getattr(result, "host_insert_dropped", False) or node.parent.id != plan.anchor:
                 kept = 0
-                logger.warning("cp-hicache L3: chain of %d pages could not hang under node %s", pages, plan.anchor)
+                logger.warning("sglang-cp-hicache L3: chain of %d pages could not hang under node %s", pages, plan.anchor)
             else:
                 node.rotation_base = plan.release.rotation_base
         if room.slots.numel() > kept:
