@@ -24,8 +24,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     add_simulate_parser(sub)
     shown = sub.add_parser(
-        "settings", help="the environment variables this library reads, with the values in force"
+        "settings", help="the installed SGLang release, the plugin that will load, and the environment "
+                         "variables this library reads that are set, with the values in force (exit 2 on "
+                         "an invalid one)"
     )
+    shown.add_argument("--all", action="store_true", dest="show_all",
+                       help="every setting, set or not, with its default and meaning")
     shown.set_defaults(func=_show_settings)
     return parser
 
@@ -35,14 +39,18 @@ def _show_settings(args: argparse.Namespace) -> int:
 
     from sglang_cp_hicache import releases, settings
 
-    print(settings.describe())
     try:
         installed = importlib.metadata.version("sglang")
     except importlib.metadata.PackageNotFoundError:
         installed = None
+    plugins = frozenset(ep.name for ep in importlib.metadata.entry_points(group="sglang.srt.plugins"))
+    print(releases.plugin_line(installed, plugins))
+    print(settings.describe(everything=args.show_all))
     note = releases.allow_list_note(installed)
     if note is not None:  # not an invalid setting of ours: said, exit status unchanged
         print(f"warning: {note}")
+    for warning in settings.unknown_names():  # a misspelt name reads as unset: said, not fatal
+        print(f"warning: {warning}")
     try:
         settings.check_all()
     except ValueError as exc:

@@ -35,6 +35,7 @@ __all__ = [
     "left_out_warning",
     "not_my_release",
     "plugin_allowed",
+    "plugin_line",
 ]
 
 #: SGLang's allow-list of general plugins (``sglang.srt.plugins``).
@@ -146,3 +147,26 @@ def not_my_release(plugin: str, version: str, environ: Optional[Mapping[str, str
         f"sglang-cp-hicache: SGLang {version} has no adapter in this package (it serves {served}); "
         f"the SGLang {mine.sglang_version} adapter ({plugin}) registers nothing"
     )
+
+
+def plugin_line(version: Optional[str], installed_plugins: frozenset[str],
+                environ: Optional[Mapping[str, str]] = None) -> str:
+    """For ``python -m sglang_cp_hicache settings``: the installed SGLang
+    release (``version``; None: none) and which of this package's plugins
+    SGLang will load for it, given the entry point names installed in
+    ``sglang.srt.plugins`` and ``SGLANG_PLUGINS``."""
+    if version is None:
+        return "SGLang is not installed here: no plugin of this package loads"
+    adapter = adapter_for(version)
+    if adapter is None:
+        served = ", ".join(r.sglang_version for r in RELEASES)
+        return f"SGLang {version} installed: no plugin of this package serves it (it serves {served})"
+    head = f"SGLang {version} installed: plugin {adapter.plugin}"
+    if adapter.plugin not in installed_plugins:  # e.g. the package on PYTHONPATH, never pip-installed
+        return f"{head} will not load (its entry point is not installed: pip install this package)"
+    raw = _raw_allow_list(environ)
+    if not raw:
+        return f"{head} will load ({PLUGINS_ENV} unset: every installed plugin loads)"
+    if plugin_allowed(adapter.plugin, environ):
+        return f"{head} will load ({PLUGINS_ENV}={raw!r} names it)"
+    return f"{head} will NOT load ({PLUGINS_ENV}={raw!r} leaves it out)"

@@ -5,18 +5,27 @@ A value is read when it is used (not at import), trimmed and lower-cased; an
 empty value means the default. A free-form setting (no ``choices``, e.g. a
 directory) is trimmed only, never lower-cased. A value outside the valid ones raises
 ``ValueError`` naming the variable and listing the valid values: a misspelt
-setting never falls back silently. Both adapters call :func:`check_all` when
-a cache is built, so a bad value stops start-up rather than a later copy.
+setting never falls back silently. The sizes, ratios and flags of SGLang's
+file and Mooncake backends are parsed as SGLang parses them
+(:mod:`sglang_cp_hicache.sizes`). Both adapters and the simulator call
+:func:`check_all` before a cache is built, so a bad value stops start-up
+rather than a later copy or one rank's store; a ``SGLANG_CP_HICACHE_*`` name
+that is none of ours gets a warning naming the closest one
+(:func:`unknown_names`), never an error.
 
-``python -m sglang_cp_hicache settings`` prints the table with the values in
-force.
+``python -m sglang_cp_hicache settings`` prints the settings that are set
+(``--all``: every one) with the values in force.
 """
 
 from __future__ import annotations
 
+import difflib
+import logging
 import os
 from dataclasses import dataclass
-from typing import Mapping, Optional
+from typing import Callable, Mapping, Optional
+
+from sglang_cp_hicache import sizes
 
 __all__ = [
     "ALLOW_ANY_SGLANG",
@@ -37,15 +46,19 @@ __all__ = [
     "L3_MODEL_ID",
     "L3_THREADS",
     "MOONCAKE_SETTINGS",
+    "OTHER_NAMES",
     "SETTINGS",
     "SGLANG_FILE_DIR",
     "SGLANG_PLUGINS",
     "Setting",
     "check_all",
+    "check_value",
     "describe",
     "enabled",
+    "log_unknown_names",
     "read",
     "read_int",
+    "unknown_names",
 ]
 
 _TRUE = ("1", "true", "yes", "on")
@@ -167,7 +180,7 @@ FILE_MAX_SIZE = Setting(
     "",
     (),
     "SGLang's own variable, read (never set) by the library: the bound of a "
-    "file L3 directory (200G, 64Gi, bytes) when the extra config names no "
+    "file L3 directory (200G, 64Gi or bytes, as SGLang reads it) when the extra config names no "
     "max_size; empty: unbounded.",
 )
 FILE_MIN_FREE = Setting(
@@ -175,14 +188,14 @@ FILE_MIN_FREE = Setting(
     "",
     (),
     "SGLang's own variable, read (never set): free space a file L3 directory's "
-    "file system keeps (the extra config's min_free_space wins); empty: none.",
+    "file system keeps (10G, 8Gi or bytes; the extra config's min_free_space wins); empty: none.",
 )
 FILE_EVICTION_RATIO = Setting(
     "SGLANG_HICACHE_FILE_BACKEND_EVICTION_RATIO",
     "",
     (),
     "SGLang's own variable, read (never set): a full directory is evicted down "
-    "to this share of max_size (the extra config's eviction_ratio wins); empty: 0.9.",
+    "to this share of max_size (a number in (0, 1]; the extra config's eviction_ratio wins); empty: 0.9.",
 )
 HF_HUB_CACHE = Setting(
     "HF_HUB_CACHE",
@@ -261,7 +274,7 @@ LOCAL_HOSTNAME = _mooncake("LOCAL_HOSTNAME", "the legacy name of MOONCAKE_LOCAL_
 MOONCAKE_METADATA_SERVER = _mooncake("MOONCAKE_TE_META_DATA_SERVER", "the transfer engine's metadata server; "
                                      "empty: P2PHANDSHAKE.")
 MOONCAKE_SEGMENT_SIZE = _mooncake("MOONCAKE_GLOBAL_SEGMENT_SIZE", "host memory lent to the store per TP group "
-                                  "(4gb, 512mb or bytes; each rank lends its share, as SGLang does); empty: 4gb.")
+                                  "(4gb or bytes; each rank lends its share, as SGLang does); empty: 4gb.")
 MOONCAKE_PROTOCOL = _mooncake("MOONCAKE_PROTOCOL", "rdma or tcp (SGLang 0.5.23: also when the extra config / "
                               "file names none); empty: rdma.")
 MOONCAKE_DEVICE = _mooncake("MOONCAKE_DEVICE", "RDMA device(s), or a JSON map from TP rank to device; empty: auto.")
@@ -324,22 +337,94 @@ def enabled(setting: Setting, environ: Optional[Mapping[str, str]] = None) -> bo
     return read(setting, environ) in _TRUE
 
 
-def check_all(environ: Optional[Mapping[str, str]] = None) -> dict[str, str]:
-    """Read every setting (raises on the first invalid one); returns name -> value."""
-    return {s.name: read(s, environ) for s in SETTINGS}
+#: Free-form settings whose text SGLang parses: the parser (SGLang's rules,
+#: stdlib only) and the forms an error names. Checked by :func:`check_value`.
+_PARSED: dict[str, tuple[Callable[[str, object], object], str]] = {
+    FILE_MAX_SIZE.name: (sizes.parse_file_size, sizes.FILE_SIZE_FORMS),
+    FILE_MIN_FREE.name: (sizes.parse_file_size, sizes.FILE_SIZE_FORMS),
+    FILE_EVICTION_RATIO.name: (sizes.parse_eviction_ratio, sizes.RATIO_FORMS),
+    MOONCAKE_SEGMENT_SIZE.name: (sizes.parse_mooncake_size, sizes.MOONCAKE_SIZE_FORMS),
+    MOONCAKE_STANDALONE_STORAGE.name: (sizes.parse_mooncake_flag, sizes.MOONCAKE_FLAG_FORMS),
+    MOONCAKE_SSD_OFFLOAD.name: (sizes.parse_mooncake_flag, sizes.MOONCAKE_FLAG_FORMS),
+}
+#: SGLANG_CP_HICACHE_* names the package reads outside this table: the
+#: simulator's failure-injection test hook (sim/config.py FAIL_ENV).
+OTHER_NAMES: tuple[str, ...] = ("SGLANG_CP_HICACHE_SIM_FAIL_RANK",)
+_PREFIX = "SGLANG_CP_HICACHE_"
 
 
-def describe(environ: Optional[Mapping[str, str]] = None) -> str:
-    """A plain-text table: variable, value in force (or the error), default, meaning."""
-    lines = []
-    for s in SETTINGS:
+def check_value(setting: Setting, environ: Optional[Mapping[str, str]] = None) -> str:
+    """:func:`read`, and for a size, ratio or flag SGLang parses, that it
+    parses as SGLang parses it: ValueError naming the variable and SGLang's
+    forms, so a bad value stops start-up before any rank opens a store."""
+    value = read(setting, environ)
+    parsed = _PARSED.get(setting.name)
+    if parsed is not None and value:
+        parse, forms = parsed
         try:
-            now = read(s, environ)
-        except ValueError:
-            now = "INVALID: " + (os.environ if environ is None else environ).get(s.name, "")
-        valid = (
-            "0/1, true/false, yes/no, on/off" if s.is_flag
-            else "a whole number >= 1" if s.integer else "|".join(s.choices) or "any text"
-        )
-        lines.append(f"{s.name}={now}  (valid: {valid}; default {s.default})\n    {s.meaning}")
+            parse(setting.name, value)
+        except (TypeError, ValueError):
+            raise ValueError(f"{setting.name}={value!r} is not valid; use {forms}") from None
+    return value
+
+
+def check_all(environ: Optional[Mapping[str, str]] = None) -> dict[str, str]:
+    """Read and parse every setting (raises on the first invalid one);
+    returns name -> value."""
+    return {s.name: check_value(s, environ) for s in SETTINGS}
+
+
+def unknown_names(environ: Optional[Mapping[str, str]] = None) -> list[str]:
+    """One warning per ``SGLANG_CP_HICACHE_*`` variable that is set but is
+    no setting of this library (a misspelling reads as unset), naming the
+    closest valid name when there is one."""
+    env = os.environ if environ is None else environ
+    known = [s.name for s in SETTINGS if s.name.startswith(_PREFIX)] + list(OTHER_NAMES)
+    warnings = []
+    for name in sorted(n for n in env if n.startswith(_PREFIX) and n not in known):
+        # Compared without the shared prefix, which would make every name look close.
+        close = difflib.get_close_matches(name[len(_PREFIX):], [k[len(_PREFIX):] for k in known], n=1, cutoff=0.6)
+        hint = (f"; did you mean {_PREFIX}{close[0]}?" if close
+                else "; python -m sglang_cp_hicache settings --all lists them")
+        warnings.append(f"{name} is not a setting of sglang-cp-hicache and is ignored{hint}")
+    return warnings
+
+
+_logged: set[str] = set()  # names already warned about in this process
+
+
+def log_unknown_names(log: logging.Logger, environ: Optional[Mapping[str, str]] = None) -> list[str]:
+    """Log each :func:`unknown_names` warning as a WARNING once per process
+    (a cache build may repeat; the warning need not); returns those logged now."""
+    fresh = [w for w in unknown_names(environ) if w not in _logged]
+    for warning in fresh:
+        _logged.add(warning)
+        log.warning("sglang-cp-hicache: %s", warning)
+    return fresh
+
+
+def _line(s: Setting, env: Mapping[str, str]) -> str:
+    try:
+        now = check_value(s, env)
+    except ValueError:
+        now = "INVALID: " + env.get(s.name, "")
+    valid = (
+        "0/1, true/false, yes/no, on/off" if s.is_flag
+        else "a whole number >= 1" if s.integer
+        else "|".join(s.choices) or (_PARSED[s.name][1] if s.name in _PARSED else "any text")
+    )
+    return f"{s.name}={now}  (valid: {valid}; default {s.default})\n    {s.meaning}"
+
+
+def describe(environ: Optional[Mapping[str, str]] = None, everything: bool = True) -> str:
+    """A plain-text table: variable, value in force (or the error), default,
+    meaning; ``everything=False``: only the settings that are set (a
+    non-blank value), and a line saying how many are left at their defaults."""
+    env = os.environ if environ is None else environ
+    shown = [s for s in SETTINGS if everything or env.get(s.name, "").strip()]
+    lines = [_line(s, env) for s in shown]
+    if not everything:
+        if not shown:
+            lines.append("no setting is set")
+        lines.append(f"({len(SETTINGS) - len(shown)} other settings at their defaults; --all shows every one)")
     return "\n".join(lines)

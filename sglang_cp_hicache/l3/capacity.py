@@ -58,6 +58,7 @@ from sglang_cp_hicache.l3.keys import DIGEST_CHARS, PAGE_HASH_CHARS, PARENT_CHAR
 from sglang_cp_hicache.l3.safe_files import (
     FILE_MODE, create_exclusive, iter_subdirs, open_regular, open_subdir, write_all,
 )
+from sglang_cp_hicache.sizes import parse_eviction_ratio, parse_file_size
 
 __all__ = ["CAPACITY_TMP_PREFIX", "CapacityConfig", "DirectoryCapacity", "EVICTION_POLICIES", "is_capacity_tmp",
            "parse_size"]
@@ -81,8 +82,6 @@ _NAME = re.compile(
     rf"^(?P<hash>[0-9a-f]{{{PAGE_HASH_CHARS}}})_(?P<digest>[0-9a-f]{{{DIGEST_CHARS}}})_"
     rf"(?P<parent>[0-9a-f]{{{PARENT_CHARS}}}|{ROOT_PARENT})\.bin$"
 )
-_SI = {"k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
-_IEC = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
 
 
 def is_capacity_tmp(name: str) -> bool:
@@ -119,26 +118,12 @@ def _alive(pid: object) -> bool:
 
 
 def parse_size(name: str, value: object) -> int:
-    """A byte size as SGLang's file backend reads it: an int, or text with
-    an SI (``200G``, ``1.5T``) or IEC (``64Gi``) suffix, or a plain number;
-    None / empty / 0: no bound. A bad value is refused naming ``name``."""
-    if value is None:
-        return 0
-    if isinstance(value, bool):
-        raise ValueError(f"{name} must be a size such as 200G, 64Gi or 1048576, got {value!r}")
-    if isinstance(value, (int, float)):
-        if value < 0:
-            raise ValueError(f"{name} must be >= 0, got {value!r}")
-        return int(value)
-    text = str(value).strip()
-    if not text or text == "0":
-        return 0
-    found = re.fullmatch(r"(\d+(?:\.\d+)?)(Ki|Mi|Gi|Ti|k|M|G|T)?", text)
-    if found is None or (found[2] in _IEC and "." in found[1]):
-        raise ValueError(f"{name} must be a size such as 200G, 64Gi or 1048576, got {value!r}")
-    number, suffix = found[1], found[2]
-    scale = _IEC.get(suffix) or _SI.get(suffix) or 1
-    return int(float(number) * scale) if "." in number else int(number) * scale
+    """A byte size exactly as SGLang's file backend reads it (see
+    :func:`sglang_cp_hicache.sizes.parse_file_size`): an int, or text with an
+    SI (``200G``, ``1.5T``) or IEC (``64Gi``) suffix, or bytes; None / empty
+    / 0: no bound. A value SGLang would not read is refused naming ``name``
+    and SGLang's forms."""
+    return parse_file_size(name, value)
 
 
 @dataclass(frozen=True)
@@ -166,13 +151,7 @@ class CapacityConfig:
         def pick(key: str, env: str) -> object:
             return extra[key] if extra.get(key) is not None else environ.get(env) or None
 
-        ratio_raw = pick("eviction_ratio", "SGLANG_HICACHE_FILE_BACKEND_EVICTION_RATIO")
-        try:
-            ratio = 0.9 if ratio_raw is None else float(ratio_raw)
-        except (TypeError, ValueError):
-            raise ValueError(f"eviction_ratio must be a number in (0, 1], got {ratio_raw!r}") from None
-        if not 0.0 < ratio <= 1.0:
-            raise ValueError(f"eviction_ratio must be in (0, 1], got {ratio!r}")
+        ratio = parse_eviction_ratio("eviction_ratio", pick("eviction_ratio", "SGLANG_HICACHE_FILE_BACKEND_EVICTION_RATIO"))
         if policy not in EVICTION_POLICIES:
             raise ValueError(f"eviction policy must be one of {EVICTION_POLICIES}, got {policy!r}")
         return cls(

@@ -32,6 +32,7 @@ from typing import Any, Mapping, Optional, Union
 from sglang_cp_hicache.l3.clear import ClearReport
 from sglang_cp_hicache.l3.keys import PAGE_HASH_CHARS, PARENT_CHARS, ROOT_PARENT, check_page_key
 from sglang_cp_hicache.l3.store import SizeMismatch, check_sizes
+from sglang_cp_hicache.sizes import parse_mooncake_size
 
 __all__ = ["MooncakeConfig", "MooncakePageStore"]
 
@@ -45,29 +46,9 @@ MIN_SEGMENT_BYTES = 16 * _MIB
 
 
 def parse_size(name: str, value: object, minimum: int = 1) -> int:
-    """A byte count as SGLang's Mooncake backend reads it: an int (or a whole
-    float, as JSON / YAML may give one), ``"<n>gb"`` (2**30 bytes each) or a
-    number as text (``int()``'s forms); and ``"<n>mb"``, which this library
-    also reads. Case and surrounding spaces do not matter."""
-    if isinstance(value, bool):
-        raise TypeError(f"{name} must be a byte count, got bool")
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    if isinstance(value, int):
-        size = value
-    elif isinstance(value, str):
-        text = value.strip().lower()
-        scale = _GIB if text.endswith("gb") else _MIB if text.endswith("mb") else 1
-        digits = text[:-2].strip() if scale > 1 else text
-        try:
-            size = int(digits) * scale
-        except ValueError:
-            raise ValueError(f"{name} must be a byte count such as 4gb, 512mb or 16777216, got {value!r}") from None
-    else:
-        raise TypeError(f"{name} must be an int or text such as '4gb', got {type(value).__name__}")
-    if size < minimum:
-        raise ValueError(f"{name} must be at least {minimum} bytes, got {size}")
-    return size
+    """A byte count as SGLang's Mooncake backend reads it, plus ``<n>mb``
+    (see :func:`sglang_cp_hicache.sizes.parse_mooncake_size`)."""
+    return parse_mooncake_size(name, value, minimum)
 
 
 def _text(name: str, value: object, *, empty_ok: bool = False) -> str:

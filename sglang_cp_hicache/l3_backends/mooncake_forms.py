@@ -41,6 +41,7 @@ from typing import Any, Mapping, Optional
 
 from sglang_cp_hicache.l3.location import MOONCAKE_FORMS, mooncake_form, parse_extra_config
 from sglang_cp_hicache.l3_backends.mooncake import MIN_SEGMENT_BYTES, MooncakeConfig, parse_size
+from sglang_cp_hicache.sizes import MOONCAKE_FLAG_FALSE, MOONCAKE_FLAG_TRUE
 from sglang_cp_hicache.settings import (
     LOCAL_HOSTNAME, MOONCAKE_CLIENT, MOONCAKE_CONFIG_PATH, MOONCAKE_DEVICE, MOONCAKE_LOCAL_HOSTNAME,
     MOONCAKE_MASTER, MOONCAKE_METADATA_SERVER, MOONCAKE_PROTOCOL, MOONCAKE_SEGMENT_SIZE, MOONCAKE_SSD_OFFLOAD,
@@ -60,8 +61,8 @@ _ENVIRONMENT: dict[str, Setting] = {
     "standalone_storage": MOONCAKE_STANDALONE_STORAGE, "enable_ssd_offload": MOONCAKE_SSD_OFFLOAD,
     "ssd_offload_path": MOONCAKE_SSD_PATH,
 }
-#: SGLang's words for a boolean variable.
-_TRUE, _FALSE = ("true", "1", "yes", "y"), ("false", "0", "no", "n")
+#: SGLang's words for a boolean variable (shared with settings.check_all).
+_TRUE, _FALSE = MOONCAKE_FLAG_TRUE, MOONCAKE_FLAG_FALSE
 
 
 @dataclass(frozen=True)

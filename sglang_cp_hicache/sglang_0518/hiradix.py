@@ -133,6 +133,7 @@ class CpHiRadixCache(HiRadixCache):
         check_sglang_version()
         check_hooks()  # SGLang's classes, before anything of theirs runs
         settings.check_all()  # a misspelt setting stops start-up, not a later copy
+        settings.log_unknown_names(logger)  # a misspelt name reads as unset: warned, never refused
         allocator = params.token_to_kv_pool_allocator
         if not isinstance(allocator, CpSharedPagedTokenToKVPoolAllocator):
             raise TypeError(

@@ -22,6 +22,7 @@ would leave the others waiting in it.
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable, Optional
 
 import sglang
@@ -38,6 +39,8 @@ from sglang_cp_hicache.agreement import (
     gather_and_check,
 )
 from sglang_cp_hicache.kernels.transfer import select_backend
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["COPY_PATH", "HINTS", "HOST_TAIL_KEY", "SETTINGS_KEY", "agree_at_start_up", "start_up_view"]
 
@@ -66,6 +69,7 @@ def _host_tail() -> str:
 
 
 def _settings_problem() -> Optional[str]:
+    settings.log_unknown_names(logger)  # a misspelt name reads as unset: warned, never refused
     try:
         settings.check_all()
     except ValueError as exc:

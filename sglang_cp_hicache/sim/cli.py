@@ -293,9 +293,11 @@ def _prepare(
     SGLang release, the flags, the test hook, the output paths and the
     workload; an exit status (2, with the error printed) when one is wrong."""
     try:
-        settings.check_all()
+        settings.check_all()  # sizes and ratios too: a bad one is one line here, not one per rank later
     except ValueError as exc:
         return _error(str(exc), 2)
+    for warning in settings.unknown_names():  # said once here; each rank also logs it at cache build
+        print(f"sglang-cp-hicache simulate: warning: {warning}", file=sys.stderr)
     version = args.sglang if args.sglang != "auto" else installed_sglang()
     problem = _version_problem(version, args)
     if problem is not None:

@@ -74,7 +74,7 @@ def test_the_cli_shows_the_settings_and_fails_on_a_bad_one():
     import sys
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("SGLANG_CP_HICACHE_")}
-    ok = subprocess.run([sys.executable, "-m", "sglang_cp_hicache", "settings"], env=env,
+    ok = subprocess.run([sys.executable, "-m", "sglang_cp_hicache", "settings", "--all"], env=env,
                         capture_output=True, text=True, timeout=120)
     assert ok.returncode == 0, ok.stderr
     assert all(f"{s.name}={s.default}" in ok.stdout for s in settings.SETTINGS)

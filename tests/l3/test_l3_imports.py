@@ -8,7 +8,8 @@ import subprocess
 import sys
 
 L3 = pathlib.Path(__file__).resolve().parents[2] / "sglang_cp_hicache" / "l3"
-CORE = {"sglang_cp_hicache.placement", "sglang_cp_hicache.validation", "sglang_cp_hicache.settings"}
+CORE = {"sglang_cp_hicache.placement", "sglang_cp_hicache.validation", "sglang_cp_hicache.settings",
+        "sglang_cp_hicache.sizes"}
 
 
 def _imports(path: pathlib.Path) -> list[tuple[int, str]]:
