@@ -21,6 +21,9 @@ The seal's scheme (never the secret) enters the namespace digest, so keyed
 and unkeyed deployments never open each other's objects; deployments with
 different secrets share keys, and each rejects the other's objects (counted
 as rejections, replaced when written again).
+The ranks of one deployment must hold one secret: the start-up agreement
+compares its identifier (:attr:`ObjectSeal.key_id`, a separate one-way
+derivation), so a key file made per host stops start-up on every rank.
 
 The secret (``SGLANG_CP_HICACHE_L3_KEY_FILE``) is read from a file only,
 never from the environment or the command line (both are visible to other
@@ -60,6 +63,9 @@ _PAD = bytes(TAG_BYTES - 8)
 #: BLAKE3's key derivation context: binds the key to this use alone, so the
 #: same secret used elsewhere yields an unrelated key.
 _KDF_CONTEXT = "sglang-cp-hicache 2026-12 L3 object MAC v1"
+#: The key identifier's derivation context: another derivation than the MAC
+#: key's, so the public identifier tells nothing of the MAC key.
+_ID_CONTEXT = "sglang-cp-hicache 2026-12 L3 key identifier v1"
 
 
 def checksum(data: memoryview) -> int:
@@ -110,6 +116,17 @@ class ObjectSeal:
     def authenticates(self) -> bool:
         """Whether a forged object is refused (not only a damaged one)."""
         return self._key is not None
+
+    @property
+    def key_id(self) -> str:
+        """16 hex digits that tell secrets apart ("" without one): the CP
+        ranks' start-up agreement compares it, so ranks started with
+        different secrets (one generated per host, say) refuse to start
+        instead of refusing each other's pages later. One-way: it shows
+        neither the secret nor the MAC key."""
+        if self._key is None:
+            return ""
+        return blake3.blake3(self._key, derive_key_context=_ID_CONTEXT).digest(8).hex()
 
     def __repr__(self) -> str:
         return f"ObjectSeal({self.scheme!r})"

@@ -30,7 +30,7 @@ from sglang_cp_hicache.l3.workers import L3Workers
 from sglang_cp_hicache.l3.writes import L3Writer
 from sglang_cp_hicache.settings import L3_THREADS, read_int
 
-__all__ = ["L3Opening", "L3MetricsSink", "RankL3", "open_tier"]
+__all__ = ["L3Opening", "L3MetricsSink", "RankL3", "agreement_view", "open_tier"]
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +62,16 @@ def open_tier(location: L3Location, build: Callable[[], HostL3Tier]) -> L3Openin
     # (Mooncake) is this rank's view too, raised only after the agreement.
     except (ValueError, TypeError, AttributeError, KeyError, ImportError, RuntimeError, OSError) as exc:
         return L3Opening(location, None, f"unusable: {exc}", exc)
-    return L3Opening(location, tier, tier.describe())
+    return L3Opening(location, tier, agreement_view(tier))
+
+
+def agreement_view(tier: HostL3Tier) -> str:
+    """The rank's L3 in the start-up agreement: its namespaces and seal
+    (``describe()``), and with a secret the secret's identifier -- the
+    namespaces name the seal's scheme only, so ranks with different secrets
+    would otherwise agree, and each refuse the pages the others wrote."""
+    seal = tier.kv_ns.seal
+    return f"{tier.describe()}|key:{seal.key_id}" if seal.authenticates else tier.describe()
 
 
 class L3MetricsSink:

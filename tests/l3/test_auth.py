@@ -217,3 +217,26 @@ def test_keyed_and_unkeyed_tiers_on_one_store_never_read_each_others_objects(tmp
     assert stranger.store.exists([kv_key, idx_key]) == [True, True]  # same names as the keyed deployment's...
     assert not stranger.read_page(kv_key, idx_key, 0, lambda fn: fn())
     assert stranger.counters.rejected_pages == 1  # ...refused by the MAC
+
+
+def test_the_agreement_tells_secrets_apart_without_showing_them(tmp_path):
+    """Ranks started with different secrets would agree on the namespaces
+    (the scheme alone enters them) and each refuse the pages the others
+    wrote: the start-up agreement value carries the secret's identifier,
+    the same for the same secret, never the secret or the MAC key."""
+    from sglang_cp_hicache.l3.location import L3Location
+    from sglang_cp_hicache.l3.rank import agreement_view, open_tier
+    from tests.l3.test_host_tier import _tier
+
+    store = FilePageStore(tmp_path / "l3")
+    views = {name: agreement_view(_tier(store, 0, seed=1, seal=seal))
+             for name, seal in (("a", KEYED), ("a again", ObjectSeal.keyed(SECRET)),
+                                ("b", ObjectSeal.keyed(OTHER_SECRET)), ("none", UNKEYED))}
+    assert views["a"] == views["a again"] != views["b"]
+    assert views["a"].removesuffix(f"|key:{KEYED.key_id}").endswith("|objects:blake3-keyed")
+    assert len(KEYED.key_id) == 16 and KEYED.key_id != ObjectSeal.keyed(OTHER_SECRET).key_id
+    assert views["none"].endswith("|objects:xxh3-64") and UNKEYED.key_id == ""
+    for secret in (SECRET, KEYED._key):
+        assert secret.hex()[:16] not in views["a"] and secret[:8].hex() not in KEYED.key_id
+    location = L3Location(str(tmp_path / "l3"), False, "test")
+    assert open_tier(location, lambda: _tier(store, 0, seed=1, seal=KEYED)).view == views["a"]

@@ -158,29 +158,56 @@ def test_a_bad_key_file_stops_start_up_on_every_rank_without_showing_the_secret(
     assert not list((tmp_path / "l3").rglob("*.bin"))
 
 
-def test_one_ranks_bad_key_file_stops_every_rank_at_once_naming_it(tmp_path, monkeypatch):
-    """Only rank 1's key file is readable by others: rank 1 does not raise
-    before the start-up agreement (its peer would wait in the all-gather);
-    its problem is its agreement view, so both ranks stop at once, naming it."""
+def _build_with_key_files(tmp_path, monkeypatch, paths: list) -> list:
+    """Each CP 2 rank built with its own key file (``paths[rank]``, read by
+    the real reader): the threads share one environment, so the adapter's
+    ``seal_from_settings`` gets each rank's own. Each rank's outcome, at
+    once (not after the collective timeout)."""
     import time
 
-    from sglang_cp_hicache.agreement import CpAgreementError
+    from sglang_cp_hicache.l3.auth import seal_from_settings as real
     from sglang_cp_hicache.sglang_0518 import l3_tier
     from tests.helpers.cp_cluster import RankSetup, build_each_rank, building_rank
 
-    good, bad = key_file(tmp_path, SECRET), key_file(tmp_path, SECRET, 0o644, "open.key")
-    monkeypatch.setenv(settings.L3_KEY_FILE.name, str(good))
     monkeypatch.setenv(settings.L3_DIR.name, str(tmp_path / "l3"))
-    real = l3_tier.seal_from_settings
-    # the threads share one environment: rank 1 reads its own (the real reader, another file)
-    monkeypatch.setattr(l3_tier, "seal_from_settings", lambda: real(
-        {settings.L3_KEY_FILE.name: str(bad)} if building_rank() == 1 else None))
+    monkeypatch.setattr(l3_tier, "seal_from_settings",
+                        lambda: real({settings.L3_KEY_FILE.name: str(paths[building_rank()])}))
     start = time.monotonic()
     outcomes = build_each_rank(CpStackConfig(cp_size=2, device_pages=8, host_pages=10), lambda r: RankSetup(r),
                                timeout_s=120)
     assert time.monotonic() - start < 60  # not the collective timeout
+    return outcomes
+
+
+def test_one_ranks_bad_key_file_stops_every_rank_at_once_naming_it(tmp_path, monkeypatch):
+    """Only rank 1's key file is readable by others: rank 1 does not raise
+    before the start-up agreement (its peer would wait in the all-gather);
+    its problem is its agreement view, so both ranks stop at once, naming it."""
+    from sglang_cp_hicache.agreement import CpAgreementError
+
+    bad = key_file(tmp_path, SECRET, 0o644, "open.key")
+    outcomes = _build_with_key_files(tmp_path, monkeypatch, [key_file(tmp_path, SECRET), bad])
     assert all(isinstance(o, CpAgreementError) for o in outcomes), outcomes
     for o in outcomes:
         text = str(o)
         assert "disagree on l3" in text and f"SGLANG_CP_HICACHE_L3_KEY_FILE={str(bad)!r}: mode 0644" in text, text
         assert SECRET.decode() not in text
+
+
+def test_ranks_with_different_secrets_refuse_to_start(tmp_path, monkeypatch):
+    """Each host made its own key file: the ranks' namespaces are the same
+    (the scheme alone enters them), yet each would refuse the pages the
+    other wrote. The agreement compares the secrets' identifiers: every rank
+    refuses at start-up, showing neither secret."""
+    from sglang_cp_hicache.agreement import CpAgreementError
+
+    paths = [key_file(tmp_path, SECRET, name="host0.key"), key_file(tmp_path, OTHER_SECRET, name="host1.key")]
+    outcomes = _build_with_key_files(tmp_path, monkeypatch, paths)
+    assert all(isinstance(o, CpAgreementError) for o in outcomes), outcomes
+    for o in outcomes:
+        text = str(o)
+        assert "disagree on l3" in text and "|objects:blake3-keyed|key:" in text, text
+        assert SECRET.decode() not in text and OTHER_SECRET.decode() not in text
+    # the same secret in two files (one per host) agrees
+    same = [key_file(tmp_path, SECRET, name="copy0.key"), key_file(tmp_path, SECRET + b"\n", name="copy1.key")]
+    assert not any(isinstance(o, BaseException) for o in _build_with_key_files(tmp_path, monkeypatch, same))

@@ -15,7 +15,8 @@ restored page is checked byte by byte on its owner.
   reader without a key: another namespace, a plain miss;
 * a bad key file stops start-up on every rank, naming the setting and the
   problem, never showing the secret (not in the error, not in the log);
-  on one rank only, every rank stops at the start-up agreement, naming it.
+  on one rank only, every rank stops at the start-up agreement, naming it;
+* ranks with different secrets (a key file made per host) refuse to start.
 """
 
 from __future__ import annotations
@@ -153,3 +154,17 @@ def test_one_ranks_bad_key_file_stops_every_rank_at_once_naming_it(suite):
         assert error is not None and error.startswith("CpAgreementError: ") and "disagree on l3" in error, rank
         assert f"SGLANG_CP_HICACHE_L3_KEY_FILE={path!r}: mode 0644" in error, (rank, error)
         assert SECRET.decode() not in error and not any(SECRET.decode() in line for line in out["log"]), rank
+
+
+def test_ranks_with_different_secrets_refuse_to_start(suite):
+    """Each host made its own key file: the ranks' namespaces are the same
+    (the scheme alone enters them), yet each would refuse the pages the
+    other wrote. The agreement compares the secrets' identifiers: every rank
+    refuses at start-up, showing neither secret."""
+    for rank, out in enumerate(r["two_secrets"] for r in suite["ranks"]):
+        error = out["error"]
+        assert out["seconds"] < 60, rank  # not the collective timeout
+        assert error is not None and error.startswith("CpAgreementError: ") and "disagree on l3" in error, rank
+        assert "|objects:blake3-keyed|key:" in error, (rank, error)
+        for secret in (SECRET, OTHER_SECRET):
+            assert secret.decode() not in error and not any(secret.decode() in line for line in out["log"]), rank

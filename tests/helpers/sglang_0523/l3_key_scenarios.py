@@ -11,8 +11,9 @@ calls and verifies every restored page this rank owns (KV and indexer rows).
 3. CP 2 readers: the same key on ``keyed``, the same key on each forged
    copy, another key and no key on ``keyed``; readers store nothing (what is
    restored can only be the writer's);
-4. two bad key files on both ranks, then a bad one on rank 1 only: the
-   stack build's error on each rank, and every log message the build emitted.
+4. two bad key files on both ranks, then a bad one on rank 1 only, then
+   sound key files with different secrets: the stack build's error on each
+   rank, and every log message the build emitted.
 """
 
 from __future__ import annotations
@@ -146,4 +147,8 @@ def key_suite(rank: int, world: int, *, root: str, key: str, other_key: str, bad
     started = time.monotonic()
     out["bad:rank-1"] = _refused(rank, group, str(base / "never"), bad_keys["mode-0644"] if rank == 1 else key)
     out["bad:rank-1"]["seconds"] = time.monotonic() - started
+    # a secret per host: both ranks' key files are sound, their secrets differ
+    started = time.monotonic()
+    out["two_secrets"] = _refused(rank, group, str(base / "never"), other_key if rank == 1 else key)
+    out["two_secrets"]["seconds"] = time.monotonic() - started
     return out
