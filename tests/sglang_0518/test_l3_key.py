@@ -5,15 +5,18 @@ as ``test_l3.py``: CP 4 writes, CP 2 reads, bytes checked against the
 content every token must have).
 
 * the same key on writer and reader: the chain is restored bit-exact, the
-  start-up agreement value says ``objects:blake3-keyed``, and every object
-  on disk is format 3 with the keyed BLAKE3 tag over header and payload;
+  tier's ``describe()`` (start-up log and agreement) ends with
+  ``objects:blake3-keyed``, and every object on disk is format 3 with the
+  keyed BLAKE3 tag over header and payload;
 * a page object rewritten by someone without the key (other bytes, the
   XXH3 tag they can compute): its owner refuses it (``mac``), every rank
   restores the same prefix before it, nothing wrong is restored;
 * a reader with another key: same object names, every object refused; a
   reader without a key: another namespace, a plain miss;
 * a bad key file stops start-up on every rank, naming the setting and the
-  problem, never showing the secret.
+  problem, never showing the secret; on one rank only, every rank stops at
+  the start-up agreement, naming it;
+* ranks with different secrets (a key file made per host) refuse to start.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ SECRET, OTHER_SECRET = new_secret(), new_secret()
 @pytest.fixture(scope="module")
 def keyed(tmp_path_factory):
     """One directory CP 4 wrote TOKENS to with SECRET; the writer's
-    agreement value."""
+    ``describe()``."""
     root = tmp_path_factory.mktemp("l3-keyed")
     mp = pytest.MonkeyPatch()
     try:

@@ -6,8 +6,9 @@ and serving one chain with the scheduler's storage calls
 restored page is checked byte by byte on its owner.
 
 * the same key on writer and reader: the chain is restored bit-exact, the
-  start-up agreement value says ``objects:blake3-keyed``, and every object
-  on disk is format 3 with the keyed BLAKE3 tag over header and payload;
+  tier's ``describe()`` (start-up log and agreement) ends with
+  ``objects:blake3-keyed``, and every object on disk is format 3 with the
+  keyed BLAKE3 tag over header and payload;
 * a page object rewritten by someone without the key (other bytes, the
   XXH3 tag they can compute): its owner refuses it (``mac``), every rank
   restores the same prefix before it, nothing wrong is restored;
@@ -100,6 +101,7 @@ def test_a_page_forged_without_the_key_is_refused_and_every_rank_stops_before_it
         c = run["counters"]
         assert run["l3_hit_tokens"] == FORGED * P, rank  # the restored prefix stops before the forged page
         assert c["rejected_pages"] == (1 if rank == owner else 0), rank  # its owner alone refuses it
+        assert [m.split("rejected (")[1][:4] for m in run["refusals"]] == (["mac)"] if rank == owner else []), rank
         assert c["restored_pages"] == owned_before[rank], rank
         assert run["l3_pages_verified"] == owned_before[rank], rank
     # the forged copy differs from the writer's objects in that one object only
@@ -125,8 +127,10 @@ def test_a_reader_without_the_writers_key_restores_nothing(suite, reader):
         assert run["l3_hit_tokens"] == 0 and c["restored_pages"] == 0 and c["fetched_pages"] == 0, rank
     if reader == "other_key":  # each rank read each own page (all in flight at once) and refused it
         assert [r["counters"]["rejected_pages"] for r in runs] == _owned(runs)
+        assert all("rejected (mac)" in m for r in runs for m in r["refusals"])
+        assert [len(r["refusals"]) for r in runs] == _owned(runs)
     else:
-        assert all(r["counters"]["rejected_pages"] == 0 for r in runs)
+        assert all(r["counters"]["rejected_pages"] == 0 and r["refusals"] == [] for r in runs)
 
 
 @pytest.mark.parametrize("name", sorted(BAD_KEYS))

@@ -54,6 +54,8 @@ def _serve(rank: int, group: Any, l3_dir: str, key_path: Optional[str], *, store
 
     _use_key(key_path)
     stack = _stack(2, rank, group, l3_dir)
+    refusals, tier_log = _Messages(), logging.getLogger("sglang_cp_hicache.l3.host_tier")
+    tier_log.addHandler(refusals)  # its "L3 object of ... rejected (<reason>)" warnings
     try:
         engine = ShardedSimRankEngine(stack, content_seed=1)
         driver = stack.cp.l3
@@ -73,6 +75,7 @@ def _serve(rank: int, group: Any, l3_dir: str, key_path: Optional[str], *, store
         kv_keys, idx_keys = tier.chain_keys(tier.page_hashes(TOKENS))
         return {
             "counters": driver.counters.as_dict(),
+            "refusals": [m for m in refusals.messages if "rejected (" in m],
             "describe": tier.describe(),
             "owners": owners,
             "l3_hit_tokens": record.l3_hit_tokens,
@@ -86,6 +89,7 @@ def _serve(rank: int, group: Any, l3_dir: str, key_path: Optional[str], *, store
                                                              idx_keys[0])],
         }
     finally:
+        tier_log.removeHandler(refusals)
         stack.close()
 
 
