@@ -85,8 +85,6 @@ class ObjectSeal:
     """How a namespace's objects are sealed and checked (see the module doc).
     Holds the derived key, never shows it (``repr`` names the scheme only)."""
 
-    __slots__ = ("scheme", "_key")
-
     def __init__(self, scheme: str, key: Optional[bytes] = None) -> None:
         if scheme == "xxh3-64":
             if key is not None:
