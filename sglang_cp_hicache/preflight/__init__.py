@@ -21,7 +21,6 @@ failed:
 from __future__ import annotations
 
 import argparse
-import os
 from typing import Optional, Sequence
 
 from sglang_cp_hicache.preflight.report import Finding, exit_status, render
@@ -33,7 +32,7 @@ def run_checks(launch_args: Sequence[str]) -> list[Finding]:
     """Every check on the server to be launched with ``launch_args``."""
     from sglang_cp_hicache.preflight import device, launch, storage
 
-    triton_cache_before = os.environ.get("TRITON_CACHE_DIR")  # SGLang's import sets it when unset
+    triton_cache_before = device.triton_cache_dir()  # SGLang's import may set it
     version = launch.installed_sglang()
     found = launch.release_findings(version) + launch.plugin_findings(version) + launch.settings_findings()
     args: Optional[argparse.Namespace] = None

@@ -22,14 +22,14 @@ def triton_findings() -> tuple[bool, list[Finding]]:
 
 
 def triton_cache_dir() -> str:
-    """Where Triton keeps compiled kernels: ``TRITON_CACHE_DIR``, else ~/.triton/cache
-    (as Triton reads it, when it imports)."""
+    """Where Triton keeps compiled kernels now: ``TRITON_CACHE_DIR``, else
+    ~/.triton/cache, as Triton reads it (its default when it does not import)."""
     try:
         import triton
 
         return str(triton.knobs.cache.dir)
-    except Exception:  # no Triton, or one without knobs: its documented rule
-        return os.environ.get("TRITON_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".triton", "cache")
+    except Exception:  # no Triton, or one without knobs: nothing is compiled anyway
+        return os.path.join(os.path.expanduser("~"), ".triton", "cache")
 
 
 def device_findings() -> tuple[bool, list[Finding]]:
@@ -48,13 +48,10 @@ def device_findings() -> tuple[bool, list[Finding]]:
                                        f"{torch.__version__}, CUDA {torch.version.cuda}")]
 
 
-def cache_origin(before: Optional[str]) -> str:
-    """Who chose the Triton cache dir, given ``TRITON_CACHE_DIR`` before SGLang was imported."""
-    if before:
-        return "TRITON_CACHE_DIR"
-    if os.environ.get("TRITON_CACHE_DIR"):
-        return "set by SGLang's import, as in the server"
-    return "Triton's default"
+def cache_origin(before: str) -> str:
+    """Why the Triton cache dir is what it is, given what it was before SGLang was imported."""
+    return "SGLang's import sets it when TRITON_CACHE_DIR is unset, as in the server" if triton_cache_dir() != before \
+        else ""
 
 
 def kernel_findings(has_gpu: bool, has_triton: bool, config: Optional[dict[str, Any]],

@@ -181,8 +181,10 @@ def test_the_command_exits_2_naming_an_unusable_l3_directory(tmp_path):
     assert proc.returncode == 2, text
     assert f"FAIL L3 directory: {blocker / 'l3'}" in text and f"{blocker} is not a directory" in text, text
     assert "OK   launch arguments: parsed by SGLang" in text, text
-    # CPU seconds, not wall: the wall clock of a loaded test machine says nothing of the command
-    assert usage.ru_utime + usage.ru_stime < 10, (usage, text)
+    # CPU seconds, not wall (a loaded test machine's clock says little of the command): on two idle cores
+    # the command takes 8 to 9, of which importing torch and SGLang's server_args take 7.8; 15 leaves room
+    # for a loaded machine's slower CPU seconds, never for a wait or a second SGLang import
+    assert usage.ru_utime + usage.ru_stime < 15, (usage, text)
 
 
 def test_the_kernel_line_on_a_gpu_names_what_compiled_and_the_cache_dir(monkeypatch):
@@ -198,9 +200,9 @@ def test_the_kernel_line_on_a_gpu_names_what_compiled_and_the_cache_dir(monkeypa
     monkeypatch.setattr(transfer, "warmup", on_the_cpu)
     config = dict(page_size=64, host_layout="layer_first", num_layers=1, kv_dim=576,
                   kv_dtype=__import__("torch").uint8, indexer_page_bytes=132 * 64)
-    line = device.kernel_findings(True, True, config, "TRITON_CACHE_DIR")[0]
+    line = device.kernel_findings(True, True, config, "why")[0]
     assert calls[0]["device"] == "cuda:0" and line.level == OK
-    assert "on reference" in line.text and "(TRITON_CACHE_DIR)" in line.text and device.triton_cache_dir() in line.text
+    assert "on reference" in line.text and f"{device.triton_cache_dir()} (why)" in line.text
 
     def broken(**config):
         raise RuntimeError("ptxas died")
