@@ -99,8 +99,13 @@ def _storage(args: Any) -> Finding:
         l3_location(args.hicache_storage_backend, args.hicache_storage_backend_extra_config)
     except ValueError as exc:
         return ("FAIL", what, str(exc))
-    return ("OK", what, f"{args.hicache_storage_backend} (served by the library's L3)"
-            if args.hicache_storage_backend else "none (no L3)")
+    if not args.hicache_storage_backend:
+        return ("OK", what, "none (no L3)")
+    if _copy_path()[0] == "WARN":  # l3_resolution lifts upstream's refusal for the library's path only
+        return ("FAIL", what, f"{args.hicache_storage_backend!r} with {settings.COPY.name}=upstream: upstream's KV "
+                              "sharding refuses a storage backend; only the library's copy path serves it (unset "
+                              f"{settings.COPY.name}, or drop the flag)")
+    return ("OK", what, f"{args.hicache_storage_backend} (served by the library's L3)")
 
 
 def launch_findings(args: Any) -> list[Finding]:

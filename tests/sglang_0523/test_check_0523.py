@@ -54,6 +54,15 @@ def test_a_value_the_stack_refuses_fails_naming_the_flag(flag, value, words):
     assert flag in failed[0].what and words in failed[0].text, failed[0]
 
 
+def test_a_storage_backend_on_upstream_s_copy_path_fails_naming_both(monkeypatch):
+    monkeypatch.setenv("SGLANG_CP_HICACHE_COPY", "upstream")
+    argv = _with("--hicache-storage-backend-extra-config", '{"file_storage_path": "/tmp/l3"}')
+    _, found = launch.launch_findings("0.5.23", argv + ["--hicache-storage-backend", "file"])
+    failed = [f for f in found if f.level == "FAIL"]
+    assert len(failed) == 1 and failed[0].what == "--hicache-storage-backend", found
+    assert "SGLANG_CP_HICACHE_COPY=upstream" in failed[0].text
+
+
 def test_the_command_fails_a_storage_backend_it_cannot_serve_naming_the_flag():
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     env.pop("SGLANG_PLUGINS", None)
