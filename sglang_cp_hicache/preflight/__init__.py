@@ -68,6 +68,7 @@ def run_check(launch_args: Sequence[str]) -> int:
 def add_check_parser(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "check",
+        usage="%(prog)s -- <the server's launch arguments, as given to python -m sglang.launch_server>",
         help="preflight on the GPU server before launching SGLang: python -m sglang_cp_hicache check -- <launch args>",
         description=(
             "Check, starting nothing, what a server launched with the given arguments needs from this library: "

@@ -106,7 +106,10 @@ def test_the_mooncake_master_is_one_tcp_connect():
         server.bind(("127.0.0.1", 0))
         server.listen(1)
         address = f"127.0.0.1:{server.getsockname()[1]}"
-        assert storage.master_findings(address)[0].level == OK
+        args = SimpleNamespace(hicache_storage_backend="mooncake", tp_size=2, pp_size=1,
+                               hicache_storage_backend_extra_config=json.dumps({"master_server_address": address}))
+        found = storage.l3_findings(args, "0.5.18")  # the store's own reading of its settings, then the connect
+        assert [(f.level, f.what) for f in found] == [(OK, "Mooncake master"), (OK, "L3 key")], found
     start = time.monotonic()
     closed = storage.master_findings(address)[0]  # nothing listens there any more
     assert closed.level == FAIL and address in closed.text and time.monotonic() - start < 3
