@@ -2,7 +2,7 @@
 the rule both adapters use): a file directory that exists or can be
 created, belongs to this account or its group, is not open to every
 account, and has room for ``max_size``; or a Mooncake master that accepts a
-TCP connection. Nothing is created or written except one probe file, made
+TCP connection; the key file, and the model as the L3 namespace names it. Nothing is created or written except one probe file, made
 and removed in an existing directory (as the store itself probes it).
 """
 
@@ -184,6 +184,18 @@ def _key() -> Finding:
     return Finding(OK, "L3 key", "keyed (every object carries a keyed BLAKE3 MAC)")
 
 
+def _model(args: Any) -> Finding:
+    """The model as the L3 namespace names it (local files only, as at start-up)."""
+    from sglang_cp_hicache.l3.identity import identity_of_server_args
+
+    what = "L3 model identity"
+    try:
+        identity = identity_of_server_args(args, settings.read(settings.L3_MODEL_ID) or None)
+    except ValueError as exc:  # a Hub model SGLang downloads at launch is named then; said, not failed
+        return Finding(WARN, what, f"not resolvable from local files now: {exc}")
+    return Finding(OK, what, f"{identity.weights[:80]}")
+
+
 def l3_findings(args: Any, release: Optional[str], refused_above: bool = False) -> list[Finding]:
     """The L3 of the parsed launch arguments ``args``; ``refused_above``: an
     adapter's line already fails a backend or extra config ``l3_location`` refuses."""
@@ -196,5 +208,5 @@ def l3_findings(args: Any, release: Optional[str], refused_above: bool = False) 
     if not location.enabled:
         return [Finding(OK, "L3", "off (no --hicache-storage-backend)")]
     if location.backend == "mooncake":
-        return _mooncake(args, release) + [_key()]
-    return directory_findings(location) + [_key()]
+        return _mooncake(args, release) + [_key(), _model(args)]
+    return directory_findings(location) + [_key(), _model(args)]

@@ -20,6 +20,7 @@ from sglang_cp_hicache import settings
 from sglang_cp_hicache.__main__ import build_parser
 from sglang_cp_hicache.preflight import _strip_separator, device, launch, storage
 from sglang_cp_hicache.preflight.report import EXIT_FAIL, EXIT_OK, FAIL, OK, WARN, Finding, exit_status
+from sglang_cp_hicache.testing.env import tiny_model_dir
 
 ROOT = Path(__file__).resolve().parents[2]
 _DIR_SETTINGS = (settings.L3_DIR.name, settings.SGLANG_FILE_DIR.name, settings.FILE_MAX_SIZE.name,
@@ -35,7 +36,7 @@ def _no_l3_settings(monkeypatch):
 def _file_l3(path: Path, **extra) -> SimpleNamespace:
     config = json.dumps({"file_storage_path": str(path), **extra})
     return SimpleNamespace(hicache_storage_backend="file", hicache_storage_backend_extra_config=config,
-                           tp_size=2, pp_size=1)
+                           tp_size=2, pp_size=1, model_path=tiny_model_dir())
 
 
 def _dir_line(found: list[Finding]) -> Finding:
@@ -84,7 +85,8 @@ def test_a_usable_directory_reports_its_space_against_max_size(tmp_path):
     path = tmp_path / "l3"
     path.mkdir(mode=0o750)
     found = storage.l3_findings(_file_l3(path, max_size="1M"), "0.5.18")
-    assert [f.level for f in found] == [OK, OK, OK], found  # directory, space, key
+    assert [f.level for f in found] == [OK, OK, OK, OK], found  # directory, space, key, model
+    assert found[3].text.startswith("dir:")
     assert "max_size 0.0 GiB" in found[1].text
     huge = storage.l3_findings(_file_l3(path, max_size="1000000T"), "0.5.18")
     assert huge[1].level == WARN and "is more than the" in huge[1].text
@@ -92,6 +94,15 @@ def test_a_usable_directory_reports_its_space_against_max_size(tmp_path):
     assert unbounded[1].level == WARN and "no max_size or min_free_space" in unbounded[1].text
     bad = storage.l3_findings(_file_l3(path, max_size="lots"), "0.5.18")
     assert bad[1].level == FAIL and "max_size" in bad[1].text
+
+
+def test_a_model_nothing_local_names_is_a_warning(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))  # an empty Hub cache
+    monkeypatch.delenv(settings.L3_MODEL_ID.name, raising=False)
+    args = _file_l3(tmp_path / "l3", max_size="1M")
+    args.model_path = "nobody/no-such-model"
+    line = storage.l3_findings(args, "0.5.18")[-1]
+    assert line.level == WARN and line.what == "L3 model identity" and "nobody/no-such-model" in line.text
 
 
 def test_a_missing_directory_that_can_be_created_passes_without_creating_it(tmp_path):
@@ -109,7 +120,7 @@ def test_the_mooncake_master_is_one_tcp_connect():
         args = SimpleNamespace(hicache_storage_backend="mooncake", tp_size=2, pp_size=1,
                                hicache_storage_backend_extra_config=json.dumps({"master_server_address": address}))
         found = storage.l3_findings(args, "0.5.18")  # the store's own reading of its settings, then the connect
-        assert [(f.level, f.what) for f in found] == [(OK, "Mooncake master"), (OK, "L3 key")], found
+        assert [(f.level, f.what) for f in found][:2] == [(OK, "Mooncake master"), (OK, "L3 key")], found
     start = time.monotonic()
     closed = storage.master_findings(address)[0]  # nothing listens there any more
     assert closed.level == FAIL and address in closed.text and time.monotonic() - start < 3
