@@ -13,6 +13,7 @@ __all__ = ["build_parser", "main"]
 
 def build_parser() -> argparse.ArgumentParser:
     from sglang_cp_hicache import __version__
+    from sglang_cp_hicache.preflight import add_check_parser
     from sglang_cp_hicache.sim.cli import add_simulate_parser
 
     parser = argparse.ArgumentParser(
@@ -31,6 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     shown.add_argument("--all", action="store_true", dest="show_all",
                        help="every setting, set or not, with its default and meaning")
     shown.set_defaults(func=_show_settings)
+    add_check_parser(sub)
     return parser
 
 

@@ -10,7 +10,10 @@
   never sglang; core never imports it;
 * each adapter imports only its own SGLang release, never the harness, the
   simulator or the tests (production code);
-* the harness never imports the simulator; nothing in the package imports tests.
+* the harness never imports the simulator; nothing in the package imports tests;
+* ``preflight`` (the ``check`` command) imports the adapters' checks, the
+  kernels, ``l3_backends`` and, only on a machine without torchvision, the
+  harness's import-only torchvision stand-in; only the CLI imports it.
 """
 
 import ast
@@ -32,7 +35,8 @@ ALLOWED = {
     "sglang_0523": {"kernels", "policy_0523", "l3_backends"},
     "testing": {"kernels", "policy_0518", "policy_0523", "l3_backends", "sglang_0518", "sglang_0523"},
     "sim": {"kernels", "policy_0518", "policy_0523", "l3_backends", "sglang_0518", "sglang_0523", "testing"},
-    "cli": {"sim"},
+    "preflight": {"kernels", "l3_backends", "sglang_0518", "sglang_0523", "testing"},
+    "cli": {"sim", "preflight"},
 }
 PRODUCTION = {"core", "policy_0518", "policy_0523", "kernels", "l3_backends", "sglang_0518", "sglang_0523"}
 TORCH_ONLY = ("core", "policy_0518", "policy_0523", "kernels", "l3_backends")

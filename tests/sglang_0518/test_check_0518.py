@@ -1,0 +1,72 @@
+"""``check`` on SGLang 0.5.18: the README's launch line passes every
+argument check; a flag value the CP cache refuses fails naming the flag.
+In-process: the arguments go through 0.5.18's own parser (milliseconds)."""
+
+from __future__ import annotations
+
+import pytest
+
+from sglang_cp_hicache.preflight import launch
+from sglang_cp_hicache.preflight.report import FAIL, OK
+
+from tests.helpers.readme_launch import launch_line
+
+RELEASE = "0.5.18"
+README_LINE = launch_line("SGLang 0.5.18 server")
+
+
+def _checked(argv: list[str]):
+    args, found = launch.launch_findings("0.5.18", argv)
+    return args, found
+
+
+def _with(flag: str, value: str | None) -> list[str]:
+    """The README line with ``flag`` set to ``value`` (None: left out)."""
+    argv = list(README_LINE)
+    if flag in argv:
+        i = argv.index(flag)
+        takes_value = i + 1 < len(argv) and not argv[i + 1].startswith("--")
+        del argv[i:i + 1 + takes_value]
+    return argv + ([flag] if value == "" else [flag, value] if value is not None else [])
+
+
+def test_the_readme_launch_line_passes_every_argument_check():
+    args, found = _checked(README_LINE)
+    assert args is not None and args.radix_cache_backend == "cp-hicache"
+    assert [f for f in found if f.level != OK] == []
+    assert {"--radix-cache-backend", "--enable-hierarchical-cache", "--page-size", "--hicache-mem-layout"} <= {
+        f.what for f in found}
+
+
+@pytest.mark.parametrize("flag, value, words", [
+    ("--hicache-storage-backend", "nixl", "hicache_storage_backend='nixl' refused"),
+    ("--hicache-write-policy", "write_back", "write_back"),
+    ("--radix-cache-backend", None, "--radix-cache-backend cp-hicache"),
+    ("--enable-hierarchical-cache", None, "off: "),
+    ("--page-size", "32", "32"),
+    ("--cp-strategy", "zigzag", "--cp-strategy 'zigzag'"),
+    ("--attn-cp-size", "3", "not divisible by --attn-cp-size 3"),
+    ("--hicache-mem-layout", "page_head", "'page_head'"),
+])
+def test_a_value_the_cp_cache_refuses_fails_naming_the_flag(flag, value, words):
+    _, found = _checked(_with(flag, value))
+    failed = [f for f in found if f.level == FAIL]
+    assert len(failed) == 1, found
+    assert flag in failed[0].what and words in failed[0].text, failed[0]
+
+
+def test_a_value_sglang_s_parser_refuses_fails_with_its_message():
+    args, found = _checked(_with("--hicache-storage-backend", "bogus"))
+    assert args is None
+    assert found[-1].level == FAIL and found[-1].what == "launch arguments"
+    assert "--hicache-storage-backend" in found[-1].text and "invalid choice: 'bogus'" in found[-1].text
+
+
+def test_the_kernel_pool_configuration_is_one_the_kernels_accept():
+    from sglang_cp_hicache.kernels import transfer
+
+    args, _ = launch.launch_findings(RELEASE, README_LINE)
+    config = launch.kernel_config(RELEASE, args)
+    assert config["page_size"] == 64 and config["host_layout"] == args.hicache_mem_layout
+    report = transfer.warmup(**config, device="cpu")  # argument checks; the compile itself needs a GPU
+    assert report.config["kv_dim"] == config["kv_dim"]

@@ -1,0 +1,86 @@
+"""``check`` on SGLang 0.5.23: the README's prefill launch line passes every
+argument check; a value the library's stack or upstream's KV sharding
+refuses fails naming the flag; the command end to end (one subprocess)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from sglang_cp_hicache.preflight import launch
+from sglang_cp_hicache.preflight.report import FAIL, OK
+
+from tests.helpers.readme_launch import launch_line
+
+ROOT = Path(__file__).resolve().parents[2]
+RELEASE = "0.5.23"
+README_LINE = launch_line("SGLang 0.5.23 prefill worker")
+
+
+def _with(flag: str, value: str | None) -> list[str]:
+    """The README line with ``flag`` set to ``value`` (None: left out; "": a switch)."""
+    argv = list(README_LINE)
+    if flag in argv:
+        i = argv.index(flag)
+        takes_value = i + 1 < len(argv) and not argv[i + 1].startswith("--")
+        del argv[i:i + 1 + takes_value]
+    return argv + ([flag] if value == "" else [flag, value] if value is not None else [])
+
+
+def test_the_readme_launch_line_passes_every_argument_check(monkeypatch):
+    monkeypatch.delenv("SGLANG_CP_HICACHE_COPY", raising=False)
+    args, found = launch.launch_findings("0.5.23", README_LINE)
+    assert args is not None and args.enable_kv_cache_sharding
+    assert [f for f in found if f.level != OK] == []
+    assert "--hicache-storage-backend" in {f.what for f in found}
+
+
+@pytest.mark.parametrize("flag, value, words", [
+    ("--hicache-storage-backend", "nixl", "--hicache-storage-backend 'nixl' is not supported"),
+    ("--enable-kv-cache-sharding", None, "pass --enable-kv-cache-sharding"),
+    ("--page-size", "32", "page_size=32"),
+    ("--hicache-mem-layout", "page_first_direct", "hicache_mem_layout='page_first_direct'"),
+    ("--radix-cache-backend", "cp-hicache", "drop --radix-cache-backend"),
+    ("--kv-cache-dtype", "auto", "kv_cache_dtype='auto'"),
+])
+def test_a_value_the_stack_refuses_fails_naming_the_flag(flag, value, words):
+    _, found = launch.launch_findings("0.5.23", _with(flag, value))
+    failed = [f for f in found if f.level == FAIL]
+    assert len(failed) == 1, found
+    assert flag in failed[0].what and words in failed[0].text, failed[0]
+
+
+def test_a_storage_backend_on_upstream_s_copy_path_fails_naming_both(monkeypatch):
+    monkeypatch.setenv("SGLANG_CP_HICACHE_COPY", "upstream")
+    argv = _with("--hicache-storage-backend-extra-config", '{"file_storage_path": "/tmp/l3"}')
+    _, found = launch.launch_findings("0.5.23", argv + ["--hicache-storage-backend", "file"])
+    failed = [f for f in found if f.level == "FAIL"]
+    assert len(failed) == 1 and failed[0].what == "--hicache-storage-backend", found
+    assert "SGLANG_CP_HICACHE_COPY=upstream" in failed[0].text
+
+
+def test_the_command_fails_a_storage_backend_it_cannot_serve_naming_the_flag():
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env.pop("SGLANG_PLUGINS", None)
+    argv = _with("--hicache-storage-backend", "nixl")
+    proc = subprocess.run([sys.executable, "-m", "sglang_cp_hicache", "check", "--", *argv], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    assert "FAIL --hicache-storage-backend: --hicache-storage-backend 'nixl' is not supported" in proc.stdout
+    assert "OK   SGLang: 0.5.23" in lines[0]
+    assert any(x.startswith("FAIL device: no CUDA GPU visible") for x in lines) or "OK   device:" in proc.stdout
+
+
+def test_the_kernel_pool_configuration_is_one_the_kernels_accept():
+    from sglang_cp_hicache.kernels import transfer
+
+    args, _ = launch.launch_findings(RELEASE, README_LINE)
+    config = launch.kernel_config(RELEASE, args)
+    assert config["page_size"] == 64 and config["host_layout"] == args.hicache_mem_layout
+    report = transfer.warmup(**config, device="cpu")  # argument checks; the compile itself needs a GPU
+    assert report.config["kv_dim"] == config["kv_dim"]
