@@ -605,3 +605,76 @@ def section_other_files(res: Results) -> list[str]:
         return []
     return ["## Other files", "", "Not rendered above; listed so that nothing committed goes unseen.", "",
             *table(["file", "what it holds"], [[link(f), describe(res, f)] for f in rest]), ""]
+
+
+# ---- SGLang 0.5.23: the library against upstream alone (simulate --compare-upstream) ----
+
+COMPARE_UPSTREAM = "sim0523_compare_upstream.json"
+
+
+def _ratio(p: dict[str, Any], tier: str) -> str:
+    value = get(p, "hit_ratio_per_tier", tier)
+    return "–" if value is None else f"{value:.3f}"
+
+
+def what_you_get(res: Results, results_link: str) -> list[str]:
+    """The README's "What you get" block: the committed --compare-upstream
+    run in plain words, its costs and what it does not measure.
+    ``results_link``: the path of bench/results seen from the page."""
+    c = res.json.get(COMPARE_UPSTREAM)
+    if not (isinstance(c, dict) and isinstance(c.get("paths"), dict)):
+        return ["**What you get**: no `--compare-upstream` result is committed yet."]
+    lib, up = c["paths"].get("library") or {}, c["paths"].get("upstream") or {}
+    sizing = c.get("pool_sizing") or {}
+    trace = str(c.get("workload", "")).rsplit("/", 1)[-1]
+    text = f"{results_link}/{COMPARE_UPSTREAM.replace('.json', '.txt')}"
+
+    def hits(p: dict[str, Any]) -> str:
+        parts = [f"{label} {_ratio(p, tier)}" for tier, label in (("device", "device"), ("host", "host"), ("l3", "L3"))
+                 if tier != "l3" or p.get("l3")]
+        ratio = p.get("hit_ratio")
+        return "–" if ratio is None else f"**{ratio:.3f}** ({', '.join(parts)})"
+
+    rows = [
+        ["prefix hits, as a share of what an infinite cache hits", hits(lib), hits(up)],
+        ["L3 (storage) tier under KV sharding",
+         f"yes: {n(lib.get('l3_written_pages'))} pages written" if lib.get("l3") else "not in this run",
+         "refused by SGLang at start-up" if c.get("upstream_l3") else "–"],
+        ["write-through backups lost", f"{n(lib.get('backups_lost'))} of {n(lib.get('backups_attempted'))}",
+         f"{n(up.get('backups_lost'))} of {n(up.get('backups_attempted'))}"],
+        ["host reads of device page indices (a GPU sync each), per rank",
+         n(lib.get("device_index_host_reads_max_per_rank")), n(up.get("device_index_host_reads_max_per_rank"))],
+    ]
+    l3_gb = (lib.get("l3_written_bytes") or 0) / 1e9
+    return [
+        f"**What you get** on SGLang 0.5.23 with KV sharding (simulator: CP {n(c.get('cp_size'))}, the first "
+        f"{n(c.get('requests'))} requests of Mooncake's `{trace}`, host pools sized to hold "
+        f"{sizing.get('capacity', 0):g} of the {n(sizing.get('distinct_pages'))} distinct pages they touch, "
+        f"device pools half that; [output and command]({text})):",
+        "",
+        *table(["", "this library", "upstream alone"], rows),
+        "",
+        f"Costs: the same host KV pool on both paths ({n(c.get('host_pages'))} pages a rank), no extra one; "
+        f"the L3 tier's storage ({l3_gb:.2f} GB written here; the OS page cache over it is not counted); "
+        f"replay CPU {n(lib.get('replay_cpu_seconds_per_rank'))} s against "
+        f"{n(up.get('replay_cpu_seconds_per_rank'))} s a rank on this CPU-only simulator (the library's run also "
+        f"writes every page to L3, restores from it, and checks the {n(lib.get('verified_pages'))} pages it "
+        f"reused against upstream's {n(up.get('verified_pages'))}). Not measured: GPU copy time, restore "
+        "latency, L3 reads from real shared storage, a real server.",
+    ]
+
+
+def section_compare_upstream(res: Results) -> list[str]:
+    if COMPARE_UPSTREAM not in res.json:
+        return []
+    c = res.take(COMPARE_UPSTREAM)
+    return [
+        "## SGLang 0.5.23: the library against upstream alone",
+        "",
+        *what_you_get(res, f"../{RESULTS}"),
+        "",
+        f"`{c.get('command')}`" if isinstance(c, dict) else "",
+        "",
+        files_line(res, [COMPARE_UPSTREAM]),
+        "",
+    ]

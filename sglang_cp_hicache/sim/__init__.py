@@ -16,6 +16,7 @@ are :mod:`.engine_0518` and :mod:`.engine_0523` (and
 * ``workload`` -- synthetic multi-turn chat, JSONL traces
 * ``mooncake`` -- Mooncake FAST'25 trace lines as requests (hash id -> block)
 * ``ideal``    -- what an infinite cache would hit on the same requests
+* ``sizing``   -- pool sizes from a trace's distinct pages (--capacity)
 * ``rates``    -- hits per tier against the prompt and the ideal, bytes, GB/s
 * ``config``   -- settings, per-process spec, the failure-injection test hook
 * ``records``  -- dataclasses passed from the ranks to the launcher
@@ -26,6 +27,7 @@ are :mod:`.engine_0518` and :mod:`.engine_0523` (and
 * ``failures`` -- which rank failed first (the cause, not its peers' symptoms)
 * ``report``   -- summary JSON, verdict, comparison with non-CP, failure message
 * ``table``    -- the text report printed from the summary
+* ``compare``  -- --compare-upstream: the library's and upstream's runs side by side
 * ``outputs``  -- --json / --plot paths checked before a run
 * ``plot``     -- PNG (matplotlib, optional)
 * ``cli``      -- the ``simulate`` subcommand

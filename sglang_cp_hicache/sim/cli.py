@@ -4,14 +4,17 @@ Exit status: 0 when nothing was corrupted, every rank agreed (tree digest and
 ack counts), no cache leaked and at least one page was verified (or
 ``--allow-unverified``); 1 when the run failed or a check did not pass; 2 for
 bad flags, a bad setting, an unusable output path or a malformed trace,
-found before any rank starts.
+found before any rank starts. With --compare-upstream (SGLang 0.5.23): the
+same for each of its two runs, 0 only when both pass.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.metadata
 import os
+import shlex
 import sys
 from typing import Any, Callable, Optional, Sequence, Union
 
@@ -27,12 +30,13 @@ from sglang_cp_hicache.sim.config import (
     parse_failure_injection,
     seconds_problem,
 )
-from sglang_cp_hicache.sim.ideal import ideal_hit_tokens
+from sglang_cp_hicache.sim.ideal import IdealCache, ideal_cache
 from sglang_cp_hicache.sim.l3_writers import object_names, restored_by_writer, write_manifest, writers_of
 from sglang_cp_hicache.sim.mooncake import DEFAULT_BLOCK_TOKENS, MOONCAKE_BLOCK_TOKENS
 from sglang_cp_hicache.sim.outputs import OutputPathError, check_output_paths
 from sglang_cp_hicache.sim.plot import PlotUnavailable, check_matplotlib, plot_summary
 from sglang_cp_hicache.sim.rates import WorkloadFacts
+from sglang_cp_hicache.sim.sizing import DEFAULT_CAPACITY, PoolSizing, size_pools
 from sglang_cp_hicache.sim.workload import (
     ChatShape,
     SimRequest,
@@ -85,6 +89,13 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _fraction(text: str) -> float:
+    value = _converted(text, float, "must be a number")
+    if not 0 < value <= 64:  # nan fails too
+        raise argparse.ArgumentTypeError(f"must be in (0, 64], got {text}")
+    return value
+
+
 def _seed(text: str) -> int:
     value = _converted(text, int, "must be an integer")
     if not 0 <= value < 2**31:
@@ -132,11 +143,19 @@ def _add_shape_flags(p: argparse.ArgumentParser) -> None:
                         "with --trace: the first R lines, default all)")
     p.add_argument("--seed", type=_seed, default=_DEFAULTS.seed, metavar="S",
                    help=f"workload and content seed (default {_DEFAULTS.seed})")
-    p.add_argument("--device-pages", type=_positive("--device-pages"), default=_DEFAULTS.device_pages,
+    p.add_argument("--device-pages", type=_positive("--device-pages"), default=None,
                    metavar="D", help="device KV pages per rank; the shared logical pool has N*D, page 0 "
-                                     f"being padding (default {_DEFAULTS.device_pages})")
-    p.add_argument("--host-pages", type=_positive("--host-pages"), default=_DEFAULTS.host_pages,
-                   metavar="H", help=f"host KV pages per rank (default {_DEFAULTS.host_pages})")
+                                     f"being padding (default {_DEFAULTS.device_pages}; with --trace: "
+                                     "from --capacity)")
+    p.add_argument("--host-pages", type=_positive("--host-pages"), default=None,
+                   metavar="H", help=f"host KV pages per rank (default {_DEFAULTS.host_pages}; with --trace: "
+                                     "from --capacity)")
+    p.add_argument("--capacity", type=_fraction, default=None, metavar="F",
+                   help="with --trace, unless --device-pages / --host-pages say otherwise: size the pools from "
+                        "U, the distinct whole pages of the requests replayed (one per distinct prefix): host "
+                        "pages per rank H = ceil(F*U/N), device pages per rank ceil(H/2) but at least enough "
+                        f"for the longest request; each at least 4 (default {DEFAULT_CAPACITY:g}: the N host "
+                        "pools together hold a quarter of the working set)")
     p.add_argument("--trace", metavar="FILE.jsonl", default=None,
                    help='replay a trace: one {"tokens": [...]} or {"prompt_len": n, "prefix_group": g'
                         ', "shared_len": s} per line, or a Mooncake FAST\'25 trace ({"timestamp": ms, '
@@ -170,6 +189,12 @@ def _add_output_flags(p: argparse.ArgumentParser) -> None:
                         "runs of any --cp-size share DIR: each rank writes the pages it owns once their "
                         "write-through completes, and every request first looks its uncached pages up in "
                         "L3. With --compare-non-cp the non-CP baseline runs without L3")
+    p.add_argument("--compare-upstream", action="store_true",
+                   help="SGLang 0.5.23 only: replay the workload twice, through this library's path (--copy "
+                        "library) and upstream's (--copy upstream), and report them side by side (hits per "
+                        "tier against the ideal, backups lost, host reads of device indices, costs); with "
+                        "--l3 only the library's run has the L3 tier (upstream refuses storage under KV "
+                        "sharding). --json writes the comparison with both summaries")
 
 
 def _add_limit_flags(p: argparse.ArgumentParser) -> None:
@@ -215,11 +240,15 @@ def _error(message: str, code: int) -> int:
 
 def _workload(args: argparse.Namespace, config: SimConfig) -> tuple[Sequence[SimRequest], str]:
     if args.trace is not None:
-        reqs = load_trace(args.trace, seed=config.seed, max_tokens=config.max_request_tokens,
+        # pools sized from the trace fit its longest request (sim.sizing); explicit ones are checked
+        max_tokens = config.max_request_tokens if args.device_pages is not None else None
+        reqs = load_trace(args.trace, seed=config.seed, max_tokens=max_tokens,
                           limit=args.requests, block_tokens=args.trace_block_tokens)
         return reqs, f"trace:{args.trace}"
     if args.trace_block_tokens is not None:
         raise ValueError("--trace-block-tokens needs --trace (a Mooncake trace)")
+    if args.capacity is not None:
+        raise ValueError("--capacity needs --trace: it sizes the pools from the trace's distinct pages")
     shape = ChatShape()
     first_turn = shape.system_tokens[1] + shape.user_tokens[1]
     usable = config.max_request_tokens
@@ -234,6 +263,18 @@ def _workload(args: argparse.Namespace, config: SimConfig) -> tuple[Sequence[Sim
         "synthetic-chat"
 
 
+@dataclasses.dataclass
+class Prepared:
+    """What a run needs once every check before the ranks start passed."""
+
+    config: SimConfig
+    failure: Optional[FailureInjection]
+    requests: Sequence[SimRequest]
+    workload: str
+    sizing: Optional[PoolSizing] = None  # --trace with pools sized from it
+    ideal: Optional[IdealCache] = None  # computed for the sizing (the run reads it against the same)
+
+
 def run_simulate(args: argparse.Namespace) -> int:
     from sglang_cp_hicache.sim.launcher import launch
     from sglang_cp_hicache.sim.report import failure_message, summarize
@@ -242,13 +283,15 @@ def run_simulate(args: argparse.Namespace) -> int:
     prepared = _prepare(args)
     if isinstance(prepared, int):
         return prepared
-    config, failure, requests, workload = prepared
+    config, failure, requests, workload = prepared.config, prepared.failure, prepared.requests, prepared.workload
     token_lists = pack_requests(requests)  # what every rank gets: ids packed, pickled as raw bytes
     facts = WorkloadFacts(
         prompt_tokens=token_lists.total_tokens,
-        ideal_hit_tokens=ideal_hit_tokens(token_lists, config.page_size),
+        ideal_hit_tokens=(prepared.ideal or ideal_cache(token_lists, config.page_size)).hit_tokens,
         trace=requests.info.as_dict() if isinstance(requests, Trace) else {},
     )
+    if args.compare_upstream:
+        return _run_compare_upstream(args, prepared, token_lists, facts)
 
     show = not args.no_progress
     l3_before = object_names(config.l3_dir) if config.l3_dir is not None else set()
@@ -264,6 +307,8 @@ def run_simulate(args: argparse.Namespace) -> int:
             return 1
     summary, verdict = summarize(config, workload, len(requests), cp, non_cp,
                                  allow_unverified=args.allow_unverified, facts=facts)
+    if prepared.sizing is not None:
+        summary["pool_sizing"] = prepared.sizing.as_dict()
     if config.l3_dir is not None:
         _attribute_l3(summary, config, cp.reports, l3_before)
     print(format_table(summary))
@@ -273,21 +318,65 @@ def run_simulate(args: argparse.Namespace) -> int:
     return 0 if verdict.ok else 1
 
 
+def _run_compare_upstream(args: argparse.Namespace, prepared: Prepared, token_lists: Any,
+                          facts: WorkloadFacts) -> int:
+    """--compare-upstream: the library's run (with --l3 if given), then
+    upstream's (never with L3), the comparison printed and written."""
+    from sglang_cp_hicache.sim.compare import compare_upstream, format_comparison
+    from sglang_cp_hicache.sim.launcher import launch
+    from sglang_cp_hicache.sim.report import dump_json, failure_message, summarize
+
+    summaries = {}
+    for path in ("library", "upstream"):
+        config = dataclasses.replace(prepared.config, copy_path=path,
+                                     l3_dir=prepared.config.l3_dir if path == "library" else None)
+        l3_before = object_names(config.l3_dir) if config.l3_dir is not None else set()
+        run = launch(config, token_lists, cp_mode=True, failure=prepared.failure, show_progress=not args.no_progress)
+        if not run.ok or len(run.reports) != config.cp_size:
+            print(f"--compare-upstream, the {path} run:", file=sys.stderr)
+            print(failure_message(run), file=sys.stderr)
+            return 1
+        summary, _ = summarize(config, prepared.workload, len(prepared.requests), run, None,
+                               allow_unverified=args.allow_unverified, facts=facts)
+        if prepared.sizing is not None:
+            summary["pool_sizing"] = prepared.sizing.as_dict()
+        if config.l3_dir is not None:
+            _attribute_l3(summary, config, run.reports, l3_before)
+        summaries[path] = summary
+    comparison = compare_upstream(summaries["library"], summaries["upstream"], command=_command_line())
+    print(format_comparison(comparison))
+    if args.json is not None:
+        try:
+            with open(args.json, "w", encoding="utf-8") as f:
+                f.write(dump_json(comparison))
+        except OSError as exc:
+            return _error(f"cannot write {exc.filename or 'the output'}: {exc.strerror or exc}", 1)
+    return 0 if comparison["ok"] else 1
+
+
+def _command_line() -> Optional[str]:
+    """This run's command as typed (None when not run as the CLI, e.g. from a test)."""
+    argv = sys.argv
+    if len(argv) < 2 or argv[1] != "simulate" or not argv[0].endswith(("sglang_cp_hicache/__main__.py",
+                                                                       "sglang-cp-hicache")):
+        return None
+    return "python -m sglang_cp_hicache " + shlex.join(argv[1:])
+
+
 def _attribute_l3(summary: dict[str, Any], config: SimConfig, reports: list, before: set[str]) -> None:
     """Which run wrote the objects the ranks restored from (by release), and
     this run's own manifest for later runs."""
     keys = [k for r in reports for k in r.totals.l3_restored_keys]
     by_writer = restored_by_writer(keys, before, writers_of(config.l3_dir))
     summary["l3_restored_pages_by_writer"] = by_writer
+    summary["l3_objects_at_start"] = len(before)  # earlier runs' objects: hits the cold ideal does not count
     summary["l3_restored_from_other_release"] = sum(
         n for writer, n in by_writer.items() if writer in SGLANG_VERSIONS and writer != config.sglang_version
     )
     write_manifest(config.l3_dir, config.sglang_version, object_names(config.l3_dir) - before)
 
 
-def _prepare(
-    args: argparse.Namespace,
-) -> Union[int, tuple[SimConfig, Optional[FailureInjection], Sequence[SimRequest], str]]:
+def _prepare(args: argparse.Namespace) -> Union[int, Prepared]:
     """Everything checked before a rank starts: the library's settings
     (each rank would refuse a bad one only after importing SGLang), the
     SGLang release, the flags, the test hook, the output paths and the
@@ -318,12 +407,33 @@ def _prepare(
         return _error(str(exc), 2)
     try:
         requests, workload = _workload(args, config)
+        ideal = ideal_cache(requests.packed, config.page_size) if isinstance(requests, Trace) else None
+        sizing = _trace_pools(args, config, requests, ideal)
+        if sizing is not None:
+            config = dataclasses.replace(config, device_pages=sizing.device_pages, host_pages=sizing.host_pages)
     except (TraceError, ValueError) as exc:
         return _error(str(exc), 2)
     problem = _l3_problem(config.l3_dir)  # last: only a run that will start creates DIR
     if problem is not None:
         return _error(problem, 2)
-    return config, failure, requests, workload
+    return Prepared(config, failure, requests, workload, sizing, ideal)
+
+
+def _trace_pools(args: argparse.Namespace, config: SimConfig, requests: Sequence[SimRequest],
+                 ideal: Optional[IdealCache]) -> Optional[PoolSizing]:
+    """--trace without both pool sizes: the pools from the trace's working
+    set (:mod:`.sizing`); None otherwise."""
+    if not isinstance(requests, Trace) or ideal is None or (
+            args.device_pages is not None and args.host_pages is not None):
+        return None
+    packed = requests.packed
+    return size_pools(
+        distinct_pages=ideal.distinct_pages,
+        longest_request_tokens=max(packed.request_len(i) for i in range(len(packed))),
+        cp_size=config.cp_size, page_size=config.page_size,
+        capacity=args.capacity if args.capacity is not None else DEFAULT_CAPACITY,
+        device_pages=args.device_pages, host_pages=args.host_pages,
+    )
 
 
 def _l3_problem(directory: Optional[str]) -> Optional[str]:
@@ -343,6 +453,9 @@ def _l3_problem(directory: Optional[str]) -> Optional[str]:
 def _version_problem(version: str, args: argparse.Namespace) -> Optional[str]:
     if version not in SGLANG_VERSIONS:
         return f"the installed SGLang is {version}; the simulator drives {' and '.join(SGLANG_VERSIONS)}"
+    problem = _compare_upstream_problem(version, args)
+    if problem is not None:
+        return problem
     if version == "0.5.23" and args.l3 is not None and args.copy != "library":  # a flag conflict
         return ("--l3 needs --copy library on --sglang 0.5.23: upstream's sharded stack refuses storage "
                 "under KV sharding")
@@ -352,11 +465,29 @@ def _version_problem(version: str, args: argparse.Namespace) -> Optional[str]:
     return None
 
 
+def _compare_upstream_problem(version: str, args: argparse.Namespace) -> Optional[str]:
+    """Why --compare-upstream cannot run with these flags (None if it can)."""
+    if not args.compare_upstream:
+        return None
+    if version != "0.5.23":
+        return (f"--compare-upstream needs SGLang 0.5.23 (this is {version}): only 0.5.23 has upstream's own "
+                "KV-sharded stack to compare with; 0.5.18's CP copies are this library's")
+    if args.copy != "library":
+        return "--compare-upstream runs both copy paths itself: leave out --copy"
+    for flag, given in (("--compare-non-cp", args.compare_non_cp), ("--plot", args.plot is not None)):
+        if given:
+            return f"--compare-upstream and {flag} do not combine: run them separately"
+    return None
+
+
 def _config(args: argparse.Namespace, version: str) -> SimConfig:
     return SimConfig(
         cp_size=args.cp_size, page_size=args.page_size, num_layers=args.layers,
         num_requests=args.requests if args.requests is not None else _DEFAULTS.num_requests,
-        seed=args.seed, device_pages=args.device_pages, host_pages=args.host_pages,
+        seed=args.seed,
+        # None: the defaults, or (--trace) sized from the trace once it is read
+        device_pages=args.device_pages if args.device_pages is not None else _DEFAULTS.device_pages,
+        host_pages=args.host_pages if args.host_pages is not None else _DEFAULTS.host_pages,
         collective_timeout_s=args.collective_timeout,
         non_cp_group=args.non_cp_group,
         grace_s=min(_DEFAULTS.grace_s, args.collective_timeout),

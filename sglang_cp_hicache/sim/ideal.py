@@ -12,13 +12,29 @@ from __future__ import annotations
 
 import hashlib
 from array import array
+from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-__all__ = ["ideal_hit_tokens"]
+__all__ = ["IdealCache", "ideal_cache", "ideal_hit_tokens"]
+
+
+@dataclass
+class IdealCache:
+    """The infinite cache after the replay."""
+
+    hit_tokens: list[int]  # per request
+    #: Whole pages it holds at the end: the distinct (page, whole prefix)
+    #: pairs of the requests, i.e. the trace's working set in pages.
+    distinct_pages: int
 
 
 def ideal_hit_tokens(requests: Iterable[Sequence[int] | array], page_size: int) -> list[int]:
     """Per request, the tokens an infinite cache would hit (page-aligned)."""
+    return ideal_cache(requests, page_size).hit_tokens
+
+
+def ideal_cache(requests: Iterable[Sequence[int] | array], page_size: int) -> IdealCache:
+    """The infinite cache's hits per request and the pages it ends up holding."""
     if page_size < 1:
         raise ValueError(f"page_size must be >= 1, got {page_size}")
     seen: set[bytes] = set()  # one digest per cached page: of the page's whole prefix
@@ -36,4 +52,4 @@ def ideal_hit_tokens(requests: Iterable[Sequence[int] | array], page_size: int) 
                 missed = True
                 seen.add(key)
         out.append(hit_pages * page_size)
-    return out
+    return IdealCache(hit_tokens=out, distinct_pages=len(seen))

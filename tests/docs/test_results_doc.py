@@ -102,3 +102,17 @@ def test_no_results_at_all_still_renders(renderer, tmp_path):
     (tmp_path / "bench" / "results").mkdir(parents=True)
     doc = renderer.render(tmp_path)["docs/results.md"]
     assert doc.startswith("# Results") and "**not measured yet**" in doc
+
+
+def test_the_readme_what_you_get_block_is_the_committed_comparison(renderer, tmp_path):
+    root = _results_copy(tmp_path)
+    (root / "README.md").write_text((ROOT / "README.md").read_text())
+    path = root / "bench" / "results" / "sim0523_compare_upstream.json"
+    data = json.loads(path.read_text())
+    block = renderer.render(ROOT)["README.md"].split(renderer.GET_START)[1].split(renderer.GET_END)[0]
+    assert f"**{data['paths']['library']['hit_ratio']:.3f}**" in block and "refused by SGLang" in block
+    data["paths"]["library"]["hit_ratio"] = 0.123456
+    path.write_text(json.dumps(data))
+    changed = renderer.render(root)["README.md"]
+    assert "**0.123**" in changed.split(renderer.GET_START)[1].split(renderer.GET_END)[0]
+    assert "library with L3" not in changed  # the trace row is the block's now, not the headline's

@@ -96,7 +96,8 @@ def _run_tight(tmp_path, copy_path):
     assert s["host_hit_tokens"] == s["host_hit_tokens_per_rank"][0]
     assert s["device_index_host_reads"] == sum(s["device_index_host_reads_per_rank"])
     assert s["device_evictions"] > 0 and s["device_eviction_tokens"] >= s["device_evictions"] * 64
-    for row in ("node backups refused", "host hit tokens", "device evictions (nodes)", "host reads of device locs"):
+    for row in ("node backups refused", "host + L3 hit tokens", "device evictions (nodes)",
+                "host reads of device locs"):
         assert row in proc.stdout, (copy_path, row)
     return s, proc.stdout
 
@@ -133,3 +134,27 @@ def test_bookkeeping_counters_on_a_tight_host_upstream_loses_backups_and_reads_l
         assert frees["request_from_phase"] > 0, r  # request pages freed from the request's rotation
     for warm in lib["warmup_per_rank"]:
         assert isinstance(warm["backend"], str) and warm["seconds"] >= 0.0
+
+
+@pytest.mark.slow(90)
+def test_compare_upstream_runs_both_paths_and_only_the_library_gets_the_l3(tmp_path):
+    out, directory = tmp_path / "compare.json", tmp_path / "l3"
+    trace = f"{ROOT}/tests/data/mooncake_conversation_slice.jsonl"
+    proc = subprocess.run(
+        sim_command("--compare-upstream", "--cp-size", "2", "--trace", trace, "--requests", "12",
+                    "--l3", str(directory), "--json", str(out)),
+        cwd=ROOT, env=sim_env(), capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    c = json.loads(out.read_text())
+    assert c["kind"] == "compare_upstream" and c["ok"] and c["sglang_version"] == "0.5.23"
+    lib, up = c["runs"]["library"], c["runs"]["upstream"]
+    assert (lib["copy_path"], up["copy_path"]) == ("library", "upstream")
+    # one workload, one pool size (sized from the trace), checked alike on both paths
+    for key in ("prompt_tokens", "ideal_hit_tokens", "device_pages", "host_pages", "pool_sizing"):
+        assert lib[key] == up[key] == c[key], key
+    assert lib["corrupted_pages"] == up["corrupted_pages"] == 0 and lib["ranks_agree"] and up["ranks_agree"]
+    assert lib["l3_dir"] == str(directory) and lib["l3_written_pages"] > 0 and "l3_dir" not in up
+    assert c["paths"]["upstream"]["hit_tokens_per_tier"]["l3"] == 0 and c["upstream_l3"]
+    assert "upstream's run has none" in proc.stdout and "no L3" in proc.stdout
+    assert proc.stdout.rstrip().endswith("result: OK (both runs)")

@@ -67,7 +67,7 @@ def check_slice_run(s: dict[str, Any], proc: subprocess.CompletedProcess, png: P
     for needle in ("CP2: 2/2 SGLang imported", "CP2: 2/2 stacks built", "CP2 replay [", "60/60 requests",
                    "about", "non-CP: 1/1 stacks built"):
         assert needle in proc.stderr, (needle, proc.stderr[-2000:])
-    for needle in ("prompt tokens 50,794; ideal (infinite cache, page-aligned) 40,128", "hit_ratio",
+    for needle in ("prompt tokens 50,794; ideal (an infinite cache starting empty, page-aligned) 40,128", "hit_ratio",
                    "capacity_efficiency (CP hits / non-CP hits)", "bytes moved", "time: start-up"):
         assert needle in proc.stdout, needle
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -153,7 +153,9 @@ def test_trace_replay(tmp_path):
     ]
     trace.write_text("\n".join(json.dumps(x) if x != "" else "" for x in lines) + "\n")
     out = tmp_path / "sim.json"
-    proc, _ = simulate("--cp-size", "2", "--trace", str(trace), "--json", str(out))
+    # the default pools, not ones sized from this tiny trace: the hits below assume nothing is evicted
+    proc, _ = simulate("--cp-size", "2", "--device-pages", "12", "--host-pages", "16", "--trace", str(trace),
+                       "--json", str(out))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     s = json.loads(out.read_text())
     assert s["requests"] == 6 and s["workload"] == f"trace:{trace}"
