@@ -170,6 +170,10 @@ def _add_output_flags(p: argparse.ArgumentParser) -> None:
                         "runs of any --cp-size share DIR: each rank writes the pages it owns once their "
                         "write-through completes, and every request first looks its uncached pages up in "
                         "L3. With --compare-non-cp the non-CP baseline runs without L3")
+    p.add_argument("--metrics", action="store_true",
+                   help="build the CP ranks' caches as --enable-metrics does and put each rank's scrape of the "
+                        "library's metrics (sglang_cp_hicache:*, docs/metrics.md) in the summary "
+                        "(library_metrics_per_rank)")
 
 
 def _add_limit_flags(p: argparse.ArgumentParser) -> None:
@@ -361,6 +365,7 @@ def _config(args: argparse.Namespace, version: str) -> SimConfig:
         startup_timeout_s=args.startup_timeout,
         sglang_version=version, copy_path=args.copy,
         l3_dir=os.path.abspath(args.l3) if args.l3 is not None else None,
+        metrics=args.metrics,
     )
 
 
