@@ -43,6 +43,9 @@ COUNTER_HELP = {
                                  "arrival and fitted after the library's owner-aware host eviction -- the "
                                  "backups upstream's one token-sized evict_host puts at risk (it keeps one only "
                                  "when the LRU pages it frees happen to be of the short owner classes).",
+    "backups_kept_lost_upstream": "0.5.23: of backups_kept_by_host_room, those upstream's rule loses for certain: "
+                                  "its token floor asks evict_host for more tokens than every evictable host page "
+                                  "holds, so it falls short and drops the backup.",
     "backups_unfittable_evictions_spared": "0.5.23: backups that could not fit even after evicting every "
                                            "evictable host page, where the library evicted nothing (upstream "
                                            "evicts pages and still loses the backup).",
@@ -68,7 +71,8 @@ GAUGE_HELP = {
 RELEASE_COUNTERS = {
     "0.5.18": ("backups", "backup_failures", "device_index_host_reads", "device_index_host_reads_avoided",
                "load_backs", "load_back_tokens", "load_backs_declined", "load_back_declined_tokens"),
-    "0.5.23": ("backups", "backup_failures", "backups_kept_by_host_room", "backups_unfittable_evictions_spared",
+    "0.5.23": ("backups", "backup_failures", "backups_kept_by_host_room", "backups_kept_lost_upstream",
+               "backups_unfittable_evictions_spared",
                "device_index_host_reads", "device_index_host_reads_avoided", "load_backs", "load_back_tokens"),
 }
 

@@ -8,8 +8,8 @@ gives the rank's storage metrics. Counters a take-back lowers
 (``write_backups``, ``load_backs``) are exported with what was taken back
 added again, so the exported counters only grow.
 
-Not on 0.5.18: ``backups_kept_by_host_room`` and
-``backups_unfittable_evictions_spared`` -- upstream 0.5.18 has no CP-sharded
+Not on 0.5.18: ``backups_kept_by_host_room``, ``backups_kept_lost_upstream``
+and ``backups_unfittable_evictions_spared`` -- upstream 0.5.18 has no CP-sharded
 host pool whose backups could be lost (every backup here is the library's,
 room decided by its host ledger; a refusal is ``backup_failures``).
 """

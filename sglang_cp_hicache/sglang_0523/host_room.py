@@ -107,6 +107,9 @@ class HostRoomCounters:
     # at risk), and those that could not fit at all, where nothing was evicted.
     room_made: int = 0
     unfittable: int = 0
+    # Of room_made: upstream's evict_host could not have freed the tokens
+    # its floor asks for (all evictable pages are fewer): lost for certain.
+    room_made_lost_upstream: int = 0
 
 
 class OwnerAwareHostRoom:
@@ -193,14 +196,23 @@ class OwnerAwareHostRoom:
         )
         if room.satisfied or self.cache.host_memory_mode == "buffer_only":
             return room.satisfied  # buffer_only: the tree holds no host values
-        if not room.can_fit(self._reachable()):
+        reachable = self._reachable()
+        if not room.can_fit(reachable):
             self.counters.unfittable += 1
             return False  # the write fails either way: keep every host page
+        # Upstream's rule from here, for the live metrics: a run short of a
+        # class has a token floor (N * P * the fewest free pages of a class)
+        # below its tokens, so upstream evicts the difference; when every
+        # evictable page together is less, its evict_host falls short and the
+        # backup is lost for certain.
+        P, N = self.placement.page_size, self.placement.cp_size
+        lost_upstream = sum(reachable) * P < pages * P - N * P * min(room.free)
         for through_ancestors in (False, True):
             room = self._evict_helpful_leaves(room, through_ancestors)
             if room.satisfied:
                 break
         self.counters.room_made += int(room.satisfied)
+        self.counters.room_made_lost_upstream += int(room.satisfied and lost_upstream)
         return room.satisfied
 
     def _evict_helpful_leaves(self, room: HostRoom, through_ancestors: bool) -> HostRoom:

@@ -68,6 +68,7 @@ class LibraryMetrics0523:
                 "backups": room.written,
                 "backup_failures": room.refused,
                 "backups_kept_by_host_room": room.room_made,
+                "backups_kept_lost_upstream": room.room_made_lost_upstream,
                 "backups_unfittable_evictions_spared": room.unfittable,
                 "device_index_host_reads": frees.read_back,
                 "device_index_host_reads_avoided": frees.reads_avoided,

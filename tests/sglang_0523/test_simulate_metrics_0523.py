@@ -50,6 +50,8 @@ def test_the_scrape_matches_the_simulators_report(tmp_path):
         assert m["sglang_cp_hicache:backup_failures_total"] == s["write_failures_per_rank"][rank]
         # the premise of the workload: backups only fitted after owner-aware eviction
         assert m["sglang_cp_hicache:backups_kept_by_host_room_total"] == room["room_made"] > 0
+        assert m["sglang_cp_hicache:backups_kept_lost_upstream_total"] == room["room_made_lost_upstream"] <= \
+            room["room_made"]
         assert m["sglang_cp_hicache:backups_unfittable_evictions_spared_total"] == room["unfittable"]
         assert m["sglang_cp_hicache:device_index_host_reads_total"] == s["device_index_host_reads_per_rank"][rank]
         assert m["sglang_cp_hicache:device_index_host_reads_avoided_total"] == frees["reads_avoided"] > 0
