@@ -69,6 +69,7 @@ from sglang_cp_hicache.sglang_0518.host_copies import cp_copies_installed, insta
 from sglang_cp_hicache.sglang_0518.host_tier import HostTier, NoHostLeafSet
 from sglang_cp_hicache.sglang_0518.l3_cache import L3Cache
 from sglang_cp_hicache.sglang_0518.l3_metrics import install_metrics
+from sglang_cp_hicache.sglang_0518.library_metrics import LibraryMetrics0518
 from sglang_cp_hicache.sglang_0518.l3_port import L3Port0518
 from sglang_cp_hicache.sglang_0518.l3_requests import L3Requests, log_l3_start, refuse_runtime_attach, source_label
 from sglang_cp_hicache.sglang_0518.l3_tier import open_l3
@@ -179,6 +180,10 @@ class CpHiRadixCache(HiRadixCache):
         if self.cp_l3 is not None and params.enable_metrics:
             # --enable-metrics: SGLang's storage metrics, fed by this L3
             install_metrics(self, self.cp_placement, self.cp_l3, server_args)
+        # --enable-metrics: the library's own counters, labelled as L3's (None: off)
+        self.cp_metrics: Optional[LibraryMetrics0518] = None
+        if params.enable_metrics:
+            self.cp_metrics = LibraryMetrics0518(self, self.cp_placement, self.cp_counters, self.cp_host, server_args)
         log_l3_start(self.cp_placement, self.cp_l3, location)
         host = self.cp_host
         # New pages go preferably to the ranks holding the fewest host slots.
@@ -382,6 +387,8 @@ class CpHiRadixCache(HiRadixCache):
     def check_hicache_events(self) -> None:
         super().check_hicache_events()
         self.cp_l3_cache.publish_metrics()
+        if self.cp_metrics is not None:
+            self.cp_metrics.publish()
 
     def clear_storage_backend(self) -> bool:
         return self.cp_l3_cache.clear()

@@ -156,7 +156,7 @@ def _overrides() -> tuple[Hook, ...]:
             "hicache_storage_prefetch_policy", "hicache_write_policy"), "refuses a runtime attach under CP"),
         _cache("detach_storage_backend", "override", ("self",), "refuses a runtime detach under CP"),
         _cache("clear_storage_backend", "override", ("self",), "clears this deployment's CP L3 namespaces"),
-        _cache("check_hicache_events", "override", ("self",), "publishes the step's L3 metrics after upstream's"),
+        _cache("check_hicache_events", "override", ("self",), "publishes the step's L3 and library metrics after upstream's"),
         Hook(_RC, "TreeNode", "__init__", "override", ("self", "id", "priority"), "builds CpTreeNode as upstream"),
         Hook(_RC, "TreeNode", "backuped", "override", None, "answers backuped from the CP host state"),
         Hook(_ALLOC, "BaseTokenToKVPoolAllocator", "clear", "override", ("self",), "allocates by owner lanes"),

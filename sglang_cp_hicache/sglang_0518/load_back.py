@@ -26,7 +26,8 @@ from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InitLoadBackPara
 from sglang.srt.mem_cache.radix_cache import TreeNode
 
 from sglang_cp_hicache.placement import CpPlacement
-from sglang_cp_hicache.policy_0518.load_back import LoadBackOutcome, cp_load_back
+from sglang_cp_hicache.policy_0518.load_back import LoadBackOutcome, collect_evicted_chain, cp_load_back
+from sglang_cp_hicache.policy_0518.node_state import logical_host_len
 from sglang_cp_hicache.policy_0518.plan import page_owners_of
 from sglang_cp_hicache.sglang_0518.counters import CpHiCacheCounters
 from sglang_cp_hicache.sglang_0518.step_status import StepStatus, Vote
@@ -110,6 +111,7 @@ class LoadBack:
             self._commit_failed(attempt)
             return None
         if outcome is None:
+            self._count_declined(node, attempt)
             if attempt.chain:
                 logger.warning(
                     "load_back: failed to load %d logical tokens for node %d even after "
@@ -119,6 +121,15 @@ class LoadBack:
             return None
         self._commit(attempt, outcome, start)
         return outcome.device_locs
+
+    def _count_declined(self, node: TreeNode, attempt: _Attempt) -> None:
+        """A load-back with host tokens to restore that did not happen
+        (threshold, quota, no lane room): the live metrics' declined ones."""
+        chain = attempt.chain or collect_evicted_chain(node)[0]
+        tokens = sum(logical_host_len(n) for n in chain)
+        if tokens:
+            self.counters.load_backs_declined += 1
+            self.counters.load_back_declined_tokens += tokens
 
     def _load_chain(self, attempt: _Attempt, chain: list) -> Optional[torch.Tensor]:
         """Allocate (owner-preserving) and queue the restore of ``chain``;
@@ -315,6 +326,8 @@ class LoadBack:
                 tree._evict_backuped(piece)
         self.counters.load_backs -= 1
         self.counters.load_back_tokens -= record.tokens
+        self.counters.load_back_takebacks += 1
+        self.counters.load_back_takeback_tokens += record.tokens
 
     def _restored_pieces(self, record: LoadBackRecord) -> list:
         """The nodes now holding the restored chain, deepest first: from the

@@ -67,6 +67,7 @@ class PageMirror:
                     "page mirror to keep the write path sync-free"
                 )
             return value[: num_pages * P : P].to("cpu", torch.int64) // P
+        self.counters.device_page_reads_avoided += 1
         pages = check_pages(value_pages)
         if pages.numel() < num_pages:
             raise ValueError(
@@ -202,4 +203,5 @@ class WriteThrough:
         self.host.ledger.release(record.need)
         tree.dec_lock_ref(lock_node)
         self.counters.write_backups -= 1
+        self.counters.write_takebacks += 1
         self.counters.write_failures += 1

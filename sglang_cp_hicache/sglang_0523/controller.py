@@ -51,6 +51,29 @@ class LibraryCopyController(HybridCacheController):
         # warm-up, L3), handed over by the strategy at the end of its build:
         # the controller exists before them, and they need the built cache.
         self.cp_stack: Optional[CpStack0523] = None
+        # Host-to-device loads queued (load-backs) and their logical tokens,
+        # for the live metrics (plain ints on the scheduler thread).
+        self.load_backs = 0
+        self.load_back_tokens = 0
+
+    def load(
+        self,
+        host_indices: torch.Tensor,
+        priority: Optional[int] = None,
+        node_id: int = -1,
+        extra_pools: Optional[list] = None,
+        *,
+        device_indices: Optional[torch.Tensor] = None,
+        anchor_indices: Optional[torch.Tensor] = None,
+    ) -> Optional[torch.Tensor]:
+        """Upstream's ``load``, counted: a load-back is a load of host KV that
+        got device rows (None: no device room, nothing queued)."""
+        loaded = super().load(host_indices, priority, node_id, extra_pools,
+                              device_indices=device_indices, anchor_indices=anchor_indices)
+        if loaded is not None and host_indices.numel():
+            self.load_backs += 1
+            self.load_back_tokens += int(host_indices.numel())
+        return loaded
 
     def _owned_host_rows(self, host_indices: torch.Tensor) -> torch.Tensor:
         """This rank's local host rows of ``host_indices`` (logical host slots,

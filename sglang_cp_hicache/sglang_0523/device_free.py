@@ -73,6 +73,10 @@ class DeviceFreeCounters:
     request_from_phase: int = 0  # a request's own pages freed from its rotation
     held_in_group: int = 0  # of the three, split at once and freed at free_group_end
     read_back: int = 0  # upstream's free: locs read on the host (a sync on a GPU)
+    # Reads upstream would have made here: a phase-known free outside a free
+    # group (upstream's free reads it), a free group closed with phase-known
+    # frees alone (upstream's group end reads them once).
+    reads_avoided: int = 0
 
 
 @dataclass(frozen=True, eq=False)  # holds a tensor: compared by identity
@@ -230,6 +234,7 @@ class PhaseKnownDeviceFrees:
             return self._upstream_free_segment(free_index, start_pos=start_pos)
         if self.allocator.free_group is None:
             free_cyclic_run(self.allocator, free_index, start)
+            self.counters.reads_avoided += 1
         else:
             # Split now: the caller may overwrite a row view before the group
             # ends (upstream's free clones it for the same reason).
@@ -256,6 +261,7 @@ class PhaseKnownDeviceFrees:
             return self._upstream_group_end()
         self._upstream_group_end()  # closes the group (nothing of upstream's to free)
         if held:
+            self.counters.reads_avoided += 1  # upstream's group end would have read the held locs once
             # Upstream's one free of the group's locs: each class's pages
             # ascending, prepended once. The group's pages are distinct.
             merged = []

@@ -99,6 +99,17 @@ class HostRoomCounters:
     pages_evicted: int = 0  # logical host pages those leaves held
     leaves_skipped: int = 0  # host leaves passed over: no page of a short class (first pass)
     leaves_evicted_for_ancestors: int = 0  # of leaves_evicted: no short page of their own, on the way to one
+    # Every _execute_kv_backup call (upstream's fallback included), for the live metrics:
+    written: int = 0  # the write was queued (host slots allocated)
+    refused: int = 0  # it returned None: no host room
+    # Of ``backups``: the cyclic run did not fit on arrival and fitted after
+    # owner-aware eviction (the backups upstream's token-sized evict_host puts
+    # at risk), and those that could not fit at all, where nothing was evicted.
+    room_made: int = 0
+    unfittable: int = 0
+    # Of room_made: upstream's evict_host could not have freed the tokens
+    # its floor asks for (all evictable pages are fewer): lost for certain.
+    room_made_lost_upstream: int = 0
 
 
 class OwnerAwareHostRoom:
@@ -152,7 +163,7 @@ class OwnerAwareHostRoom:
         # copies that duplicate device pages (upstream's host eviction does
         # that pass); that policy stays upstream's.
         if start_owner is None or len(device_value) % page_size or cache.is_write_back:
-            return self._upstream_backup(node_id, device_value, comp_xfers, sidecar_xfers)
+            return self._counted(self._upstream_backup(node_id, device_value, comp_xfers, sidecar_xfers))
         self.counters.backups += 1
         if not self.make_room(phase_owner(start_owner, self.placement.cp_size), len(device_value) // page_size):
             self.counters.backups_short += 1
@@ -160,9 +171,21 @@ class OwnerAwareHostRoom:
         # (returns None) when no cyclic run fits.
         aux_xfers = [x for xfers in comp_xfers.values() for x in xfers]
         aux_xfers.extend(sidecar_xfers)
-        return cache.cache_controller.write(
+        return self._counted(cache.cache_controller.write(
             device_value, node_id=node_id, extra_pools=aux_xfers or None, flush=False, start_owner=start_owner,
-        )
+        ))
+
+    def _counted(self, host_indices: Any) -> Any:
+        """``host_indices`` (a backup's result), counted as written or refused."""
+        if host_indices is None:
+            self.counters.refused += 1
+        else:
+            self.counters.written += 1
+        return host_indices
+
+    def host_class_free_pages(self) -> list[int]:
+        """Free host pages of each owner class now (the live metrics' host use)."""
+        return list(self._host_slots().class_free_page_counts())
 
     def make_room(self, start_class: int, pages: int) -> bool:
         """Evict host leaves holding pages of the classes a cyclic run of
@@ -173,12 +196,23 @@ class OwnerAwareHostRoom:
         )
         if room.satisfied or self.cache.host_memory_mode == "buffer_only":
             return room.satisfied  # buffer_only: the tree holds no host values
-        if not room.can_fit(self._reachable()):
+        reachable = self._reachable()
+        if not room.can_fit(reachable):
+            self.counters.unfittable += 1
             return False  # the write fails either way: keep every host page
+        # Upstream's rule from here, for the live metrics: a run short of a
+        # class has a token floor (N * P * the fewest free pages of a class)
+        # below its tokens, so upstream evicts the difference; when every
+        # evictable page together is less, its evict_host falls short and the
+        # backup is lost for certain.
+        P, N = self.placement.page_size, self.placement.cp_size
+        lost_upstream = sum(reachable) * P < pages * P - N * P * min(room.free)
         for through_ancestors in (False, True):
             room = self._evict_helpful_leaves(room, through_ancestors)
             if room.satisfied:
                 break
+        self.counters.room_made += int(room.satisfied)
+        self.counters.room_made_lost_upstream += int(room.satisfied and lost_upstream)
         return room.satisfied
 
     def _evict_helpful_leaves(self, room: HostRoom, through_ancestors: bool) -> HostRoom:

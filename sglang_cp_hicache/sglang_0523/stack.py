@@ -23,7 +23,10 @@ one is listed in :data:`~.hooks.HOOKS` and checked at start-up):
   ``_sync_hicache_ready_counts``, ``_all_reduce``,
   ``_finish_write_through_ack``, ``reset`` and ``clear_storage_backend``; with
   ``--enable-metrics`` also the storage attachment's ``apply_runtime_config``
-  (:mod:`.l3_metrics`).
+  (:mod:`.l3_metrics`);
+* ``metrics`` (:class:`~.library_metrics.LibraryMetrics0523`, only with
+  ``--enable-metrics``): the cache's ``check_hicache_events`` (wrapped last,
+  to publish the library's counters each step).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from sglang_cp_hicache.placement import CpPlacement
 from sglang_cp_hicache.sglang_0523.device_free import PhaseKnownDeviceFrees
 from sglang_cp_hicache.sglang_0523.host_room import OwnerAwareHostRoom
 from sglang_cp_hicache.sglang_0523.l3_cache import L3Driver
+from sglang_cp_hicache.sglang_0523.library_metrics import LibraryMetrics0523
 from sglang_cp_hicache.sglang_0523.request_free import KnownRunFrees
 
 __all__ = ["CpStack0523", "library_stack"]
@@ -51,6 +55,7 @@ class CpStack0523:
     run_frees: KnownRunFrees  # the runs those frees come from (inserts, request releases)
     warmup: WarmupReport  # the copy kernels' warm-up at build
     l3: Optional[L3Driver] = None  # the L3 driver (its port: ``l3.port``); None without L3
+    metrics: Optional[LibraryMetrics0523] = None  # the library's live metrics; None without --enable-metrics
 
 
 def library_stack(cache: Any) -> Optional[CpStack0523]:

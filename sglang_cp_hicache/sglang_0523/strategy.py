@@ -64,6 +64,7 @@ from sglang_cp_hicache.sglang_0523.device_free import PhaseKnownDeviceFrees
 from sglang_cp_hicache.sglang_0523.hooks import check_hooks
 from sglang_cp_hicache.sglang_0523.l3_attach import L3Opening, check_served_here, install_l3, open_l3
 from sglang_cp_hicache.sglang_0523.host_room import OwnerAwareHostRoom
+from sglang_cp_hicache.sglang_0523.library_metrics import LibraryMetrics0523
 from sglang_cp_hicache.sglang_0523.request_free import KnownRunFrees
 from sglang_cp_hicache.sglang_0523.stack import CpStack0523
 from sglang_cp_hicache.sglang_0523.startup import agree_at_start_up
@@ -158,7 +159,12 @@ class LibraryDsaStrategy(assembler._DsaStrategy):
         l3 = None
         if opened and opened[0].tier is not None:
             l3 = install_l3(cache, opened[0].tier, location, host_room, enable_metrics=bool(enable_storage_metrics))
-        controller.cp_stack = CpStack0523(placement, host_room, device_frees, run_frees, warmup, l3)
+        metrics = None
+        if enable_storage_metrics:  # --enable-metrics: the library's own counters, labelled as L3's
+            backend = location.backend if l3 is not None and location.scheduler_driven else None
+            metrics = LibraryMetrics0523(cache, controller, placement, host_room, device_frees, backend)
+            metrics.install()  # last: it wraps the L3 driver's check_hicache_events
+        controller.cp_stack = CpStack0523(placement, host_room, device_frees, run_frees, warmup, l3, metrics)
         logger.info(
             "sglang-cp-hicache: library copy kernels on the sharded DSA HiCache path "
             "(cp_rank %d of %d, host layout %s). Copy path: library (SGLANG_CP_HICACHE_COPY=library)",

@@ -195,6 +195,10 @@ def _add_output_flags(p: argparse.ArgumentParser) -> None:
                         "tier against the ideal, backups lost, host reads of device indices, costs); with "
                         "--l3 only the library's run has the L3 tier (upstream refuses storage under KV "
                         "sharding). --json writes the comparison with both summaries")
+    p.add_argument("--metrics", action="store_true",
+                   help="build the CP ranks' caches as --enable-metrics does and put each rank's scrape of the "
+                        "library's metrics (sglang_cp_hicache:*, docs/metrics.md) in the summary "
+                        "(library_metrics_per_rank)")
 
 
 def _add_limit_flags(p: argparse.ArgumentParser) -> None:
@@ -494,6 +498,7 @@ def _config(args: argparse.Namespace, version: str) -> SimConfig:
         startup_timeout_s=args.startup_timeout,
         sglang_version=version, copy_path=args.copy,
         l3_dir=os.path.abspath(args.l3) if args.l3 is not None else None,
+        metrics=args.metrics,
     )
 
 

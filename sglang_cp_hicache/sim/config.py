@@ -103,6 +103,9 @@ class SimConfig:
     # process; 0.5.23: the library copy path); None: no L3. The non-CP
     # baseline never uses it.
     l3_dir: Optional[str] = None
+    # CP ranks only: build the stacks as --enable-metrics does and return each
+    # rank's scrape of the library's metrics (sglang_cp_hicache:*) in its report.
+    metrics: bool = False
 
     def __post_init__(self) -> None:
         if self.sglang_version not in SGLANG_VERSIONS:

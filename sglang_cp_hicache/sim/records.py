@@ -143,6 +143,7 @@ class RankReport:
     copy_path_cpu: dict[str, Any] = field(default_factory=dict)  # 0.5.23: CPU s in the sharded copy path
     page_bytes: int = 0  # bytes of one page on this rank: KV rows + indexer row, every layer
     copy_wall: dict[str, Any] = field(default_factory=dict)  # CopyWall.as_dict(): wall s in the L2 copies
+    metrics: dict[str, Any] = field(default_factory=dict)  # --metrics: scrape_library_metrics() of this rank
 
     @property
     def peak_host_slots(self) -> int:

@@ -131,6 +131,7 @@ def summarize(
         **(_bookkeeping_fields(reports, rank0) if config.sglang_version == "0.5.23" else {}),
         **(_l3_fields(config, reports) if config.l3_dir is not None else {}),
         **traffic_fields(reports, config.page_size),
+        **({"library_metrics_per_rank": [r.metrics for r in reports]} if config.metrics else {}),
         "series": {
             "host_slots_per_rank": [[rec.host_slots for rec in r.records] for r in reports],
             "device_hit_tokens": [rec.device_hit_tokens for rec in rank0.records],
@@ -188,6 +189,7 @@ def _cache_fields(reports: list[RankReport], sides: list[dict[str, Any]], rank0:
     return {
         "backup_tokens": rank0.totals.backup_tokens,
         "backup_slots_per_rank": [r.totals.backup_slots for r in reports],
+        "write_backups_per_rank": [r.totals.write_backups for r in reports],
         "load_backs": rank0.totals.load_backs,
         "load_back_tokens": rank0.totals.load_back_tokens,
         "load_slots_per_rank": [r.totals.load_slots for r in reports],

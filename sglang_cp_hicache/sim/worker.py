@@ -23,6 +23,7 @@ from typing import Any, Optional
 from sglang_cp_hicache import settings
 from sglang_cp_hicache.sim.config import FAIL_ENV, FailureInjection, RankSpec
 from sglang_cp_hicache.sim.lifetime import EXIT_LAUNCHER_GONE, die_with_launcher
+from sglang_cp_hicache.sim.metrics_scrape import scrape_library_metrics
 from sglang_cp_hicache.sim.records import (
     AFTER_REPLAY,
     Progress,
@@ -141,6 +142,7 @@ def _build_0518(spec: RankSpec, group: Any) -> tuple[Any, Any]:
         stack_config = CpStackConfig(
             cp_size=cfg.cp_size, page_size=cfg.page_size, num_layers=cfg.num_layers,
             device_pages=cfg.device_pages, host_pages=cfg.host_pages, cp_mode=True, dtype=getattr(torch, KV_DTYPE),
+            enable_metrics=cfg.metrics,
         )
         rank = spec.rank
     else:
@@ -176,6 +178,7 @@ def _build_0523(spec: RankSpec, group: Any) -> tuple[Any, Any]:
         ShardedStackConfig(
             cp_size=cfg.cp_size, page_size=cfg.page_size, num_layers=cfg.num_layers,
             device_pages=cfg.device_pages, host_pages=cfg.host_pages, copy_path=cfg.copy_path,
+            enable_metrics=cfg.metrics,
         ),
         spec.rank, cp_group=group,
     )
@@ -283,6 +286,7 @@ def _serve_all(spec: RankSpec, channel: Any, step_ref: list[Optional[int]]) -> R
     from sglang_cp_hicache.kernels import transfer
 
     totals = engine.totals()
+    metrics = scrape_library_metrics() if spec.cp_mode and spec.config.metrics else {}
     copies = transfer.copy_stats().as_dict()
     agreement = None
     if setup.world > 1:
@@ -313,6 +317,7 @@ def _serve_all(spec: RankSpec, channel: Any, step_ref: list[Optional[int]]) -> R
         copy_path_cpu=asdict(engine.copy_times) if hasattr(engine, "copy_times") else {},
         page_bytes=engine.page_bytes,
         copy_wall=engine.copy_wall.as_dict(),
+        metrics=metrics,
     )
 
 

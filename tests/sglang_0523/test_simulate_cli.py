@@ -70,6 +70,7 @@ _PER_RANK = ("write_failures_per_rank", "host_hit_tokens_per_rank", "device_evic
 _TOTALS = ("backups_attempted", "write_failures", "host_hit_tokens", "device_evictions", "device_eviction_tokens",
            "device_index_host_reads")
 _HOST_ROOM = ("backups", "backups_short", "leaves_evicted", "leaves_evicted_for_ancestors", "pages_evicted",
+              "written", "refused", "room_made", "unfittable", "room_made_lost_upstream",
               "leaves_skipped")
 
 

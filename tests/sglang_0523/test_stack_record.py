@@ -67,7 +67,7 @@ def test_the_record_holds_what_the_strategy_added():
     from sglang_cp_hicache.sglang_0523.stack import CpStack0523
 
     fields = [f.name for f in dataclasses.fields(CpStack0523)]
-    assert fields == ["placement", "host_room", "device_frees", "run_frees", "warmup", "l3"]
+    assert fields == ["placement", "host_room", "device_frees", "run_frees", "warmup", "l3", "metrics"]
 
 
 def test_every_method_replaced_on_an_instance_is_named_in_the_docs():
@@ -77,6 +77,7 @@ def test_every_method_replaced_on_an_instance_is_named_in_the_docs():
         _assigned_attributes(ADAPTER / "host_room.py", "install")
         | _assigned_attributes(ADAPTER / "device_free.py", "install")
         | _assigned_attributes(ADAPTER / "request_free.py", "install")
+        | _assigned_attributes(ADAPTER / "library_metrics.py", "install")  # check_hicache_events, as L3's
         | set(L3Driver._REPLACED)
         | {"apply_runtime_config"}  # l3_metrics.install_metrics, with --enable-metrics
     )
