@@ -65,5 +65,5 @@ class LibraryMetrics0518:
         try:
             self.publisher.publish(self.figures())
         except Exception:
-            logger.exception("cp-hicache: publishing the library's metrics failed on cp_rank %d",
+            logger.exception("sglang-cp-hicache: publishing the library's metrics failed on cp_rank %d",
                              self.placement.cp_rank)

@@ -84,5 +84,5 @@ class LibraryMetrics0523:
         try:
             self.publisher.publish(self.figures())
         except Exception:
-            logger.exception("cp-hicache: publishing the library's metrics failed on cp_rank %d",
+            logger.exception("sglang-cp-hicache: publishing the library's metrics failed on cp_rank %d",
                              self.placement.cp_rank)

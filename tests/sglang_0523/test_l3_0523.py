@@ -63,7 +63,8 @@ def _alike_runs(l3_ranks: list[dict[str, Any]], name: str, where: str = "", worl
 @pytest.mark.parametrize("name,world", [("cp4_write", 4), ("cp3_write", 3)])
 def test_each_rank_writes_exactly_its_own_pages(l3_ranks, name, world):
     runs = _alike_runs(l3_ranks, name, world=world)
-    kv, idx = (part.split(":")[1] for part in runs[0]["namespaces"].split("|"))
+    parts = dict(part.split(":", 1) for part in runs[0]["namespaces"].split("|"))
+    kv, idx = parts["kv"], parts["indexer"]
     calls = [r["write_calls"] for r in runs]
     assert len(calls[0]) > 0 and all(c == calls[0] for c in calls), name  # every node, the same owners, everywhere
     for rank, run in enumerate(runs):
