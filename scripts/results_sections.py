@@ -325,7 +325,9 @@ def _l3_file(f: dict[str, Any]) -> list[str]:
         f"{n((f.get('kv') or {}).get('rounds'))} rounds, GB/s of page bytes). Library: each page's object read "
         "straight into its rows of a layer_first host pool (one non-blocking scatter read of header + runs "
         "where the page cache holds it, else into a staging buffer and copied), its header and XXH3-64 "
-        "checked there before the page is published; HiCacheFile: SGLang 0.5.18's `batch_get` "
+        "checked there before the page is published; library, keyed: the same with a deployment secret "
+        "(`SGLANG_CP_HICACHE_L3_KEY_FILE`), each object's keyed BLAKE3 MAC written and checked instead; "
+        "HiCacheFile: SGLang 0.5.18's `batch_get` "
         "into fresh flat pages, then SGLang's own host copy (`set_from_flat_data_page`), nothing "
         "verified; raw: `readinto` a preallocated tensor, one thread, no host pool.",
         "",
