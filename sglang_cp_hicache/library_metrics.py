@@ -22,11 +22,14 @@ value grew by since the last step, as the L3 counters do.
 
 from __future__ import annotations
 
+import logging
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 from sglang_cp_hicache.l3.metrics import LIBRARY_PREFIX, L3IoMeter, counter_names
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "COUNTER_HELP", "GAUGE_HELP", "RELEASE_COUNTERS", "LibraryFigures", "PrometheusLibraryMetrics",
@@ -148,6 +151,14 @@ class PrometheusLibraryMetrics:
             for n, m in self.gauge_names.items()
         }
         self._last: dict[str, int] = {}
+
+    def publish_step(self, figures: Callable[[], LibraryFigures], cp_rank: int) -> None:
+        """:meth:`publish` ``figures()`` once a scheduler step. Never raises:
+        a metrics failure is logged, the step goes on."""
+        try:
+            self.publish(figures())
+        except Exception:
+            logger.exception("sglang-cp-hicache: publishing the library's metrics failed on cp_rank %d", cp_rank)
 
     def publish(self, figures: LibraryFigures) -> None:
         """Add what each counter grew by since the last call; set the gauges."""

@@ -25,7 +25,7 @@
   refused at open (two bounds on one directory evict against each other).
 * **Dead writers let go.** A registration names its writer (pid, host,
   boot, pid namespace): one whose writer is gone from this host is dropped
-  when the state is read; another host's, after :data:`STALE_PENDING_S`.
+  when the state is read; another host's, after ``capacity_state.STALE_PENDING_S``.
 * **Frees counted, not re-read.** Evicting for the free-space floor counts
   the bytes it unlinks (ZFS, btrfs and NFS show a free late) and evicts a
   margin of ``(1 - eviction_ratio) * min_free_space`` past the floor, so the
@@ -45,15 +45,15 @@ import logging
 import os
 import random
 import re
-import socket
 import stat
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Optional
 
+from sglang_cp_hicache.l3.capacity_state import HOST, State, drop_dead_writers, parse_state
 from sglang_cp_hicache.l3.keys import DIGEST_CHARS, PAGE_HASH_CHARS, PARENT_CHARS, ROOT_PARENT
 from sglang_cp_hicache.l3.safe_files import (
     FILE_MODE, create_exclusive, iter_subdirs, open_regular, open_subdir, write_all,
@@ -66,8 +66,6 @@ __all__ = ["CAPACITY_TMP_PREFIX", "CapacityConfig", "DirectoryCapacity", "EVICTI
 logger = logging.getLogger(__name__)
 
 EVICTION_POLICIES = ("lru-leaves", "random-chains")
-#: A registration older than this belongs to a writer that died mid-write.
-STALE_PENDING_S = 600.0
 #: How long bytes freed for the free-space floor are counted before the
 #: file system shows them (ZFS commits within seconds, NFS caches a minute).
 FLOOR_CREDIT_S = 60.0
@@ -87,34 +85,6 @@ _NAME = re.compile(
 def is_capacity_tmp(name: str) -> bool:
     """Whether ``name`` is a temporary file of the shared state."""
     return name.startswith(CAPACITY_TMP_PREFIX) or _LEGACY_TMP.match(name) is not None
-
-
-def _host_identity() -> Optional[str]:
-    """This host, boot and pid namespace: where a pid names the same
-    process (containers on one host may share its name). None: unknown."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-        pid_ns = os.stat("/proc/self/ns/pid").st_ino
-    except OSError:
-        return None
-    return f"{socket.gethostname()}/{boot}/{pid_ns}"
-
-
-_HOST = _host_identity()
-
-
-def _alive(pid: object) -> bool:
-    """Whether process ``pid`` of this host runs (True when it cannot tell)."""
-    if isinstance(pid, bool) or not isinstance(pid, int) or pid <= 0:
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:
-        return True  # another account's: alive
-    return True
 
 
 def parse_size(name: str, value: object) -> int:
@@ -163,23 +133,6 @@ class CapacityConfig:
 
 
 @dataclass
-class _State:
-    """The shared state: bytes in use; the objects being written (name ->
-    [bytes, parent, registered at]) and their writers (name -> [pid, host];
-    a key of its own, so earlier releases read the state as they did); the
-    bound it was made with (None: not recorded); ``floor``: [free bytes
-    expected once the file system shows the last frees, when counted] or
-    None."""
-
-    used: int = 0
-    pending: dict[str, list] = field(default_factory=dict)
-    writers: dict[str, list] = field(default_factory=dict)
-    max_size: Optional[int] = None
-    min_free_space: Optional[int] = None
-    floor: Optional[list] = None
-
-
-@dataclass
 class _Page:
     names: list[str]
     parent: str
@@ -215,7 +168,7 @@ class DirectoryCapacity:
         except OSError as err:
             raise ValueError(f"directory {self._root!r}: cannot use its capacity state: {err}") from err
 
-    def _check_bound(self, state: _State) -> None:
+    def _check_bound(self, state: State) -> None:
         """Refuse a bound other than the one the directory's state records."""
         mine = (self.configured.max_size, self.configured.min_free_space)
         if state.max_size is None or state.min_free_space is None:
@@ -255,7 +208,7 @@ class DirectoryCapacity:
             if state.floor is not None:
                 state.floor[0] -= max(need, 0)
             state.pending[name] = [need, parent, time.time()]
-            state.writers[name] = [os.getpid(), _HOST]
+            state.writers[name] = [os.getpid(), HOST]
             self._write_state(state)
         return need
 
@@ -298,23 +251,23 @@ class DirectoryCapacity:
     def _locked(self) -> "_Locked":
         return _Locked(self)
 
-    def _read_state(self) -> _State:
+    def _read_state(self) -> State:
         """The shared state; rebuilt from the directory where it is missing,
         torn, or not a regular file."""
         try:
             fd, st = open_regular(f"{self._root}/{_STATE_FILE}")
             with os.fdopen(fd, "rb") as f:
                 data = f.read(_STATE_MAX_BYTES + 1) if st.st_size <= _STATE_MAX_BYTES else b""
-            state = _parse_state(json.loads(data))
+            state = parse_state(json.loads(data))
         except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError):
-            state = _State()
+            state = State()
             self._rescan(state)  # missing or torn (a writer died mid-write): count again
             return state
-        if _drop_dead_writers(state):
+        if drop_dead_writers(state):
             self._rescan(state)  # what a dead writer left (an object or none) is counted from the directory
         return state
 
-    def _write_state(self, state: _State) -> None:
+    def _write_state(self, state: State) -> None:
         """Written to a new file of a random name, renamed into place: a
         link planted at any name is never written through."""
         body = json.dumps({
@@ -336,13 +289,13 @@ class DirectoryCapacity:
                 pass
             raise
 
-    def _fits(self, state: _State, need: int) -> bool:
+    def _fits(self, state: State, need: int) -> bool:
         cap, min_free = self.config.max_size, self.config.min_free_space
         if cap and state.used + need > cap:
             return False
         return not (min_free and self._free_estimate(state) - max(need, 0) < min_free)
 
-    def _free_estimate(self, state: _State) -> int:
+    def _free_estimate(self, state: State) -> int:
         """Free bytes: what the file system shows, or more where it does not
         show recent frees yet (counted for :data:`FLOOR_CREDIT_S`)."""
         shown = self._free_bytes()
@@ -361,13 +314,13 @@ class DirectoryCapacity:
         return st.f_blocks * st.f_frsize
 
     # ---- eviction (under the lock) ------------------------------------------------------
-    def _rescan(self, state: _State) -> dict[str, _Page]:
+    def _rescan(self, state: State) -> dict[str, _Page]:
         """The directory's pages; the count set from them and what is being written."""
         pages = self._pages()
         state.used = sum(p.size for p in pages.values()) + sum(v[0] for v in state.pending.values())
         return pages
 
-    def _make_room(self, state: _State, need: int) -> None:
+    def _make_room(self, state: State, need: int) -> None:
         """Evict leaves until ``need`` more bytes fit at the eviction ratio
         of the cap and the margin above the free-space floor. Free space is
         read once and the bytes unlinked are added to it: a file system
@@ -481,35 +434,6 @@ class DirectoryCapacity:
                         continue  # evicted meanwhile
                     if stat.S_ISREG(st.st_mode):
                         yield entry.name, st.st_size, st.st_mtime
-
-
-def _parse_state(raw: Any) -> _State:
-    """The state as read from JSON (hostile input: any bad field raises)."""
-    pending = {str(k): list(v) for k, v in raw["pending"].items()}
-    for entry in pending.values():
-        int(entry[0]), str(entry[1]), float(entry[2])
-    writers = {str(k): list(v) for k, v in (raw.get("writers") or {}).items() if k in pending}
-    floor = raw.get("floor")
-    if floor is not None:
-        floor = [int(floor[0]), float(floor[1])]
-    bound = raw.get("max_size"), raw.get("min_free_space")
-    max_size, min_free = (None, None) if None in bound else (int(bound[0]), int(bound[1]))
-    return _State(int(raw["used"]), pending, writers, max_size, min_free, floor)
-
-
-def _drop_dead_writers(state: _State) -> bool:
-    """Drop registrations of writers that died: gone from this host, or
-    older than :data:`STALE_PENDING_S`; returns whether any was dropped."""
-    now, dropped = time.time(), False
-    for name, entry in list(state.pending.items()):
-        writer = state.writers.get(name)
-        here = _HOST is not None and writer is not None and len(writer) == 2 and writer[1] == _HOST
-        # abs: a time in the future (a skewed clock, or a forged one) does not pin a registration
-        if abs(now - float(entry[2])) > STALE_PENDING_S or (here and not _alive(writer[0])):
-            del state.pending[name]
-            state.writers.pop(name, None)
-            dropped = True
-    return dropped
 
 
 class _Locked:

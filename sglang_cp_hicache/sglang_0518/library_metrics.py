@@ -16,7 +16,6 @@ room decided by its host ledger; a refusal is ``backup_failures``).
 
 from __future__ import annotations
 
-import logging
 from typing import Any, Optional
 
 from sglang_cp_hicache.library_metrics import RELEASE_COUNTERS, LibraryFigures, PrometheusLibraryMetrics
@@ -26,8 +25,6 @@ from sglang_cp_hicache.sglang_0518.host_tier import HostTier
 from sglang_cp_hicache.sglang_0518.l3_metrics import rank_labels
 
 __all__ = ["LibraryMetrics0518"]
-
-logger = logging.getLogger(__name__)
 
 
 class LibraryMetrics0518:
@@ -60,10 +57,5 @@ class LibraryMetrics0518:
         )
 
     def publish(self) -> None:
-        """This step's figures. Never raises: a metrics failure is logged,
-        the scheduler step goes on."""
-        try:
-            self.publisher.publish(self.figures())
-        except Exception:
-            logger.exception("sglang-cp-hicache: publishing the library's metrics failed on cp_rank %d",
-                             self.placement.cp_rank)
+        """This step's figures (never raises: see ``publish_step``)."""
+        self.publisher.publish_step(self.figures, self.placement.cp_rank)

@@ -18,7 +18,6 @@ reaches the controller.
 
 from __future__ import annotations
 
-import logging
 from typing import Any, Callable, Optional
 
 from sglang_cp_hicache.library_metrics import RELEASE_COUNTERS, LibraryFigures, PrometheusLibraryMetrics
@@ -28,8 +27,6 @@ from sglang_cp_hicache.sglang_0523.host_room import OwnerAwareHostRoom
 from sglang_cp_hicache.sglang_0523.l3_metrics import rank_labels
 
 __all__ = ["LibraryMetrics0523"]
-
-logger = logging.getLogger(__name__)
 
 
 class LibraryMetrics0523:
@@ -79,10 +76,5 @@ class LibraryMetrics0523:
         )
 
     def publish(self) -> None:
-        """This step's figures. Never raises: a metrics failure is logged,
-        the scheduler step goes on."""
-        try:
-            self.publisher.publish(self.figures())
-        except Exception:
-            logger.exception("sglang-cp-hicache: publishing the library's metrics failed on cp_rank %d",
-                             self.placement.cp_rank)
+        """This step's figures (never raises: see ``publish_step``)."""
+        self.publisher.publish_step(self.figures, self.placement.cp_rank)
