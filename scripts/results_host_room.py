@@ -76,7 +76,8 @@ def section_host_room(res: Results) -> list[str]:
     return [
         "## SGLang 0.5.23: host room, upstream against the library's three rules",
         "",
-        f"`bench/bench_host_room.py`: synthetic chat, {n(doc.get('requests'))} requests, 2 layers, each workload "
+        "`.venv-0523/bin/python bench/bench_host_room.py --out bench/results/host_room.json`: synthetic chat, "
+        f"{n(doc.get('requests'))} requests, 2 layers, each workload "
         "through upstream's path and the library's with `SGLANG_CP_HICACHE_HOST_TAIL` `whole`, `shortest` and "
         "`covering` (the default). Host-hit tokens; the most on a workload in bold. The first four workloads were "
         "studied while the rules were written, the last six chosen before their results were seen.",
