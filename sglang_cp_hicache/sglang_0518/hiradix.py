@@ -369,8 +369,8 @@ class CpHiRadixCache(HiRadixCache):
 
     def init_load_back(self, params: InitLoadBackParams):
         if params.mem_quota is None:
-            # 0.5.18's PrefillAdder passes no quota: keep room for the request's
-            # own new tokens so load-back cannot take the pages it needs.
+            # 0.5.18's PrefillAdder passes no quota: what is free or evictable,
+            # less the room the request's own new tokens need.
             params.mem_quota = self.cp_loads.mem_quota(params)
         return super().init_load_back(params)
 
