@@ -127,7 +127,7 @@ class SchedulerShapes:
 
     def finish(self, req: FakeReq, *, is_insert: bool = True) -> None:
         """``release_kv_cache``: the finished insert, then the slot."""
-        self.cache.cache_finished_req(req, is_insert=is_insert, kv_len_to_handle=len(req.all_ids))
+        self.cache.cache_finished_req(req, is_insert=is_insert, kv_len_to_handle=req.kv_committed_len)
         self.pool.free(req)
 
     def step(self) -> None:
