@@ -60,6 +60,14 @@ class _Slots:
     reused: list[bool]  # the request kept its slot (chunked prefill going on)
 
 
+def _lengths_match(req: Any, seg: ExtendSegment) -> bool:
+    """The segment is this request's: its prefix and fill lengths (host
+    metadata of SGLang's ``Req``, no device read)."""
+    prefix = getattr(req, "prefix_indices", None)
+    fill = getattr(req, "fill_ids", None)
+    return (prefix is None or len(prefix) == seg.prefix_len) and (fill is None or len(fill) == seg.seq_len)
+
+
 class RequestRows:
     """Per-request CPU page rows (see module docstring). ``prefix_pages``
     maps a tree node to the CPU pages of the path down to it (raises
@@ -95,11 +103,11 @@ class RequestRows:
 
     def extended(self, segments: Sequence[ExtendSegment]) -> None:
         slots, self._slots = self._slots, None
-        if slots is None or len(slots.reqs) != len(segments):
-            # pages handed to requests the mirror cannot name
-            for seg in segments:
-                for page in seg.fresh_pages:
-                    self.page_row.pop(page, None)
+        if (
+            slots is None or len(slots.reqs) != len(segments)
+            or not all(_lengths_match(req, seg) for req, seg in zip(slots.reqs, segments))
+        ):
+            # pages handed to requests the mirror cannot name: tie nothing
             self._drop_all()
             return
         for req, reused, seg in zip(slots.reqs, slots.reused, segments):

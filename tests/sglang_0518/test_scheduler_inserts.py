@@ -101,3 +101,28 @@ def test_a_request_the_rows_cannot_follow_falls_back_to_one_read():
         assert mirror_lies(c) == []
     finally:
         cl.close()
+
+
+def test_a_batch_that_is_not_the_reported_one_ties_nothing():
+    """Slots reported for one batch, an extend whose lengths are another's:
+    every row is dropped (their inserts read the device), none is guessed."""
+    cl = CpCluster(CpStackConfig(cp_size=2, device_pages=8, host_pages=16))
+    try:
+        sh = SchedulerShapes(cl, cl.stacks[0])
+        c = sh.cache
+        a, b = FakeReq("a", list(A)), FakeReq("b", list(B))
+        sh.admit(a)
+        sh.extend([(a, 2 * P)])
+        sh.checkpoint(a)
+        assert set(c.cp_rows.rows) == {a.req_pool_idx} and c.cp_counters.device_page_reads == 0
+        sh.admit(b)  # same prefix length as a's next chunk: only the fill tells them apart
+        upstream = type(sh.pool).alloc.__get__(sh.pool)
+        sh.pool.alloc([b])  # reported: b alone ...
+        sh.pool.alloc = upstream
+        sh.extend([(a, 4 * P)])  # ... but the extend is a's next chunk
+        assert c.cp_rows.rows == {} and c.cp_rows.page_row == {} and c.cp_rows.rows_dropped == 1
+        sh.checkpoint(a)
+        assert c.cp_counters.device_page_reads == 1 and mirror_lies(c) == []
+        assert cl.check(A[: 4 * P]) == {}
+    finally:
+        cl.close()
