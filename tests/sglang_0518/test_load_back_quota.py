@@ -83,3 +83,29 @@ def test_the_quota_counts_evictable_tokens_less_the_request_own():
         assert c.load_back_mem_quota(params) == free + len(b) - 4 * P  # 3 own pages + 1 of slack
     finally:
         cl.close()
+
+
+def test_the_hit_own_path_is_never_counted_as_room():
+    """The only evictable pages are the hit's own device prefix: they are
+    locked while the quota is applied, so the hit is declined and the
+    prefix stays on the device."""
+    cl = CpCluster(CpStackConfig(cp_size=2, device_pages=6, host_pages=12))  # 11 usable logical pages
+    try:
+        a, tail, c = seq(10, 2), seq(5_000, 3), seq(90_000, 8)
+        cl.insert(a)
+        cl.insert(a + tail)
+        cl.step()
+        cl.evict_device(len(tail))  # the tail leaf: host only; a stays on the device
+        cl.insert(c)
+        cl.step()
+        for cache in cl.caches:  # c held by a running request
+            cache.inc_lock_ref(cache.match_prefix(MatchPrefixParams(key=RadixKey(c))).last_device_node)
+            assert cache.evictable_size() == len(a) and cache.token_to_kv_pool_allocator.available_size() == P
+        assert cl.each(lambda s: CpCluster.start_load_back(s, a + tail)) == [0, 0]
+        for cache in cl.caches:
+            m = cache.match_prefix(MatchPrefixParams(key=RadixKey(a + tail)))
+            assert len(m.device_indices) == len(a) and m.host_hit_length == len(tail)
+            assert cache.evictable_size() == len(a)  # nothing evicted
+            assert cache.cp_counters.load_back_declined_tokens == len(tail)
+    finally:
+        cl.close()
