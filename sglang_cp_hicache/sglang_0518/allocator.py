@@ -16,6 +16,7 @@ from sglang.srt.mem_cache.allocator.base import BaseTokenToKVPoolAllocator
 
 from sglang_cp_hicache.policy_0518.allocator import AllocatorCheckpoint, OwnerLaneAllocator, PageAllocation
 from sglang_cp_hicache.placement import CpPlacement
+from sglang_cp_hicache.sglang_0518.request_rows import ExtendSegment, RequestRows
 
 __all__ = ["CpSharedPagedTokenToKVPoolAllocator"]
 
@@ -45,6 +46,8 @@ class CpSharedPagedTokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
         self.placement = CpPlacement(page_size, cp_size, cp_rank)
         self.physical_size = physical_size
         self._lanes = OwnerLaneAllocator(logical_size, page_size, cp_size, device=device)
+        # The CP cache's per-request page rows (None: no cache listens).
+        self._rows: Optional[RequestRows] = None
         self.num_pages = self._lanes.num_pages
         # Logical pages 0..num_pages live on this rank at physical pages < needed.
         needed = self.placement.physical_size((self.num_pages + 1) * page_size)
@@ -101,6 +104,20 @@ class CpSharedPagedTokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
             self._lanes.free(free_index)
         else:
             self.free_group.append(self._copy_for_free_group(free_index))
+
+    def free_segment(self, free_index: torch.Tensor, *, start_pos: int) -> None:
+        """SGLang frees slices of a request's row this way: while the CP cache
+        serves that request's ``cache_*_req``, its CPU row names the pages
+        (no device read); otherwise upstream's ``free`` (which reads them)."""
+        pages = None if self._rows is None else self._rows.pages_to_free(start_pos, free_index.numel())
+        if pages is None:
+            self.free(free_index)
+        else:
+            self.free_mirrored(pages)
+
+    def set_request_rows(self, rows: Optional[RequestRows]) -> None:
+        """Report extend and decode allocations to ``rows`` (the CP cache's)."""
+        self._rows = rows
 
     def free_mirrored(self, pages: torch.Tensor) -> None:
         """Free logical pages named by their CPU mirror (no device read)."""
@@ -161,9 +178,10 @@ class CpSharedPagedTokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
             )
         if sum(new_pages) > self._lanes.available_pages():
             return None
-        fresh = self._lanes.alloc(sum(new_pages) * P)
-        fresh_pages = (fresh.view(-1, P)[:, 0] // P).tolist() if fresh.numel() else []
+        got = self._lanes.alloc_mirrored(sum(new_pages) * P)
+        fresh_pages = got.pages.tolist()  # the CPU mirror: no read of the device locs
         out: list[int] = []
+        segments: list[ExtendSegment] = []
         cursor = 0
         for p, s, l, k in zip(prefix, seq, last, new_pages):
             tail = min(s, -(-p // P) * P) - p  # tokens that fit in the open page
@@ -173,7 +191,10 @@ class CpSharedPagedTokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
                 take = min(P, remaining)
                 out.extend(range(page * P, page * P + take))
                 remaining -= take
+            segments.append(ExtendSegment(p, s, fresh_pages[cursor : cursor + k]))
             cursor += k
+        if self._rows is not None:
+            self._rows.extended(segments)
         return torch.tensor(out, dtype=torch.int64, device=self.device)
 
     def alloc_decode(
@@ -186,9 +207,11 @@ class CpSharedPagedTokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
         count = sum(need_new)
         if count > self._lanes.available_pages():
             return None
-        fresh = self._lanes.alloc(count * P) if count else torch.empty(0, dtype=torch.int64)
-        fresh_pages = iter((fresh.view(-1, P)[:, 0] // P).tolist() if count else [])
-        out = [next(fresh_pages) * P if new else l + 1 for new, l in zip(need_new, last)]
+        fresh_pages = iter(self._lanes.alloc_mirrored(count * P).pages.tolist() if count else [])
+        steps = [((l // P), next(fresh_pages) if new else None) for new, l in zip(need_new, last)]
+        if self._rows is not None:
+            self._rows.decoded(steps)
+        out = [page * P if page is not None else l + 1 for (_, page), l in zip(steps, last)]
         return torch.tensor(out, dtype=torch.int64, device=self.device)
 
     def set_lane_bias(self, lane_bias) -> None:

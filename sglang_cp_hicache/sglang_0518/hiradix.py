@@ -74,6 +74,7 @@ from sglang_cp_hicache.sglang_0518.l3_port import L3Port0518
 from sglang_cp_hicache.sglang_0518.l3_requests import L3Requests, log_l3_start, refuse_runtime_attach, source_label
 from sglang_cp_hicache.sglang_0518.l3_tier import open_l3
 from sglang_cp_hicache.sglang_0518.load_back import LoadBack
+from sglang_cp_hicache.sglang_0518.request_rows import RequestRows
 from sglang_cp_hicache.sglang_0518.step_protocol import CpHiCacheTransferError, StepProtocol
 from sglang_cp_hicache.sglang_0518.step_status import StepStatus, Vote
 from sglang_cp_hicache.sglang_0518.transfer_adapter import CpTransferAdapter
@@ -161,7 +162,14 @@ class CpHiRadixCache(HiRadixCache):
         self.cp_status = StepStatus()
         # SGLang's __init__ resets the tree before the collaborators exist.
         self.cp_host: Optional[HostTier] = None
+        self.cp_rows: Optional[RequestRows] = None
         super().__init__(params, _without_storage(server_args))
+        # The scheduler's own inserts carry no page mirror: each request's
+        # row is mirrored on the CPU instead (extend, decode, checkpoint).
+        self.cp_rows = RequestRows(self.page_size, self.cp_prefix_pages)
+        if self.req_to_token_pool is not None:
+            self.cp_rows.watch_slots(self.req_to_token_pool)
+        allocator.set_request_rows(self.cp_rows)
         self.evictable_host_leaves = NoHostLeafSet()  # the host tier's ordered index replaces SGLang's set
         self.cp_copy_targets = install_cp_copies(self.cache_controller, self.cp_placement)
         if not cp_copies_installed(self.cp_copy_targets):
@@ -283,6 +291,8 @@ class CpHiRadixCache(HiRadixCache):
             last_device_node=root, last_host_node=root, best_match_node=root
         )
         self.cp_status.clear()
+        if self.cp_rows is not None:
+            self.cp_rows.reset()
         if self.cp_host is None:
             return  # SGLang's __init__: nothing built yet
         self.cp_host.reset()
@@ -318,7 +328,25 @@ class CpHiRadixCache(HiRadixCache):
         return upstream_0518.split_node(self, key, child, split_len)
 
     def insert(self, params: InsertParams) -> InsertResult:
-        return upstream_0518.insert(self, params, self.cp_page_mirror.pages_for)
+        return upstream_0518.insert(self, params, self._insert_pages)
+
+    def _insert_pages(self, value: torch.Tensor, value_pages: Optional[torch.Tensor]) -> torch.Tensor:
+        """``value``'s CPU pages: the caller's mirror, else the row of the
+        request whose ``cache_*_req`` is inserting (else one device read)."""
+        if value_pages is None:
+            value_pages = self.cp_rows.insert_pages(len(value))
+        return self.cp_page_mirror.pages_for(value, value_pages)
+
+    # ---- the scheduler's inserts: upstream's bodies, pages from the request's row ----
+    def cache_unfinished_req(self, req, chunked: bool = False) -> None:
+        with self.cp_rows.serving(req):
+            super().cache_unfinished_req(req, chunked=chunked)
+        self.cp_rows.checkpointed(req)
+
+    def cache_finished_req(self, req, is_insert: bool = True, **kwargs) -> None:
+        with self.cp_rows.serving(req):
+            super().cache_finished_req(req, is_insert=is_insert, **kwargs)
+        self.cp_rows.finished(req)
 
     def _evict_backuped(self, node: TreeNode) -> int:
         return upstream_0518.evict_backuped(self, node)
@@ -369,8 +397,8 @@ class CpHiRadixCache(HiRadixCache):
 
     def init_load_back(self, params: InitLoadBackParams):
         if params.mem_quota is None:
-            # 0.5.18's PrefillAdder passes no quota: keep room for the request's
-            # own new tokens so load-back cannot take the pages it needs.
+            # 0.5.18's PrefillAdder passes no quota: what is free or evictable,
+            # less the room the request's own new tokens need.
             params.mem_quota = self.cp_loads.mem_quota(params)
         return super().init_load_back(params)
 

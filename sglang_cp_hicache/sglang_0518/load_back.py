@@ -264,11 +264,16 @@ class LoadBack:
 
     # ---- the quota -------------------------------------------------------------
     def mem_quota(self, params: InitLoadBackParams) -> int:
-        """Device tokens load-back may take: what is free now, less the
-        request's own new tokens (page-rounded) and one page of slack for the
-        partially filled page it will extend. Without a request: all of it."""
+        """Device tokens load-back may take: what is free now plus what device
+        eviction can free (as stock ``HiRadixCache``, whose load-back evicts
+        and retries), less the request's own new tokens (page-rounded) and
+        one page of slack for the partially filled page it will extend.
+        Without a request: all of it. The hit's own path is locked while the
+        quota is applied (``cp_load_back`` subtracts the lock's delta), so it
+        is never counted as room. Free pages and evictable tokens are the
+        same on every rank (identical allocator and tree): so is the quota."""
         P = self.placement.page_size
-        available = sum(self.free_lane_pages()) * P
+        available = sum(self.free_lane_pages()) * P + int(self.tree.evictable_size())
         req = params.req
         if req is None:
             return available

@@ -252,6 +252,7 @@ RECEIVERS = {
     ("name", "indexer_pool"): HOST_POOLS,
     ("name", "host_pool"): HOST_POOLS | {"HostPoolGroup"},  # transfer_adapter: the group
     ("name", "kv_pool"): HOST_POOLS | {"DSATokenToKVPool"},  # hiradix: the device pool
+    ("name", "req_pool"): {"ReqToTokenPool"},  # request_rows: the scheduler's request pool
 }
 
 
