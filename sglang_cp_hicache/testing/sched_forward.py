@@ -47,10 +47,12 @@ class BatchReport:
     mode: str
     entries: tuple[BatchEntry, ...]
     chunked_rid: Optional[str]
+    # PD prefill: requests forwarded while their sender still bootstraps (optimistic prefill)
+    bootstrapping: tuple[str, ...] = ()
 
     def same_batch(self, other: "BatchReport") -> bool:
-        return (self.step, self.mode, self.entries, self.chunked_rid) == (
-            other.step, other.mode, other.entries, other.chunked_rid)
+        return (self.step, self.mode, self.entries, self.chunked_rid, self.bootstrapping) == (
+            other.step, other.mode, other.entries, other.chunked_rid, other.bootstrapping)
 
 
 @dataclass
@@ -126,8 +128,10 @@ class ForwardStandIn:
     def _report(self, batch: Any, prefix_lens: list[int], extend_lens: list[int]) -> BatchReport:
         chunked = getattr(self.scheduler, "chunked_req", None)
         entries = tuple(BatchEntry(str(r.rid), int(p), int(e)) for r, p, e in zip(batch.reqs, prefix_lens, extend_lens))
+        bootstrapping = tuple(str(r.rid) for r in batch.reqs
+                              if getattr(getattr(r, "disagg_kv_sender", None), "bootstrap_polls_left", 0) > 0)
         return BatchReport(self.rank, self.stats.batches, batch.forward_mode.name, entries,
-                           None if chunked is None else str(chunked.rid))
+                           None if chunked is None else str(chunked.rid), bootstrapping)
 
     def next_tokens(self, batch: Any) -> torch.Tensor:
         """Check prefixes, write new rows; the batch's sampled token ids."""

@@ -44,7 +44,7 @@ _STARTUP_S = 240.0
 _LOG_TAIL = 6000
 
 
-class HarnessError(AssertionError):
+class HarnessError(RuntimeError):
     """A rank failed (its error and log tail attached) or the run stalled."""
 
 

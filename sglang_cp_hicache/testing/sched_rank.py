@@ -44,6 +44,7 @@ class RankReady:
     allocator: str
     library: bool  # the library's CP cache serves this rank (0.5.18 backend / 0.5.23 copy strategy)
     build_seconds: float
+    optimistic_prefill_attempts: int  # as SGLang resolved it (it turns optimistic prefill off in some setups)
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,7 @@ class RankResult:
     free_device_tokens: int = 0
     evictable_tokens: int = 0
     final: bool = False  # the result after the loop ended
+    loops: list[str] = field(default_factory=list)  # the event loops SGLang's run_event_loop dispatched to
 
 
 @dataclass(frozen=True)
@@ -213,6 +215,22 @@ def _observe(scheduler: Any, result: RankResult, channel: Any) -> None:
                 channel.send(_snapshot(scheduler, result))
 
     scheduler.on_idle = observed_on_idle
+    for name in _LOOPS:
+        _record_loop(scheduler, name, result)
+
+
+_LOOPS = ("event_loop_normal", "event_loop_overlap", "event_loop_normal_disagg_prefill",
+          "event_loop_overlap_disagg_prefill")
+
+
+def _record_loop(scheduler: Any, name: str, result: RankResult) -> None:
+    loop = getattr(scheduler, name)
+
+    def recorded() -> None:
+        result.loops.append(name)
+        loop()
+
+    setattr(scheduler, name, recorded)
 
 
 def _final_idle_check(scheduler: Any, result: RankResult) -> None:
@@ -255,7 +273,8 @@ def forked_rank_main(spec: RankSpec, channel: Any, zygote_pid: int) -> None:
         _observe(scheduler, result, channel)
         channel.send(RankReady(spec.rank, type(scheduler.tree_cache).__name__,
                                type(scheduler.token_to_kv_pool_allocator).__name__,
-                               _library_active(spec.config.version, scheduler), time.perf_counter() - start))
+                               _library_active(spec.config.version, scheduler), time.perf_counter() - start,
+                               int(getattr(scheduler.server_args, "optimistic_prefill_attempts", 0) or 0)))
         scheduler.run_event_loop()  # SGLang's own loop; a ShutdownReq through the input socket ends it
         _final_idle_check(scheduler, result)
         channel.send(result)
