@@ -163,6 +163,10 @@ class SchedulerHarness:
         self._pump_until(lambda: all(self.finished(r) for r in rids), timeout_s or self.config.batch_timeout_s,
                          f"requests {rids} to finish")
 
+    @property
+    def ready(self) -> list[RankReady]:
+        return [self._ready[r] for r in sorted(self._ready)]
+
     def snapshots(self) -> list[RankResult]:
         """Each rank's latest idle snapshot ([] before every rank sent one)."""
         if len(self._idle) < self.config.cp_size:
@@ -215,7 +219,9 @@ class SchedulerHarness:
         deadline = time.monotonic() + timeout_s
         while not done():
             if time.monotonic() > deadline:
-                self._fail(f"timed out after {timeout_s:.0f}s waiting for {what}")
+                last = self.batches[-1] if self.batches else None
+                self._fail(f"timed out after {timeout_s:.0f}s waiting for {what} ({len(self.batches)} batches, "
+                           f"the last {last}; idle snapshots {self.snapshots()})")
             events = dict(poller.poll(200))
             for sock in self._pulls:
                 if sock in events:

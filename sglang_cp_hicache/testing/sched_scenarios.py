@@ -18,7 +18,7 @@ from sglang_cp_hicache.testing.sched_harness import Output, SchedulerHarness
 from sglang_cp_hicache.testing.sched_rank import LoadBack, RankResult
 
 __all__ = [
-    "Outcome", "abort_after_load_back", "abort_mid_chunk", "chunked_shared_prefix", "concurrent_load_backs",
+    "ChurnedPrefixes", "Outcome", "abort_after_load_back", "cache_then_churn", "abort_mid_chunk", "chunked_shared_prefix", "concurrent_load_backs",
     "host_hit_after_churn", "pd_scripted", "retraction_under_pressure",
 ]
 
@@ -47,13 +47,17 @@ class _Scenario:
         self.first_batch = len(h.batches)
         idle = h.snapshots()
         self.first_load_back = len(idle[0].load_backs) if idle else 0
+        # what the device held when the scenario's own requests came
+        self.free_before = idle[0].free_device_tokens if idle else -1
+        self.evictable_before = idle[0].evictable_tokens if idle else -1
 
     def outcome(self, rids: list[str], **notes: int) -> Outcome:
         self.h.wait_finished(rids)
         idle = self.h.wait_idle()
         self.h.on_batch = None
+        notes = dict(notes, free_before=self.free_before, evictable_before=self.evictable_before)
         return Outcome(self.h.batches[self.first_batch:], idle, {r: self.h.outputs[r] for r in rids},
-                       idle[0].load_backs[self.first_load_back:], dict(notes))
+                       idle[0].load_backs[self.first_load_back:], notes)
 
 
 def _ids(base: int, n: int) -> list[int]:
@@ -84,41 +88,66 @@ def chunked_shared_prefix(h: SchedulerHarness, base: int) -> Outcome:
     return s.outcome([f"a1-{base}", f"a2-{base}"])
 
 
-def _fill_device(h: SchedulerHarness, rid: str, base: int, keep_pages: int = 3) -> None:
-    """One long request that leaves ``keep_pages`` pages: everything cached before it is evicted to host."""
+def cache_page(h: SchedulerHarness) -> int:
+    """Tokens of one page the radix tree caches: 0.5.23's page-interleave
+    pool caches whole logical pages of ``cp_size`` physical pages."""
     page = h.config.shape.page_size
-    h.submit(h.request(rid, _ids(base, usable_tokens(h) - keep_pages * page), max_new_tokens=1))
+    return page * h.config.cp_size if h.config.version == "0.5.23" else page
+
+
+def _fill_device(h: SchedulerHarness, rid: str, base: int) -> None:
+    """Evict everything cached so far to host but a fresh anchor request.
+
+    The anchor (three cache pages) is cached last, so LRU keeps it; the
+    filler needs every other device token. The anchor is the headroom: a
+    request needing the whole pool is never admitted."""
+    anchor = 3 * cache_page(h)
+    h.submit(h.request(f"{rid}-anchor", _ids(base + 200_000, anchor), max_new_tokens=1))
+    h.wait_finished([f"{rid}-anchor"])
+    snap = h.wait_idle()[0]
+    h.submit(h.request(rid, _ids(base, snap.free_device_tokens + snap.evictable_tokens - anchor), max_new_tokens=1))
     h.wait_finished([rid])
     h.wait_idle()
 
 
-def host_hit_after_churn(h: SchedulerHarness, base: int) -> Outcome:
-    """A 256-token prefix is cached, then evicted to host by a request that
-    fills the device with evictable pages; the prefix + 64 tokens comes back."""
-    prefix = _ids(base, 256)
-    h.submit(h.request(f"c1-{base}", prefix, max_new_tokens=1))
-    h.wait_finished([f"c1-{base}"])
-    h.wait_idle()
-    _fill_device(h, f"c-fill-{base}", base + 100_000)
-    s = _Scenario(h)
-    h.submit(h.request(f"c2-{base}", prefix + _ids(base + 50_000, 64), max_new_tokens=1))
-    return s.outcome([f"c2-{base}"], prefix_tokens=len(prefix))
+@dataclass(frozen=True)
+class ChurnedPrefixes:
+    """Prefixes cached, then evicted to host by one filler request (the
+    device left full of evictable pages): the host-hit scenarios' start."""
+
+    single: list[int]  # host_hit_after_churn
+    many: list[list[int]]  # concurrent_load_backs
+    aborted: list[int]  # abort_after_load_back
 
 
-def concurrent_load_backs(h: SchedulerHarness, base: int, k: int = 4, tail: int = 32) -> Outcome:
-    """``k`` two-page prefixes are cached, then evicted to host; ``k``
-    requests hitting them arrive together (one batch: k * tail tokens fit the chunk)."""
-    page = h.config.shape.page_size
-    prefixes = [_ids(base + i * 1000, 2 * page) for i in range(k)]
-    h.submit(*[h.request(f"b{i}-{base}", p, max_new_tokens=1) for i, p in enumerate(prefixes)])
-    h.wait_finished([f"b{i}-{base}" for i in range(k)])
+def cache_then_churn(h: SchedulerHarness, base: int, k: int = 4) -> ChurnedPrefixes:
+    """Cache every host-hit scenario's prefixes, then evict them all to host at once."""
+    page = cache_page(h)
+    long = max(256, 2 * page)  # two cache pages, at least 256 tokens
+    prefixes = ChurnedPrefixes(_ids(base, long), [_ids(base + (i + 1) * 10_000, 2 * page) for i in range(k)],
+                               _ids(base + 90_000, long))
+    seeds = {f"seed{i}-{base}": p for i, p in enumerate([prefixes.single, *prefixes.many, prefixes.aborted])}
+    h.submit(*[h.request(rid, p, max_new_tokens=1) for rid, p in seeds.items()])
+    h.wait_finished(list(seeds))
     h.wait_idle()
-    _fill_device(h, f"b-fill-{base}", base + 100_000)
+    _fill_device(h, f"fill-{base}", base + 100_000)
+    return prefixes
+
+
+def host_hit_after_churn(h: SchedulerHarness, base: int, prefixes: ChurnedPrefixes) -> Outcome:
+    """The churned single prefix + 64 new tokens comes back."""
     s = _Scenario(h)
-    rids = [f"bq{i}-{base}" for i in range(k)]
+    h.submit(h.request(f"c2-{base}", prefixes.single + _ids(base + 50_000, 64), max_new_tokens=1))
+    return s.outcome([f"c2-{base}"], prefix_tokens=len(prefixes.single))
+
+
+def concurrent_load_backs(h: SchedulerHarness, base: int, prefixes: ChurnedPrefixes, tail: int = 32) -> Outcome:
+    """Requests hitting the churned prefixes arrive together (one batch: k * tail tokens fit the chunk)."""
+    s = _Scenario(h)
+    rids = [f"bq{i}-{base}" for i in range(len(prefixes.many))]
     h.submit(*[h.request(r, p + _ids(base + 50_000 + i * 1000, tail), max_new_tokens=1)
-               for i, (r, p) in enumerate(zip(rids, prefixes))])
-    return s.outcome(rids, prefix_tokens=2 * page)
+               for i, (r, p) in enumerate(zip(rids, prefixes.many))])
+    return s.outcome(rids, prefix_tokens=len(prefixes.many[0]))
 
 
 def abort_mid_chunk(h: SchedulerHarness, base: int) -> Outcome:
@@ -138,14 +167,9 @@ def abort_mid_chunk(h: SchedulerHarness, base: int) -> Outcome:
     return s.outcome([rid])
 
 
-def abort_after_load_back(h: SchedulerHarness, base: int) -> Outcome:
+def abort_after_load_back(h: SchedulerHarness, base: int, prefixes: ChurnedPrefixes) -> Outcome:
     """A host hit is loaded back for a request whose tail needs more chunks;
     the abort comes right after the batch that started from the loaded prefix."""
-    prefix = _ids(base, 256)
-    h.submit(h.request(f"e1-{base}", prefix, max_new_tokens=1))
-    h.wait_finished([f"e1-{base}"])
-    h.wait_idle()
-    _fill_device(h, f"e-fill-{base}", base + 100_000)
     rid = f"e2-{base}"
     s = _Scenario(h)
 
@@ -156,8 +180,8 @@ def abort_after_load_back(h: SchedulerHarness, base: int) -> Outcome:
 
     s.sent = False  # type: ignore[attr-defined]
     h.on_batch = on_batch
-    h.submit(h.request(rid, prefix + _ids(base + 50_000, 400), max_new_tokens=2))
-    return s.outcome([rid], prefix_tokens=len(prefix))
+    h.submit(h.request(rid, prefixes.aborted + _ids(base + 50_000, 400), max_new_tokens=2))
+    return s.outcome([rid], prefix_tokens=len(prefixes.aborted))
 
 
 def pd_scripted(h: SchedulerHarness, base: int, rooms: dict[str, int]) -> Outcome:

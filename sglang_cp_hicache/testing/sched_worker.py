@@ -89,8 +89,11 @@ def _pools_0523(shape: PoolShape) -> Pools:
     from sglang.srt.mem_cache.page_interleave_pool import PageInterleaveDSATokenToKVPool
 
     rank, n = group.rank_in_group, group.world_size
-    # scratch sized as page_interleave.py sizes it for a server (else long prefixes are refused)
-    spec = PageShardSpec(shard_rank=rank, shard_size=n, page_size=P, max_prefix_tokens=shape.max_context_len,
+    # scratch sized as page_interleave.py sizes it for a server (a prefix region of whole granules, one
+    # context per running request; else long prefixes are refused)
+    granule = n * P
+    spec = PageShardSpec(shard_rank=rank, shard_size=n, page_size=P,
+                         max_prefix_tokens=shape.max_running_requests * -(-shape.max_context_len // granule) * granule,
                          chunk_tokens=shape.chunk_tokens)
     kv = PageInterleaveDSATokenToKVPool(shape.device_pages * P, shard_spec=spec, shard_group=group, **dsa)
     alloc = PageInterleavePoolAllocator(shape.device_pages * P, physical_page_size=P, shard_size=n,

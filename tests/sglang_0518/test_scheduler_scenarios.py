@@ -38,6 +38,12 @@ def test_abort_mid_chunk(h):
     mod.run_abort_mid_chunk(h)
 
 
+def test_eviction_churn_leaves_the_host_hit_to_evictable_pages(h):
+    """The precondition of the load-back tests: free pages alone cannot hold the hit, evictable ones can."""
+    for o in (mod.run_host_hit(h), mod.run_concurrent(h), mod.run_abort_after_load_back(h)):
+        assert 0 <= o.notes["free_before"] < o.notes["prefix_tokens"] <= o.notes["evictable_before"], o.notes
+
+
 @pytest.mark.xfail(strict=True, raises=AssertionError, reason=DECLINES)
 def test_host_hit_after_eviction_churn_is_loaded_back(h):
     o = mod.run_host_hit(h)
@@ -66,7 +72,7 @@ def test_abort_after_load_back_had_its_load_back(h):
                    "insert (issue 41, fix b)")
 def test_scheduler_inserts_read_no_device_indices(h):
     before = mod.snapshot_counters(h)
-    o = sc.chunked_shared_prefix(h, 6_000_000)  # chunk checkpoints and finished inserts, through the scheduler
+    o = sc.chunked_shared_prefix(h, 8_000_000)  # chunk checkpoints and finished inserts, through the scheduler
     after = o.idle[0].counters
     assert after["device_page_reads_avoided"] > before["device_page_reads_avoided"], (before, after)
     assert after["device_page_reads"] == before["device_page_reads"], (before, after)
