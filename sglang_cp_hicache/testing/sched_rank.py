@@ -68,6 +68,7 @@ class RankResult:
     evictable_tokens: int = 0
     final: bool = False  # the result after the loop ended
     loops: list[str] = field(default_factory=list)  # the event loops SGLang's run_event_loop dispatched to
+    loop_ignored_shutdown: bool = False  # the loop ran on past a ShutdownReq; the harness ended it
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,10 @@ class RankError:
     rank: int
     error: str
     traceback: str
+
+
+class _LoopIgnoredShutdown(Exception):
+    """Raised from on_idle to end an event loop that ignores ``gracefully_exit``."""
 
 
 def preload(version: str) -> None:
@@ -185,7 +190,7 @@ def _snapshot(scheduler: Any, result: RankResult) -> RankResult:
     return result
 
 
-def _observe(scheduler: Any, result: RankResult, channel: Any) -> None:
+def _observe(scheduler: Any, result: RankResult, channel: Any) -> Any:
     """Record each load-back the scheduler asks for; after each fully idle
     ``on_idle`` following a batch, send the parent a snapshot."""
     cache = scheduler.tree_cache
@@ -205,7 +210,17 @@ def _observe(scheduler: Any, result: RankResult, channel: Any) -> None:
 
     reported_at = [-1]  # the batch count of the last idle snapshot
 
+    exit_idles = [0]  # on_idle calls since a ShutdownReq set gracefully_exit
+
     def observed_on_idle() -> None:
+        if scheduler.gracefully_exit:
+            exit_idles[0] += 1
+            # a loop honouring gracefully_exit leaves at its next iteration's top, after at most this one
+            # on_idle; SGLang 0.5.18's PD prefill loops never look at it: the harness ends those itself
+            # (every rank got the ShutdownReq on the same iteration, so all stop on the same one)
+            if exit_idles[0] > 1 and scheduler.is_fully_idle():
+                result.loop_ignored_shutdown = True
+                raise _LoopIgnoredShutdown()
         idle = scheduler.is_fully_idle()
         on_idle()
         if idle:
@@ -217,6 +232,7 @@ def _observe(scheduler: Any, result: RankResult, channel: Any) -> None:
     scheduler.on_idle = observed_on_idle
     for name in _LOOPS:
         _record_loop(scheduler, name, result)
+    return on_idle
 
 
 _LOOPS = ("event_loop_normal", "event_loop_overlap", "event_loop_normal_disagg_prefill",
@@ -233,7 +249,7 @@ def _record_loop(scheduler: Any, name: str, result: RankResult) -> None:
     setattr(scheduler, name, recorded)
 
 
-def _final_idle_check(scheduler: Any, result: RankResult) -> None:
+def _final_idle_check(scheduler: Any, on_idle: Any, result: RankResult) -> None:
     """The loop ended on the ShutdownReq: the rank must be fully idle, and
     SGLang's own idle leak checks must pass once more (no sleep)."""
     if not scheduler.is_fully_idle():
@@ -241,7 +257,7 @@ def _final_idle_check(scheduler: Any, result: RankResult) -> None:
             f"not fully idle at shutdown: waiting={[r.rid for r in scheduler.waiting_queue]} "
             f"running={[r.rid for r in scheduler.running_batch.reqs]} chunked={scheduler.chunked_req}")
     scheduler.idle_sleeper = None
-    scheduler.on_idle()
+    on_idle()  # SGLang's own, not the observed one
     _snapshot(scheduler, result)
     result.final = True
 
@@ -270,13 +286,16 @@ def forked_rank_main(spec: RankSpec, channel: Any, zygote_pid: int) -> None:
         check_seams(spec.config.version)
         scheduler = _build(spec, channel)
         result = RankResult(spec.rank, scheduler.tp_worker.forward.stats)
-        _observe(scheduler, result, channel)
+        on_idle = _observe(scheduler, result, channel)
         channel.send(RankReady(spec.rank, type(scheduler.tree_cache).__name__,
                                type(scheduler.token_to_kv_pool_allocator).__name__,
                                _library_active(spec.config.version, scheduler), time.perf_counter() - start,
                                int(getattr(scheduler.server_args, "optimistic_prefill_attempts", 0) or 0)))
-        scheduler.run_event_loop()  # SGLang's own loop; a ShutdownReq through the input socket ends it
-        _final_idle_check(scheduler, result)
+        try:
+            scheduler.run_event_loop()  # SGLang's own loop; a ShutdownReq through the input socket ends it
+        except _LoopIgnoredShutdown:
+            pass
+        _final_idle_check(scheduler, on_idle, result)
         channel.send(result)
         code = 0
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, then the rank exits non-zero

@@ -106,6 +106,18 @@ SEAMS: tuple[Seam, ...] = (
               "makes the event"),),
     ),
     Seam(
+        "pd-prefill-shutdown",
+        "sglang/srt/disaggregation/prefill.py:SchedulerDisaggregationPrefillMixin.event_loop_normal_disagg_prefill / "
+        "event_loop_overlap_disagg_prefill (0.5.18: no gracefully_exit check)",
+        "a loop still running one idle iteration after the ShutdownReq is ended from on_idle, on every rank at once "
+        "(the request reached them all on one iteration); the result says so",
+        (Hook(_PREFILL, "SchedulerDisaggregationPrefillMixin", "event_loop_normal_disagg_prefill", "attribute", None,
+              "runs PD prefill"),
+         Hook(_PREFILL, "SchedulerDisaggregationPrefillMixin", "event_loop_overlap_disagg_prefill", "attribute",
+              None, "runs PD prefill with overlap"),
+         Hook(_SCHED, "Scheduler", "on_idle", "replaced-on-instance", ("self",), "is where the harness observes")),
+    ),
+    Seam(
         "uvloop",
         "sglang/srt/managers/tokenizer_manager.py: import uvloop (reached from mm_utils on the recv path)",
         "an import-only module whose EventLoopPolicy is asyncio's default; the tokenizer manager never runs",
