@@ -24,6 +24,7 @@ import multiprocessing as mp
 import os
 import shutil
 import signal
+import socket
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -31,7 +32,6 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 
 import zmq
 
-from sglang_cp_hicache.sim.launcher import free_port
 from sglang_cp_hicache.sim.zygote import ForkJob, Zygote
 from sglang_cp_hicache.testing.sched_config import IpcNames, SchedConfig
 from sglang_cp_hicache.testing.sched_forward import BatchReport
@@ -42,6 +42,13 @@ __all__ = ["HarnessError", "Output", "RunResult", "SchedulerHarness"]
 
 _STARTUP_S = 240.0
 _LOG_TAIL = 6000
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now (the ranks' gloo rendezvous)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 class HarnessError(RuntimeError):

@@ -123,7 +123,7 @@ class ChurnedPrefixes:
 def cache_then_churn(h: SchedulerHarness, base: int, k: int = 4) -> ChurnedPrefixes:
     """Cache every host-hit scenario's prefixes, then evict them all to host at once."""
     page = cache_page(h)
-    long = max(256, 2 * page)  # two cache pages, at least 256 tokens
+    long = max(384, 2 * page)  # two cache pages, at least 384 tokens (more than a CP 3 rank group leaves free)
     prefixes = ChurnedPrefixes(_ids(base, long), [_ids(base + (i + 1) * 10_000, 2 * page) for i in range(k)],
                                _ids(base + 90_000, long))
     seeds = {f"seed{i}-{base}": p for i, p in enumerate([prefixes.single, *prefixes.many, prefixes.aborted])}
