@@ -107,7 +107,12 @@ def _fill_device(h: SchedulerHarness, rid: str, base: int) -> None:
     snap = h.wait_idle()[0]
     h.submit(h.request(rid, _ids(base, snap.free_device_tokens + snap.evictable_tokens - anchor), max_new_tokens=1))
     h.wait_finished([rid])
-    h.wait_idle()
+    # evictions free whole nodes and may overshoot: one more request takes up what is left free
+    left = h.wait_idle()[0].free_device_tokens // cache_page(h) * cache_page(h) - cache_page(h)
+    if left > 0:
+        h.submit(h.request(f"{rid}-top", _ids(base + 300_000, left), max_new_tokens=1))
+        h.wait_finished([f"{rid}-top"])
+        h.wait_idle()
 
 
 @dataclass(frozen=True)
