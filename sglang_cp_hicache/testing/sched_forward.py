@@ -1,0 +1,187 @@
+"""The forward stand-in of the real-scheduler harness (both releases).
+
+Before every forward it checks every prefix row attention would read, on the
+rank that owns its page, against the row's content key (a rolling hash of
+the token ids up to it, so the key is both position and prefix); then it
+writes every new token's KV and indexer rows from its key. Rows are
+poisoned when the allocator hands them out, so a load-back that never
+happened (or landed elsewhere) cannot pass on stale bytes of an earlier
+tenant. Any mismatch raises :class:`ForwardMismatch` naming request,
+position and rank. Sampled tokens are a pure function of the key: every rank
+samples the same, as a real model's TP ranks do.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+
+from sglang_cp_hicache.placement import CpPlacement
+from sglang_cp_hicache.sim.content import POISON_BYTE, corrupted_token_mask, prefix_keys, write_content
+
+__all__ = ["BatchEntry", "BatchReport", "ForwardMismatch", "ForwardStandIn", "ForwardStats", "poison_rows"]
+
+SEED = 7
+_ALLOC_METHODS = ("alloc", "alloc_extend", "alloc_decode")
+
+
+class ForwardMismatch(AssertionError):
+    """A prefix row attention would read does not hold its content."""
+
+
+@dataclass(frozen=True)
+class BatchEntry:
+    rid: str
+    prefix_len: int
+    extend_len: int
+
+
+@dataclass(frozen=True)
+class BatchReport:
+    """What one rank is about to forward (every rank must report the same)."""
+
+    rank: int
+    step: int
+    mode: str
+    entries: tuple[BatchEntry, ...]
+    chunked_rid: Optional[str]
+    # PD prefill: requests forwarded while their sender still bootstraps (optimistic prefill)
+    bootstrapping: tuple[str, ...] = ()
+
+    def same_batch(self, other: "BatchReport") -> bool:
+        return (self.step, self.mode, self.entries, self.chunked_rid, self.bootstrapping) == (
+            other.step, other.mode, other.entries, other.chunked_rid, other.bootstrapping)
+
+
+@dataclass
+class ForwardStats:
+    written: int = 0  # owned token rows written on this rank
+    verified: int = 0  # owned prefix rows checked on this rank
+    poisoned: int = 0  # owned rows poisoned at allocation
+    batches: int = 0
+    extend_batches: int = 0
+    decode_batches: int = 0
+    max_batch_reqs: int = 0
+
+
+def poison_rows(kv_pool: Any, physical_locs: torch.Tensor, byte: int = POISON_BYTE) -> None:
+    """Overwrite the KV rows and indexer key/scale cells of ``physical_locs``, every layer."""
+    if physical_locs.numel() == 0:
+        return
+    locs = physical_locs.to(torch.int64)
+    page_size = kv_pool.page_size
+    key_bytes = kv_pool.index_head_dim
+    scale_bytes = kv_pool.index_head_dim // kv_pool.quant_block_size * 4
+    page = (locs // page_size).reshape(-1, 1)
+    offset = (locs % page_size).reshape(-1, 1)
+    key_cols = offset * key_bytes + torch.arange(key_bytes).reshape(1, -1)
+    scale_cols = page_size * key_bytes + offset * scale_bytes + torch.arange(scale_bytes).reshape(1, -1)
+    for layer in range(kv_pool.layer_num):
+        kv_pool.kv_buffer[layer].view(torch.uint8)[locs] = byte
+        index = kv_pool.index_k_with_scale_buffer[layer]
+        index[page, key_cols] = byte
+        index[page, scale_cols] = byte
+
+
+@dataclass
+class ForwardStandIn:
+    """One rank's forward. ``placement`` None: every location is this rank's
+    own physical slot (CP 1). ``gate`` is called with each batch's report
+    before the batch runs (the parent may act, then lets it go)."""
+
+    rank: int
+    kv_pool: Any
+    req_to_token: torch.Tensor
+    placement: Optional[CpPlacement]
+    gate: Callable[[BatchReport], None]
+    scheduler: Any = None  # set once the scheduler is built (chunked request in reports)
+    stats: ForwardStats = field(default_factory=ForwardStats)
+
+    def _owned(self, locs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(physical slots of the locations this rank owns, the ownership mask)."""
+        locs = locs.to(torch.int64).cpu()
+        if self.placement is None:
+            return locs, torch.ones(locs.numel(), dtype=torch.bool)
+        mask = self.placement.owned_by_this_rank(locs)
+        return self.placement.logical_locs_to_physical(locs[mask]), mask
+
+    def poison_allocations_of(self, allocator: Any) -> None:
+        """Poison this rank's rows of every location the allocator hands out."""
+        for name in _ALLOC_METHODS:
+            original = getattr(allocator, name, None)
+            if original is not None:
+                setattr(allocator, name, self._poisoning(original))
+
+    def _poisoning(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def alloc(*args: Any, **kwargs: Any) -> Any:
+            out = original(*args, **kwargs)
+            if isinstance(out, torch.Tensor) and out.numel():
+                phys, _ = self._owned(out)
+                poison_rows(self.kv_pool, phys)
+                self.stats.poisoned += int(phys.numel())
+            return out
+
+        return alloc
+
+    def _report(self, batch: Any, prefix_lens: list[int], extend_lens: list[int]) -> BatchReport:
+        chunked = getattr(self.scheduler, "chunked_req", None)
+        entries = tuple(BatchEntry(str(r.rid), int(p), int(e)) for r, p, e in zip(batch.reqs, prefix_lens, extend_lens))
+        bootstrapping = tuple(str(r.rid) for r in batch.reqs
+                              if getattr(getattr(r, "disagg_kv_sender", None), "bootstrap_polls_left", 0) > 0)
+        return BatchReport(self.rank, self.stats.batches, batch.forward_mode.name, entries,
+                           None if chunked is None else str(chunked.rid), bootstrapping)
+
+    def next_tokens(self, batch: Any) -> torch.Tensor:
+        """Check prefixes, write new rows; the batch's sampled token ids."""
+        mode = batch.forward_mode
+        seq_lens = [int(x) for x in batch.seq_lens_cpu.tolist()]
+        if mode.is_extend():
+            prefix_lens, extend_lens = [int(x) for x in batch.prefix_lens], [int(x) for x in batch.extend_lens]
+        else:  # decode: one new token per request
+            prefix_lens, extend_lens = [n - 1 for n in seq_lens], [1] * len(seq_lens)
+        self.gate(self._report(batch, prefix_lens, extend_lens))
+        # the tokens the forward really gets (future-map resolved under the overlap loop)
+        ids = batch.input_ids.to(torch.int64).cpu().tolist()
+        out = batch.out_cache_loc.to(torch.int64).cpu()
+        off, nexts = 0, []
+        for i, req in enumerate(batch.reqs):
+            p, e = prefix_lens[i], extend_lens[i]
+            known = list(req.origin_input_ids) + list(req.output_ids)
+            if len(known) < p:
+                raise ForwardMismatch(f"rank {self.rank}: request {req.rid} has {len(known)} known tokens, prefix {p}")
+            keys = prefix_keys(known[:p] + ids[off: off + e])
+            if p:
+                self._check_prefix(req, int(batch.req_pool_indices[i]), keys[:p])
+            phys, mask = self._owned(out[off: off + e])
+            write_content(self.kv_pool, phys, keys[p: p + e][mask], seed=SEED)
+            self.stats.written += int(mask.sum())
+            off += e
+            nexts.append(2 + int(keys[-1]) % 997)
+        if off != out.numel():
+            raise ForwardMismatch(f"rank {self.rank}: batch extends {off} tokens but has {out.numel()} locations")
+        self._count(mode, len(batch.reqs))
+        return torch.tensor(nexts, dtype=torch.int64)
+
+    def _check_prefix(self, req: Any, pool_index: int, keys: torch.Tensor) -> None:
+        locs = self.req_to_token[pool_index, : keys.numel()].to(torch.int64).cpu()
+        phys, mask = self._owned(locs)
+        bad = corrupted_token_mask(self.kv_pool, phys, keys[mask], seed=SEED)
+        self.stats.verified += int(mask.sum())
+        if bool(bad.any()):
+            positions = torch.nonzero(mask).flatten()[bad]
+            first = int(positions[0])
+            raise ForwardMismatch(
+                f"rank {self.rank}: request {req.rid}: {int(bad.sum())} prefix rows attention would read do not hold "
+                f"their content, first at position {first} (location {int(locs[first])}); positions "
+                f"{positions[:8].tolist()}"
+            )
+
+    def _count(self, mode: Any, n: int) -> None:
+        self.stats.batches += 1
+        self.stats.max_batch_reqs = max(self.stats.max_batch_reqs, n)
+        if mode.is_extend():
+            self.stats.extend_batches += 1
+        else:
+            self.stats.decode_batches += 1

@@ -1,0 +1,56 @@
+"""The real-scheduler harness's seam registry, pinned (both releases)."""
+
+from __future__ import annotations
+
+import pytest
+
+from sglang_cp_hicache.testing import sched_seams
+from sglang_cp_hicache.testing.sched_seams import SeamMismatchError, check_seams, seams_for
+
+
+def check_every_seam_resolves(version: str) -> None:
+    check_seams(version)
+    seams = seams_for(version)
+    names = [s.name for s in seams]
+    assert len(names) == len(set(names))
+    assert {"model-worker", "worker-interface", "dsa-model", "pd-transfer", "pd-overlap-event",
+            "environment"} <= set(names)
+    assert ("uvloop" in names) == (version == "0.5.18")
+    for seam in seams:
+        assert "sglang/srt/" in seam.stands_in_for and seam.why, seam
+    # every seam that replaces or relies on an SGLang name lists it
+    assert all(s.hooks for s in seams if s.name not in ("web-stack-imports",)), seams
+
+
+def check_moved_target_fails_loudly(version: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A release that renamed what a seam replaces refuses at start-up, naming the seam and the name."""
+    from sglang.srt.mem_cache import kv_cache_builder
+
+    monkeypatch.delattr(kv_cache_builder, "is_deepseek_dsa")
+    with pytest.raises(SeamMismatchError, match=r"seam 'dsa-model'.*is_deepseek_dsa"):
+        check_seams(version)
+
+
+def check_changed_signature_fails_loudly(version: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from sglang.srt.managers.scheduler import Scheduler
+
+    def init_tp_model_worker(self, worker_kwargs):  # a release that started passing an argument
+        raise AssertionError("never called")
+
+    monkeypatch.setattr(Scheduler, "init_tp_model_worker", init_tp_model_worker)
+    with pytest.raises(SeamMismatchError, match=r"seam 'model-worker'.*init_tp_model_worker.*worker_kwargs"):
+        check_seams(version)
+
+
+def check_worker_method_removed_fails_loudly(version: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from sglang.srt.managers.tp_worker import TpModelWorker
+
+    owner = next(k for k in TpModelWorker.__mro__ if "get_memory_pool" in vars(k))
+    monkeypatch.delattr(owner, "get_memory_pool")
+    with pytest.raises(SeamMismatchError, match=r"seam 'worker-interface'.*get_memory_pool"):
+        check_seams(version)
+
+
+def check_unknown_release_refused() -> None:
+    with pytest.raises(ValueError, match="version"):
+        sched_seams.seams_for("0.5.99")
