@@ -19,9 +19,6 @@ from tests.helpers import sched_module as mod
 pytestmark = pytest.mark.slow(90)
 
 CONFIGS = [SchedConfig("0.5.18", cp_size=2), SchedConfig("0.5.18", cp_size=3, overlap=True)]
-DECLINES = ("0.5.18 declines a host hit whose pages only evictable device pages could cover: the cache's own "
-            "quota counts free pages and evicts nothing first, so init_load_back returns 0 and the prefix is "
-            "recomputed (issue 41, fix a)")
 _CLOSED: list = []
 
 
@@ -52,14 +49,12 @@ def test_eviction_churn_leaves_the_host_hit_to_evictable_pages(h):
         assert sum(asked.values()) <= hit <= o.notes["evictable_before"], (hit, o.notes, o.load_backs)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=DECLINES)
 def test_host_hit_after_eviction_churn_is_loaded_back(h):
     o = mod.run_host_hit(h)
     assert o.outputs[sorted(o.outputs)[0]].finish_type == "length"
     chk.check_loaded_back(o, list(o.outputs))
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=DECLINES)
 def test_concurrent_load_backs_in_one_batch(h):
     mod.check_concurrent(mod.run_concurrent(h))
 
@@ -69,15 +64,11 @@ def test_abort_after_load_back(h):
     chk.check_aborted(o, sorted(o.outputs)[0])
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=DECLINES)
 def test_abort_after_load_back_had_its_load_back(h):
     o = mod.run_abort_after_load_back(h)
     assert o.load_backs and o.declined_tokens() == 0, o.load_backs
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="0.5.18 scheduler inserts (cache_unfinished_req / cache_finished_req) come "
-                   "without value_pages and read each node's locations back from the device, one host read per "
-                   "insert (issue 41, fix b)")
 def test_scheduler_inserts_read_no_device_indices(h):
     before = mod.snapshot_counters(h)
     o = sc.chunked_shared_prefix(h, 8_000_000)  # chunk checkpoints and finished inserts, through the scheduler
