@@ -339,7 +339,9 @@ def bench_prefix(tokens: int, cp_sizes: list[int], threads: int, root: Path) -> 
     writer.kv_host.kv_buffer.random_(0, 256)
     writer.indexer_host.index_k_with_scale_buffer.random_(0, 256)
     t = time.perf_counter()
-    writer.store_pages(hashes, [0] * pages, [i * P for i in range(pages)])
+    snap = writer.snapshot_pages(hashes, [0] * pages, [i * P for i in range(pages)])
+    assert all(writer.store_page(kv_key, idx_key, kv, idx)
+               for (kv_key, idx_key), kv, idx in zip(writer.snapshot_keys(snap), snap.kv, snap.indexer))
     out: dict[str, Any] = {"prefix_tokens": tokens, "pages": pages, "write_seconds_cp1": round(time.perf_counter() - t, 3)}
     kv_keys, idx_keys = writer.chain_keys(hashes)
     page_bytes = writer.kv_ns.page_bytes + writer.indexer_ns.page_bytes

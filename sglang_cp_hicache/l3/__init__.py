@@ -14,18 +14,16 @@
 * ``staging`` -- staging buffers lent one page at a time (bounded).
 """
 
-from sglang_cp_hicache.l3.consensus import agreed_usable_pages, local_usable_pages
+from sglang_cp_hicache.l3.consensus import local_usable_pages
 from sglang_cp_hicache.l3.envelope import Rejection, pack, unpack
-from sglang_cp_hicache.l3.host_tier import HostL3Tier, L3Counters, L3Fetched, L3Snapshot
+from sglang_cp_hicache.l3.host_tier import HostL3Tier, L3Counters, L3Snapshot
 from sglang_cp_hicache.l3.keys import L3Namespace, page_key, page_keys
-from sglang_cp_hicache.l3.pages import L3FetchResult, fetch_owned, store_owned
 from sglang_cp_hicache.l3.plan import (
     L3ReadPlan,
     L3WritePlan,
     interleaved_owners,
     read_plan,
     write_plan,
-    write_plans,
 )
 from sglang_cp_hicache.l3.store import FilePageStore, PageStore
 
@@ -33,24 +31,18 @@ __all__ = [
     "FilePageStore",
     "HostL3Tier",
     "L3Counters",
-    "L3Fetched",
-    "L3FetchResult",
     "L3Namespace",
     "L3ReadPlan",
     "L3Snapshot",
     "L3WritePlan",
     "PageStore",
     "Rejection",
-    "agreed_usable_pages",
-    "fetch_owned",
     "interleaved_owners",
     "local_usable_pages",
     "pack",
     "page_key",
     "page_keys",
     "read_plan",
-    "store_owned",
     "unpack",
     "write_plan",
-    "write_plans",
 ]

@@ -2,7 +2,7 @@
 
 A store moves opaque blobs by page key; it neither builds nor trusts them
 (readers verify every blob with ``envelope.unpack``; writers decide whether
-an object already there is sound and may be kept, :func:`~.pages.store_owned`).
+an object already there is sound and may be kept, :func:`~.pages.store_verified`).
 Any backend that can answer the three calls of :class:`PageStore` serves the
 library.
 """

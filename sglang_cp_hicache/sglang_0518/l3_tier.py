@@ -21,7 +21,7 @@ from sglang.srt.mem_cache.utils import get_hash_str
 
 from sglang_cp_hicache import settings
 from sglang_cp_hicache.l3.auth import UNKEYED, ObjectSeal, seal_from_settings
-from sglang_cp_hicache.l3.host_tier import HostL3Tier, L3Counters, L3Fetched, L3Snapshot, open_tier_store
+from sglang_cp_hicache.l3.host_tier import HostL3Tier, L3Counters, L3Snapshot, open_tier_store
 from sglang_cp_hicache.l3.host_tier import namespaces as _namespaces  # noqa: F401 (the 0.5.23 tests compare it)
 from sglang_cp_hicache.l3.identity import ModelIdentity, identity_of_server_args
 from sglang_cp_hicache.l3.location import L3Location
@@ -30,7 +30,7 @@ from sglang_cp_hicache.l3.store import PageStore
 from sglang_cp_hicache.l3_backends import SGLangRules, open_page_store
 from sglang_cp_hicache.placement import CpPlacement
 
-__all__ = ["L3Counters", "L3Fetched", "L3Snapshot", "L3Tier", "balanced_owners", "open_l3", "server_identity"]
+__all__ = ["L3Counters", "L3Snapshot", "L3Tier", "balanced_owners", "open_l3", "server_identity"]
 
 
 def balanced_owners(used: list[int], num_pages: int, page_size: int) -> list[int]:

@@ -24,12 +24,12 @@ import torch
 from sglang.srt.mem_cache.utils import get_hash_str
 
 from sglang_cp_hicache.l3.auth import UNKEYED, ObjectSeal
-from sglang_cp_hicache.l3.host_tier import HostL3Tier, L3Counters, L3Fetched, namespaces, open_tier_store
+from sglang_cp_hicache.l3.host_tier import HostL3Tier, L3Counters, namespaces, open_tier_store
 from sglang_cp_hicache.l3.store import PageStore
 from sglang_cp_hicache.l3_backends import SGLangRules, open_page_store
 from sglang_cp_hicache.placement import CpPlacement
 
-__all__ = ["L3Counters", "L3Fetched", "L3Tier", "local_row", "namespaces"]
+__all__ = ["L3Counters", "L3Tier", "local_row", "namespaces"]
 
 
 class L3Tier(HostL3Tier):

@@ -518,6 +518,7 @@ def test_mooncake_opens_the_library_page_store_and_reads_back_bit_exact_at_local
     import torch
 
     from sglang_cp_hicache.sglang_0523.l3_attach import open_l3
+    from tests.l3.common import read_chain, write_chain
 
     m = mooncake_0523
     writer = open_l3(m.location, _rank1_group(0, monkeypatch, distinct_rows=True), identity=TINY, layer_start=0)
@@ -526,17 +527,14 @@ def test_mooncake_opens_the_library_page_store_and_reads_back_bit_exact_at_local
     hashes = [f"{i:064x}" for i in (7, 8, 9)]
     owners = [1, 0, 1]
     # logical slots P and 3P are rank 1's local rows 0 and P
-    assert writer.tier.store_pages(hashes, owners, [P64, 3 * P64]) == 2
+    assert write_chain(writer.tier, hashes, owners, [P64, 3 * P64]) == 2
     reader = open_l3(m.location, _rank1_group(0xEE, monkeypatch), identity=TINY, layer_start=0)
-    got = reader.tier.fetch_pages(hashes, owners)
-    assert got.usable == 3 and sorted(got.pages) == [0, 2]
+    # logical slots 5P and 7P: rank 1's local rows 2P and 3P
+    assert read_chain(reader.tier, hashes, owners, [5 * P64, 7 * P64]) == 3
     kv_host = writer.tier.kv_host
-    for index, row in ((0, 0), (2, P64)):
-        assert torch.equal(got.pages[index][0], kv_host.kv_buffer[:, row:row + P64].reshape(-1))
-    reader.tier.fill_host(5 * P64, *got.pages[2])  # logical 5P: rank 1's local row 2P
     filled = reader.tier.kv_host.kv_buffer
-    assert torch.equal(filled[:, 2 * P64:3 * P64], kv_host.kv_buffer[:, P64:2 * P64])
-    assert bool((filled[:, :2 * P64] == 0xEE).all()) and bool((filled[:, 3 * P64:] == 0xEE).all())
+    assert torch.equal(filled[:, 2 * P64:4 * P64], kv_host.kv_buffer[:, 0:2 * P64])
+    assert bool((filled[:, :2 * P64] == 0xEE).all()) and bool((filled[:, 4 * P64:] == 0xEE).all())
     assert reader.tier.counters.rejected_pages == 0
 
 
