@@ -20,7 +20,6 @@ from sglang_cp_hicache.kernels import reference, transfer
 from sglang_cp_hicache.placement import CpPlacement
 
 POISON = 0xA5
-HOST_LAYOUTS = ("layer_first", "page_first", "page_first_direct")
 PAGE_SIZES = (1, 16, 64)
 
 # name -> (kv?, dtype, row elements given page_size). Row bytes: indexer
