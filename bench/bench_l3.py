@@ -60,6 +60,7 @@ import torch
 from sglang_cp_hicache.l3.auth import ObjectSeal
 from sglang_cp_hicache.l3.envelope import HEADER_BYTES, byte_view
 from sglang_cp_hicache.l3.host_copy import HostPageRuns
+from sglang_cp_hicache.l3.capabilities import StoreCapabilities
 from sglang_cp_hicache.l3.host_read import read_into_host
 from sglang_cp_hicache.l3.host_tier import HostL3Tier
 from sglang_cp_hicache.l3.keys import L3Namespace, page_keys
@@ -214,11 +215,12 @@ class _LibraryPath:
 
     def write(self, directory: Path) -> None:
         self.store = FilePageStore(directory)
+        self.caps = StoreCapabilities.of(self.store)
 
         def write_page(i: int) -> None:
             snapshot = self.host.page(i).reshape(-1).contiguous()  # what the writer copies out at the ack
             head, payload, _ = self._buffers()
-            assert store_verified(self.store, self.ns, self.keys[i], snapshot, (head, payload)).in_l3
+            assert store_verified(self.caps, self.ns, self.keys[i], snapshot, (head, payload)).in_l3
 
         _parallel(self.threads, [lambda job, i=i: write_page(i) for i in range(len(self.data))])
 
@@ -228,7 +230,7 @@ class _LibraryPath:
     def read(self, threads: int | None = None) -> None:
         def read_page(job: L3Job, i: int) -> None:  # what HostL3Tier.read_page does for each object
             head, _, page = self._buffers()
-            bad = read_into_host(self.store, self.ns, self.keys[i], self.rows, i * P, head, page, job.publish)
+            bad = read_into_host(self.caps, self.ns, self.keys[i], self.rows, i * P, head, page, job.publish)
             assert bad is None, bad
 
         _parallel(threads or self.threads, [lambda job, i=i: read_page(job, i) for i in range(len(self.data))])
@@ -339,7 +341,9 @@ def bench_prefix(tokens: int, cp_sizes: list[int], threads: int, root: Path) -> 
     writer.kv_host.kv_buffer.random_(0, 256)
     writer.indexer_host.index_k_with_scale_buffer.random_(0, 256)
     t = time.perf_counter()
-    writer.store_pages(hashes, [0] * pages, [i * P for i in range(pages)])
+    snap = writer.snapshot_pages(hashes, [0] * pages, [i * P for i in range(pages)])
+    assert all(writer.store_page(kv_key, idx_key, kv, idx)
+               for (kv_key, idx_key), kv, idx in zip(writer.snapshot_keys(snap), snap.kv, snap.indexer))
     out: dict[str, Any] = {"prefix_tokens": tokens, "pages": pages, "write_seconds_cp1": round(time.perf_counter() - t, 3)}
     kv_keys, idx_keys = writer.chain_keys(hashes)
     page_bytes = writer.kv_ns.page_bytes + writer.indexer_ns.page_bytes

@@ -18,15 +18,20 @@ kernel), :mod:`._twin` (its compiled/interpreted flavours),
 :mod:`._launch_spec` (what a launch needs), :mod:`._checks` (argument
 checks), :mod:`._backend` (the backend rule), :mod:`._stats` (copy counters).
 
+Code outside this folder imports this package's face or its two doors,
+never a private module: the supported host layouts (``HOST_LAYOUTS``, the
+one list) and the debug switch (``debug_enabled``) are handed on here.
+Inside it, imports are relative, so tools follow them from the folder.
+
 This package exports no copy function itself: a copy is called as
 ``transfer.backup_kv_all_layers(...)`` (or through a bound ``PoolCopies``),
 so one name means one thing.
 """
 
-from sglang_cp_hicache.kernels._checks import DEBUG_ENV, HOST_LAYOUTS
-from sglang_cp_hicache.kernels._kernel import DEFAULT_BLOCK_BYTES, DEFAULT_NUM_CTAS
-from sglang_cp_hicache.kernels.bound import PoolCopies, bind_indexer_copies, bind_kv_copies
-from sglang_cp_hicache.kernels.compile import WarmupReport, compile_offline, warmup
+from ._checks import DEBUG_ENV, HOST_LAYOUTS, debug_enabled
+from ._kernel import DEFAULT_BLOCK_BYTES, DEFAULT_NUM_CTAS
+from .bound import PoolCopies, as_locs, bind_indexer_copies, bind_kv_copies
+from .compile import WarmupReport, compile_offline, warmup
 
 __all__ = [
     "DEBUG_ENV",
@@ -35,8 +40,10 @@ __all__ = [
     "HOST_LAYOUTS",
     "PoolCopies",
     "WarmupReport",
+    "as_locs",
     "bind_indexer_copies",
     "bind_kv_copies",
     "compile_offline",
+    "debug_enabled",
     "warmup",
 ]

@@ -46,7 +46,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from sglang_cp_hicache.kernels import _triton_compat  # noqa: F401  (triton 3.6 interpreter + numpy >= 2.4)
+from . import _triton_compat  # noqa: F401  (triton 3.6 interpreter + numpy >= 2.4)
 
 # ----------------------------------------------------------------------------- constants
 # CTAs per launch when the caller does not say. The copy is bound by the host

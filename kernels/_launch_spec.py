@@ -22,9 +22,9 @@ from typing import Sequence
 import torch
 import triton
 
-from sglang_cp_hicache.kernels import _twin
-from sglang_cp_hicache.kernels._checks import HostGeometry
-from sglang_cp_hicache.kernels._kernel import (
+from . import _twin
+from ._checks import HostGeometry
+from ._kernel import (
     BYTES_PER_THREAD,
     COUNT_PAGES,
     MAX_TILE_PAGES,

@@ -31,10 +31,10 @@ from typing import Sequence
 
 import torch
 
-from sglang_cp_hicache.kernels import _checks
-from sglang_cp_hicache.kernels import _launch_spec as _spec
-from sglang_cp_hicache.kernels._checks import PoolGeometry, check_launchable
-from sglang_cp_hicache.kernels._kernel import (
+from . import _checks
+from . import _launch_spec as _spec
+from ._checks import PoolGeometry, check_launchable
+from ._kernel import (
     COUNT_PAGES,
     DEFAULT_BLOCK_BYTES,
     DEFAULT_NUM_CTAS,
@@ -42,7 +42,7 @@ from sglang_cp_hicache.kernels._kernel import (
     VECTOR_BYTES,
     WALK_PAGES,
 )
-from sglang_cp_hicache.kernels._launch_spec import INTERPRETER_LOCK, LaunchPlan, PoolPart
+from ._launch_spec import INTERPRETER_LOCK, LaunchPlan, PoolPart
 from sglang_cp_hicache.placement import CpPlacement
 
 __all__ = [

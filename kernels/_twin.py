@@ -14,7 +14,7 @@ import sys
 import threading
 from types import ModuleType
 
-from sglang_cp_hicache.kernels import _kernel
+from . import _kernel
 
 __all__ = ["is_interpreted", "kernel_for", "kernel_module_for"]
 

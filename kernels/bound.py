@@ -22,15 +22,22 @@ from typing import Sequence
 
 import torch
 
-from sglang_cp_hicache.kernels import _checks
-from sglang_cp_hicache.kernels import _triton_launch as _triton
-from sglang_cp_hicache.kernels import reference as _reference
-from sglang_cp_hicache.kernels._backend import select_backend
-from sglang_cp_hicache.kernels._checks import PoolGeometry
-from sglang_cp_hicache.kernels._stats import record
+from . import _checks
+from . import _triton_launch as _triton
+from . import reference as _reference
+from ._backend import select_backend
+from ._checks import PoolGeometry
+from ._stats import record
 from sglang_cp_hicache.placement import CpPlacement
 
-__all__ = ["PoolCopies", "bind_indexer_copies", "bind_kv_copies"]
+__all__ = ["PoolCopies", "as_locs", "bind_indexer_copies", "bind_kv_copies"]
+
+
+def as_locs(indices: torch.Tensor) -> torch.Tensor:
+    """SGLang's indices as the copies take them: int64 and contiguous (a
+    dtype change runs on the tensor's own device: no host read; indices
+    already so are returned as they are)."""
+    return indices.to(torch.int64).contiguous()
 
 
 @dataclass(frozen=True, eq=False)  # holds tensors: compared by identity

@@ -22,12 +22,12 @@ from dataclasses import asdict, dataclass, field
 import torch
 import triton
 
-from sglang_cp_hicache.kernels import _checks, _twin
-from sglang_cp_hicache.kernels import _triton_launch
-from sglang_cp_hicache.kernels import _launch_spec as _spec
-from sglang_cp_hicache.kernels._backend import select_backend
-from sglang_cp_hicache.kernels._launch_spec import LaunchPlan
-from sglang_cp_hicache.kernels._triton_launch import DEFAULT_NUM_CTAS
+from . import _checks, _twin
+from . import _triton_launch
+from . import _launch_spec as _spec
+from ._backend import select_backend
+from ._launch_spec import LaunchPlan
+from ._triton_launch import DEFAULT_NUM_CTAS
 from sglang_cp_hicache.placement import CpPlacement
 
 __all__ = ["OPS", "WarmupReport", "compile_offline", "warmup"]

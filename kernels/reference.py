@@ -50,12 +50,11 @@ from typing import Sequence
 
 import torch
 
-from sglang_cp_hicache.kernels import _checks
-from sglang_cp_hicache.kernels._checks import HOST_LAYOUTS, PoolGeometry
+from . import _checks
+from ._checks import PoolGeometry
 from sglang_cp_hicache.placement import CpPlacement
 
 __all__ = [
-    "HOST_LAYOUTS",
     "backup_all_layers",
     "backup_indexer_all_layers_reference",
     "backup_kv_all_layers_reference",

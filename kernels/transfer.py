@@ -21,12 +21,12 @@ from typing import Callable, Sequence
 
 import torch
 
-from sglang_cp_hicache.kernels import _checks
-from sglang_cp_hicache.kernels import _triton_launch as _triton
-from sglang_cp_hicache.kernels import reference as _reference
-from sglang_cp_hicache.kernels._backend import BACKENDS, select_backend
-from sglang_cp_hicache.kernels._stats import CopyStats, copy_stats, record, reset_copy_stats
-from sglang_cp_hicache.kernels.compile import WarmupReport, warmup
+from . import _checks
+from . import _triton_launch as _triton
+from . import reference as _reference
+from ._backend import BACKENDS, select_backend
+from ._stats import CopyStats, copy_stats, record, reset_copy_stats
+from .compile import WarmupReport, warmup
 from sglang_cp_hicache.placement import CpPlacement
 
 __all__ = [

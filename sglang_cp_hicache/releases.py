@@ -68,6 +68,18 @@ RELEASES: tuple[ReleaseAdapter, ...] = (
 )
 
 
+def check_sglang_version(supported: str, version: str) -> None:
+    """Refuse SGLang ``version`` where the adapter for ``supported`` runs (it
+    was not written against it). The library's ``ALLOW_ANY_SGLANG`` setting
+    turns the error into a no-op (at your own risk: the adapter's hook check
+    still runs when a cache is built)."""
+    if version != supported and not settings.enabled(settings.ALLOW_ANY_SGLANG):
+        raise RuntimeError(
+            f"sglang-cp-hicache's SGLang {supported} adapter supports sglang=={supported}, found {version}; "
+            f"set {settings.ALLOW_ANY_SGLANG.name}=1 to try anyway"
+        )
+
+
 def adapter_for(version: str) -> Optional[ReleaseAdapter]:
     """The adapter written for SGLang ``version``, or None."""
     return next((r for r in RELEASES if r.sglang_version == version), None)

@@ -1,31 +1,66 @@
-"""L3 (HiCache storage tier) for CP-sharded KV, torch and stdlib only.
+"""L3 (HiCache storage tier) for CP-sharded KV, torch and stdlib only: the
+one wing both SGLang releases share. A release hands in an
+:class:`~.opening.L3Binding` and keeps two modules of its own (its port of
+the prefetch protocol and its entry, where SGLang calls in).
 
-* ``keys`` -- topology-free page keys: SGLang's page hash + a digest of
-  what makes the page's bytes (:class:`L3Namespace`); no CP rank or size;
+Naming a page and its object:
+
+* ``identity``, ``fingerprint`` -- the model identity of a server (never the
+  served name); a local checkpoint's content fingerprint;
+* ``keys`` -- topology-free page keys: SGLang's page hash + a digest of what
+  makes the page's bytes (:class:`L3Namespace`); no CP rank or size;
 * ``envelope`` -- the stored object: header (format, namespace, key,
   length, tag) + payload; ``unpack`` verifies or says why not;
-* ``auth`` -- the tag: XXH3-64, or keyed BLAKE3 with a deployment secret;
+* ``auth`` -- the tag: XXH3-64, or keyed BLAKE3 with a deployment secret.
+
+Which rank does what:
+
 * ``plan`` -- which pages of a chain each rank writes and reads (its own);
-* ``consensus`` -- each rank's usable prefix, and the agreed one (the MIN);
-* ``store`` -- the :class:`PageStore` interface and a file store;
-* ``pages`` -- one rank's store/fetch of its own pages of a chain;
-* ``host_tier`` -- one rank's L3 tier on a pair of host pools (KV and DSA
-  indexer), what both SGLang adapters share;
-* ``staging`` -- staging buffers lent one page at a time (bounded).
+* ``consensus`` -- each rank's local usable prefix (the group agrees on the
+  MIN in SGLang's own all-reduce).
+
+Stores:
+
+* ``store`` -- the :class:`PageStore` interface and the file store;
+  ``capabilities`` -- what a store can do beyond it (read into buffers,
+  write from parts, open an object, register buffers), declared as
+  Protocols and found once when the tier opens the store;
+* ``capacity``, ``capacity_state`` -- the bound of a shared file directory
+  and its on-disk state; ``safe_files`` -- opening files in a directory
+  others may write; ``clear`` -- removing a deployment's namespaces.
+
+One rank's tier:
+
+* ``pages`` -- one page's object stored (verified, kept or repaired) and
+  read verified into the caller's buffers;
+* ``host_tier`` -- one rank's L3 on a pair of host pools (KV and DSA
+  indexer): snapshots, page writes, page reads into host rows;
+  ``host_copy``, ``host_read`` -- the host rows of a page, and reading an
+  object straight into them; ``staging`` -- staging buffers lent one page
+  at a time (bounded);
+* ``prefetch`` -- THE prefetch protocol (query -> MIN -> fetch -> MIN ->
+  insert), with the release's five-method :class:`~.prefetch.L3Port`;
+* ``writes``, ``workers`` -- writes off the scheduler thread; bounded I/O
+  threads with deadlines;
+* ``location`` -- where L3 lives (from SGLang's flags), deadlines;
+* ``opening`` -- opening a rank's tier from a release's binding (the
+  server's model identity, the Mooncake segment rule, the served stores);
+* ``rank`` -- a rank's L3 at start-up and once the ranks agree (reads,
+  writes, storing a node's chain, metrics, clearing);
+* ``metrics``, ``storage_metrics`` -- the rank's L3 figures, the library's
+  counters and SGLang's storage collector fed from them.
 """
 
-from sglang_cp_hicache.l3.consensus import agreed_usable_pages, local_usable_pages
+from sglang_cp_hicache.l3.consensus import local_usable_pages
 from sglang_cp_hicache.l3.envelope import Rejection, pack, unpack
-from sglang_cp_hicache.l3.host_tier import HostL3Tier, L3Counters, L3Fetched, L3Snapshot
+from sglang_cp_hicache.l3.host_tier import HostL3Tier, L3Counters, L3Snapshot
 from sglang_cp_hicache.l3.keys import L3Namespace, page_key, page_keys
-from sglang_cp_hicache.l3.pages import L3FetchResult, fetch_owned, store_owned
 from sglang_cp_hicache.l3.plan import (
     L3ReadPlan,
     L3WritePlan,
     interleaved_owners,
     read_plan,
     write_plan,
-    write_plans,
 )
 from sglang_cp_hicache.l3.store import FilePageStore, PageStore
 
@@ -33,24 +68,18 @@ __all__ = [
     "FilePageStore",
     "HostL3Tier",
     "L3Counters",
-    "L3Fetched",
-    "L3FetchResult",
     "L3Namespace",
     "L3ReadPlan",
     "L3Snapshot",
     "L3WritePlan",
     "PageStore",
     "Rejection",
-    "agreed_usable_pages",
-    "fetch_owned",
     "interleaved_owners",
     "local_usable_pages",
     "pack",
     "page_key",
     "page_keys",
     "read_plan",
-    "store_owned",
     "unpack",
     "write_plan",
-    "write_plans",
 ]

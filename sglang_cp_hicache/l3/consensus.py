@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 from sglang_cp_hicache.validation import check_int, check_int_list
 
-__all__ = ["agreed_usable_pages", "local_usable_pages"]
+__all__ = ["local_usable_pages"]
 
 
 def _check_flags(name: str, flags: object, length: int) -> list[bool]:
@@ -54,13 +54,3 @@ def local_usable_pages(
         if not ok:
             return index
     return num_pages
-
-
-def agreed_usable_pages(local_values: Sequence[int]) -> int:
-    """The usable prefix every rank agrees on: the MIN of every rank's
-    :func:`local_usable_pages` (what the existing prefetch MIN all-reduce
-    computes)."""
-    values = check_int_list("local_values", local_values, minimum=0)
-    if not values:
-        raise ValueError("local_values must hold one value per CP rank, got none")
-    return min(values)

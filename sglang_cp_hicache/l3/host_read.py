@@ -33,7 +33,8 @@ from sglang_cp_hicache.l3.envelope import Rejection, byte_view, check_object
 from sglang_cp_hicache.l3.host_copy import HostPageRuns, write_host_page
 from sglang_cp_hicache.l3.keys import L3Namespace
 from sglang_cp_hicache.l3.pages import object_bytes, read_verified, size_rejection
-from sglang_cp_hicache.l3.store import OpenObject, PageStore
+from sglang_cp_hicache.l3.capabilities import StoreCapabilities
+from sglang_cp_hicache.l3.store import OpenObject
 
 __all__ = ["Publish", "read_into_host"]
 
@@ -43,7 +44,7 @@ Publish = Callable[[Callable[[], None]], None]
 
 
 def read_into_host(
-    store: PageStore, namespace: L3Namespace, key: str, rows: HostPageRuns, row: int,
+    caps: StoreCapabilities, namespace: L3Namespace, key: str, rows: HostPageRuns, row: int,
     head: memoryview, staging: torch.Tensor, publish: Publish,
 ) -> Rejection | None:
     """Read ``key``'s object into host row ``row`` of ``rows``' pool and
@@ -51,13 +52,13 @@ def read_into_host(
     ``staging`` (one page, a CPU uint8 tensor): this thread's buffers. Never
     raises on a bad object; raises what ``publish`` raises once the job is
     cancelled."""
-    open_object = getattr(store, "open_object", None)
-    runs = rows.runs(row, namespace.page_bytes) if open_object is not None else None
-    if runs is None:
-        bad = read_verified(store, namespace, key, head, byte_view(staging))
+    opener = caps.opens_objects
+    runs = rows.runs(row, namespace.page_bytes) if opener is not None else None
+    if opener is None or runs is None:
+        bad = read_verified(caps, namespace, key, head, byte_view(staging))
     else:
         want = object_bytes(namespace)
-        opened = open_object(key, want)  # may wait on storage: no lock held
+        opened = opener.open_object(key, want)  # may wait on storage: no lock held
         if not isinstance(opened, OpenObject):
             return Rejection("missing", "no object") if opened is None else size_rejection(opened, want)
         with opened:

@@ -27,11 +27,12 @@ from typing import Any, Callable, Mapping, Optional
 import torch
 
 from sglang_cp_hicache.l3.auth import UNKEYED, ObjectSeal
+from sglang_cp_hicache.l3.capabilities import StoreCapabilities
 from sglang_cp_hicache.l3.consensus import local_usable_pages
 from sglang_cp_hicache.l3.keys import L3Namespace, page_keys
-from sglang_cp_hicache.l3.host_copy import HostPageRuns, write_host_page
+from sglang_cp_hicache.l3.host_copy import HostPageRuns
 from sglang_cp_hicache.l3.host_read import read_into_host
-from sglang_cp_hicache.l3.pages import PutOutcome, fetch_owned, store_verified
+from sglang_cp_hicache.l3.pages import PutOutcome, store_verified
 from sglang_cp_hicache.l3.plan import read_plan, write_plan
 from sglang_cp_hicache.l3.staging import StagingPool
 from sglang_cp_hicache.l3.store import PageStore
@@ -40,7 +41,7 @@ from sglang_cp_hicache.placement import CpPlacement
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "HostL3Tier", "HostRow", "L3Counters", "L3Fetched", "L3Snapshot", "PageHasher", "namespaces", "open_tier_store",
+    "HostL3Tier", "HostRow", "L3Counters", "L3Snapshot", "PageHasher", "namespaces", "open_tier_store",
 ]
 
 #: SGLang's page hasher: (token ids, prior hash, page_size=...) -> one hash per page.
@@ -95,15 +96,6 @@ class L3Snapshot:
     kv: list[torch.Tensor]
     indexer: list[torch.Tensor]
     parent: Optional[str] = None
-
-
-@dataclass(frozen=True)
-class L3Fetched:
-    """One rank's fetch of a chain: its local usable prefix (pages), and the
-    verified bytes of its own pages below it (chain index -> KV, indexer)."""
-
-    usable: int
-    pages: dict[int, tuple[torch.Tensor, torch.Tensor]]
 
 
 def namespaces(
@@ -166,6 +158,7 @@ class HostL3Tier:
         model_label: str = "", seal: ObjectSeal = UNKEYED,
     ) -> None:
         self.store = store
+        self.caps = StoreCapabilities.of(store)  # found once: the store's shape is fixed from here on
         self.placement = placement
         self.kv_host = kv_host
         self.indexer_host = indexer_host
@@ -177,7 +170,7 @@ class HostL3Tier:
         self.counters = L3Counters()
         self._kv_rows = HostPageRuns(kv_host, kv_host.kv_buffer)
         self._idx_rows = HostPageRuns(indexer_host, indexer_host.index_k_with_scale_buffer)
-        self.staging = StagingPool(self.kv_ns, self.indexer_ns, store)
+        self.staging = StagingPool(self.kv_ns, self.indexer_ns, self.caps)
 
     def describe(self) -> str:
         """What every rank must agree on: both namespaces (a file store's
@@ -204,32 +197,21 @@ class HostL3Tier:
         return page_keys(hashes, self.kv_ns, parent), page_keys(hashes, self.indexer_ns, parent)
 
     # ---- host -> L3 ------------------------------------------------------------
-    def store_pages(self, hashes: list[str], owners: list[int], slots: list[int], parent: Optional[str] = None) -> int:
-        """Store this rank's pages of a chain. ``slots``: the host slot of the
-        first token of each page this rank owns, in chain order. Returns the
-        pages stored whole (KV and indexer). A failed put is logged and
-        counted; the page is simply absent (or refused) when read."""
-        return self.store_snapshot(self._snapshot(hashes, owners, slots, parent, copy=False))
-
     def snapshot_pages(
         self, hashes: list[str], owners: list[int], slots: list[int], parent: Optional[str] = None
     ) -> L3Snapshot:
         """Copies of this rank's pages of a chain out of its host pools: what
-        a write stores later, when the host slots may hold other pages."""
-        return self._snapshot(hashes, owners, slots, parent, copy=True)
-
-    def _snapshot(
-        self, hashes: list[str], owners: list[int], slots: list[int], parent: Optional[str], *, copy: bool
-    ) -> L3Snapshot:
+        a write stores later, when the host slots may hold other pages.
+        ``slots``: the host slot of the first token of each page this rank
+        owns, in chain order."""
         rank, N = self.placement.cp_rank, self.placement.cp_size
         mine = len(write_plan(page_keys(hashes, self.kv_ns, parent), owners, N, rank).keys)
         if mine != len(slots):
             raise ValueError(f"slots must hold one host slot per owned page ({mine}), got {len(slots)}")
         rows = [self.host_row(s) for s in slots]
-        kv = [_as_bytes(self.kv_host.get_data_page(r)) for r in rows]
-        idx = [_as_bytes(self.indexer_host.get_data_page(r)) for r in rows]
-        if copy:  # the host rows may be reused before the snapshot is stored
-            kv, idx = [t.clone() for t in kv], [t.clone() for t in idx]
+        # cloned: the host rows may be reused before the snapshot is stored
+        kv = [_as_bytes(self.kv_host.get_data_page(r)).clone() for r in rows]
+        idx = [_as_bytes(self.indexer_host.get_data_page(r)).clone() for r in rows]
         return L3Snapshot(list(hashes), list(owners), kv, idx, parent)
 
     def snapshot_keys(self, snap: L3Snapshot) -> list[tuple[str, str]]:
@@ -243,8 +225,8 @@ class HostL3Tier:
         """Store one own page (both objects; a sound object already there is
         kept, a damaged one replaced); counts it; True if both are in L3."""
         with self.staging.borrow() as staging:
-            a = store_verified(self.store, self.kv_ns, kv_key, kv, staging.kv())
-            b = store_verified(self.store, self.indexer_ns, idx_key, idx, staging.indexer())
+            a = store_verified(self.caps, self.kv_ns, kv_key, kv, staging.kv())
+            b = store_verified(self.caps, self.indexer_ns, idx_key, idx, staging.indexer())
         kept = a is PutOutcome.KEPT and b is PutOutcome.KEPT
         whole = a.in_l3 and b.in_l3
         self.counters.add(
@@ -252,14 +234,6 @@ class HostL3Tier:
             repaired_pages=int(whole and PutOutcome.REPAIRED in (a, b)), write_failures=int(not whole),
         )
         return whole
-
-    def store_snapshot(self, snap: L3Snapshot) -> int:
-        """Store a snapshot's pages one after another; returns the pages
-        stored whole, counting the others as write failures."""
-        return sum(
-            self.store_page(kv_key, idx_key, kv, idx)
-            for (kv_key, idx_key), kv, idx in zip(self.snapshot_keys(snap), snap.kv, snap.indexer)
-        )
 
     # ---- L3 -> host ------------------------------------------------------------
     def query_pages(self, hashes: list[str], owners: list[int], parent: Optional[str] = None) -> int:
@@ -284,10 +258,10 @@ class HostL3Tier:
         its rows hold is no page."""
         row = self.host_row(slot)
         with self.staging.borrow() as staging:
-            bad = read_into_host(self.store, self.kv_ns, kv_key, self._kv_rows, row, staging.kv_head,
+            bad = read_into_host(self.caps, self.kv_ns, kv_key, self._kv_rows, row, staging.kv_head,
                                  staging.kv_page, publish)
             if bad is None:
-                bad = read_into_host(self.store, self.indexer_ns, idx_key, self._idx_rows, row, staging.idx_head,
+                bad = read_into_host(self.caps, self.indexer_ns, idx_key, self._idx_rows, row, staging.idx_head,
                                      staging.idx_page, publish)
         if bad is not None:
             if bad.reason != "missing":
@@ -296,44 +270,3 @@ class HostL3Tier:
             return False
         self.counters.add(fetched_pages=1)
         return True
-
-    def fetch_pages(self, hashes: list[str], owners: list[int], parent: Optional[str] = None) -> L3Fetched:
-        """Fetch and verify this rank's pages of a chain (KV and indexer),
-        each into a private copy; its local usable prefix is the first own
-        page missing or refused in either pool. Never raises on bad objects."""
-        rank, N = self.placement.cp_rank, self.placement.cp_size
-        kv_keys, idx_keys = self.chain_keys(hashes, parent)
-        kv = fetch_owned(self.store, self.kv_ns, read_plan(kv_keys, owners, N, rank))
-        idx = fetch_owned(self.store, self.indexer_ns, read_plan(idx_keys, owners, N, rank))
-        usable = min(kv.usable_pages, idx.usable_pages)
-        idx_pages = dict(idx.restorable(usable))
-        pages = {i: (page, idx_pages[i]) for i, page in kv.restorable(usable)}
-        # A missing object is a miss, not a refusal: only objects found and refused count.
-        self.counters.add(
-            fetched_pages=len(pages),
-            rejected_pages=sum(r is not None and r.reason != "missing" for r in kv.rejections + idx.rejections),
-        )
-        return L3Fetched(usable, pages)
-
-    def fetch_into(
-        self, hashes: list[str], owners: list[int], slots: list[int], publish: Callable[[Callable[[], None]], None],
-        parent: Optional[str] = None,
-    ) -> int:
-        """Fetch, verify and put this rank's pages of a chain into its host
-        pools, one after another; returns its local usable prefix.
-        ``slots``: the host slot of each page this rank owns, in chain order."""
-        rank = self.placement.cp_rank
-        mine = [i for i, o in enumerate(owners) if o == rank]
-        if len(slots) != len(mine):
-            raise ValueError(f"slots must hold one host slot per owned page ({len(mine)}), got {len(slots)}")
-        kv_keys, idx_keys = self.chain_keys(hashes, parent)
-        for index, slot in zip(mine, slots):
-            if not self.read_page(kv_keys[index], idx_keys[index], slot, publish):
-                return index
-        return len(hashes)
-
-    def fill_host(self, slot: int, kv_bytes: torch.Tensor, idx_bytes: torch.Tensor) -> None:
-        """Put one verified own page into this rank's host pools at host slot ``slot``."""
-        row = self.host_row(slot)
-        write_host_page(self.kv_host, self.kv_host.kv_buffer, row, kv_bytes)
-        write_host_page(self.indexer_host, self.indexer_host.index_k_with_scale_buffer, row, idx_bytes)

@@ -23,7 +23,6 @@ __all__ = [
     "interleaved_owners",
     "read_plan",
     "write_plan",
-    "write_plans",
 ]
 
 
@@ -91,13 +90,6 @@ def _check_chain(keys: Sequence[str], owners: Sequence[int], cp_size: int) -> li
 def _owned(keys: Sequence[str], owners: list[int], cp_rank: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
     indices = tuple(i for i, owner in enumerate(owners) if owner == cp_rank)
     return indices, tuple(keys[i] for i in indices)
-
-
-def write_plans(keys: Sequence[str], owners: Sequence[int], cp_size: int) -> list[L3WritePlan]:
-    """Every rank's write plan for a chain (index = rank): disjoint, and
-    together they cover each page exactly once."""
-    owner_list = _check_chain(keys, owners, cp_size)
-    return [L3WritePlan(r, len(keys), *_owned(keys, owner_list, r)) for r in range(cp_size)]
 
 
 def write_plan(keys: Sequence[str], owners: Sequence[int], cp_size: int, cp_rank: int) -> L3WritePlan:

@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 from sglang_cp_hicache.l3.clear import ClearReport, clear_namespaces
 from sglang_cp_hicache.l3.host_tier import HostL3Tier, L3Counters
 from sglang_cp_hicache.l3.location import L3Location
 from sglang_cp_hicache.l3.metrics import L3IoMeter, L3MetricsSource, L3StepFigures, MeteredTier
-from sglang_cp_hicache.l3.prefetch import L3Port, L3Prefetcher
+from sglang_cp_hicache.l3.prefetch import L3Port, L3Prefetcher, chain_hashes
 from sglang_cp_hicache.l3.workers import L3Workers
 from sglang_cp_hicache.l3.writes import L3Writer
 from sglang_cp_hicache.settings import L3_THREADS, read_int
@@ -113,6 +113,22 @@ class RankL3:
             self.metrics_sink.publish(self.metrics.step(), self.metrics.snapshot())
         except Exception:
             logger.exception("sglang-cp-hicache L3: publishing metrics failed on cp_rank %d", self.tier.placement.cp_rank)
+
+    def store_chain(self, tokens: Sequence[int], num_tokens: int, owners: list[int], own_slots: list[int]) -> None:
+        """Store this rank's pages of a node whose host copy is final: the
+        last ``num_tokens`` (whole pages) of ``tokens``, its path from the
+        root; ``owners``: each page's owner; ``own_slots``: the host slot of
+        each page this rank owns, in chain order. Never raises: L3 is a
+        cache, a failed write is a later miss (counted)."""
+        P, rank = self.tier.page_size, self.tier.placement.cp_rank
+        try:
+            hashes, parent = chain_hashes(self.tier, tokens, (len(tokens) - num_tokens) // P)
+        except Exception:
+            logger.exception("sglang-cp-hicache L3: hashing a chain of %d tokens failed on cp_rank %d",
+                             num_tokens, rank)
+            self.tier.counters.add(write_failures=sum(o == rank for o in owners))
+            return
+        self.writer.write(hashes, owners, own_slots, parent)
 
     def clear(self) -> ClearReport:
         """Remove every object of this deployment's two namespaces (SGLang's

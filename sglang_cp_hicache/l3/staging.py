@@ -18,10 +18,10 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
+from sglang_cp_hicache.l3.capabilities import StoreCapabilities
 from sglang_cp_hicache.l3.envelope import HEADER_BYTES, byte_view
 from sglang_cp_hicache.l3.keys import L3Namespace
 from sglang_cp_hicache.validation import check_int
@@ -55,13 +55,16 @@ class Staging:
 
 class StagingPool:
     """Lends :class:`Staging` buffers of one namespace pair; keeps at most
-    ``keep`` idle. A store with ``register_buffers`` (one that reads in
-    place: Mooncake) has each new buffer registered, and each buffer let go
-    unregistered (``unregister_buffers``)."""
+    ``keep`` idle. A store that registers buffers (one that reads in place:
+    Mooncake) has each new buffer registered, and each buffer let go
+    unregistered."""
 
-    def __init__(self, kv: L3Namespace, idx: L3Namespace, store: Any, keep: int = 4) -> None:
+    def __init__(self, kv: L3Namespace, idx: L3Namespace, caps: StoreCapabilities, keep: int = 4) -> None:
         check_int("keep", keep, 0)
-        self.kv_ns, self.idx_ns, self.store, self.keep = kv, idx, store, keep
+        if not isinstance(caps, StoreCapabilities):
+            raise TypeError(f"caps must be StoreCapabilities, got {type(caps).__name__}")
+        self.kv_ns, self.idx_ns, self.keep = kv, idx, keep
+        self._registry = caps.registers_buffers
         self._lock = threading.Lock()
         self._idle: list[Staging] = []
         self.created = 0  # buffers ever made
@@ -88,9 +91,8 @@ class StagingPool:
                 return self._idle.pop()
             self.created += 1
         staging = Staging.for_namespaces(self.kv_ns, self.idx_ns)
-        register = getattr(self.store, "register_buffers", None)
-        if register is not None:  # a store that reads in place (Mooncake)
-            register(staging.views())
+        if self._registry is not None:  # a store that reads in place (Mooncake)
+            self._registry.register_buffers(staging.views())
         return staging
 
     def _give_back(self, staging: Staging) -> None:
@@ -99,6 +101,5 @@ class StagingPool:
                 self._idle.append(staging)
                 return
             self.freed += 1
-        unregister = getattr(self.store, "unregister_buffers", None)
-        if unregister is not None:
-            unregister(staging.views())
+        if self._registry is not None:
+            self._registry.unregister_buffers(staging.views())

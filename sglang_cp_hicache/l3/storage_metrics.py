@@ -17,9 +17,9 @@ import threading
 from typing import Any, Callable, Mapping, Optional
 
 from sglang_cp_hicache.l3.metrics import L3StepFigures, PrometheusL3Counters
-from sglang_cp_hicache.l3.rank import L3MetricsSink
+from sglang_cp_hicache.l3.rank import L3MetricsSink, RankL3
 
-__all__ = ["StorageCollectorSink", "shared_collector", "storage_labels"]
+__all__ = ["StorageCollectorSink", "attach_storage_metrics", "rank_labels", "shared_collector", "storage_labels"]
 
 _SHARED: dict[type, Any] = {}
 _SHARED_LOCK = threading.Lock()
@@ -43,6 +43,21 @@ def storage_labels(
     if extra_metric_labels:
         labels.update(extra_metric_labels)
     return labels
+
+
+def rank_labels(
+    cache: Any, placement: Any, storage_backend: Optional[str], extra_metric_labels: Optional[Mapping[str, Any]],
+    tp_and_dp_rank: Callable[[int], tuple[int, int]],
+) -> dict[str, Any]:
+    """The labels SGLang gives ``cache``'s storage metrics on this CP rank;
+    ``tp_and_dp_rank(cp_rank)``: the release's reading of its TP and DP
+    ranks (its model-parallel state)."""
+    tp_rank, dp_rank = tp_and_dp_rank(placement.cp_rank)
+    return storage_labels(
+        storage_backend=storage_backend, tp_rank=tp_rank, dp_rank=dp_rank, pp_rank=cache.pp_rank,
+        pp_size=cache.pp_size, cp_rank=placement.cp_rank, cp_size=placement.cp_size,
+        extra_metric_labels=extra_metric_labels,
+    )
 
 
 def shared_collector(cls: type, labels: Mapping[str, Any]) -> Any:
@@ -106,3 +121,16 @@ class StorageCollectorSink(L3MetricsSink):
     def unfulfilled(self, tokens: int, reason: str) -> None:
         if self.collector is not None and hasattr(self.collector, "log_storage_prefetch_unfulfilled_tokens"):
             self.collector.log_storage_prefetch_unfulfilled_tokens(tokens, reason)
+
+
+def attach_storage_metrics(
+    l3: RankL3, labels: Mapping[str, Any], storage_metrics: Callable[..., Any], collector: Optional[Any] = None,
+) -> StorageCollectorSink:
+    """Export ``l3``'s figures from the next step on: the library's counters
+    with ``labels`` (as ``collector``'s counter class where it has one:
+    SGLang's multiprocess-safe counters) and SGLang's storage ``collector``
+    (None: none yet)."""
+    library = PrometheusL3Counters(dict(labels), l3.metrics.snapshot(), getattr(collector, "_counter_cls", None))
+    sink = StorageCollectorSink(library, storage_metrics, collector)
+    l3.attach_metrics(sink)
+    return sink

@@ -2,7 +2,7 @@
 
 A store moves opaque blobs by page key; it neither builds nor trusts them
 (readers verify every blob with ``envelope.unpack``; writers decide whether
-an object already there is sound and may be kept, :func:`~.pages.store_owned`).
+an object already there is sound and may be kept, :func:`~.pages.store_verified`).
 Any backend that can answer the three calls of :class:`PageStore` serves the
 library.
 """
@@ -23,7 +23,7 @@ from typing import Callable, Optional, Protocol, Union, runtime_checkable
 
 from sglang_cp_hicache.l3.capacity import CapacityConfig, DirectoryCapacity, is_capacity_tmp
 from sglang_cp_hicache.l3.keys import check_page_key
-from sglang_cp_hicache.l3.safe_files import READ_FLAGS, create_exclusive, iter_subdirs, not_regular, open_subdir
+from sglang_cp_hicache.l3.safe_files import READ_FLAGS, create_exclusive, iter_subdirs, open_regular, open_subdir
 
 __all__ = ["FilePageStore", "OpenObject", "PageStore", "SizeMismatch", "TMP_SUFFIX", "preadv_all", "writev_all"]
 
@@ -208,6 +208,19 @@ def _subdir_mode(root_mode: int) -> int:
     return (stat.S_IMODE(root_mode) & 0o777 | 0o700) | (root_mode & stat.S_ISVTX)
 
 
+def _open_for_read(path: str) -> Optional[tuple[int, os.stat_result]]:
+    """``path`` opened for reading with its fstat (no link followed, no wait
+    on a FIFO, nothing but a regular file); None where there is no object or
+    it cannot be used: a miss, never a crash (logged)."""
+    try:
+        return open_regular(path, READ_FLAGS)
+    except FileNotFoundError:
+        return None
+    except OSError as err:  # unreadable, a link (ELOOP), a FIFO or a directory
+        logger.warning("L3 file store: cannot read %s: %s", path, err)
+        return None
+
+
 class OpenObject:
     """One object of a :class:`FilePageStore`, open and of the expected size.
 
@@ -344,26 +357,13 @@ class FilePageStore:
         it cannot be opened: a miss, never a crash). Opening can wait on
         storage; :meth:`OpenObject.read` with ``cached_only`` never does."""
         path = self._file_of(key)
-        # No link followed, no wait on a FIFO; the one fstat refuses any non-regular file.
-        try:
-            fd = os.open(path, READ_FLAGS)
-        except FileNotFoundError:
+        opened = _open_for_read(path)
+        if opened is None:
             return None
-        except OSError as err:  # unreadable (or a link: ELOOP) counts as absent: a miss, never a crash
-            logger.warning("L3 file store: cannot read %s: %s", path, err)
-            return None
-        try:
-            st = os.fstat(fd)
-        except OSError as err:
+        fd, st = opened
+        if st.st_size != size:
             os.close(fd)
-            logger.warning("L3 file store: cannot read %s: %s", path, err)
-            return None
-        if not stat.S_ISREG(st.st_mode) or st.st_size != size:
-            os.close(fd)
-            if stat.S_ISREG(st.st_mode):
-                return SizeMismatch(st.st_size)
-            logger.warning("L3 file store: cannot read %s", not_regular(path, st.st_mode))
-            return None
+            return SizeMismatch(st.st_size)
         return OpenObject(fd, size, path, self.capacity)
 
     def write_from(self, key: str, views: Sequence[memoryview]) -> bool:
@@ -393,17 +393,11 @@ class FilePageStore:
         return ok
 
     def _get_one(self, path: Path, size: Optional[int]) -> bytearray | SizeMismatch | None:
-        try:
-            fd = os.open(path, READ_FLAGS)  # no link followed, no wait on a FIFO
-        except FileNotFoundError:
+        opened = _open_for_read(os.fspath(path))
+        if opened is None:
             return None
-        except OSError as err:  # unreadable (or a link: ELOOP) counts as absent: a miss, never a crash
-            logger.warning("L3 file store: cannot read %s: %s", path, err)
-            return None
+        fd, st = opened
         try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise not_regular(os.fspath(path), st.st_mode)
             if size is not None and st.st_size != size:
                 return SizeMismatch(st.st_size)
             data = bytearray(st.st_size)

@@ -4,13 +4,16 @@
 The core L3 (``sglang_cp_hicache.l3``) stays torch and stdlib only; a store
 here may import its system's client, and does so only when it is opened.
 :func:`open_page_store` turns ``--hicache-storage-backend`` (as resolved by
-``l3.location.l3_location``) into a store.
+``l3.location.l3_location``) into a store; :func:`store_opener` binds it to
+one rank of an SGLang release (what an adapter's L3 binding hands the wing).
+Modules: ``mooncake`` (:class:`MooncakePageStore`, its config) and
+``mooncake_forms`` (how each SGLang release reads Mooncake's settings).
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Callable, Mapping, Optional, Union
 
 from sglang_cp_hicache import settings
 from sglang_cp_hicache.l3.capacity import CapacityConfig
@@ -21,7 +24,7 @@ from sglang_cp_hicache.l3_backends.mooncake_forms import SGLangRules, sglang_moo
 
 __all__ = [
     "MooncakeConfig", "MooncakePageStore", "SGLangRules", "file_capacity", "open_page_store",
-    "sglang_mooncake_config",
+    "sglang_mooncake_config", "store_opener",
 ]
 
 
@@ -57,3 +60,16 @@ def open_page_store(
     if backend == "mooncake":
         return MooncakePageStore(sglang_mooncake_config(extra_config, mooncake_rules))
     raise ValueError(f"backend must be 'file' or 'mooncake', got {backend!r}")
+
+
+def store_opener(release: str, segment_ranks: int, rank: int) -> Callable[..., PageStore]:
+    """:func:`open_page_store` for one rank of SGLang ``release``: (backend,
+    directory, extra_config) -> its store, Mooncake read by that release's
+    rules (:class:`SGLangRules`, checked when a store opens)."""
+
+    def open_store(backend: str, directory: Union[None, str, os.PathLike],
+                   extra_config: Union[None, str, Mapping[str, Any]] = None) -> PageStore:
+        rules = SGLangRules(release, segment_ranks=segment_ranks, rank=rank)
+        return open_page_store(backend, directory, extra_config, mooncake_rules=rules)
+
+    return open_store

@@ -8,8 +8,9 @@
   ``write_through`` (backups, the CPU page mirror, taking writes back),
   ``load_back`` (owner-preserving restores, the quota, taking load-backs
   back), ``step_protocol`` (the step's all-reduce: when to take back),
-  ``l3_cache`` / ``l3_requests`` / ``l3_port`` (the L3 tier and SGLang's
-  scheduler prefetch calls), and ``upstream_0518`` (the tree edits carried
+  ``l3_cache`` (where SGLang calls the L3 tier in: writes, lookups, the
+  scheduler's prefetch calls, metrics) / ``l3_port`` (this release's port
+  of the L3 prefetch protocol), and ``upstream_0518`` (the tree edits carried
   over from 0.5.18, each saying what differs); ``counters`` -- their counts;
 * ``step_status`` -- the step status packed into SGLang's two ack counts;
 * ``tree_node`` -- :class:`CpTreeNode`;
@@ -27,7 +28,7 @@ package (or ``hooks``) does not import sglang; the other modules do.
 
 from __future__ import annotations
 
-from sglang_cp_hicache import settings
+from sglang_cp_hicache import releases
 
 #: The release whose HiRadixCache / HybridCacheController these subclasses follow.
 SUPPORTED_SGLANG = "0.5.18"
@@ -36,18 +37,8 @@ __all__ = ["SUPPORTED_SGLANG", "check_sglang_version"]
 
 
 def check_sglang_version(version: str | None = None) -> None:
-    """Refuse an SGLang release the CP subclasses were not written against.
+    """Refuse an SGLang release the CP subclasses were not written against
+    (``version`` None: the installed one)."""
+    import sglang
 
-    ``SGLANG_CP_HICACHE_ALLOW_ANY_SGLANG=1`` turns the error into a no-op
-    (at your own risk: the copied tree-edit methods follow 0.5.18; the hook
-    check of :mod:`.hooks` still runs when a cache is built).
-    """
-    if version is None:
-        import sglang
-
-        version = sglang.__version__
-    if version != SUPPORTED_SGLANG and not settings.enabled(settings.ALLOW_ANY_SGLANG):
-        raise RuntimeError(
-            f"sglang-cp-hicache supports sglang=={SUPPORTED_SGLANG}, found {version}; "
-            "set SGLANG_CP_HICACHE_ALLOW_ANY_SGLANG=1 to try anyway"
-        )
+    releases.check_sglang_version(SUPPORTED_SGLANG, sglang.__version__ if version is None else version)

@@ -31,7 +31,7 @@ reclaim), :class:`~.write_through.WriteThrough` and its
 :class:`~.step_protocol.StepProtocol` (the step's all-reduce: when to take
 back), :class:`~.l3_cache.L3Cache` (the L3 tier:
 ``--hicache-storage-backend file`` or ``SGLANG_CP_HICACHE_L3_DIR``) and
-:class:`~.l3_requests.L3Requests` (SGLang's scheduler prefetch calls, served
+:class:`~.l3_cache.L3Requests` (SGLang's scheduler prefetch calls, served
 by that tier). :mod:`.upstream_0518` holds ``match_prefix``,
 ``_split_node``, ``insert`` and the device eviction bodies carried over from
 0.5.18, each saying what differs. Every SGLang method the cache overrides is
@@ -54,8 +54,10 @@ from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
 from sglang.srt.mem_cache.radix_cache import RadixKey, TreeNode
 
 from sglang_cp_hicache import settings
+from sglang_cp_hicache import agreement
 from sglang_cp_hicache.agreement import CpAgreementError, RankView, gather_and_check
 from sglang_cp_hicache.kernels import transfer
+from sglang_cp_hicache.l3.opening import open_l3
 from sglang_cp_hicache.l3.rank import RankL3
 from sglang_cp_hicache.policy_0518.host_eviction import HostLeafIndex, HostSlotLedger
 from sglang_cp_hicache.sglang_0518 import check_sglang_version, upstream_0518
@@ -67,12 +69,11 @@ from sglang_cp_hicache.sglang_0518.counters import CpHiCacheCounters
 from sglang_cp_hicache.sglang_0518.hooks import check_hooks
 from sglang_cp_hicache.sglang_0518.host_copies import cp_copies_installed, install_cp_copies
 from sglang_cp_hicache.sglang_0518.host_tier import HostTier, NoHostLeafSet
-from sglang_cp_hicache.sglang_0518.l3_cache import L3Cache
-from sglang_cp_hicache.sglang_0518.l3_metrics import install_metrics
+from sglang_cp_hicache.sglang_0518.l3_cache import (
+    L3Cache, L3Requests, install_metrics, l3_binding, log_l3_start, refuse_runtime_attach, source_label,
+)
 from sglang_cp_hicache.sglang_0518.library_metrics import LibraryMetrics0518
 from sglang_cp_hicache.sglang_0518.l3_port import L3Port0518
-from sglang_cp_hicache.sglang_0518.l3_requests import L3Requests, log_l3_start, refuse_runtime_attach, source_label
-from sglang_cp_hicache.sglang_0518.l3_tier import open_l3
 from sglang_cp_hicache.sglang_0518.load_back import LoadBack
 from sglang_cp_hicache.sglang_0518.request_rows import RequestRows
 from sglang_cp_hicache.sglang_0518.step_protocol import CpHiCacheTransferError, StepProtocol
@@ -88,7 +89,7 @@ __all__ = ["CpHiRadixCache", "CpHiCacheCounters", "CpHiCacheTransferError", "CpI
 
 #: What to do about a start-up disagreement the agreement message cannot say.
 _AGREEMENT_HINTS = {
-    "host_pool_slots": "host pools are sized from the device pool: size every rank's device pool "
+    agreement.HOST_POOL_SLOTS_KEY: "host pools are sized from the device pool: size every rank's device pool "
     "with CpSharedPagedTokenToKVPoolAllocator.physical_size_for()",
 }
 
@@ -177,10 +178,8 @@ class CpHiRadixCache(HiRadixCache):
         self.cp_transfer = CpTransferAdapter(self.cache_controller, self.cp_placement, allocator)
         # Opened before the agreement, raised after it: a rank whose L3 is
         # unusable never leaves its peers waiting in the all-gather.
-        opening = open_l3(
-            self.cp_placement, self.cp_copy_targets, allocator.get_kvcache(), location, source_label(location),
-            server_args=server_args,
-        )
+        opening = open_l3(location, source_label(location), lambda: l3_binding(
+            self.cp_placement, self.cp_copy_targets, allocator.get_kvcache(), server_args), server_args=server_args)
         self.cp_l3_location = location
         ledger = self._agree_with_peers(opening.view)
         opening.raise_if_unusable()
@@ -247,16 +246,16 @@ class CpHiRadixCache(HiRadixCache):
         capacity = int(self.token_to_kv_pool_host.size)
         device = self.token_to_kv_pool_allocator.get_kvcache().kv_buffer[0].device
         view = RankView(self.cp_placement.cp_rank, self.cp_placement.cp_size, {
-            "page_size": self.page_size,
-            "host_layout": self.cache_controller.mem_pool_host.layout,
-            "host_pool_slots": capacity,
+            agreement.PAGE_SIZE_KEY: self.page_size,
+            agreement.HOST_LAYOUT_KEY: self.cache_controller.mem_pool_host.layout,
+            agreement.HOST_POOL_SLOTS_KEY: capacity,
             HOST_BALANCE_ENV: self.cp_host_balance,
-            "copy_backend": transfer.select_backend(device),
-            "copy_path": "library",
+            agreement.COPY_BACKEND_KEY: transfer.select_backend(device),
+            agreement.COPY_PATH_KEY: "library",
             # L3 on or off, and its namespaces (or why this rank's L3 is
             # unusable): a rank reading another namespace would miss where
             # the others hit.
-            "l3": l3_view,
+            agreement.L3_KEY: l3_view,
         })
         try:
             gather_and_check(view, self._cp_group())

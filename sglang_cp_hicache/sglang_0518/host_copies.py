@@ -26,9 +26,8 @@ import types
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 
-from sglang_cp_hicache.kernels.bound import PoolCopies, bind_indexer_copies, bind_kv_copies
+from sglang_cp_hicache.kernels.bound import PoolCopies, as_locs, bind_indexer_copies, bind_kv_copies
 from sglang_cp_hicache.placement import CpPlacement
 
 __all__ = ["CP_COPY_MARK", "CpCopyTargets", "cp_copies_installed", "install_cp_copies"]
@@ -46,11 +45,6 @@ class CpCopyTargets:
     indexer_host_pool: Any
     kv_copies: PoolCopies
     indexer_copies: PoolCopies
-
-
-def _locs(indices: torch.Tensor) -> torch.Tensor:
-    # A dtype change runs on the tensor's own device: no host read.
-    return indices.to(torch.int64).contiguous()
 
 
 def _refuse_unsupported(host_pool: Any, device_pool: Any) -> None:
@@ -79,13 +73,13 @@ def _replace_pool_copies(host_pool: Any, bound_device_pool: Any, copies: PoolCop
 
     def backup(self, device_pool, host_indices, device_indices, io_backend):
         check_device_pool(device_pool)
-        copies.backup(_locs(device_indices), _locs(host_indices))
+        copies.backup(as_locs(device_indices), as_locs(host_indices))
 
     def load(self, device_pool, host_indices, device_indices, layer_id, io_backend, *, is_draft=False):
         if is_draft:
             raise NotImplementedError("CP shared KV HiCache does not support MTP draft layers")
         check_device_pool(device_pool)
-        copies.load(layer_id, _locs(device_indices), _locs(host_indices))
+        copies.load(layer_id, as_locs(device_indices), as_locs(host_indices))
 
     _bind_method(host_pool, "backup_from_device_all_layer", backup)
     _bind_method(host_pool, "load_to_device_per_layer", load)

@@ -1,40 +1,118 @@
-"""L3 in the CP cache's step: write a node's owned pages once its host
-backup is final, restore a chain from L3 as a host-only node.
+"""L3 in SGLang 0.5.18's CP cache: where SGLang calls in.
 
 The protocol is the shared one (:mod:`sglang_cp_hicache.l3.prefetch`:
 query -> MIN -> fetch -> MIN -> insert, deadlines, joins, aborts); this
 release's side of it is :class:`~.l3_port.L3Port0518`, and its words ride
 the step's MIN all-reduce (:mod:`.step_protocol`, one word per pending
 lookup, the same count on every rank). No collective of its own, no L3
-membership state:
+membership state. Opening the tier is the wing's
+(:func:`sglang_cp_hicache.l3.opening.open_l3`); this release binds it
+(:func:`l3_binding`): SGLang's page hash, host slots that are host rows, the
+CP copy targets' host pools.
 
-* Write: when a node's write-through ack is consumed (every rank consumes
-  the same acks, and only acks of writes no rank took back), each rank
-  copies the pages of the node it owns out of its host pools and stores
-  them on its L3 write threads. A failed put leaves that page absent
-  (objects are renamed into place whole) or refused by its envelope; a
-  later lookup decides from what each owner finds.
-* Prefetch (:meth:`L3Cache.prefetch`, called alike on every rank
-  for a request whose match ends before its whole pages do, when that
-  match ends at the root or at a node whose host copy is final).
+* Write (:class:`L3Cache`): when a node's write-through ack is consumed
+  (every rank consumes the same acks, and only acks of writes no rank took
+  back), each rank copies the pages of the node it owns out of its host
+  pools and stores them on its L3 write threads. A failed put leaves that
+  page absent (objects are renamed into place whole) or refused by its
+  envelope; a later lookup decides from what each owner finds.
+* Prefetch (:meth:`L3Cache.prefetch`, called alike on every rank for a
+  request whose match ends before its whole pages do, when that match ends
+  at the root or at a node whose host copy is final).
+* The scheduler's storage calls (:class:`L3Requests`). With
+  ``--hicache-storage-backend file`` SGLang's scheduler prefetches for every
+  arriving request and holds it while the prefetch runs:
+  ``_prefetch_kvcache`` (on arrival, after matching) calls
+  :meth:`~L3Requests.prefetch_from_storage` with the deepest node whose host
+  copy is final and the whole-page tokens past the match;
+  ``get_new_batch_prefill`` skips a waiting request until
+  :meth:`~L3Requests.check_prefetch_progress` says True, then takes
+  ``pop_prefetch_loaded_tokens`` (upstream's, unchanged) as its storage hit;
+  aborts call :meth:`~L3Requests.release_aborted_request`. A request waits
+  two steps for a hit while every rank's I/O is done in time, and never
+  longer than the operation's deadline (SGLang's ``prefetch_timeout_*``
+  settings) plus one step; the state after each MIN is identical on every
+  rank. An aborted request's lookup is not taken out of the pending list
+  (its word rides the step's MIN, the same count on every rank): it answers
+  0 whatever its I/O is doing, so the MIN drops it on every rank alike --
+  slots, ledger charge and the anchor's protection given back -- even on a
+  rank that has not seen the abort.
+
+Requests with an ``extra_key`` (a LoRA adapter) or a ``cache_salt`` never
+look up L3: their pages are another namespace's. The scheduler does not pass
+them to ``prefetch_from_storage``, but it matches the request's key (which
+carries both) just before: the cache's ``match_prefix`` hands every key to
+:meth:`L3Requests.remember_match`, which keeps the last one, and a lookup
+whose tokens are not that plain key's is skipped.
+
+SGLang's own storage controller, threads and backends are never built (the
+base cache is built without the flag): attaching or detaching a storage
+backend at runtime is refused. With ``--enable-metrics`` SGLang's storage
+collector is built as ``HiRadixCache`` builds it and fed from this L3
+(:func:`install_metrics`; the shared part is
+:mod:`sglang_cp_hicache.l3.storage_metrics`).
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any, Hashable, Optional
+from array import array
+from typing import Any, Hashable, List, Optional, Sequence
 
 from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
 from sglang.srt.mem_cache.radix_cache import RadixKey, TreeNode
+from sglang.srt.mem_cache.utils import get_hash_str
+from sglang.srt.observability.metrics_collector import STAT_LOGGER_ROLE_STORAGE, StorageMetrics
+from sglang.srt.observability.metrics_collector import StorageMetricsCollector, resolve_collector_class
+from sglang.srt.runtime_context import get_server_args
 
-from sglang_cp_hicache.l3.prefetch import chain_hashes
+from sglang_cp_hicache.l3.location import L3Location
+from sglang_cp_hicache.l3.opening import L3Binding, storage_segment_ranks
 from sglang_cp_hicache.l3.rank import RankL3
+from sglang_cp_hicache.l3.storage_metrics import (
+    StorageCollectorSink, attach_storage_metrics, rank_labels, shared_collector,
+)
+from sglang_cp_hicache.l3_backends import store_opener
 from sglang_cp_hicache.placement import CpPlacement
+from sglang_cp_hicache.settings import SGLANG_FILE_DIR
 from sglang_cp_hicache.sglang_0518.l3_port import path_tokens, plain_key
+from sglang_cp_hicache.sglang_0518.library_metrics import tp_and_dp_rank
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["L3Cache"]
+__all__ = [
+    "L3Cache", "L3Requests", "install_metrics", "l3_binding", "log_l3_start", "refuse_runtime_attach",
+    "source_label",
+]
+
+
+def l3_binding(placement: CpPlacement, targets: Any, device_pool: Any, server_args: Any) -> L3Binding:
+    """This release's L3 binding for one rank: SGLang's page hash, the host
+    pools of ``targets`` (:class:`~.host_copies.CpCopyTargets`; a host slot
+    is a host row), the Mooncake segment shared by the storage TP ranks."""
+    return L3Binding(
+        placement, get_hash_str, targets.kv_host_pool, targets.indexer_host_pool,
+        store_opener("0.5.18", storage_segment_ranks(server_args, placement.cp_size, times_pp=False),
+                     placement.cp_rank),
+        layer_start=int(getattr(device_pool, "start_layer", 0) or 0),
+    )
+
+
+def install_metrics(cache: Any, placement: CpPlacement, l3: RankL3, server_args: Any) -> StorageCollectorSink:
+    """Metrics for ``cache``'s L3 (``--enable-metrics``): SGLang's storage
+    collector when the storage flag is set, the library's counters always.
+    Sets ``cache.storage_metrics_collector`` as SGLang names it (its own
+    feeds stay off: ``enable_storage_metrics`` gates SGLang's storage
+    controller, which CP never builds)."""
+    backend = getattr(server_args, "hicache_storage_backend", None)
+    labels = rank_labels(cache, placement, backend or "none", getattr(server_args, "extra_metric_labels", None),
+                         tp_and_dp_rank)
+    collector = None
+    if backend is not None:
+        cls = resolve_collector_class(get_server_args(), STAT_LOGGER_ROLE_STORAGE, StorageMetricsCollector)
+        collector = shared_collector(cls, labels)
+    cache.storage_metrics_collector = collector
+    return attach_storage_metrics(l3, labels, StorageMetrics, collector)
 
 
 class L3Cache:
@@ -68,17 +146,9 @@ class L3Cache:
         meta = node.cp_hicache
         if meta is None or not plain_key(node.key) or meta.token_owners is None:
             return
-        P, tier, rank = self.placement.page_size, self.rank_l3.tier, self.placement.cp_rank
-        tokens = path_tokens(node)
-        first = (len(tokens) - meta.logical_len) // P
-        owners = meta.token_owners[::P].tolist()
-        try:
-            hashes, parent = chain_hashes(tier, tokens, first)
-        except Exception:  # L3 is a cache: a failed write is a later miss, never an error
-            logger.exception("sglang-cp-hicache L3: hashing node %d failed on cp_rank %d", node.id, rank)
-            tier.counters.add(write_failures=sum(o == rank for o in owners))
-            return
-        self.rank_l3.writer.write(hashes, owners, meta.host_indices[::P].tolist(), parent)
+        P = self.placement.page_size
+        self.rank_l3.store_chain(path_tokens(node), meta.logical_len, meta.token_owners[::P].tolist(),
+                                 meta.host_indices[::P].tolist())
 
     # ---- L3 -> host ------------------------------------------------------------------
     def prefetch(self, key: RadixKey, rid: Optional[Hashable] = None) -> int:
@@ -150,3 +220,129 @@ class L3Cache:
         """Block until this rank's L3 I/O is done: its lookups' reads (so its
         next words are ready) and its writes; False if ``timeout`` ran out first."""
         return self.rank_l3 is None or self.rank_l3.wait_io(timeout)
+
+
+_REFUSE_RUNTIME = (
+    "CP shared KV (sglang-cp-hicache): attaching or detaching a HiCache storage backend at runtime is "
+    "not supported; start the server with --hicache-storage-backend file (the library serves L3 itself)"
+)
+
+
+def _same_kind(prefix: list[int], tokens: Sequence[int]) -> Sequence[int]:
+    """``prefix + tokens`` as the container ``tokens`` is: the scheduler's
+    keys hold ``array('q')`` and RadixKey refuses to match a list against an
+    array, so a node restored from L3 must hold what the requests hold."""
+    if isinstance(tokens, array):
+        return array(tokens.typecode, prefix) + tokens
+    return prefix + list(tokens)
+
+
+def source_label(location: L3Location) -> str:
+    """What chose the L3 directory, as a user would look for it."""
+    flag = f"--hicache-storage-backend {location.backend}"
+    return {
+        "hicache_storage_backend_extra_config": f"{flag}, --hicache-storage-backend-extra-config",
+        "file_storage_path": f"{flag}, file_storage_path of --hicache-storage-backend-extra-config",
+        "default": f"{flag}, SGLang's default directory",
+        SGLANG_FILE_DIR.name: f"{flag}, {SGLANG_FILE_DIR.name}",
+    }.get(location.source, location.source)
+
+
+def log_l3_start(placement: CpPlacement, rank_l3: Optional[RankL3], location: L3Location) -> None:
+    """One line per rank: where L3 lives, what chose it, its model and namespaces."""
+    rank = placement.cp_rank
+    if rank_l3 is None:
+        return
+    tier = rank_l3.tier
+    where = f"directory {location.directory}" if location.backend == "file" else f"{location.backend} store"
+    timeouts = location.timeouts
+    logger.info(
+        "sglang-cp-hicache L3 on cp_rank %d/%d: %s (from %s), model %s, %s, deadline %.1f s + %.2f s per 1024 "
+        "tokens (at most %.0f s), scheduler prefetch %s",
+        rank, placement.cp_size, where, source_label(location), tier.model_label, tier.describe(),
+        timeouts.base_s, timeouts.per_ki_token_s, timeouts.max_s, "on" if location.scheduler_driven else "off",
+    )
+    if not location.scheduler_driven:
+        logger.warning(
+            "sglang-cp-hicache L3 on cp_rank %d: set by %s alone; a server's scheduler writes L3 but never "
+            "prefetches from it without --hicache-storage-backend file", rank, location.source,
+        )
+
+
+def refuse_runtime_attach(storage_backend: str) -> tuple[bool, str]:
+    """``attach_storage_backend``: refused (the library serves L3 itself)."""
+    logger.warning("%s (asked: %r)", _REFUSE_RUNTIME, storage_backend)
+    return False, _REFUSE_RUNTIME
+
+
+class L3Requests:
+    """The scheduler's prefetch calls on one CP cache, served by ``l3``.
+
+    ``tree``: the SGLang cache (its root, page size and storage-hit record
+    are read from it, nothing of this library)."""
+
+    def __init__(self, tree: Any, l3: L3Cache) -> None:
+        self.tree = tree
+        self.l3 = l3
+        self._last_match: Optional[RadixKey] = None
+
+    # ---- arrival --------------------------------------------------------------------
+    def remember_match(self, key: RadixKey) -> None:
+        """The key the cache matched last (a request's, extra key and salt included)."""
+        self._last_match = key
+
+    def _request_is_plain(self, anchor: TreeNode, new_input_tokens: Sequence[int]) -> bool:
+        """The request's key has no extra key or cache salt: below a node,
+        the node's key says (a request only matches its own namespace); at
+        the root, the key the scheduler matched just before (its tokens must
+        be these)."""
+        if anchor is not self.tree.root_node:
+            return plain_key(anchor.key)
+        last = self._last_match
+        if last is None or not plain_key(last):
+            return False
+        n = len(new_input_tokens)
+        return len(last) >= n and list(last.token_ids[:n]) == list(new_input_tokens)
+
+    def prefetch_from_storage(self, req_id: str, last_host_node: TreeNode, new_input_tokens: List[int]) -> None:
+        """Start (or join) the L3 lookup of the whole pages of
+        ``new_input_tokens`` below ``last_host_node`` for request ``req_id``
+        (the scheduler calls it alike on every rank). Hashes come from the
+        token ids, so SGLang's ``last_hash`` / ``prefix_keys`` are not needed."""
+        rank_l3, tree = self.l3.rank_l3, self.tree
+        if rank_l3 is None:
+            return
+        prefetcher = rank_l3.prefetcher
+        if prefetcher.is_waiting(req_id):
+            return  # a retracted request re-queued keeps its wait
+        P = tree.page_size
+        whole = len(new_input_tokens) // P * P
+        if whole == 0 or not self._request_is_plain(last_host_node, new_input_tokens[:whole]):
+            return
+        if prefetcher.join(last_host_node, tuple(new_input_tokens[:P]), req_id):
+            return
+        key = RadixKey(_same_kind(path_tokens(last_host_node), new_input_tokens[:whole]), is_bigram=tree.is_eagle)
+        self.l3.prefetch(key, req_id)
+
+    # ---- the waiting queue ----------------------------------------------------------
+    def check_prefetch_progress(self, req_id: str) -> bool:
+        """True once ``req_id``'s lookup settled (restored or missed) or it
+        has none; False while it waits for the step's MIN."""
+        rank_l3 = self.l3.rank_l3
+        return rank_l3 is None or not rank_l3.prefetcher.is_waiting(req_id)
+
+    # ---- aborts -----------------------------------------------------------------------
+    def release_aborted_request(self, rid: str) -> None:
+        """Forget an aborted request's storage hit and its wait; a lookup no
+        request waits on any more answers 0 at the next MIN and is dropped
+        there on every rank (nothing is taken out of the pending list here)."""
+        self.tree.prefetch_loaded_tokens_by_reqid.pop(rid, None)
+        if self.l3.rank_l3 is not None:
+            self.l3.rank_l3.prefetcher.abort(rid)
+
+    # ---- runtime detach: refused ----------------------------------------------------------
+    def detach_storage_backend(self) -> tuple[bool, str]:
+        if self.l3.rank_l3 is None:
+            return True, "no HiCache storage backend is attached"
+        logger.warning("%s", _REFUSE_RUNTIME)
+        return False, _REFUSE_RUNTIME

@@ -3,7 +3,7 @@
 the insert of a host-only node, the scheduler's storage-hit record.
 
 * Owners of the restored pages: each page to the rank holding the fewest
-  host slots (:func:`.l3_tier.balanced_owners` on the host ledger, identical
+  host slots (:func:`balanced_owners` on the host ledger, identical
   on every rank), fixed when the lookup starts.
 * The anchor (the backed-up node, or the root, the chain hangs from) is
   protected (``protect_host``) from the start until the lookup settles.
@@ -30,14 +30,26 @@ from sglang_cp_hicache.placement import CpPlacement
 from sglang_cp_hicache.policy_0518.metadata import CpHiCacheNodeMetadata
 from sglang_cp_hicache.policy_0518.node_state import set_host_state
 from sglang_cp_hicache.sglang_0518.host_tier import HostTier
-from sglang_cp_hicache.sglang_0518.l3_tier import balanced_owners
 from sglang_cp_hicache.sglang_0518.tree_node import CpTreeNode
 
-__all__ = ["HostRoom0518", "L3Port0518", "path_tokens", "plain_key"]
+__all__ = ["HostRoom0518", "L3Port0518", "balanced_owners", "path_tokens", "plain_key"]
 
 logger = logging.getLogger(__name__)
 
 _EMPTY = torch.empty((0,), dtype=torch.int64)
+
+
+def balanced_owners(used: list[int], num_pages: int, page_size: int) -> list[int]:
+    """Owners for ``num_pages`` restored pages: each page to the rank holding
+    the fewest host slots so far (ties: the lowest rank). ``used`` is the
+    host ledger, identical on every rank, so every rank picks the same."""
+    load = list(used)
+    owners = []
+    for _ in range(num_pages):
+        owner = min(range(len(load)), key=lambda r: (load[r], r))
+        owners.append(owner)
+        load[owner] += page_size
+    return owners
 
 
 @dataclass

@@ -18,13 +18,28 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from sglang_cp_hicache.l3.storage_metrics import rank_labels
 from sglang_cp_hicache.library_metrics import RELEASE_COUNTERS, LibraryFigures, PrometheusLibraryMetrics
 from sglang_cp_hicache.placement import CpPlacement
 from sglang_cp_hicache.sglang_0518.counters import CpHiCacheCounters
 from sglang_cp_hicache.sglang_0518.host_tier import HostTier
-from sglang_cp_hicache.sglang_0518.l3_metrics import rank_labels
 
-__all__ = ["LibraryMetrics0518"]
+__all__ = ["LibraryMetrics0518", "tp_and_dp_rank"]
+
+
+def tp_and_dp_rank(cp_rank: int) -> tuple[int, int]:
+    """SGLang's ``tp_rank`` / ``dp_rank`` storage labels (attention TP and DP
+    ranks under DP attention); without SGLang's model-parallel groups (the
+    cache used directly: the simulator, tests) the CP rank and 0."""
+    from sglang.srt.layers.dp_attention import get_attention_dp_rank, is_dp_attention_enabled
+    from sglang.srt.runtime_context import get_parallel
+
+    try:
+        if is_dp_attention_enabled():
+            return int(get_parallel().attn_tp_rank), int(get_attention_dp_rank())
+        return int(get_parallel().tp_rank), 0
+    except (AssertionError, RuntimeError):  # no model-parallel group / rank written in this process
+        return cp_rank, 0
 
 
 class LibraryMetrics0518:
@@ -36,7 +51,8 @@ class LibraryMetrics0518:
         self.counters = counters
         self.host = host
         backend: Optional[str] = getattr(server_args, "hicache_storage_backend", None)
-        labels = rank_labels(cache, placement, backend or "none", getattr(server_args, "extra_metric_labels", None))
+        labels = rank_labels(cache, placement, backend or "none", getattr(server_args, "extra_metric_labels", None),
+                             tp_and_dp_rank)
         self.publisher = PrometheusLibraryMetrics(labels, RELEASE_COUNTERS["0.5.18"])
 
     def figures(self) -> LibraryFigures:

@@ -19,7 +19,7 @@ from typing import Any, Optional
 import torch
 from sglang.srt.mem_cache.radix_cache import TreeNode
 
-from sglang_cp_hicache.kernels._checks import debug_enabled
+from sglang_cp_hicache.kernels import debug_enabled
 from sglang_cp_hicache.placement import CpPlacement
 from sglang_cp_hicache.policy_0518.node_state import set_host_state
 from sglang_cp_hicache.policy_0518.plan import HiCacheWriteFailure, PageOwners, check_pages, page_owners

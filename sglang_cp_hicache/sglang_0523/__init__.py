@@ -17,12 +17,22 @@ not import sglang. Modules:
 * :mod:`.hooks` -- the registry of every SGLang name the adapter overrides,
   replaces, calls or reads, checked when the stack is built;
 * :mod:`.startup` -- the CP ranks' start-up agreement (one all-gather);
+* :mod:`.host_room`, :mod:`.device_free`, :mod:`.request_free`,
+  :mod:`.warmup` -- the owner-aware host room, device frees known by phase,
+  a request's run frees, the copies' warm-up;
+* :mod:`.l3_port` -- this release's side of the L3 prefetch protocol;
+  :mod:`.l3_cache` -- the L3 entry: the driver on the cache instance (the
+  scheduler's storage calls), its binding to the wing and its metrics;
+  :mod:`.storage_lift` -- lets the storage flag through upstream's sharding
+  check when the library serves it;
+* :mod:`.library_metrics` -- the library's live metrics (``--enable-metrics``);
+* :mod:`.preflight` -- what ``check`` asks of 0.5.23's launch arguments;
 * :mod:`.plugin` -- the ``sglang.srt.plugins`` entry point.
 """
 
 from __future__ import annotations
 
-from sglang_cp_hicache import settings
+from sglang_cp_hicache import releases, settings
 
 #: The release this adapter was written against (every SGLang name it
 #: depends on: :data:`.hooks.HOOKS`).
@@ -35,13 +45,8 @@ __all__ = ["ALLOW_ANY_ENV", "SUPPORTED_SGLANG", "check_sglang_version"]
 
 
 def check_sglang_version(version: str | None = None) -> None:
-    """Refuse an SGLang release this adapter was not written against."""
-    if version is None:
-        import sglang
+    """Refuse an SGLang release this adapter was not written against (the
+    installed one when ``version`` is None)."""
+    import sglang
 
-        version = sglang.__version__
-    if version != SUPPORTED_SGLANG and not settings.enabled(settings.ALLOW_ANY_SGLANG):
-        raise RuntimeError(
-            f"sglang_cp_hicache.sglang_0523 supports sglang=={SUPPORTED_SGLANG}, found {version}; "
-            f"set {ALLOW_ANY_ENV}=1 to try anyway"
-        )
+    releases.check_sglang_version(SUPPORTED_SGLANG, version or sglang.__version__)

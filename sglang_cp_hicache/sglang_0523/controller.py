@@ -28,7 +28,7 @@ from sglang_cp_hicache.sglang_0523.copy_engine import LibraryL2TransferEngine
 if TYPE_CHECKING:  # stack.py imports this module's class at call time
     from sglang_cp_hicache.sglang_0523.stack import CpStack0523
 
-__all__ = ["LibraryCopyController"]
+__all__ = ["LibraryCopyController", "library_stack"]
 
 
 class LibraryCopyController(HybridCacheController):
@@ -121,3 +121,10 @@ class LibraryCopyController(HybridCacheController):
         # A rank that owns nothing still submits (an empty transfer list) and
         # publishes its ack, like upstream.
         return host_indices, device_indices, resolved
+
+
+def library_stack(cache: Any) -> Optional[CpStack0523]:
+    """The record of ``cache``'s stack when the library strategy built it,
+    else None (upstream's stack, or no HiCache)."""
+    controller = cache.cache_controller
+    return controller.cp_stack if isinstance(controller, LibraryCopyController) else None

@@ -31,13 +31,12 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-import torch
 from sglang.srt.mem_cache.l2_transfer import L2Transfer, L2TransferEngine, TransferCompletion
 from sglang.srt.mem_cache.pool_host.dsa import DSAIndexerPoolHost
 from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 from sglang.srt.mem_cache.pool_host.page_interleave import PageInterleaveHostPool
 
-from sglang_cp_hicache.kernels.bound import PoolCopies, bind_indexer_copies, bind_kv_copies
+from sglang_cp_hicache.kernels.bound import PoolCopies, as_locs, bind_indexer_copies, bind_kv_copies
 from sglang_cp_hicache.placement import CpPlacement
 
 __all__ = ["CopyCounters", "LibraryL2TransferEngine", "kv_host_pool_of"]
@@ -64,12 +63,6 @@ def kv_host_pool_of(host_pool: Any) -> Optional[MLATokenToKVPoolHost]:
     ):
         return host_pool.host_pool
     return None
-
-
-def _locs(indices: torch.Tensor) -> torch.Tensor:
-    if indices.dtype != torch.int64:
-        return indices.to(torch.int64)  # the kernels index with int64 only
-    return indices
 
 
 @dataclass(frozen=True, eq=False)  # holds tensors: compared by identity
@@ -139,8 +132,8 @@ class LibraryL2TransferEngine(L2TransferEngine):
 
     def _backup(self, item: L2Transfer) -> None:
         bound = self._copies_for(item.host_pool)
-        host_locs = _locs(item.host_indices)
-        bound.copies.backup(_locs(item.device_indices), host_locs)
+        host_locs = as_locs(item.host_indices)
+        bound.copies.backup(as_locs(item.device_indices), host_locs)
         if bound.kv:
             self.counters.kv_backups += 1
             self.counters.backup_owned_tokens += host_locs.numel()
@@ -188,7 +181,7 @@ class LibraryL2TransferEngine(L2TransferEngine):
                 f"the transfer's device_pool is not the one whose layers the {type(item.host_pool).__name__} "
                 f"copies were bound to"
             )
-        bound.copies.load(layer_id, _locs(item.device_indices), _locs(item.host_indices))
+        bound.copies.load(layer_id, as_locs(item.device_indices), as_locs(item.host_indices))
         if bound.kv:
             self.counters.kv_layer_loads += 1
         else:

@@ -1,5 +1,17 @@
 """L3 on the KV-sharded DSA cache (SGLang 0.5.23), driven by SGLang's scheduler.
 
+UPSTREAM CONTRACT (pinned against the installed source by
+``tests/sglang_0523/test_l3_upstream_contract_0523.py``): the lookup words
+ride upstream's ready-ack all-reduce. ``_sync_hicache_ready_counts`` builds
+one 1-D int64 tensor and MIN-reduces it with one ``self._all_reduce`` call,
+then reads it back by position; the driver recognises that call as the
+one MIN ``_all_reduce`` of a 1-D tensor made while the sync runs, appends
+the words and copies upstream's part back. A release that reduces the
+counts another way, twice, or not as a MIN breaks this silently: the test
+fails first. Where upstream reduces through ``_all_reduce_attn_groups``
+instead (buffer-only host memory under PP), no word rides and one MIN of
+the words runs at ``check_hicache_events``, on every rank alike.
+
 SGLang's own storage controller stays off (the stack is built without a
 storage backend: its threads would write rank-local rows under logical slots
 and key objects by rank). :class:`L3Driver` instead serves, on the cache
@@ -26,24 +38,70 @@ L3 read and write on the rank's L3 I/O threads:
   the same acks), each rank stores the pages of the node it owns.
 
 Keys with an ``extra_key`` or cache salt, and EAGLE bigram keys, stay out of L3.
+
+Opening the tier is the wing's (:func:`sglang_cp_hicache.l3.opening.open_l3`);
+this release binds it (:func:`l3_binding`): SGLang's page hash, and host
+slots that are LOGICAL (identical on every rank): logical slot ``h`` belongs
+to rank ``(h // P) % N`` at local row ``(h // (N * P)) * P + h % P`` of the
+native host pools (MLA KV and DSA indexer), which hold local rows only.
+Pages are keyed as on 0.5.18 (page hash + namespace digest, never CP rank or
+size), so deployments of any CP size -- and the 0.5.18 adapter, for an
+identical configuration -- share one store. The strategy opens L3 after the
+host pools are built and before the CP ranks' start-up agreement, which
+then includes both namespace digests; :func:`install_l3` puts the driver on
+the cache once the ranks agree.
+
+With ``--enable-metrics`` (:func:`install_metrics`), SGLang's cache builds a
+``StorageMetricsCollector`` when storage turns on
+(``StorageAttachment.apply_runtime_config``), labelled from its storage
+controller's config, and the controller feeds it. Under CP that controller
+is never attached, so SGLang could neither label nor feed the collector.
+The library takes that one call over on the cache instance: upstream's runs
+with its metrics off, then the collector is built as SGLang builds it and
+fed from the rank's L3: each step ``sglang:prefetched_tokens_total``
+(logical tokens restored, every rank alike), ``sglang:backuped_tokens_total``
+(tokens of this rank's own pages stored or found sound),
+``sglang:hicache_backup_dropped_tokens_total`` (own pages' writes dropped:
+queue full), and per fetch / store operation ``sglang:prefetch_pgs`` /
+``sglang:backup_pgs`` and GB/s; by the port, when the query's MIN settles,
+``sglang:storage_prefetch_hit_tokens_total`` (tokens present on their
+owners) and ``sglang:storage_prefetch_unfulfilled_tokens_total`` with reason
+``host_capacity`` (no host room) or ``storage_transfer`` (fewer pages
+fetched and verified on their owners than were present). The library's
+counters go out beside them as ``sglang_cp_hicache:l3_*_total``.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Callable, Optional
 
 import torch
+from sglang.srt.mem_cache.hicache_storage import PoolName
+from sglang.srt.mem_cache.utils import get_hash_str
 from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
+from sglang.srt.observability.metrics_collector import (
+    STAT_LOGGER_ROLE_STORAGE, StorageMetrics, StorageMetricsCollector, resolve_collector_class,
+)
 
-from sglang_cp_hicache.l3.prefetch import CpL3PrefetchAborted, chain_hashes, plain_key
+from sglang_cp_hicache.l3.location import L3Location
+from sglang_cp_hicache.l3.opening import L3Binding, storage_segment_ranks
 from sglang_cp_hicache.l3.rank import RankL3
+from sglang_cp_hicache.l3.prefetch import CpL3PrefetchAborted, plain_key
+from sglang_cp_hicache.l3.storage_metrics import StorageCollectorSink, attach_storage_metrics, rank_labels, shared_collector
+from sglang_cp_hicache.l3_backends import store_opener
+from sglang_cp_hicache.placement import CpPlacement
+from sglang_cp_hicache.sglang_0523.copy_engine import kv_host_pool_of
 from sglang_cp_hicache.sglang_0523.l3_port import L3Port0523, path_tokens
+from sglang_cp_hicache.sglang_0523.library_metrics import tp_and_dp_rank
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CpL3LookupAborted", "L3Driver"]
+__all__ = [
+    "CpL3LookupAborted", "L3Driver", "install_l3", "install_metrics", "l3_binding", "local_row", "source_text",
+]
 
 _MIN = torch.distributed.ReduceOp.MIN
 
@@ -126,15 +184,14 @@ class L3Driver:
         P, rank = self.tier.page_size, self.placement.cp_rank
         try:
             tokens = path_tokens(node)
-            first = (len(tokens) - len(node.key)) // P
-            hashes, parent = chain_hashes(self.tier, tokens, first)
-            firsts = host[::P].to(torch.int64)
+            firsts = host[::P].to(torch.int64)  # logical host slots: their owner is their page's
             owners = self.placement.owner_of(firsts).tolist()
         except Exception:  # L3 is a cache: a failed write is a later miss, never an error
             logger.exception("sglang-cp-hicache L3: storing node %s failed on cp_rank %d", node.id, rank)
             self.counters.add(write_failures=1)
             return
-        self.l3.writer.write(hashes, owners, [int(s) for s, o in zip(firsts.tolist(), owners) if o == rank], parent)
+        own_slots = [int(s) for s, o in zip(firsts.tolist(), owners) if o == rank]
+        self.l3.store_chain(tokens, len(node.key), owners, own_slots)
 
     # ---- L3 -> host: the scheduler's calls ------------------------------------------------
     def prefetch_from_storage(
@@ -225,3 +282,82 @@ class L3Driver:
     def _abandon(self, error: BaseException) -> CpL3PrefetchAborted:
         self._riding = _Riding()
         return self.prefetcher.abandon(error)
+
+
+# ---- opening and installing ----------------------------------------------------------------
+def local_row(placement: CpPlacement, logical_slot: int) -> int:
+    """This rank's local host row of an owned logical host slot."""
+    return int(placement.logical_locs_to_physical(torch.tensor([logical_slot], dtype=torch.int64))[0])
+
+
+def l3_binding(host_pool_group: Any, server_args: Any, layer_start: int) -> L3Binding:
+    """This release's L3 binding for one rank: SGLang's page hash, the native
+    host pools of ``host_pool_group`` at local rows, the Mooncake segment
+    shared by the storage TP ranks times the PP size."""
+    anchor = host_pool_group.anchor_entry.host_pool
+    placement = CpPlacement(anchor.page_size, anchor.shard_size, anchor.shard_rank)
+    return L3Binding(
+        placement, get_hash_str, kv_host_pool_of(anchor), host_pool_group.entry_map[PoolName.INDEXER].host_pool,
+        store_opener("0.5.23", storage_segment_ranks(server_args, placement.cp_size, times_pp=True),
+                     placement.cp_rank),
+        layer_start=layer_start, host_row=partial(local_row, placement),
+    )
+
+
+def source_text(location: L3Location) -> str:
+    """What chose the store, as the start-up log and an unusable store's message name it."""
+    if not location.scheduler_driven:
+        return location.source
+    if location.backend == "file":
+        return f"--hicache-storage-backend file (directory from {location.source})"
+    return f"--hicache-storage-backend {location.backend} (settings from {location.source})"
+
+
+def install_l3(cache: Any, tier: Any, location: L3Location, host_room: Any, *,
+               enable_metrics: bool = False) -> L3Driver:
+    """Put the L3 driver on ``cache`` (the scheduler's storage calls);
+    ``enable_metrics`` (``--enable-metrics``): SGLang's storage metrics and
+    the library's counters, fed by this L3 (:func:`install_metrics`)."""
+    port = L3Port0523(cache, tier, host_room)
+    driver = L3Driver(cache, RankL3(tier, port, location), port)
+    driver.install()
+    if enable_metrics:
+        install_metrics(cache, driver.l3, port, tier.placement, location.backend if location.scheduler_driven else None)
+    timeouts = location.timeouts
+    where = location.directory if location.backend == "file" else f"a {location.backend} store"
+    logger.info(
+        "sglang-cp-hicache: L3 in %s (%s; model %s; %s), deadline %.1f s + %.2f s per 1024 tokens (at most "
+        "%.0f s), cp_rank %d of %d writes and reads its own pages",
+        where, source_text(location), tier.model_label, tier.describe(), timeouts.base_s,
+        timeouts.per_ki_token_s, timeouts.max_s, tier.placement.cp_rank, tier.placement.cp_size,
+    )
+    return driver
+
+
+def install_metrics(cache: Any, l3: RankL3, port: Any, placement: Any,
+                    storage_backend: Optional[str]) -> StorageCollectorSink:
+    """Metrics for ``cache``'s L3 (``--enable-metrics``): the library's
+    counters now; SGLang's storage collector when storage turns on (the
+    cache's ``apply_runtime_config``, taken over on the instance: see the
+    module doc); ``storage_backend``: the flag's value (None: no flag).
+    ``cache.storage_metrics_collector`` is SGLang's name for the collector;
+    ``cache.enable_storage_metrics`` stays False (it gates the feeds of
+    SGLang's storage controller, which CP never attaches)."""
+    labels = rank_labels(cache, placement, storage_backend or "none", getattr(cache, "extra_metric_labels", None),
+                         tp_and_dp_rank)
+    sink = attach_storage_metrics(l3, labels, StorageMetrics)
+    port.metrics = sink
+    attachment = cache._storage_attachment
+    upstream = attachment.apply_runtime_config
+
+    def apply_runtime_config(**kwargs: Any) -> None:
+        upstream(**{**kwargs, "enable_storage_metrics": False})
+        if kwargs.get("enable_storage_metrics"):
+            labels = rank_labels(cache, placement, kwargs.get("storage_backend"), kwargs.get("extra_metric_labels"),
+                                 tp_and_dp_rank)
+            cls = resolve_collector_class(STAT_LOGGER_ROLE_STORAGE, StorageMetricsCollector)
+            cache.storage_metrics_collector = shared_collector(cls, labels)
+            sink.attach_collector(cache.storage_metrics_collector)
+
+    attachment.apply_runtime_config = apply_runtime_config
+    return sink

@@ -20,13 +20,29 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
+from sglang_cp_hicache.l3.storage_metrics import rank_labels
 from sglang_cp_hicache.library_metrics import RELEASE_COUNTERS, LibraryFigures, PrometheusLibraryMetrics
 from sglang_cp_hicache.placement import CpPlacement
 from sglang_cp_hicache.sglang_0523.device_free import PhaseKnownDeviceFrees
 from sglang_cp_hicache.sglang_0523.host_room import OwnerAwareHostRoom
-from sglang_cp_hicache.sglang_0523.l3_metrics import rank_labels
 
-__all__ = ["LibraryMetrics0523"]
+__all__ = ["LibraryMetrics0523", "tp_and_dp_rank"]
+
+
+def tp_and_dp_rank(cp_rank: int) -> tuple[int, int]:
+    """SGLang's ``tp_rank`` / ``dp_rank`` storage labels (its storage
+    config's); without SGLang's model-parallel groups (the cache used
+    directly: the simulator, tests) the CP rank and 0."""
+    from sglang.srt.layers.dp_attention import is_dp_attention_enabled
+    from sglang.srt.runtime_context import get_parallel
+
+    try:
+        parallel = get_parallel()
+        if is_dp_attention_enabled():
+            return int(parallel.attn_tp_rank), int(parallel.attn_dp_rank)
+        return int(parallel.tp_rank), 0
+    except (AssertionError, RuntimeError):  # no model-parallel group / rank written in this process
+        return cp_rank, 0
 
 
 class LibraryMetrics0523:
@@ -39,7 +55,8 @@ class LibraryMetrics0523:
         self.placement = placement
         self.host_room = host_room
         self.device_frees = device_frees
-        labels = rank_labels(cache, placement, storage_backend or "none", getattr(cache, "extra_metric_labels", None))
+        labels = rank_labels(cache, placement, storage_backend or "none", getattr(cache, "extra_metric_labels", None),
+                             tp_and_dp_rank)
         self.publisher = PrometheusLibraryMetrics(labels, RELEASE_COUNTERS["0.5.23"])
         # This rank's host pages: its pool's pages less local page 0, which
         # the sharded host allocator leaves unused (PageInterleaveHostPool.clear).

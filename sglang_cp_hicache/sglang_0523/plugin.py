@@ -9,7 +9,7 @@ with HiCache on a DSA model); every other stack keeps upstream's strategies.
 
 With the library copy path it also lifts upstream's refusal of
 ``--hicache-storage-backend file`` under KV sharding: the library serves that
-tier itself (:mod:`.l3_resolution`, :mod:`.l3_cache`).
+tier itself (:mod:`.storage_lift`, :mod:`.l3_cache`).
 
 ``SGLANG_CP_HICACHE_COPY`` picks the copy path: ``library`` (default) or
 ``upstream``: :class:`~.strategy.UpstreamDsaStrategy`, which builds upstream's
@@ -136,7 +136,7 @@ def register() -> None:
     install_strategy(path)
     if path == "library":
         # --hicache-storage-backend file under KV sharding: the library's L3.
-        from sglang_cp_hicache.sglang_0523.l3_resolution import register_storage_lift
+        from sglang_cp_hicache.sglang_0523.storage_lift import register_storage_lift
 
         register_storage_lift()
     if path == "upstream":

@@ -8,7 +8,7 @@ stack, so the stack's switches are required; upstream's own refusals of
 that stack (``arg_groups/kv_shard_hook.py``) are checked on the fields they
 read that need neither a GPU nor the model's config; the storage backend
 goes through the adapter's own rule (:func:`~sglang_cp_hicache.l3.location.l3_location`;
-:mod:`.l3_attach` is not imported: it loads SGLang's cache modules, seconds). Findings are plain
+:mod:`.l3_cache` is not imported: it loads SGLang's cache modules, seconds). Findings are plain
 ``(level, what, text)`` tuples: this package does not import the CLI.
 """
 
@@ -95,13 +95,13 @@ def _copy_path() -> Finding:
 
 def _storage(args: Any) -> Finding:
     what = "--hicache-storage-backend"
-    try:  # the adapter's rule (l3_attach.SERVED_BACKENDS is l3_location's SUPPORTED_BACKENDS)
+    try:  # the adapter's rule (l3.opening.SERVED_BACKENDS is l3_location's SUPPORTED_BACKENDS)
         l3_location(args.hicache_storage_backend, args.hicache_storage_backend_extra_config)
     except ValueError as exc:
         return ("FAIL", what, str(exc))
     if not args.hicache_storage_backend:
         return ("OK", what, "none (no L3)")
-    if _copy_path()[0] == "WARN":  # l3_resolution lifts upstream's refusal for the library's path only
+    if _copy_path()[0] == "WARN":  # storage_lift lifts upstream's refusal for the library's path only
         return ("FAIL", what, f"{args.hicache_storage_backend!r} with {settings.COPY.name}=upstream: upstream's KV "
                               "sharding refuses a storage backend; only the library's copy path serves it (unset "
                               f"{settings.COPY.name}, or drop the flag)")

@@ -3,8 +3,9 @@
 :class:`~.strategy.LibraryDsaStrategy` builds it at the end of ``build`` and
 hands it to the controller it built (:attr:`~.controller.LibraryCopyController.cp_stack`,
 the one attribute the library's controller class declares for it); tools
-and tests reach it through :func:`library_stack`. Nothing of it is found by
-name on an SGLang object.
+and tests reach it through :func:`.controller.library_stack`. Nothing of it
+is found by name on an SGLang object. This module imports nothing of the
+controller: the record points down to its parts, the controller to it.
 
 Methods the library replaces on SGLang instances when it builds a stack
 (each kept and called as upstream's where the replacement falls back; every
@@ -23,7 +24,7 @@ one is listed in :data:`~.hooks.HOOKS` and checked at start-up):
   ``_sync_hicache_ready_counts``, ``_all_reduce``,
   ``_finish_write_through_ack``, ``reset`` and ``clear_storage_backend``; with
   ``--enable-metrics`` also the storage attachment's ``apply_runtime_config``
-  (:mod:`.l3_metrics`);
+  (:func:`.l3_cache.install_metrics`);
 * ``metrics`` (:class:`~.library_metrics.LibraryMetrics0523`, only with
   ``--enable-metrics``): the cache's ``check_hicache_events`` (wrapped last,
   to publish the library's counters each step).
@@ -32,7 +33,7 @@ one is listed in :data:`~.hooks.HOOKS` and checked at start-up):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional
 
 from sglang_cp_hicache.kernels.compile import WarmupReport
 from sglang_cp_hicache.placement import CpPlacement
@@ -42,7 +43,7 @@ from sglang_cp_hicache.sglang_0523.l3_cache import L3Driver
 from sglang_cp_hicache.sglang_0523.library_metrics import LibraryMetrics0523
 from sglang_cp_hicache.sglang_0523.request_free import KnownRunFrees
 
-__all__ = ["CpStack0523", "library_stack"]
+__all__ = ["CpStack0523"]
 
 
 @dataclass(frozen=True, eq=False)  # holds live objects: compared by identity
@@ -56,12 +57,3 @@ class CpStack0523:
     warmup: WarmupReport  # the copy kernels' warm-up at build
     l3: Optional[L3Driver] = None  # the L3 driver (its port: ``l3.port``); None without L3
     metrics: Optional[LibraryMetrics0523] = None  # the library's live metrics; None without --enable-metrics
-
-
-def library_stack(cache: Any) -> Optional[CpStack0523]:
-    """The record of ``cache``'s stack when the library strategy built it,
-    else None (upstream's stack, or no HiCache)."""
-    from sglang_cp_hicache.sglang_0523.controller import LibraryCopyController
-
-    controller = cache.cache_controller
-    return controller.cp_stack if isinstance(controller, LibraryCopyController) else None

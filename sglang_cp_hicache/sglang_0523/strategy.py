@@ -55,14 +55,16 @@ from sglang.srt.mem_cache.pool_host.dsa import DSAIndexerPoolHost
 from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 from sglang.srt.runtime_context import get_memory
 
-from sglang_cp_hicache.kernels._checks import HOST_LAYOUTS
+from sglang_cp_hicache.kernels import HOST_LAYOUTS
 from sglang_cp_hicache.l3.location import L3Location, L3Timeouts, l3_location, parse_extra_config
+from sglang_cp_hicache.l3.opening import check_served, open_l3
+from sglang_cp_hicache.l3.rank import L3Opening
 from sglang_cp_hicache.sglang_0523 import check_sglang_version
 from sglang_cp_hicache.sglang_0523.controller import LibraryCopyController
 from sglang_cp_hicache.sglang_0523.copy_engine import LibraryL2TransferEngine, kv_host_pool_of
 from sglang_cp_hicache.sglang_0523.device_free import PhaseKnownDeviceFrees
 from sglang_cp_hicache.sglang_0523.hooks import check_hooks
-from sglang_cp_hicache.sglang_0523.l3_attach import L3Opening, check_served_here, install_l3, open_l3
+from sglang_cp_hicache.sglang_0523.l3_cache import install_l3, l3_binding, source_text
 from sglang_cp_hicache.sglang_0523.host_room import OwnerAwareHostRoom
 from sglang_cp_hicache.sglang_0523.library_metrics import LibraryMetrics0523
 from sglang_cp_hicache.sglang_0523.request_free import KnownRunFrees
@@ -102,26 +104,19 @@ class LibraryStackError(RuntimeError):
     """The sharded stack cannot run the library's copies; the server must not start."""
 
 
-class LibraryDsaStrategy(assembler._DsaStrategy):
-    """``_DsaStrategy`` for the KV-sharded DSA pool, with the library's copies."""
+class _ShardedDsaStrategy(assembler._DsaStrategy):
+    """Upstream's DSA strategy, taken only for the KV-sharded (page-interleave) pool."""
 
     def matches(self, kvcache: Any, components: set) -> bool:
         return isinstance(kvcache, PageInterleaveKVPoolMixin) and super().matches(kvcache, components)
 
-    def build(
-        self,
-        *,
-        cache,
-        kvcache,
-        params,
-        server_args,
-        load_cache_event,
-        storage_backend=None,
-        storage_backend_extra_config=None,
-        prefetch_threshold=256,
-        model_name=None,
-        enable_storage_metrics=False,
-    ) -> assembler.StackBuildResult:
+
+class LibraryDsaStrategy(_ShardedDsaStrategy):
+    """``_DsaStrategy`` for the KV-sharded DSA pool, with the library's copies."""
+
+    def build(self, *, cache, kvcache, params, server_args, load_cache_event, storage_backend=None,
+              storage_backend_extra_config=None, prefetch_threshold=256, model_name=None,
+              enable_storage_metrics=False) -> assembler.StackBuildResult:
         check_sglang_version()
         check_hooks()
         # The library serves L3 itself (SGLang's storage controller stays off:
@@ -129,12 +124,13 @@ class LibraryDsaStrategy(assembler._DsaStrategy):
         # slots); any backend it cannot serve (``file``, ``mooncake``) is
         # refused here, naming the flag.
         location = with_release_timeouts(l3_location(storage_backend, storage_backend_extra_config))
-        check_served_here(location)
+        check_served(location, "0.5.23")
         opened: list[L3Opening] = []
 
         def open_rank_l3(host_pool_group: Any) -> L3Opening:
-            opened.append(open_l3(location, host_pool_group, server_args=server_args,
-                                  layer_start=int(getattr(kvcache, "start_layer", 0) or 0)))
+            layer_start = int(getattr(kvcache, "start_layer", 0) or 0)
+            opened.append(open_l3(location, source_text(location),
+                                  lambda: l3_binding(host_pool_group, server_args, layer_start), server_args=server_args))
             return opened[-1]
 
         result = _build_dsa_stack(
@@ -173,7 +169,7 @@ class LibraryDsaStrategy(assembler._DsaStrategy):
         return result
 
 
-class UpstreamDsaStrategy(assembler._DsaStrategy):
+class UpstreamDsaStrategy(_ShardedDsaStrategy):
     """Upstream's sharded DSA stack, for a rank on ``SGLANG_CP_HICACHE_COPY=upstream``.
 
     It builds what upstream's ``_DsaStrategy`` builds (the same calls, the
@@ -184,23 +180,9 @@ class UpstreamDsaStrategy(assembler._DsaStrategy):
     joins the all-gather.
     """
 
-    def matches(self, kvcache: Any, components: set) -> bool:
-        return isinstance(kvcache, PageInterleaveKVPoolMixin) and super().matches(kvcache, components)
-
-    def build(
-        self,
-        *,
-        cache,
-        kvcache,
-        params,
-        server_args,
-        load_cache_event,
-        storage_backend=None,
-        storage_backend_extra_config=None,
-        prefetch_threshold=256,
-        model_name=None,
-        enable_storage_metrics=False,
-    ) -> assembler.StackBuildResult:
+    def build(self, *, cache, kvcache, params, server_args, load_cache_event, storage_backend=None,
+              storage_backend_extra_config=None, prefetch_threshold=256, model_name=None,
+              enable_storage_metrics=False) -> assembler.StackBuildResult:
         result = _build_dsa_stack(
             HybridCacheController, "upstream", kvcache=kvcache, params=params, load_cache_event=load_cache_event,
             storage_backend=storage_backend, storage_backend_extra_config=storage_backend_extra_config,

@@ -59,7 +59,7 @@ from sglang.srt.mem_cache.unified_cache.components.base import EvictLayer
 from sglang_cp_hicache.sim.copy_path_times import CopyPathTimes, timed as _timed
 from sglang_cp_hicache.sim.engine_base import NewPages, PrefixHit, RankEngineBase, RequestInFlight
 from sglang_cp_hicache.sim.records import EngineTotals
-from sglang_cp_hicache.sglang_0523.stack import library_stack
+from sglang_cp_hicache.sglang_0523.controller import library_stack
 from sglang_cp_hicache.testing.requests_0523 import LoadBackRequest, SchedulerRequests
 from sglang_cp_hicache.testing.stack_0523 import ShardedRankStack
 

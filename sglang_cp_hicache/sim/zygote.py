@@ -21,6 +21,16 @@ The zygote forks from a single Python thread plus the launcher watchdog, and
 the preload must not start threads or thread pools (no torch ops): a fork
 copies only the calling thread, and a lock another thread held would stay
 held in the child forever.
+
+Why not the standard library's ``forkserver`` with ``set_forkserver_preload``
+(the obvious replacement): it preloads module *names* only, so neither the
+torchvision stand-in that must be installed before SGLang imports nor the
+hook check's parse of SGLang's source (a function call) can run there; it
+silently skips a module that fails to import, so a broken preload would go
+unnoticed and every rank would pay the full import again; and its server is
+one per launching process, its preload fixed when it first starts, for the
+life of that process, whatever a later run needs. ``fork`` alone would copy
+the launcher itself, with its threads and whatever it imported.
 """
 
 from __future__ import annotations

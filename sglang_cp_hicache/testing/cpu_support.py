@@ -38,7 +38,7 @@ from typing import Any, Callable
 import torch
 
 from sglang_cp_hicache.kernels import transfer
-from sglang_cp_hicache.kernels.reference import HOST_LAYOUTS
+from sglang_cp_hicache.kernels import HOST_LAYOUTS
 from sglang_cp_hicache.placement import CpPlacement
 from sglang_cp_hicache.testing.patching import PatchSet
 from sglang_cp_hicache.testing.torchvision_standin import (  # noqa: F401  (re-exported)

@@ -171,7 +171,7 @@ class ShardedRankStack:
     def cp(self) -> Any:
         """What the library added to this stack (a ``CpStack0523``: host
         room, device frees, run frees, warm-up, L3), None on upstream's."""
-        from sglang_cp_hicache.sglang_0523.stack import library_stack
+        from sglang_cp_hicache.sglang_0523.controller import library_stack
 
         return library_stack(self.cache)
 

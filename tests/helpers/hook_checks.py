@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import enum
 import importlib
+from typing import Callable
 
 import pytest
 
@@ -60,3 +61,23 @@ def check_registry_shape(hooks: tuple[hook_registry.Hook, ...], params_kinds: tu
             assert hook.owner is not None, hook.name
     with pytest.raises(ValueError, match="kind must be one of"):
         hook_registry.Hook("sglang", None, "x", "patched", None, "")
+
+
+def registry_tests(hooks: tuple[hook_registry.Hook, ...], check_hooks: Callable[[], None],
+                   find_problem: Callable[[hook_registry.Hook], object], params_kinds: tuple[str, ...]) -> tuple:
+    """A release's three registry tests (the installed release passes,
+    every hook resolves, the registry keeps its shape), for its test module
+    to bind to test names."""
+
+    def test_the_installed_release_passes() -> None:
+        check_hooks()
+
+    @pytest.mark.parametrize("hook", hooks, ids=lambda h: h.name)
+    def test_every_hook_resolves(hook: hook_registry.Hook) -> None:
+        assert find_problem(hook) is None
+
+    def test_the_registry_names_each_hook_once_and_keeps_its_shape() -> None:
+        check_registry_shape(hooks, params_kinds=params_kinds)
+
+    return (test_the_installed_release_passes, test_every_hook_resolves,
+            test_the_registry_names_each_hook_once_and_keeps_its_shape)

@@ -9,8 +9,9 @@ accessors): the page methods that run are the release's own.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
+import pytest
 import torch
 
 from sglang_cp_hicache.l3.host_copy import write_host_page
@@ -75,3 +76,18 @@ def check_a_copied_page_falls_back(kv_cls: type, indexer_cls: type) -> None:
     flat = torch.arange(kv.kv_buffer.numel() // PAGES, dtype=torch.int64).remainder(251).to(torch.uint8)
     write_host_page(kv, kv.kv_buffer, 2 * P, flat)
     assert torch.equal(original(2 * P).view(torch.uint8), flat)
+
+
+def host_copy_tests(kv_cls: type, indexer_cls: type) -> tuple[Callable[[str], None], Callable[[], None]]:
+    """The two host-copy tests of a release whose SGLang host pool classes
+    are ``kv_cls`` and ``indexer_cls`` (a release's test module binds them
+    to test names)."""
+
+    @pytest.mark.parametrize("layout", sorted(LAYOUTS))
+    def test_the_host_copy_writes_what_sglangs_copy_writes(layout: str) -> None:
+        check_same_bytes_as_sglang(kv_cls, indexer_cls, layout)
+
+    def test_a_pool_that_hands_out_a_copy_gets_sglangs_copy() -> None:
+        check_a_copied_page_falls_back(kv_cls, indexer_cls)
+
+    return test_the_host_copy_writes_what_sglangs_copy_writes, test_a_pool_that_hands_out_a_copy_gets_sglangs_copy

@@ -16,11 +16,11 @@ from typing import Callable
 import torch
 
 from sglang_cp_hicache.kernels import _triton_launch as triton_copy
-from sglang_cp_hicache.kernels import reference, transfer
+# HOST_LAYOUTS: the package's one list, handed on to the kernel tests.
+from sglang_cp_hicache.kernels import HOST_LAYOUTS, reference, transfer  # noqa: F401
 from sglang_cp_hicache.placement import CpPlacement
 
 POISON = 0xA5
-HOST_LAYOUTS = ("layer_first", "page_first", "page_first_direct")
 PAGE_SIZES = (1, 16, 64)
 
 # name -> (kv?, dtype, row elements given page_size). Row bytes: indexer

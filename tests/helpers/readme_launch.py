@@ -22,6 +22,16 @@ def launch_line(marker: str) -> list[str]:
     return shlex.split(command[len(LAUNCH):])
 
 
+def with_flag(argv: list[str], flag: str, value: str | None) -> list[str]:
+    """``argv`` with ``flag`` set to ``value`` (None: left out; "": a switch)."""
+    argv = list(argv)
+    if flag in argv:
+        i = argv.index(flag)
+        takes_value = i + 1 < len(argv) and not argv[i + 1].startswith("--")
+        del argv[i:i + 1 + takes_value]
+    return argv + ([flag] if value == "" else [flag, value] if value is not None else [])
+
+
 def parse_with_sglang(args: list[str]) -> argparse.Namespace:
     """``args`` through SGLang's ``ServerArgs.add_cli_args`` parser: an unknown
     flag, an abbreviated one or a value outside its choices exits (SystemExit)."""

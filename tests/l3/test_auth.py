@@ -19,7 +19,7 @@ from sglang_cp_hicache.l3.auth import UNKEYED, ObjectSeal, load_secret, seal_fro
 from sglang_cp_hicache.l3.envelope import HEADER_BYTES, HEADER_FIELDS, TAG_OFFSET, Rejection, check_object, pack, unpack
 from sglang_cp_hicache.l3.keys import page_key
 from sglang_cp_hicache.l3.store import FilePageStore
-from tests.l3.common import namespace, payload
+from tests.l3.common import namespace, payload, write_chain
 
 SECRET = b"s" * 16 + os.urandom(24)
 OTHER_SECRET = os.urandom(32)
@@ -182,7 +182,7 @@ def test_a_forged_page_on_disk_is_never_restored(tmp_path):
 
     store = FilePageStore(tmp_path / "l3")
     writer = _tier(store, 1, seed=11, seal=KEYED)
-    assert writer.store_pages(HASHES, OWNERS, _own_slots(1)) == 3
+    assert write_chain(writer, HASHES, OWNERS, _own_slots(1)) == 3
     kv_key = page_key(HASHES[2], writer.kv_ns, HASHES[1])  # rank 1's second page: chain page 2
     path = store.path_of(kv_key)
     blob = path.read_bytes()
@@ -207,9 +207,9 @@ def test_keyed_and_unkeyed_tiers_on_one_store_never_read_each_others_objects(tmp
     store = FilePageStore(tmp_path / "l3")
     keyed = _tier(store, 0, seed=11, seal=KEYED)
     plain = _tier(store, 0, seed=12)
-    assert keyed.store_pages(HASHES, OWNERS, _own_slots(0)) == 3
+    assert write_chain(keyed, HASHES, OWNERS, _own_slots(0)) == 3
     assert plain.query_pages(HASHES, OWNERS) == 0  # a miss, not a rejection
-    assert plain.store_pages(HASHES, OWNERS, _own_slots(0)) == 3
+    assert write_chain(plain, HASHES, OWNERS, _own_slots(0)) == 3
     assert plain.counters.written_pages == 3  # its own objects, beside the keyed ones
     assert len(list(store.directory.rglob("*.bin"))) == 2 * 2 * 3
     stranger = _tier(store, 0, seed=13, seal=ObjectSeal.keyed(OTHER_SECRET))

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from sglang_cp_hicache.l3.capabilities import StoreCapabilities
 from sglang_cp_hicache.l3.capacity import CapacityConfig, DirectoryCapacity, parse_size
 from sglang_cp_hicache.l3.envelope import HEADER_BYTES
 from sglang_cp_hicache.l3.keys import page_keys, split_page_key
@@ -53,7 +54,7 @@ def test_the_extra_config_wins_over_sglangs_variables():
 def _write_chain(store: FilePageStore, seed: int, pages: int, scratch) -> list[str]:
     keys = page_keys(hash_chain(pages, seed=seed), NS)
     for i, key in enumerate(keys):
-        assert store_verified(store, NS, key, payload(NS, seed * 100 + i), scratch) is PutOutcome.WRITTEN
+        assert store_verified(StoreCapabilities.of(store), NS, key, payload(NS, seed * 100 + i), scratch) is PutOutcome.WRITTEN
     return keys
 
 
@@ -84,9 +85,9 @@ def test_a_bounded_directory_evicts_chains_from_their_ends_least_recently_used_f
     time.sleep(0.02)
     hot = _write_chain(store, 2, 5, scratch)
     time.sleep(0.02)
-    assert read_verified(store, NS, old[-1], *scratch) is None  # the old chain's end is used: it is recent now
+    assert read_verified(StoreCapabilities.of(store), NS, old[-1], *scratch) is None  # the old chain's end is used: it is recent now
     time.sleep(0.02)
-    assert read_verified(store, NS, old[0], *scratch) is None
+    assert read_verified(StoreCapabilities.of(store), NS, old[0], *scratch) is None
     new = _write_chain(store, 3, 4, scratch)  # 14 objects' worth: two must go
     present = set(_objects(tmp_path))
     assert _bytes_in(tmp_path) <= cap and store.capacity.used_bytes() == _bytes_in(tmp_path)
@@ -114,7 +115,7 @@ def test_evicting_a_leaf_makes_its_parent_a_leaf_and_the_count_is_kept_across_op
 def test_an_object_larger_than_the_cap_is_refused_and_nothing_is_evicted(tmp_path):
     store = FilePageStore(tmp_path, capacity=CapacityConfig(max_size=OBJECT - 1))
     key = page_keys(hash_chain(1, seed=9), NS)[0]
-    assert store_verified(store, NS, key, payload(NS, 1), _scratch()) is PutOutcome.FAILED
+    assert store_verified(StoreCapabilities.of(store), NS, key, payload(NS, 1), _scratch()) is PutOutcome.FAILED
     assert store.capacity.refused_writes == 1 and _objects(tmp_path) == {}
 
 
@@ -122,7 +123,7 @@ def test_the_free_space_floor_evicts_too(tmp_path, monkeypatch):
     store = FilePageStore(tmp_path, capacity=CapacityConfig(min_free_space=10**15))  # more than any disk
     scratch = _scratch()
     key = page_keys(hash_chain(1, seed=9), NS)[0]
-    assert store_verified(store, NS, key, payload(NS, 1), scratch) is PutOutcome.FAILED  # nothing to evict
+    assert store_verified(StoreCapabilities.of(store), NS, key, payload(NS, 1), scratch) is PutOutcome.FAILED  # nothing to evict
     assert store.capacity.refused_writes == 1
 
 
@@ -152,7 +153,7 @@ def test_several_writers_hold_the_cap_within_one_page_each_and_readers_only_miss
         try:
             for c, keys in enumerate(chains[w]):
                 for i, key in enumerate(keys):
-                    store_verified(writers[w], NS, key, payload(NS, 1000 * w + 10 * c + i), scratch)
+                    store_verified(StoreCapabilities.of(writers[w]), NS, key, payload(NS, 1000 * w + 10 * c + i), scratch)
         except Exception as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
 
@@ -161,7 +162,7 @@ def test_several_writers_hold_the_cap_within_one_page_each_and_readers_only_miss
         while not stop.is_set():
             for keys in (k for w in chains.values() for k in w):
                 for key in keys:
-                    bad = read_verified(writers[0], NS, key, *scratch)
+                    bad = read_verified(StoreCapabilities.of(writers[0]), NS, key, *scratch)
                     if bad is not None and bad.reason != "missing":
                         errors.append(AssertionError(f"{key}: {bad}"))
 

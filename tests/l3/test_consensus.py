@@ -5,14 +5,14 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sglang_cp_hicache.l3.consensus import agreed_usable_pages, local_usable_pages
+from sglang_cp_hicache.l3.consensus import local_usable_pages
 
 
 def test_small_example():
     # 6 pages, owners 0 1 0 1 0 1; page 3 (rank 1) and page 4 (rank 0) missing.
     assert local_usable_pages([0, 2, 4], [True, True, False], 6) == 4
     assert local_usable_pages([1, 3, 5], [True, False, True], 6) == 3
-    assert agreed_usable_pages([4, 3]) == 3
+    assert min(4, 3) == 3  # the group agrees on the MIN (SGLang's prefetch all-reduce)
     assert local_usable_pages([], [], 6) == 6  # a rank owning nothing never limits
     assert local_usable_pages([], [], 0) == 0
 
@@ -37,7 +37,7 @@ def test_min_of_local_values_is_the_first_page_missing_on_its_owner(case):
         # Nothing past this rank's first own miss is ever counted.
         assert all(i not in missing for i in owned if i < value)
         local.append(value)
-    agreed = agreed_usable_pages(local)
+    agreed = min(local)  # what the prefetch MIN all-reduce gives every rank
     assert agreed == min(missing, default=num_pages)
     assert all(i not in missing for i in range(agreed))
 
@@ -70,12 +70,3 @@ def test_flags_after_the_first_own_miss_do_not_matter(case):
 def test_bad_local_input_names_the_argument(args, word, kind):
     with pytest.raises(kind, match=word):
         local_usable_pages(*args)
-
-
-def test_bad_agreed_input_names_the_argument():
-    with pytest.raises(ValueError, match="local_values"):
-        agreed_usable_pages([])
-    with pytest.raises(ValueError, match=r"local_values\[1\]"):
-        agreed_usable_pages([3, -1])
-    with pytest.raises(TypeError, match=r"local_values\[0\]"):
-        agreed_usable_pages([2.0])

@@ -10,6 +10,7 @@ import threading
 import pytest
 import torch
 
+from sglang_cp_hicache.l3.capabilities import StoreCapabilities
 from sglang_cp_hicache.l3.envelope import HEADER_BYTES, byte_view, checksum, checksum_parts
 from sglang_cp_hicache.l3.host_copy import HostPageRuns
 from sglang_cp_hicache.l3.host_read import read_into_host
@@ -40,13 +41,13 @@ def _written(tmp_path, ns, pages: int = 3):
     data = [payload(ns, seed=i) for i in range(pages)]
     scratch = (memoryview(bytearray(HEADER_BYTES)), byte_view(torch.empty(ns.page_bytes, dtype=torch.uint8)))
     for key, page in zip(keys, data):
-        assert store_verified(store, ns, key, page, scratch)
+        assert store_verified(StoreCapabilities.of(store), ns, key, page, scratch)
     return store, keys, data
 
 
 def _read(store, ns, key, host, row, staging, publish=lambda fn: fn()):
     rows = HostPageRuns(host, host.kv_buffer)
-    return read_into_host(store, ns, key, rows, row, staging.head, staging.page, publish)
+    return read_into_host(StoreCapabilities.of(store), ns, key, rows, row, staging.head, staging.page, publish)
 
 
 def _page(host, row) -> torch.Tensor:
@@ -187,7 +188,7 @@ def test_the_indexer_pool_reads_in_place_too(tmp_path):
     staging = _Staging(ns)
     rows = HostPageRuns(idx, idx.index_k_with_scale_buffer)
     assert len(rows.runs(3 * P, ns.page_bytes)) == idx.layer_num
-    assert read_into_host(store, ns, keys[0], rows, 3 * P, staging.head, staging.page,
+    assert read_into_host(StoreCapabilities.of(store), ns, keys[0], rows, 3 * P, staging.head, staging.page,
                           lambda fn: fn()) is None
     assert torch.equal(idx.get_data_page(3 * P), data[0])
     assert torch.equal(staging.page, torch.full_like(staging.page, POISON))
@@ -202,7 +203,7 @@ def test_a_pool_that_hands_out_copies_is_filled_through_its_own_copy(tmp_path):
     assert rows.runs(0, ns.page_bytes) is None
     host.kv_buffer.view(torch.uint8).fill_(POISON)
     staging = _Staging(ns)
-    assert read_into_host(store, ns, keys[1], rows, P, staging.head, staging.page,
+    assert read_into_host(StoreCapabilities.of(store), ns, keys[1], rows, P, staging.head, staging.page,
                           lambda fn: fn()) is None
     assert torch.equal(real(P).view(torch.uint8), data[1])
 

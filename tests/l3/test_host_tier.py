@@ -4,6 +4,8 @@ have, two CP ranks over one file store."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -12,7 +14,7 @@ from sglang_cp_hicache.l3.host_tier import HostL3Tier, L3Snapshot, namespaces, o
 from sglang_cp_hicache.l3.keys import page_key
 from sglang_cp_hicache.l3.store import FilePageStore
 from sglang_cp_hicache.placement import CpPlacement
-from tests.l3.common import hash_chain
+from tests.l3.common import hash_chain, read_chain, write_chain
 
 P, LAYERS, KV_DIM, IDX_STRIDE, ROWS = 4, 2, 24, 4 * 12, 16 * 4
 OWNERS = [0, 1, 1, 0, 0, 1]  # the chain's owners: store by these, never by page % N
@@ -113,7 +115,7 @@ def written(tmp_path):
     store = FilePageStore(tmp_path / "l3")
     writers = [_tier(store, r, seed=10 + r) for r in range(2)]
     for rank, tier in enumerate(writers):
-        assert tier.store_pages(HASHES, OWNERS, _own_slots(rank)) == len(_own_indices(rank))
+        assert write_chain(tier, HASHES, OWNERS, _own_slots(rank)) == len(_own_indices(rank))
     return store, writers
 
 
@@ -122,56 +124,61 @@ def _keys(tier: HostL3Tier, index: int) -> tuple[str, str]:
     return page_key(HASHES[index], tier.kv_ns, parent), page_key(HASHES[index], tier.indexer_ns, parent)
 
 
-def test_each_rank_stores_exactly_its_own_pages(written):
+def test_each_rank_stores_exactly_its_own_pages(written, tmp_path):
     store, writers = written
     files = sorted(p.name for p in store.directory.rglob("*.bin"))
     assert files == sorted(f"{k}.bin" for i in range(len(OWNERS)) for k in _keys(writers[0], i))
     for rank, tier in enumerate(writers):
         assert (tier.counters.written_pages, tier.counters.write_failures) == (len(_own_indices(rank)), 0)
     with pytest.raises(ValueError, match=r"one host slot per owned page \(3\), got 2"):
-        writers[0].store_pages(HASHES, OWNERS, [0, P])
+        writers[0].snapshot_pages(HASHES, OWNERS, [0, P])
+    short = _tier(FilePageStore(tmp_path / "other"), 0, seed=1)
+    assert write_chain(short, HASHES, OWNERS, [0, P]) == 0  # the writer never raises: it counts
+    assert (short.counters.write_failures, short.counters.written_pages) == (3, 0)
+    assert list((tmp_path / "other").rglob("*.bin")) == []
 
 
-def test_a_reader_fetches_its_own_pages_bit_exact_and_fills_its_host_pools(written):
+def test_a_reader_reads_its_own_pages_bit_exact_into_its_host_pools(written):
     store, writers = written
     for rank in range(2):
         reader = _tier(store, rank, seed=99, poisoned=True)
         assert reader.query_pages(HASHES, OWNERS) == len(OWNERS)
-        got = reader.fetch_pages(HASHES, OWNERS)
-        assert got.usable == len(OWNERS) and sorted(got.pages) == _own_indices(rank)
-        for j, index in enumerate(_own_indices(rank)):
-            kv, idx = got.pages[index]
+        odd_rows = [2 * j * P + P for j in range(len(_own_indices(rank)))]
+        assert read_chain(reader, HASHES, OWNERS, odd_rows) == len(OWNERS)
+        for j, row in enumerate(odd_rows):
             want_kv, want_idx = _page(writers[rank], j * P)
-            assert torch.equal(kv, want_kv) and torch.equal(idx, want_idx)
-            reader.fill_host(2 * j * P + P, kv, idx)  # odd page rows only
-            assert [torch.equal(a, b) for a, b in zip(_page(reader, 2 * j * P + P), (want_kv, want_idx))] == [True] * 2
+            assert [torch.equal(a, b) for a, b in zip(_page(reader, row), (want_kv, want_idx))] == [True] * 2
         poison = torch.full_like(want_kv, POISON)
         assert torch.equal(_page(reader, 0)[0], poison)  # an even row: untouched
         assert (reader.counters.fetched_pages, reader.counters.rejected_pages) == (len(_own_indices(rank)), 0)
 
 
-def test_a_flipped_object_is_refused_counted_and_stops_the_owners_prefix(written):
+def test_a_flipped_object_is_refused_counted_and_stops_the_owners_prefix(written, caplog):
     store, writers = written
-    path = store.path_of(_keys(writers[1], 2)[0])  # rank 1's KV object of chain page 2
+    kv_key = _keys(writers[1], 2)[0]  # rank 1's KV object of chain page 2
+    path = store.path_of(kv_key)
     blob = bytearray(path.read_bytes())
     blob[-1] ^= 0x01
     path.write_bytes(bytes(blob))
-    reader = _tier(store, 1, seed=5)
-    assert reader.query_pages(HASHES, OWNERS) == len(OWNERS)  # present: only the fetch verifies
-    got = reader.fetch_pages(HASHES, OWNERS)
-    assert got.usable == 2 and sorted(got.pages) == [1]
+    reader = _tier(store, 1, seed=5, poisoned=True)
+    assert reader.query_pages(HASHES, OWNERS) == len(OWNERS)  # present: only the read verifies
+    with caplog.at_level(logging.WARNING, logger="sglang_cp_hicache.l3"):
+        assert read_chain(reader, HASHES, OWNERS, _own_slots(1)) == 2
+    assert f"L3 object of {kv_key} rejected (checksum)" in caplog.text
+    assert [torch.equal(a, b) for a, b in zip(_page(reader, 0), _page(writers[1], 0))] == [True] * 2  # page 1
     assert (reader.counters.rejected_pages, reader.counters.fetched_pages) == (1, 1)
     other = _tier(store, 0, seed=5)
-    assert other.fetch_pages(HASHES, OWNERS).usable == len(OWNERS)  # rank 0's pages are whole
+    assert read_chain(other, HASHES, OWNERS, _own_slots(0)) == len(OWNERS)  # rank 0's pages are whole
 
 
-def test_a_missing_object_is_a_miss_not_a_rejection(written):
+def test_a_missing_object_is_a_miss_not_a_rejection(written, caplog):
     store, writers = written
     store.path_of(_keys(writers[0], 3)[1]).unlink()  # rank 0's indexer object of chain page 3
     reader = _tier(store, 0, seed=5)
     assert reader.query_pages(HASHES, OWNERS) == 3
-    got = reader.fetch_pages(HASHES, OWNERS)
-    assert got.usable == 3 and sorted(got.pages) == [0]
+    with caplog.at_level(logging.WARNING, logger="sglang_cp_hicache.l3"):
+        assert read_chain(reader, HASHES, OWNERS, _own_slots(0)) == 3
+    assert "rejected" not in caplog.text
     assert (reader.counters.rejected_pages, reader.counters.fetched_pages) == (0, 1)
 
 
@@ -179,15 +186,13 @@ def test_the_row_hook_places_every_read_and_write(tmp_path):
     store = FilePageStore(tmp_path / "l3")
     writer = _tier(store, 0, seed=21, host_row=shifted_row)
     slots = _own_slots(0)
-    assert writer.store_pages(HASHES, OWNERS, slots) == 3
+    assert write_chain(writer, HASHES, OWNERS, slots) == 3
     reader = _tier(store, 0, seed=22, host_row=shifted_row, poisoned=True)
-    got = reader.fetch_pages(HASHES, OWNERS)
-    for j, index in enumerate(_own_indices(0)):
-        want = _page(writer, slots[j] + 8 * P)  # stored from the hooked row...
-        assert [torch.equal(a, b) for a, b in zip(got.pages[index], want)] == [True] * 2
-        assert not torch.equal(got.pages[index][0], _page(writer, slots[j])[0])  # ...not the slot's own
-        reader.fill_host(slots[j], *got.pages[index])
-        assert [torch.equal(a, b) for a, b in zip(_page(reader, slots[j] + 8 * P), want)] == [True] * 2
+    assert read_chain(reader, HASHES, OWNERS, slots) == len(OWNERS)
+    for slot in slots:
+        want = _page(writer, slot + 8 * P)  # stored from the hooked row...
+        assert not torch.equal(want[0], _page(writer, slot)[0])  # ...not the slot's own
+        assert [torch.equal(a, b) for a, b in zip(_page(reader, slot + 8 * P), want)] == [True] * 2
     assert torch.equal(_page(reader, 0)[0], torch.full_like(want[0], POISON))  # the unhooked row: untouched
 
 
@@ -199,10 +204,13 @@ def test_a_snapshot_keeps_the_bytes_of_when_it_was_taken(tmp_path):
     snap = writer.snapshot_pages(HASHES, OWNERS, slots)
     assert isinstance(snap, L3Snapshot) and snap.hashes == HASHES and snap.owners == OWNERS
     _poisoned(writer.kv_host), _poisoned(writer.indexer_host)  # the host rows are reused
-    assert writer.store_snapshot(snap) == 3 and writer.counters.written_pages == 3
-    got = _tier(store, 1, seed=32, layout="page_first").fetch_pages(HASHES, OWNERS)
-    for j, index in enumerate(_own_indices(1)):
-        assert [torch.equal(a, b) for a, b in zip(got.pages[index], before[j])] == [True] * 2
+    stored = [writer.store_page(kv_key, idx_key, kv, idx)
+              for (kv_key, idx_key), kv, idx in zip(writer.snapshot_keys(snap), snap.kv, snap.indexer)]
+    assert stored == [True] * 3 and writer.counters.written_pages == 3
+    reader = _tier(store, 1, seed=32, layout="page_first", poisoned=True)
+    assert read_chain(reader, HASHES, OWNERS, slots) == len(OWNERS)
+    for j, slot in enumerate(slots):
+        assert [torch.equal(a, b) for a, b in zip(_page(reader, slot), before[j])] == [True] * 2
 
 
 def test_page_hashes_use_the_injected_hasher_on_whole_pages_only(tmp_path):

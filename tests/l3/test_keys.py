@@ -23,7 +23,7 @@ from sglang_cp_hicache.l3.keys import (
     page_keys,
     split_page_key,
 )
-from sglang_cp_hicache.l3.plan import interleaved_owners, write_plans
+from sglang_cp_hicache.l3.plan import interleaved_owners, write_plan
 from tests.l3.common import hash_chain, namespace
 
 DSV32 = dict(model_id="deepseek-ai/DeepSeek-V3.2", kv_dtype="float8_e4m3fn", row_bytes=656,
@@ -77,7 +77,8 @@ def test_keys_written_by_any_cp_size_are_the_non_cp_keys(num_pages, cp_size, bas
     ns = namespace()
     hashes = hash_chain(num_pages, seed)
     reference = page_keys(hashes, ns)  # CP 1 / no CP
-    plans = write_plans(page_keys(hashes, ns), interleaved_owners(base, num_pages, cp_size), cp_size)
+    owners = interleaved_owners(base, num_pages, cp_size)
+    plans = [write_plan(page_keys(hashes, ns), owners, cp_size, r) for r in range(cp_size)]
     by_page = {}
     for plan in plans:
         for index, key in zip(plan.page_indices, plan.keys):

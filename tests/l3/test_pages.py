@@ -1,22 +1,21 @@
-"""A chain through L3 end to end: CP 4 writes, any CP size reads bit-exact;
-a damaged or missing page on any rank is a miss for every rank from that page
+"""A chain through L3 end to end, one page's object at a time (what the
+tier does for each own page): CP 4 writes, any CP size reads bit-exact; a
+damaged or missing page on any rank is a miss for every rank from that page
 on; nothing wrong is ever returned."""
 
 import logging
 import os
-
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sglang_cp_hicache.l3.consensus import agreed_usable_pages
 from sglang_cp_hicache.l3.envelope import HEADER_BYTES, pack
 from sglang_cp_hicache.l3.keys import page_keys
-from sglang_cp_hicache.l3.pages import PutOutcome, fetch_owned, store_owned
-from sglang_cp_hicache.l3.plan import interleaved_owners, read_plan, write_plan
+from sglang_cp_hicache.l3.pages import PutOutcome, store_verified
+from sglang_cp_hicache.l3.plan import interleaved_owners, write_plan
 from sglang_cp_hicache.l3.store import FilePageStore
-from tests.l3.common import hash_chain, namespace, payload
+from tests.l3.common import check_reads, hash_chain, namespace, payload, read_own_pages, scratch, write_own_pages
 
 NS = namespace()
 NUM_PAGES = 13
@@ -25,31 +24,18 @@ KEYS = page_keys(HASHES, NS)
 PAGES = [payload(NS, 1000 + i) for i in range(NUM_PAGES)]  # the non-CP pool's pages
 
 
-def _write(store, cp_size: int, owners: list[int]) -> list[list[bool]]:
-    out = []
-    for rank in range(cp_size):
-        plan = write_plan(KEYS, owners, cp_size, rank)
-        out.append(store_owned(store, NS, plan, [PAGES[i] for i in plan.page_indices]))
-    return out
+def _write(store, cp_size: int, owners: list[int]) -> list[list[PutOutcome]]:
+    return [write_own_pages(store, NS, KEYS, PAGES, owners, cp_size, rank) for rank in range(cp_size)]
 
 
 def _read(store, cp_size: int, owners: list[int], ns=NS):
     keys = page_keys(HASHES, ns)
-    results = [fetch_owned(store, ns, read_plan(keys, owners, cp_size, r)) for r in range(cp_size)]
-    return results, agreed_usable_pages([r.usable_pages for r in results])
+    results = [read_own_pages(store, ns, keys, owners, cp_size, r) for r in range(cp_size)]
+    return results, min(r.usable_pages for r in results)  # the group's MIN
 
 
 def _check_restored(results, agreed: int) -> None:
-    for res in results:
-        assert res.usable_pages >= agreed
-        for index, page in zip(res.plan.page_indices, res.payloads):
-            if index < res.usable_pages:
-                assert torch.equal(page, PAGES[index]), index
-            else:
-                assert page is None, index  # nothing at or past the rank's own first miss
-        restored = res.restorable(agreed)
-        assert [i for i, _ in restored] == [i for i in res.plan.page_indices if i < agreed]
-        assert all(torch.equal(page, PAGES[i]) for i, page in restored)
+    check_reads(results, agreed, PAGES)
 
 
 @pytest.fixture
@@ -66,7 +52,8 @@ def test_cp4_writes_each_rank_one_quarter(tmp_path):
     for rank in range(4):
         before = sum(1 for _ in tmp_path.rglob("*.bin"))
         plan = write_plan(KEYS, owners, 4, rank)
-        store_owned(store, NS, plan, [PAGES[i] for i in plan.page_indices])
+        outcomes = write_own_pages(store, NS, KEYS, PAGES, owners, 4, rank)
+        assert outcomes == [PutOutcome.WRITTEN] * len(plan.page_indices)
         written = sum(1 for _ in tmp_path.rglob("*.bin")) - before
         assert written == len(plan.page_indices) == owners.count(rank)
     assert sorted(p.name for p in tmp_path.rglob("*.bin")) == sorted(f"{k}.bin" for k in KEYS)
@@ -77,7 +64,7 @@ def test_cp4_writes_each_rank_one_quarter(tmp_path):
 def test_any_cp_size_reads_what_cp4_wrote_bit_exact(written, cp_size, base):
     results, agreed = _read(written, cp_size, interleaved_owners(base, NUM_PAGES, cp_size))
     assert agreed == NUM_PAGES
-    assert sum(len(r.plan.page_indices) for r in results) == NUM_PAGES
+    assert sum(len(r.page_indices) for r in results) == NUM_PAGES
     _check_restored(results, agreed)
 
 
@@ -116,23 +103,20 @@ def _damage(store, key: str, kind: str) -> str:
 
 @pytest.mark.parametrize("kind", ["deleted", "truncated", "bit_flip", "other_model", "other_page"])
 @pytest.mark.parametrize("damaged", [0, 6, NUM_PAGES - 1])
-def test_a_bad_page_on_one_rank_is_a_miss_for_all_from_that_page(written, caplog, kind, damaged):
+def test_a_bad_page_on_one_rank_is_a_miss_for_all_from_that_page(written, kind, damaged):
     reason = _damage(written, KEYS[damaged], kind)
-    with caplog.at_level(logging.WARNING, logger="sglang_cp_hicache.l3"):
-        results, agreed = _read(written, 2, interleaved_owners(1, NUM_PAGES, 2))
+    results, agreed = _read(written, 2, interleaved_owners(1, NUM_PAGES, 2))
     assert agreed == damaged
     _check_restored(results, agreed)
-    owner = next(r for r in results if damaged in r.plan.page_indices)
-    rejection = owner.rejections[owner.plan.page_indices.index(damaged)]
+    owner = next(r for r in results if damaged in r.page_indices)
+    rejection = owner.rejections[owner.page_indices.index(damaged)]
     assert rejection is not None and rejection.reason == reason
-    if reason != "missing":
-        assert f"L3 object {KEYS[damaged]} rejected ({reason})" in caplog.text
 
 
 def test_another_namespace_reads_nothing(written):
     results, agreed = _read(written, 2, interleaved_owners(0, NUM_PAGES, 2), ns=namespace(page_size=8))
     assert agreed == 0
-    assert all(p is None for r in results for p in r.payloads)
+    assert all(p is None for r in results for p in r.pages)
     assert {b.reason for r in results for b in r.rejections} == {"missing"}
 
 
@@ -143,10 +127,8 @@ class _FailingStore(FilePageStore):
         super().__init__(directory)
         self.fail_key = fail_key
 
-    def put(self, keys, blobs):
-        keep = [(k, b) for k, b in zip(keys, blobs) if k != self.fail_key]
-        done = iter(super().put([k for k, _ in keep], [b for _, b in keep]))
-        return [False if k == self.fail_key else next(done) for k in keys]
+    def write_from(self, key, views):
+        return key != self.fail_key and super().write_from(key, views)
 
 
 def test_a_failed_write_on_one_rank_is_reported_and_later_read_as_a_miss(tmp_path, caplog):
@@ -164,42 +146,25 @@ def test_a_failed_write_on_one_rank_is_reported_and_later_read_as_a_miss(tmp_pat
 
 def test_bad_input_writes_nothing(tmp_path):
     store = FilePageStore(tmp_path)
-    plan = write_plan(KEYS, [0] * NUM_PAGES, 1, 0)
-    good = [PAGES[i] for i in plan.page_indices]
-    with pytest.raises(ValueError, match="payloads"):
-        store_owned(store, NS, plan, good[:-1])
     with pytest.raises(ValueError, match="payload"):
-        store_owned(store, NS, plan, good[:-1] + [PAGES[0][:-1]])
-    with pytest.raises(TypeError, match="plan"):
-        store_owned(store, NS, read_plan(KEYS, [0] * NUM_PAGES, 1, 0), good)
-    with pytest.raises(TypeError, match="store"):
-        store_owned(object(), NS, plan, good)
-    with pytest.raises(TypeError, match="namespace"):
-        fetch_owned(store, "ns", read_plan(KEYS, [0] * NUM_PAGES, 1, 0))
-    with pytest.raises(ValueError, match=r"plan.keys\[0\] .* is not a key of namespace"):
-        fetch_owned(store, namespace(page_size=8), read_plan(KEYS, [0] * NUM_PAGES, 1, 0))
+        store_verified(store, NS, KEYS[0], PAGES[0][:-1], scratch(NS))
+    with pytest.raises(ValueError, match="payload"):
+        store_verified(store, NS, KEYS[0], PAGES[0].to(torch.int16), scratch(NS))
+    with pytest.raises(ValueError, match="is not a key of namespace"):
+        store_verified(store, namespace(page_size=8), KEYS[0], PAGES[0], scratch(NS))
     assert list(tmp_path.rglob("*.bin")) == []
 
 
-def test_restorable_refuses_a_prefix_past_the_local_one(written):
-    _damage(written, KEYS[4], "deleted")
-    res = fetch_owned(written, NS, read_plan(KEYS, [0] * NUM_PAGES, 1, 0))
-    assert res.usable_pages == 4
-    with pytest.raises(ValueError, match="agreed_pages"):
-        res.restorable(5)
-    assert [i for i, _ in res.restorable(4)] == [0, 1, 2, 3]
-
-
 class _CountingStore(FilePageStore):
-    """Records which keys were put."""
+    """Records which keys were written."""
 
     def __init__(self, directory):
         super().__init__(directory)
         self.puts: list[str] = []
 
-    def put(self, keys, blobs):
-        self.puts.extend(keys)
-        return super().put(keys, blobs)
+    def write_from(self, key, views):
+        self.puts.append(key)
+        return super().write_from(key, views)
 
 
 @pytest.mark.parametrize("damage", ["flipped", "zero-filled", "symlink", "truncated", "foreign"])
@@ -210,8 +175,7 @@ def test_a_write_over_a_damaged_object_repairs_it(tmp_path, damage):
     no object at all and is replaced the same way; a sound object is left
     alone."""
     store = _CountingStore(tmp_path)
-    plan = write_plan(KEYS, [0] * NUM_PAGES, 1, 0)
-    assert all(store_owned(store, NS, plan, PAGES))
+    assert all(_write(store, 1, [0] * NUM_PAGES)[0])
     path = store.path_of(KEYS[3])
     blob = path.read_bytes()
     if damage == "flipped":
@@ -229,23 +193,21 @@ def test_a_write_over_a_damaged_object_repairs_it(tmp_path, damage):
         other = namespace(model_id="another-model")
         path.write_bytes(pack(page_keys(HASHES, other)[3], other, PAGES[3]))
     store.puts.clear()
-    outcomes = store_owned(store, NS, plan, PAGES)
+    outcomes = _write(store, 1, [0] * NUM_PAGES)[0]
     # a link is never an object (never read, never written through): the page is simply written
     assert outcomes[3] is (PutOutcome.WRITTEN if damage == "symlink" else PutOutcome.REPAIRED)
     assert all(o is PutOutcome.KEPT for i, o in enumerate(outcomes) if i != 3)
     assert store.puts == [KEYS[3]]  # only the damaged page was written
     assert not path.is_symlink() and path.read_bytes() == blob
     assert store.path_of(KEYS[4]).read_bytes() == pack(KEYS[4], NS, PAGES[4])  # the link's target untouched
-    res = fetch_owned(store, NS, read_plan(KEYS, [0] * NUM_PAGES, 1, 0))
-    assert res.usable_pages == NUM_PAGES
+    assert _read(store, 1, [0] * NUM_PAGES)[1] == NUM_PAGES
 
 
 def test_an_object_of_the_wrong_size_is_refused_unread(tmp_path):
     store = FilePageStore(tmp_path)
-    plan = write_plan(KEYS, [0] * NUM_PAGES, 1, 0)
-    store_owned(store, NS, plan, PAGES)
+    _write(store, 1, [0] * NUM_PAGES)
     path = store.path_of(KEYS[2])
     with open(path, "r+b") as f:
         f.truncate(64 << 30)  # sparse: reading it would cost 64 GiB
-    res = fetch_owned(store, NS, read_plan(KEYS, [0] * NUM_PAGES, 1, 0))
-    assert res.usable_pages == 2 and res.rejections[2].reason == "long"
+    results, agreed = _read(store, 1, [0] * NUM_PAGES)
+    assert agreed == 2 and results[0].rejections[2].reason == "long"

@@ -6,7 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from sglang_cp_hicache.l3 import (
-    L3ReadPlan, L3WritePlan, interleaved_owners, page_keys, read_plan, write_plan, write_plans,
+    L3ReadPlan, L3WritePlan, interleaved_owners, page_keys, read_plan, write_plan,
 )
 from sglang_cp_hicache.placement import page_owner
 from tests.l3.common import hash_chain, namespace
@@ -17,7 +17,7 @@ KEYS = page_keys(hash_chain(6), namespace())
 def test_small_example_rotation_phase():
     owners = interleaved_owners(first_page=5, num_pages=6, cp_size=4)
     assert owners == [1, 2, 3, 0, 1, 2]
-    plans = write_plans(KEYS, owners, 4)
+    plans = [write_plan(KEYS, owners, 4, r) for r in range(4)]
     assert [p.page_indices for p in plans] == [(3,), (0, 4), (1, 5), (2,)]
     assert plans[1].keys == (KEYS[0], KEYS[4])
     assert all(p.num_pages == 6 and p.cp_rank == r for r, p in enumerate(plans))
@@ -36,14 +36,13 @@ def chains(draw):
 @given(chains())
 def test_plans_are_disjoint_cover_once_and_match_each_rank(chain):
     cp_size, keys, owners = chain
-    plans = write_plans(keys, owners, cp_size)
+    plans = [write_plan(keys, owners, cp_size, r) for r in range(cp_size)]
     assert len(plans) == cp_size
     covered = sorted(i for p in plans for i in p.page_indices)
     assert covered == list(range(len(keys)))
     for rank, plan in enumerate(plans):
         assert all(owners[i] == rank for i in plan.page_indices)
         assert plan.keys == tuple(keys[i] for i in plan.page_indices)
-        assert write_plan(keys, owners, cp_size, rank) == plan
         rp = read_plan(keys, owners, cp_size, rank)
         assert (rp.page_indices, rp.keys, rp.num_pages) == (plan.page_indices, plan.keys, plan.num_pages)
 
@@ -69,7 +68,7 @@ def test_interleaved_owners_is_the_placement_rule(first, n, cp_size):
 )
 def test_bad_chains_name_the_argument(args, word, kind):
     with pytest.raises(kind, match=word):
-        write_plans(*args)
+        write_plan(*args, 0)
     with pytest.raises(kind, match=word):
         read_plan(*args, 0)
 

@@ -8,11 +8,12 @@ import ctypes
 import threading
 import time
 
+from sglang_cp_hicache.l3.capabilities import StoreCapabilities
 from sglang_cp_hicache.l3.keys import page_key
 from sglang_cp_hicache.l3.staging import StagingPool
 from sglang_cp_hicache.l3.store import FilePageStore
 from sglang_cp_hicache.l3.workers import L3Workers
-from tests.l3.common import namespace
+from tests.l3.common import namespace, write_chain
 from tests.l3.test_host_tier import HASHES, OWNERS, P, _own_slots, _tier
 
 
@@ -50,7 +51,7 @@ def test_eight_storage_hiccups_leave_staging_memory_and_registrations_bounded(tm
     two reads ever in flight at once."""
     store = RegisteringStore(tmp_path / "l3")
     writer = _tier(store, 0, seed=11)
-    assert writer.store_pages(HASHES, OWNERS, _own_slots(0)) == 3
+    assert write_chain(writer, HASHES, OWNERS, _own_slots(0)) == 3
     reader = _tier(store, 0, seed=5)
     keys = [(page_key(HASHES[i], reader.kv_ns, HASHES[i - 1] if i else None),
              page_key(HASHES[i], reader.indexer_ns, HASHES[i - 1] if i else None)) for i in (0, 3)]
@@ -77,7 +78,7 @@ def test_eight_storage_hiccups_leave_staging_memory_and_registrations_bounded(tm
 def test_buffers_past_the_idle_bound_are_freed_and_unregistered(tmp_path):
     store = RegisteringStore(tmp_path / "l3")
     kv, idx = namespace(), namespace(pool="indexer", row_bytes=132)
-    pool = StagingPool(kv, idx, store, keep=2)
+    pool = StagingPool(kv, idx, StoreCapabilities.of(store), keep=2)
     held, entered = [], []
     for _ in range(5):
         cm = pool.borrow()

@@ -28,14 +28,14 @@ if MOONCAKE_ERROR is not None:
         pytest.fail(f"under CI the Mooncake tests must run: {WHY}", pytrace=False)
     pytest.skip(WHY, allow_module_level=True)
 
-from sglang_cp_hicache.l3.consensus import agreed_usable_pages
-from sglang_cp_hicache.l3.envelope import HEADER_BYTES, pack
+from sglang_cp_hicache.l3.capabilities import StoreCapabilities
+from sglang_cp_hicache.l3.envelope import HEADER_BYTES, pack, unpack
 from sglang_cp_hicache.l3.keys import page_keys
-from sglang_cp_hicache.l3.pages import fetch_owned, store_owned
-from sglang_cp_hicache.l3.plan import interleaved_owners, read_plan, write_plan
+from sglang_cp_hicache.l3.pages import PutOutcome
+from sglang_cp_hicache.l3.plan import interleaved_owners
 from sglang_cp_hicache.l3.store import PageStore
 from sglang_cp_hicache.l3_backends import MooncakePageStore, open_page_store
-from tests.l3.common import hash_chain, namespace, payload
+from tests.l3.common import check_reads, hash_chain, namespace, payload, read_own_pages, write_own_pages
 from tests.l3_backends.mooncake_cluster import master_binary, start_cluster
 
 NS = namespace()
@@ -50,31 +50,17 @@ class Chain:
         self.keys = page_keys(hash_chain(NUM_PAGES, seed=seed), ns)
         self.pages = [payload(ns, seed * 100 + i) for i in range(NUM_PAGES)]
 
-    def write(self, stores, owners, skip=()) -> list[list[bool]]:
+    def write(self, stores, owners, skip=()) -> list[list[PutOutcome]]:
         """Each rank stores its own pages through its own client."""
-        out = []
-        for rank, store in enumerate(stores):
-            plan = write_plan(self.keys, owners, len(stores), rank)
-            keep = [j for j, i in enumerate(plan.page_indices) if i not in skip]
-            plan = type(plan)(rank, plan.num_pages, tuple(plan.page_indices[j] for j in keep),
-                              tuple(plan.keys[j] for j in keep))
-            out.append(store_owned(store, self.ns, plan, [self.pages[i] for i in plan.page_indices]))
-        return out
+        return [write_own_pages(store, self.ns, self.keys, self.pages, owners, len(stores), rank, skip)
+                for rank, store in enumerate(stores)]
 
     def read(self, stores, owners):
-        results = [fetch_owned(s, self.ns, read_plan(self.keys, owners, len(stores), r)) for r, s in enumerate(stores)]
-        return results, agreed_usable_pages([r.usable_pages for r in results])
+        results = [read_own_pages(s, self.ns, self.keys, owners, len(stores), r) for r, s in enumerate(stores)]
+        return results, min(r.usable_pages for r in results)  # the group's MIN
 
     def check_restored(self, results, agreed: int) -> None:
-        for res in results:
-            for index, page in zip(res.plan.page_indices, res.payloads):
-                if index < res.usable_pages:
-                    assert torch.equal(page, self.pages[index]), index
-                else:
-                    assert page is None, index
-            restored = res.restorable(agreed)
-            assert [i for i, _ in restored] == [i for i in res.plan.page_indices if i < agreed]
-            assert all(torch.equal(page, self.pages[i]) for i, page in restored)
+        check_reads(results, agreed, self.pages)
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +102,7 @@ def test_cp4_writes_cp2_and_cp1_read_bit_exact(cluster):
     for readers, base in ((cluster.stores[2:4], 1), (cluster.stores[1:2], 0), (cluster.stores[3:4], 0)):
         read, agreed = chain.read(readers, interleaved_owners(base, NUM_PAGES, len(readers)))
         assert agreed == NUM_PAGES
-        assert sum(len(r.plan.page_indices) for r in read) == NUM_PAGES
+        assert sum(len(r.page_indices) for r in read) == NUM_PAGES
         chain.check_restored(read, agreed)
 
 
@@ -139,7 +125,7 @@ KINDS = ["truncated", "bit_flip", "other_model", "other_page"]
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_a_bad_object_is_a_miss_from_that_page_never_restored(cluster, caplog, kind):
+def test_a_bad_object_is_a_miss_from_that_page_never_restored(cluster, kind):
     chain = Chain(seed=10 + KINDS.index(kind))
     damaged = 6
     owners_w = interleaved_owners(0, NUM_PAGES, 4)
@@ -147,13 +133,11 @@ def test_a_bad_object_is_a_miss_from_that_page_never_restored(cluster, caplog, k
     blob, reason = _damaged(chain, damaged, kind)
     owner = cluster.stores[owners_w[damaged]]
     assert owner.put([chain.keys[damaged]], [blob]) == [True]  # the store takes it: it does not judge
-    with caplog.at_level(logging.WARNING, logger="sglang_cp_hicache.l3"):
-        read, agreed = chain.read(cluster.stores[1:3], interleaved_owners(1, NUM_PAGES, 2))
+    read, agreed = chain.read(cluster.stores[1:3], interleaved_owners(1, NUM_PAGES, 2))
     assert agreed == damaged
     chain.check_restored(read, agreed)
-    holder = next(r for r in read if damaged in r.plan.page_indices)
-    assert holder.rejections[holder.plan.page_indices.index(damaged)].reason == reason
-    assert f"L3 object {chain.keys[damaged]} rejected ({reason})" in caplog.text
+    holder = next(r for r in read if damaged in r.page_indices)
+    assert holder.rejections[holder.page_indices.index(damaged)].reason == reason
     if kind == "truncated":  # another size under the key: the owner's next write replaces it
         chain.write(cluster.stores[:4], owners_w)
         read, agreed = chain.read(cluster.stores[3:4], [0] * NUM_PAGES)
@@ -170,7 +154,7 @@ def test_a_missing_object_is_a_miss_on_its_owner_and_the_prefix_stops_there(clus
     assert agreed == missing
     holder = read[owners[missing]]
     assert holder.usable_pages == missing
-    assert holder.rejections[holder.plan.page_indices.index(missing)].reason == "missing"
+    assert holder.rejections[holder.page_indices.index(missing)].reason == "missing"
     other = read[1 - owners[missing]]
     assert other.usable_pages > missing  # the other rank's own pages were fine
     chain.check_restored(read, agreed)
@@ -235,21 +219,18 @@ def test_a_40_page_chain_of_deepseek_pages_restores_whole_through_the_default_st
     pages = [torch.full((ns.page_bytes,), i, dtype=torch.uint8) for i in range(40)]
     store = cluster.open_store(global_segment_size=256 << 20)  # the default buffer: 16 MiB
     assert store.config.local_buffer_size == 16 << 20
-    plan = write_plan(keys, [0] * 40, 1, 0)
-    assert all(store_owned(store, ns, plan, pages))
-    got = fetch_owned(cluster.stores[0], ns, read_plan(keys, [0] * 40, 1, 0))
-    assert got.usable_pages == 40
-    assert all(torch.equal(page, pages[i]) for i, page in got.restorable(40))
+    assert all(write_own_pages(store, ns, keys, pages, [0] * 40, 1, 0))
+    blobs = cluster.stores[0].get(keys, [HEADER_BYTES + ns.page_bytes] * 40)  # one call: batched to fit
+    assert [torch.equal(unpack(key, ns, blob), page) for key, blob, page in zip(keys, blobs, pages)] == [True] * 40
 
 
 def test_a_write_over_a_damaged_object_repairs_it(cluster):
     chain = Chain(seed=9)
     store = cluster.stores[0]
-    plan = write_plan(chain.keys, [0] * NUM_PAGES, 1, 0)
-    assert all(store_owned(store, NS, plan, chain.pages))
+    assert all(chain.write([store], [0] * NUM_PAGES)[0])
     bad, _ = _damaged(chain, 4, "bit_flip")
     assert store.put([chain.keys[4]], [bad]) == [True]
-    outcomes = store_owned(store, NS, plan, chain.pages)
+    outcomes = chain.write([store], [0] * NUM_PAGES)[0]
     assert [o.value for o in outcomes].count("repaired") == 1 and outcomes[4].value == "repaired"
     read, agreed = chain.read([cluster.stores[1]], [0] * NUM_PAGES)
     assert agreed == NUM_PAGES
@@ -269,7 +250,7 @@ def test_reads_in_place_into_registered_buffers_and_writes_in_parts(cluster):
     store = cluster.stores[0]
     scratch = (memoryview(bytearray(HEADER_BYTES)), memoryview(bytearray(NS.page_bytes)))
     for key, page in zip(chain.keys, chain.pages):
-        assert store_verified(store, NS, key, page, scratch).value == "written"  # write_from: parts
+        assert store_verified(StoreCapabilities.of(store), NS, key, page, scratch).value == "written"  # write_from: parts
     head, page = bytearray(HEADER_BYTES), torch.empty(NS.page_bytes, dtype=torch.uint8)
     views = [memoryview(head), byte_view(page)]
     reader = cluster.stores[1]
@@ -277,7 +258,7 @@ def test_reads_in_place_into_registered_buffers_and_writes_in_parts(cluster):
     assert torch.equal(page, chain.pages[3])  # copying path (not registered)
     assert reader.register_buffers(views)
     page.zero_()
-    assert read_verified(reader, NS, chain.keys[4], *views) is None  # in place
+    assert read_verified(StoreCapabilities.of(reader), NS, chain.keys[4], *views) is None  # in place
     assert torch.equal(page, chain.pages[4])
     missing = page_keys(hash_chain(1, seed=99), NS)[0]
     assert reader.read_into(missing, HEADER_BYTES + NS.page_bytes, views) is None
@@ -287,7 +268,7 @@ def test_reads_in_place_into_registered_buffers_and_writes_in_parts(cluster):
     reader.unregister_buffers(views)  # freed staging: never read into in place again
     assert reader.unregister_buffers(views) is None  # a second time: nothing left to release
     page.zero_()
-    assert read_verified(reader, NS, chain.keys[6], *views) is None  # the copying path again
+    assert read_verified(StoreCapabilities.of(reader), NS, chain.keys[6], *views) is None  # the copying path again
     assert torch.equal(page, chain.pages[6])
 
 

@@ -9,7 +9,7 @@ import pytest
 from sglang_cp_hicache.preflight import launch
 from sglang_cp_hicache.preflight.report import FAIL, OK
 
-from tests.helpers.readme_launch import launch_line
+from tests.helpers.readme_launch import launch_line, with_flag
 
 RELEASE = "0.5.18"
 README_LINE = launch_line("SGLang 0.5.18 server")
@@ -21,13 +21,8 @@ def _checked(argv: list[str]):
 
 
 def _with(flag: str, value: str | None) -> list[str]:
-    """The README line with ``flag`` set to ``value`` (None: left out)."""
-    argv = list(README_LINE)
-    if flag in argv:
-        i = argv.index(flag)
-        takes_value = i + 1 < len(argv) and not argv[i + 1].startswith("--")
-        del argv[i:i + 1 + takes_value]
-    return argv + ([flag] if value == "" else [flag, value] if value is not None else [])
+    """The README line with ``flag`` set to ``value``."""
+    return with_flag(README_LINE, flag, value)
 
 
 def test_the_readme_launch_line_passes_every_argument_check():

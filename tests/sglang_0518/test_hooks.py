@@ -22,7 +22,7 @@ from sglang_cp_hicache.sglang_0518.hooks import HOOKS, HookMismatchError, check_
 from sglang_cp_hicache.sglang_0518.tree_node import CpTreeNode
 from sglang_cp_hicache.testing.stack_0518 import CpStackConfig, build_cp_rank_stack
 
-from tests.helpers.hook_checks import check_registry_shape, remove_hook
+from tests.helpers.hook_checks import registry_tests, remove_hook
 
 ADAPTER = pathlib.Path(hooks.__file__).parent
 # hooks.py is the registry itself; every other module of the adapter uses SGLang.
@@ -34,17 +34,9 @@ def registered(owners: set[str], name: str, kinds: tuple[str, ...] = hooks.KINDS
     return any(h.owner in owners and h.attribute == name and h.kind in kinds for h in HOOKS)
 
 
-def test_the_installed_release_passes():
-    check_hooks()
-
-
-@pytest.mark.parametrize("hook", HOOKS, ids=lambda h: h.name)
-def test_every_hook_resolves(hook):
-    assert find_problem(hook) is None
-
-
-def test_the_registry_names_each_hook_once_and_keeps_its_shape():
-    check_registry_shape(HOOKS, params_kinds=("private-helper", "call"))
+(test_the_installed_release_passes, test_every_hook_resolves,
+ test_the_registry_names_each_hook_once_and_keeps_its_shape) = registry_tests(
+    HOOKS, check_hooks, find_problem, params_kinds=("private-helper", "call"))
 
 
 # ---- each hook, taken away or changed, is named ------------------------------------

@@ -25,7 +25,9 @@ from sglang_cp_hicache import settings
 from sglang_cp_hicache.l3.identity import ModelIdentity
 from sglang_cp_hicache.l3.rank import RankL3
 from sglang_cp_hicache.sglang_0518.l3_port import L3Port0518
-from sglang_cp_hicache.sglang_0518.l3_tier import balanced_owners, open_l3
+from sglang_cp_hicache.l3.opening import open_l3
+from sglang_cp_hicache.sglang_0518.l3_cache import l3_binding
+from sglang_cp_hicache.sglang_0518.l3_port import balanced_owners
 from sglang_cp_hicache.testing.stack_0518 import CpStackConfig
 
 from tests.helpers.cp_cluster import CpCluster
@@ -220,8 +222,9 @@ def test_another_models_namespace_in_the_same_directory_misses(written, monkeypa
     cl = cluster(2)
     try:
         for c in cl.caches:
-            other = open_l3(c.cp_placement, c.cp_copy_targets, c.token_to_kv_pool_allocator.get_kvcache(),
-                            c.cp_l3_location, "test", identity=ModelIdentity("name:another-model"))
+            other = open_l3(c.cp_l3_location, "test", lambda c=c: l3_binding(
+                c.cp_placement, c.cp_copy_targets, c.token_to_kv_pool_allocator.get_kvcache(), None),
+                identity=ModelIdentity("name:another-model"))
             port = L3Port0518(c, other.tier, c.cp_placement, c.cp_host)
             c.cp_l3_cache.rank_l3 = RankL3(other.tier, port, c.cp_l3_location)
         assert read_back(cl) == [0, 0]

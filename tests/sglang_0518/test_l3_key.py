@@ -27,7 +27,7 @@ import pytest
 
 from sglang_cp_hicache import settings
 from sglang_cp_hicache.l3.envelope import HEADER_BYTES
-from sglang_cp_hicache.sglang_0518.l3_tier import balanced_owners
+from sglang_cp_hicache.sglang_0518.l3_port import balanced_owners
 from sglang_cp_hicache.testing.stack_0518 import CpStackConfig
 
 from tests.helpers.l3_key import UNKEYED, keyed_view, digests, forge_without_the_key, key_file, keyed_objects, new_secret
@@ -169,11 +169,11 @@ def _build_with_key_files(tmp_path, monkeypatch, paths: list) -> list:
     import time
 
     from sglang_cp_hicache.l3.auth import seal_from_settings as real
-    from sglang_cp_hicache.sglang_0518 import l3_tier
+    from sglang_cp_hicache.l3 import opening
     from tests.helpers.cp_cluster import RankSetup, build_each_rank, building_rank
 
     monkeypatch.setenv(settings.L3_DIR.name, str(tmp_path / "l3"))
-    monkeypatch.setattr(l3_tier, "seal_from_settings",
+    monkeypatch.setattr(opening, "seal_from_settings",
                         lambda: real({settings.L3_KEY_FILE.name: str(paths[building_rank()])}))
     start = time.monotonic()
     outcomes = build_each_rank(CpStackConfig(cp_size=2, device_pages=8, host_pages=10), lambda r: RankSetup(r),

@@ -451,7 +451,7 @@ def test_a_read_that_blocks_forever_on_one_rank_settles_at_its_deadline_and_hold
 
 
 def test_the_flag_logs_one_line_per_rank_and_builds_no_sglang_storage(tmp_path, caplog):
-    with caplog.at_level(logging.INFO, logger="sglang_cp_hicache.sglang_0518.l3_requests"):
+    with caplog.at_level(logging.INFO, logger="sglang_cp_hicache.sglang_0518.l3_cache"):
         cl = cluster(2, tmp_path)
     try:
         lines = [r.getMessage() for r in caplog.records if "cp-hicache L3 on cp_rank" in r.getMessage()]
@@ -466,7 +466,7 @@ def test_the_flag_logs_one_line_per_rank_and_builds_no_sglang_storage(tmp_path, 
 
 def test_the_setting_alone_warns_that_the_scheduler_will_not_prefetch(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv(settings.L3_DIR.name, str(tmp_path))
-    with caplog.at_level(logging.INFO, logger="sglang_cp_hicache.sglang_0518.l3_requests"):
+    with caplog.at_level(logging.INFO, logger="sglang_cp_hicache.sglang_0518.l3_cache"):
         cl = CpCluster(CpStackConfig(cp_size=2, device_pages=8, host_pages=10), threaded=True, timeout_s=30)
     try:
         warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
@@ -487,7 +487,7 @@ def test_mooncake_is_served_through_the_library_page_store(written, monkeypatch,
     on the CP 4 directory, since no Mooncake runs here) and the scheduler's
     calls read through it bit-exact; without a master it stops start-up."""
     from sglang_cp_hicache.l3.store import FilePageStore
-    from sglang_cp_hicache.sglang_0518 import l3_tier
+    from sglang_cp_hicache import l3_backends
 
     opened = []
 
@@ -495,11 +495,11 @@ def test_mooncake_is_served_through_the_library_page_store(written, monkeypatch,
         opened.append((backend, directory, dict(extra_config or {})))
         return FilePageStore(written)
 
-    monkeypatch.setattr(l3_tier, "open_page_store", fake_open)
+    monkeypatch.setattr(l3_backends, "open_page_store", fake_open)
     extra = json.dumps({"master_server_address": "127.0.0.1:50051"})
     mooncake = CpStackConfig(cp_size=2, device_pages=8, host_pages=10, storage_backend="mooncake",
                              storage_extra_config=extra)
-    with caplog.at_level(logging.INFO, logger="sglang_cp_hicache.sglang_0518.l3_requests"):
+    with caplog.at_level(logging.INFO, logger="sglang_cp_hicache.sglang_0518.l3_cache"):
         cl = CpCluster(mooncake, threaded=True, timeout_s=30)
     try:
         assert opened == [("mooncake", None, {"master_server_address": "127.0.0.1:50051"})] * 2

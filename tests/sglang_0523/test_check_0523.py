@@ -14,7 +14,7 @@ import pytest
 from sglang_cp_hicache.preflight import launch
 from sglang_cp_hicache.preflight.report import FAIL, OK
 
-from tests.helpers.readme_launch import launch_line
+from tests.helpers.readme_launch import launch_line, with_flag
 
 ROOT = Path(__file__).resolve().parents[2]
 RELEASE = "0.5.23"
@@ -22,13 +22,8 @@ README_LINE = launch_line("SGLang 0.5.23 prefill worker")
 
 
 def _with(flag: str, value: str | None) -> list[str]:
-    """The README line with ``flag`` set to ``value`` (None: left out; "": a switch)."""
-    argv = list(README_LINE)
-    if flag in argv:
-        i = argv.index(flag)
-        takes_value = i + 1 < len(argv) and not argv[i + 1].startswith("--")
-        del argv[i:i + 1 + takes_value]
-    return argv + ([flag] if value == "" else [flag, value] if value is not None else [])
+    """The README line with ``flag`` set to ``value``."""
+    return with_flag(README_LINE, flag, value)
 
 
 def test_the_readme_launch_line_passes_every_argument_check(monkeypatch):

@@ -17,7 +17,7 @@ from sglang_cp_hicache import hook_registry
 from sglang_cp_hicache.sglang_0523 import plugin, strategy
 from sglang_cp_hicache.sglang_0523.hooks import HOOKS, HookMismatchError, check_hooks, find_problem
 
-from tests.helpers.hook_checks import check_registry_shape, remove_hook
+from tests.helpers.hook_checks import registry_tests, remove_hook
 
 ADAPTER = pathlib.Path(strategy.__file__).parent
 # hooks.py is the registry itself; every other module of the adapter uses SGLang.
@@ -25,17 +25,9 @@ ADAPTER_MODULES = sorted(p for p in ADAPTER.glob("*.py") if p.name != "hooks.py"
 MODULE_PATH = re.compile(r"^sglang(\.[A-Za-z_]\w*)+$")
 
 
-def test_the_installed_release_passes():
-    check_hooks()
-
-
-@pytest.mark.parametrize("hook", HOOKS, ids=lambda h: h.name)
-def test_every_hook_resolves(hook):
-    assert find_problem(hook) is None
-
-
-def test_the_registry_names_each_hook_once_and_keeps_its_shape():
-    check_registry_shape(HOOKS, params_kinds=("override", "private-helper", "call"))
+(test_the_installed_release_passes, test_every_hook_resolves,
+ test_the_registry_names_each_hook_once_and_keeps_its_shape) = registry_tests(
+    HOOKS, check_hooks, find_problem, params_kinds=("override", "private-helper", "call"))
 
 
 # ---- each hook, taken away or changed, is named ------------------------------------

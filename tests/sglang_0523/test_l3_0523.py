@@ -212,18 +212,18 @@ def resolution(monkeypatch):
     ensure_sglang_importable()
     from sglang.srt.arg_groups import kv_shard_hook, resolution_hooks
 
-    from sglang_cp_hicache.sglang_0523 import l3_resolution, strategy
+    from sglang_cp_hicache.sglang_0523 import storage_lift, strategy
 
     def past(server_args: Any) -> Any:
         raise _PastTheStorageCheck()
 
     monkeypatch.setattr(kv_shard_hook, "model_config_of", past)
     monkeypatch.setattr(resolution_hooks, "_HOOKS", {})
-    monkeypatch.setattr(l3_resolution, "_registered", False)
+    monkeypatch.setattr(storage_lift, "_registered", False)
     monkeypatch.setenv("SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND", "python")
     monkeypatch.delenv("SGLANG_CP_HICACHE_L3_DIR", raising=False)
     yield SimpleNamespace(step=kv_shard_hook.handle_kv_cache_sharding, run=resolution_hooks.run_hook,
-                          hooks=resolution_hooks, lift=l3_resolution, strategy=strategy)
+                          hooks=resolution_hooks, lift=storage_lift, strategy=strategy)
     strategy.uninstall_strategy()
 
 
@@ -337,7 +337,7 @@ def _driver_on_stand_ins(seen: list):
     from sglang_cp_hicache.l3.rank import RankL3
     from sglang_cp_hicache.placement import CpPlacement
     from sglang_cp_hicache.sglang_0523.l3_cache import L3Driver
-    from sglang_cp_hicache.sglang_0523.l3_tier import L3Counters
+    from sglang_cp_hicache.l3.host_tier import L3Counters
 
     cache = SimpleNamespace()
 
@@ -387,26 +387,45 @@ def test_a_reset_drops_the_pending_lookups():
     assert driver.pending == [] and ("upstream", ()) in seen
 
 
+#: DeepSeek-V3.2's namespace digests (KV, indexer) per host layout: what both
+#: releases' stored pages are filed under. A change orphans every stored page.
+DSV32_DIGESTS = {"layer_first": ["9975222420546907", "e3a99c343a50909d"],
+                 "page_first": ["07ce26c19b97421a", "e3a99c343a50909d"]}
+
+
 @pytest.mark.parametrize("layout", ["layer_first", "page_first"])
-def test_an_identically_configured_0518_deployment_has_the_same_namespaces(layout):
+def test_an_identically_configured_0518_deployment_has_the_same_namespaces(layout, tmp_path, monkeypatch):
     """Same model, dtype, row format, page size, layers and host layout: the
-    0.5.23 adapter computes the 0.5.18 adapter's namespaces (and both key
-    pages by SGLang's page hash), so either reads what the other wrote."""
+    0.5.23 binding opens the wing's one tier class, whose namespaces are the
+    pools' (the rule the 0.5.18 binding feeds too), and both key pages by
+    SGLang's page hash, so either reads what the other wrote."""
     import torch
 
     from sglang_cp_hicache.testing.cpu_0523 import ensure_sglang_importable
 
     ensure_sglang_importable()
-    from sglang_cp_hicache.sglang_0518.l3_tier import _namespaces as namespaces_0518
-    from sglang_cp_hicache.sglang_0523.l3_tier import namespaces as namespaces_0523
+    from sglang.srt.mem_cache.utils import get_hash_str
+
+    from sglang_cp_hicache.l3.host_tier import HostL3Tier, namespaces
+    from sglang_cp_hicache.l3.identity import ModelIdentity
+    from sglang_cp_hicache.l3.location import l3_location
+    from sglang_cp_hicache.l3.opening import open_l3
+    from sglang_cp_hicache.sglang_0523.l3_cache import l3_binding
 
     kv = SimpleNamespace(page_size=64, kv_buffer=torch.empty(0, dtype=torch.float8_e4m3fn), kv_cache_dim=656,
                          layer_num=61, layout=layout)
     indexer = SimpleNamespace(index_k_with_scale_buffer=torch.empty(0, dtype=torch.uint8),
                               indexer_page_stride_size=132 * 64, layer_num=61)
-    ours = namespaces_0523("deepseek-ai/DeepSeek-V3.2", kv, indexer, 0)
-    assert ours == namespaces_0518("deepseek-ai/DeepSeek-V3.2", kv, indexer, 0)
-    assert [ns.digest() for ns in ours] == [ns.digest() for ns in namespaces_0518("deepseek-ai/DeepSeek-V3.2", kv, indexer, 0)]
+    assert [ns.digest() for ns in namespaces("deepseek-ai/DeepSeek-V3.2", kv, indexer, 0)] == DSV32_DIGESTS[layout]
+    group = _rank1_group(0, monkeypatch)
+    group.anchor_entry.host_pool.kv = kv
+    group.entry_map[next(iter(group.entry_map))].host_pool = indexer
+    location = l3_location("file", {"file_storage_path": str(tmp_path)})
+    opening = open_l3(location, "test", lambda: l3_binding(group, None, 0),
+                      identity=ModelIdentity("name:deepseek-ai/DeepSeek-V3.2"))
+    assert opening.error is None and type(opening.tier) is HostL3Tier and opening.tier.page_hasher is get_hash_str
+    assert [opening.tier.kv_ns.digest(), opening.tier.indexer_ns.digest()] == [
+        ns.digest() for ns in namespaces("name:deepseek-ai/DeepSeek-V3.2", kv, indexer, 0)]
 
 
 def test_file_and_mooncake_are_served_and_any_other_store_is_refused_naming_the_flag():
@@ -414,17 +433,18 @@ def test_file_and_mooncake_are_served_and_any_other_store_is_refused_naming_the_
 
     ensure_sglang_importable()
     from sglang_cp_hicache.l3.location import l3_location
-    from sglang_cp_hicache.sglang_0523.l3_attach import SERVED_BACKENDS, check_served_here, served_here
+    from sglang_cp_hicache.l3.opening import SERVED_BACKENDS, check_served, served
 
     assert SERVED_BACKENDS == ("file", "mooncake")
-    assert served_here(l3_location("file", {"file_storage_path": "/x"}))
+    assert served(l3_location("file", {"file_storage_path": "/x"}))
     mooncake = l3_location("mooncake", '{"master_server_address": "127.0.0.1:50051"}')
-    assert served_here(mooncake)
-    check_served_here(mooncake)
+    assert served(mooncake)
+    check_served(mooncake, "0.5.23")
     other = SimpleNamespace(directory=None, scheduler_driven=True, source="extra config", backend="hf3fs")
-    assert not served_here(other)
-    with pytest.raises(ValueError, match="--hicache-storage-backend 'hf3fs' is not served"):
-        check_served_here(other)
+    assert not served(other)
+    with pytest.raises(ValueError, match="--hicache-storage-backend 'hf3fs' is not served by sglang-cp-hicache's "
+                                         "SGLang 0.5.23 adapter"):
+        check_served(other, "0.5.23")
     # the strategy resolves the location first: a Mooncake store without its master stops start-up there
     with pytest.raises(ValueError, match="--hicache-storage-backend mooncake .*master_server_address"):
         l3_location("mooncake", "{}")
@@ -481,13 +501,13 @@ def _rank1_group(fill: int, monkeypatch, *, distinct_rows: bool = False) -> Simp
     local KV page ``r`` filled with ``fill + 1 + r``, else all ``fill``)."""
     from sglang.srt.mem_cache.hicache_storage import PoolName
 
-    from sglang_cp_hicache.sglang_0523 import l3_attach
+    from sglang_cp_hicache.sglang_0523 import l3_cache
 
     kv = _KvHost(fill)
     for row in range(4 if distinct_rows else 0):
         kv.kv_buffer[:, row * P64:(row + 1) * P64] = fill + 1 + row
     anchor = SimpleNamespace(page_size=P64, shard_size=2, shard_rank=1, kv=kv)
-    monkeypatch.setattr(l3_attach, "kv_host_pool_of", lambda host_pool: host_pool.kv)
+    monkeypatch.setattr(l3_cache, "kv_host_pool_of", lambda host_pool: host_pool.kv)
     indexer = SimpleNamespace(host_pool=_IndexerHost(fill))
     return SimpleNamespace(anchor_entry=SimpleNamespace(host_pool=anchor), entry_map={PoolName.INDEXER: indexer})
 
@@ -501,7 +521,7 @@ def mooncake_0523(tmp_path, monkeypatch):
     ensure_sglang_importable()
     from sglang_cp_hicache.l3.location import l3_location
     from sglang_cp_hicache.l3.store import FilePageStore
-    from sglang_cp_hicache.sglang_0523 import l3_tier
+    from sglang_cp_hicache import l3_backends
 
     opened: list = []
 
@@ -509,34 +529,39 @@ def mooncake_0523(tmp_path, monkeypatch):
         opened.append((backend, directory, dict(extra_config or {})))
         return FilePageStore(tmp_path / "mooncake")
 
-    monkeypatch.setattr(l3_tier, "open_page_store", fake_open)
+    monkeypatch.setattr(l3_backends, "open_page_store", fake_open)
     location = l3_location("mooncake", '{"master_server_address": "127.0.0.1:50051"}')
-    return SimpleNamespace(location=location, opened=opened, l3_tier=l3_tier)
+    return SimpleNamespace(location=location, opened=opened, l3_backends=l3_backends)
+
+
+def _open_l3_0523(location, group, identity):
+    """The strategy's opening of one rank's L3 on ``group``."""
+    from sglang_cp_hicache.l3.opening import open_l3
+    from sglang_cp_hicache.sglang_0523.l3_cache import l3_binding, source_text
+
+    return open_l3(location, source_text(location), lambda: l3_binding(group, None, 0), identity=identity)
 
 
 def test_mooncake_opens_the_library_page_store_and_reads_back_bit_exact_at_local_rows(mooncake_0523, monkeypatch):
     import torch
 
-    from sglang_cp_hicache.sglang_0523.l3_attach import open_l3
+    from tests.l3.common import read_chain, write_chain
 
     m = mooncake_0523
-    writer = open_l3(m.location, _rank1_group(0, monkeypatch, distinct_rows=True), identity=TINY, layer_start=0)
+    writer = _open_l3_0523(m.location, _rank1_group(0, monkeypatch, distinct_rows=True), TINY)
     assert writer.error is None and writer.tier is not None and writer.view == writer.tier.describe()
     assert m.opened == [("mooncake", None, {"master_server_address": "127.0.0.1:50051"})]
     hashes = [f"{i:064x}" for i in (7, 8, 9)]
     owners = [1, 0, 1]
     # logical slots P and 3P are rank 1's local rows 0 and P
-    assert writer.tier.store_pages(hashes, owners, [P64, 3 * P64]) == 2
-    reader = open_l3(m.location, _rank1_group(0xEE, monkeypatch), identity=TINY, layer_start=0)
-    got = reader.tier.fetch_pages(hashes, owners)
-    assert got.usable == 3 and sorted(got.pages) == [0, 2]
+    assert write_chain(writer.tier, hashes, owners, [P64, 3 * P64]) == 2
+    reader = _open_l3_0523(m.location, _rank1_group(0xEE, monkeypatch), TINY)
+    # logical slots 5P and 7P: rank 1's local rows 2P and 3P
+    assert read_chain(reader.tier, hashes, owners, [5 * P64, 7 * P64]) == 3
     kv_host = writer.tier.kv_host
-    for index, row in ((0, 0), (2, P64)):
-        assert torch.equal(got.pages[index][0], kv_host.kv_buffer[:, row:row + P64].reshape(-1))
-    reader.tier.fill_host(5 * P64, *got.pages[2])  # logical 5P: rank 1's local row 2P
     filled = reader.tier.kv_host.kv_buffer
-    assert torch.equal(filled[:, 2 * P64:3 * P64], kv_host.kv_buffer[:, P64:2 * P64])
-    assert bool((filled[:, :2 * P64] == 0xEE).all()) and bool((filled[:, 3 * P64:] == 0xEE).all())
+    assert torch.equal(filled[:, 2 * P64:4 * P64], kv_host.kv_buffer[:, 0:2 * P64])
+    assert bool((filled[:, :2 * P64] == 0xEE).all()) and bool((filled[:, 4 * P64:] == 0xEE).all())
     assert reader.tier.counters.rejected_pages == 0
 
 
@@ -548,11 +573,9 @@ def test_mooncake_opens_the_library_page_store_and_reads_back_bit_exact_at_local
 ])
 def test_an_unusable_mooncake_store_is_this_ranks_view_not_a_crash(mooncake_0523, monkeypatch, error, message):
     """Raised only after the start-up agreement, so no rank waits alone."""
-    from sglang_cp_hicache.sglang_0523.l3_attach import open_l3
-
     def refuse(backend, directory, extra_config=None, *, mooncake_rules=None):
         raise error
 
-    monkeypatch.setattr(mooncake_0523.l3_tier, "open_page_store", refuse)
-    opening = open_l3(mooncake_0523.location, _rank1_group(0, monkeypatch), identity=TINY, layer_start=0)
+    monkeypatch.setattr(mooncake_0523.l3_backends, "open_page_store", refuse)
+    opening = _open_l3_0523(mooncake_0523.location, _rank1_group(0, monkeypatch), TINY)
     assert opening.tier is None and opening.view == f"unusable: {message}" and str(opening.error) == message

@@ -240,7 +240,7 @@ def test_the_fallback_min_failing_gives_back_every_pending_lookup(caplog):
     from sglang_cp_hicache.placement import CpPlacement
     from sglang_cp_hicache.sglang_0523.l3_cache import CpL3LookupAborted, L3Driver
     from sglang_cp_hicache.sglang_0523.l3_port import ChainRelease, HostRoom0523, L3Port0523
-    from sglang_cp_hicache.sglang_0523.l3_tier import L3Counters
+    from sglang_cp_hicache.l3.host_tier import L3Counters
 
     freed, released, inserted = [], [], []
 

@@ -173,8 +173,8 @@ def _other_model(rank: int, group: Any, l3_dir: str) -> dict[str, Any]:
 
     open_l3 = strategy.open_l3
 
-    def other(location: Any, group_: Any, *, server_args: Any, layer_start: int) -> Any:
-        return open_l3(location, group_, identity=ModelIdentity("name:another/model"), layer_start=layer_start)
+    def other(location: Any, source: str, bind: Any, *, server_args: Any) -> Any:
+        return open_l3(location, source, bind, identity=ModelIdentity("name:another/model"))
 
     def no_writes(driver: Any, rank_: int) -> None:
         # Nothing of its own in L3: anything restored would be the other model's.

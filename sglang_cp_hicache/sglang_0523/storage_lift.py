@@ -16,7 +16,7 @@ put on top of the record's resolution stash and taken off again afterwards
 everything else the step checks and declares runs as usual). It applies only
 while the library strategy is this process's (plugin registered,
 ``SGLANG_CP_HICACHE_COPY=library``) and for a backend this adapter serves
-(:data:`~sglang_cp_hicache.sglang_0523.l3_attach.SERVED_BACKENDS`, as resolved
+(:data:`~sglang_cp_hicache.l3.opening.SERVED_BACKENDS`, as resolved
 by :func:`~sglang_cp_hicache.l3.location.l3_location`: ``mooncake`` needs its
 ``master_server_address``); every other case -- upstream's copy path,
 another backend, a Mooncake store without a master -- runs upstream's step
@@ -32,7 +32,7 @@ from sglang.srt.arg_groups.overrides import declare_resolution
 from sglang.srt.arg_groups.resolution_hooks import register_resolution_hook
 
 from sglang_cp_hicache.l3.location import l3_location
-from sglang_cp_hicache.sglang_0523.l3_attach import served_here
+from sglang_cp_hicache.l3.opening import served
 from sglang_cp_hicache.sglang_0523.strategy import installed_copy_path
 
 __all__ = ["STEP", "library_serves_storage", "lift_storage_refusal", "register_storage_lift"]
@@ -54,7 +54,7 @@ def library_serves_storage(cfg: Any) -> bool:
         location = l3_location(cfg.hicache_storage_backend, cfg.hicache_storage_backend_extra_config)
     except ValueError:
         return False
-    return served_here(location)
+    return served(location)
 
 
 def lift_storage_refusal(server_args: Any, previous: Callable[[Any], None]) -> None:
