@@ -46,6 +46,7 @@ from results_sections import (  # noqa: E402
     table,
     what_you_get,
 )
+from results_host_room import headline_row as host_room_row, section_host_room  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = "docs/results.md"
@@ -103,6 +104,9 @@ def headline(res: Results, *, trace_row: bool = True) -> list[str]:
             f"CP {cp}: {n(lib.get('write_failures'))} vs {n(up.get('write_failures'))} / "
             f"{n(max(lib.get('device_index_host_reads_per_rank') or [0]))} vs "
             f"{n(max(up.get('device_index_host_reads_per_rank') or [0]))}" for cp, lib, up in pairs)])
+    room = host_room_row(res)
+    if room:
+        rows.append(room)
     reads = [d for f, d in sorted(res.json.items()) if SIM_L3.match(f) and SIM_L3.match(f).group(4) == "read"]
     if reads:
         rows.append(["L3 written at one CP size, read at another", f"{len(reads)} reader runs, "
@@ -146,7 +150,7 @@ def render_doc(res: Results) -> str:
         *headline(res),
         "",
     ]
-    for section in (section_compare_upstream, section_sim_0518, section_sim_0523, section_l3, section_l3_bench,
+    for section in (section_compare_upstream, section_sim_0518, section_sim_0523, section_host_room, section_l3, section_l3_bench,
                     section_traces, section_other_sims,
                     section_bookkeeping, section_transfer, section_other_files):
         lines += section(res)

@@ -20,6 +20,7 @@ FIGURE = re.compile(r"\b\d+(?:\.\d+)? ?(?:%|MB|GB|CPU-s|s\b)|\b\d{1,3}(?:,\d{3})
 RESULT_SECTIONS = (
     ("simulator.md", "### Figures"),
     ("sglang-0.5.23.md", "### The library against upstream, one command"),
+    ("sglang-0.5.23.md", "### Figures: lost backups and host hits, same workload on both paths"),
 )
 
 
