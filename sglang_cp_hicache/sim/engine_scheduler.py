@@ -82,10 +82,12 @@ def sched_config(config: SimConfig, opts: EngineOptions, longest_request: int) -
         raise ValueError(f"--chunked-prefill-size must be a multiple of the page size {config.page_size}, "
                          f"got {opts.chunked_prefill_size}")
     page = config.page_size
-    context = -(-(longest_request + opts.max_new_tokens + page) // page) * page
+    # 0.5.23's sharded pool takes a context of whole logical pages (a page on every rank)
+    unit = page * config.cp_size
+    context = -(-(longest_request + opts.max_new_tokens + page) // unit) * unit
     shape = PoolShape(page_size=page, device_pages=config.device_pages, num_layers=config.num_layers,
                       max_running_requests=opts.max_running_requests,
-                      max_context_len=max(context, 4096), chunk_tokens=opts.chunked_prefill_size)
+                      max_context_len=max(context, -(-4096 // unit) * unit), chunk_tokens=opts.chunked_prefill_size)
     extra: list[tuple[str, object]] = [("random_seed", config.seed)]
     if context > _MODEL_CONTEXT:
         extra.append(("context_length", context))
@@ -94,7 +96,7 @@ def sched_config(config: SimConfig, opts: EngineOptions, longest_request: int) -
         config.sglang_version, cp_size=config.cp_size, pd_prefill=pd, overlap=opts.overlap,
         chunked_prefill_size=opts.chunked_prefill_size, shape=shape,
         hicache_ratio=config.host_pages / config.device_pages, extra_server_args=tuple(extra),
-        copy_path=config.copy_path if config.sglang_version == "0.5.23" else "library",
+        copy_path=config.copy_path,
         batch_timeout_s=opts.batch_timeout_s)
 
 

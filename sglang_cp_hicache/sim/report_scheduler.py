@@ -79,7 +79,7 @@ def summarize_scheduler(config: SimConfig, opts: EngineOptions, workload: str, r
     summary: dict[str, Any] = {
         "engine": "scheduler",
         "sglang_version": config.sglang_version,
-        "copy_path": config.copy_path if config.sglang_version == "0.5.23" else "library",
+        "copy_path": config.copy_path,
         "cp_size": config.cp_size, "page_size": config.page_size, "layers": config.num_layers,
         "requests": len(replay.rids), "seed": config.seed,
         "device_pages": config.device_pages, "host_pages": config.host_pages, "workload": workload,
@@ -102,7 +102,10 @@ def summarize_scheduler(config: SimConfig, opts: EngineOptions, workload: str, r
         "load_backs_declined": sum(1 for lb in ranks[0].load_backs if lb.loaded_tokens == 0),
         "load_back_declined_tokens": declined,
         "finished": finished, "aborted": aborted,
-        "verified_tokens": verified_tokens, "verified_pages": verified_tokens // config.page_size,
+        # every hit page was checked on its owner before the request's first forward (the loop engine's
+        # meaning); verified_tokens counts every check, a chunked request's prefix again at each chunk
+        "verified_tokens": verified_tokens, "verified_pages": hits // config.page_size,
+        "restored_pages_verified": tiers["host"] // config.page_size,
         "written_tokens": sum(r.stats.written for r in ranks),
         "corrupted_pages": 0, "nothing_verified": verified_tokens == 0,
         "ranks_agree": True,  # every batch was the same on every rank, or the run failed

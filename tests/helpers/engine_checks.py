@@ -27,7 +27,9 @@ def check_scheduler_summary(s: dict[str, Any], *, version: str, requests: int, l
     assert s["load_backs"] + s["load_backs_declined"] > 0, "the scheduler asked for no load-back"
     if not declines_allowed:
         assert s["load_back_declined_tokens"] == 0 and s["load_backs"] > 0, s
-    assert s["verified_tokens"] >= s["hit_tokens"] > 0  # every hit token checked on its owner, more once per chunk
+    # every hit page was checked on its owner before its first forward; chunks check their prefix again
+    assert s["verified_pages"] == s["hit_tokens"] // s["page_size"] and s["verified_tokens"] >= s["hit_tokens"]
+    assert s["restored_pages_verified"] == s["host_hit_tokens"] // s["page_size"]
     # the run was the real scheduler's: several requests in one batch, chunks of a long one
     assert s["max_batch_requests"] > 1 and s["chunks"] > 0 and s["batches"] > s["chunks"], s
     assert min(s["idle_checks_per_rank"]) > 0 and len(s["idle_checks_per_rank"]) == s["cp_size"], s

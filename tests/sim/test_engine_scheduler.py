@@ -61,3 +61,19 @@ def test_failure_injection_is_the_loop_engines(capsys, monkeypatch, no_replay):
     monkeypatch.setenv(FAIL_ENV, "0:3")
     assert run_cli("--engine", "scheduler") == 2
     assert f"--engine scheduler does not take {FAIL_ENV}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("version, cp", [("0.5.18", 3), ("0.5.23", 4)])
+def test_harness_config_keeps_the_pools_and_stretches_the_context_to_whole_logical_pages(version, cp):
+    from sglang_cp_hicache.sim.config import SimConfig
+
+    config = SimConfig(cp_size=cp, device_pages=235, host_pages=470, sglang_version=version,
+                       copy_path="upstream" if version == "0.5.23" else "library")
+    sc = engine_scheduler.sched_config(config, engine_scheduler.EngineOptions(chunked_prefill_size=512), 15_080)
+    assert (sc.cp_size, sc.shape.device_pages, sc.shape.num_layers, sc.hicache_ratio) == (cp, 235, 2, 2.0)
+    assert sc.pd_prefill == (version == "0.5.23") and sc.chunked_prefill_size == 512
+    # 0.5.23's sharded pool asserts a context of whole logical pages (page_size x cp_size)
+    context = sc.shape.max_context_len
+    assert context % (64 * cp) == 0 and 15_080 + 1 <= context < 15_080 + 1 + 64 + 64 * cp
+    assert dict(sc.extra_server_args)["context_length"] == context
+    assert sc.copy_path == ("upstream" if version == "0.5.23" else "library")
