@@ -40,7 +40,7 @@ def draw(seed: int, version: str) -> tuple[SimConfig, EngineOptions, int]:
     config = SimConfig(cp_size=cp, device_pages=device_pages, host_pages=device_pages * rng.choice((2, 3)),
                        seed=seed, sglang_version=version, copy_path="library")
     running = rng.randint(2, 8)
-    requests = rng.randint(20, 60)
+    requests = rng.randint(40, 160)  # enough batches per start-up (the ranks take most of a minute to build)
     decode = version == "0.5.18" and rng.random() < 0.5  # 0.5.23 at CP > 1 is a PD prefill server
     opts = EngineOptions(
         max_running_requests=running, chunked_prefill_size=64 * rng.choice((1, 2, 4, 8)),
