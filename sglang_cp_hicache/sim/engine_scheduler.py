@@ -117,7 +117,9 @@ class _ClosedLoop:
 
     def __init__(self, h: "SchedulerHarness", requests: PackedRequests, opts: EngineOptions, show: bool) -> None:
         self.h, self.requests, self.opts, self.show = h, requests, opts, show
-        self.rids = [f"q{i}" for i in range(len(requests))]
+        # one width: SGLang aborts every queued request whose rid starts with the aborted one's
+        width = len(str(max(len(requests) - 1, 0)))
+        self.rids = [f"q{i:0{width}d}" for i in range(len(requests))]
         self.next = 0
         self.open: list[int] = []  # submitted, unfinished, oldest first
         self.seen: set[str] = set()

@@ -77,3 +77,12 @@ def test_harness_config_keeps_the_pools_and_stretches_the_context_to_whole_logic
     assert context % (64 * cp) == 0 and 15_080 + 1 <= context < 15_080 + 1 + 64 + 64 * cp
     assert dict(sc.extra_server_args)["context_length"] == context
     assert sc.copy_path == ("upstream" if version == "0.5.23" else "library")
+
+
+def test_request_ids_are_prefix_free():
+    # SGLang's abort_request aborts every request whose rid starts with the one named: q2 must not abort q20
+    from sglang_cp_hicache.sim.packed import PackedRequests
+
+    loop = engine_scheduler._ClosedLoop(None, PackedRequests.from_token_lists([[1]] * 120),  # type: ignore[arg-type]
+                                        engine_scheduler.EngineOptions(), show=False)
+    assert len(set(loop.rids)) == 120 and len({len(r) for r in loop.rids}) == 1, loop.rids[:12]
