@@ -90,13 +90,16 @@ install-0523:
 	@bash scripts/install-0523.sh
 
 # Both releases' CP cache state machines under the hypothesis dev profile
-# with random seeds, SOAK_MINUTES minutes each (0.5.18 in .venv, 0.5.23 in
-# .venv-0523); prints every seed and step count.
+# with random seeds, then random workloads through SGLang's real Scheduler
+# on both releases (tests/soak/scheduler.py), SOAK_MINUTES minutes each
+# (0.5.18 in .venv, 0.5.23 in .venv-0523); prints every seed and step count.
 SOAK_MINUTES ?= 20
 .PHONY: soak
 soak:
 	$(PY) -m tests.soak --release 0.5.18 --minutes $(SOAK_MINUTES) --python $(PY)
 	$(PY) -m tests.soak --release 0.5.23 --minutes $(SOAK_MINUTES) --python $(PY_0523)
+	$(PY) -m tests.soak --release 0.5.18 --engine scheduler --minutes $(SOAK_MINUTES) --python $(PY)
+	$(PY) -m tests.soak --release 0.5.23 --engine scheduler --minutes $(SOAK_MINUTES) --python $(PY_0523)
 
 # The SGLang 0.5.23 suite (collected only under 0.5.23).
 .PHONY: test-0523

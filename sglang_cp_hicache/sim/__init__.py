@@ -30,5 +30,8 @@ are :mod:`.engine_0518` and :mod:`.engine_0523` (and
 * ``compare``  -- --compare-upstream: the library's and upstream's runs side by side
 * ``outputs``  -- --json / --plot paths checked before a run
 * ``plot``     -- PNG (matplotlib, optional)
-* ``cli``      -- the ``simulate`` subcommand
+* ``cli``      -- the ``simulate`` subcommand (its flags: ``cli_flags``; ``--engine``: ``cli_engine``)
+* ``engine_scheduler`` -- ``--engine scheduler``: the workload through SGLang's real
+  ``Scheduler`` (the harness in ``sglang_cp_hicache.testing.sched_*``), closed-loop arrivals
+* ``report_scheduler`` -- that engine's summary JSON and printed table
 """

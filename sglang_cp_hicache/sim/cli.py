@@ -25,6 +25,7 @@ from sglang_cp_hicache.sim.config import (
     SimConfig,
     parse_failure_injection,
 )
+from sglang_cp_hicache.sim.cli_engine import engine_problem, run_scheduler_engine
 from sglang_cp_hicache.sim.cli_flags import add_simulate_flags
 from sglang_cp_hicache.sim.ideal import IdealCache, ideal_cache
 from sglang_cp_hicache.sim.l3_writers import object_names, restored_by_writer, write_manifest, writers_of
@@ -138,6 +139,8 @@ def run_simulate(args: argparse.Namespace) -> int:
     )
     if args.compare_upstream:
         return _run_compare_upstream(args, prepared, token_lists, facts)
+    if args.engine == "scheduler":
+        return run_scheduler_engine(args, prepared, token_lists, facts)
 
     show = not args.no_progress
     l3_before = object_names(config.l3_dir) if config.l3_dir is not None else set()
@@ -153,6 +156,7 @@ def run_simulate(args: argparse.Namespace) -> int:
             return 1
     summary, verdict = summarize(config, workload, len(requests), cp, non_cp,
                                  allow_unverified=args.allow_unverified, facts=facts)
+    summary = {"engine": "loop", **summary}
     if prepared.sizing is not None:
         summary["pool_sizing"] = prepared.sizing.as_dict()
     if config.l3_dir is not None:
@@ -242,6 +246,9 @@ def _prepare(args: argparse.Namespace) -> Union[int, Prepared]:
         failure: Optional[FailureInjection] = parse_failure_injection()
     except ValueError as exc:
         return _error(str(exc), 2)
+    problem = engine_problem(args, version, failure is not None)
+    if problem is not None:
+        return _error(problem, 2)
     if args.plot is not None:
         try:
             check_matplotlib()

@@ -19,7 +19,13 @@ from sglang_cp_hicache.sim.config import (
 from sglang_cp_hicache.sim.mooncake import DEFAULT_BLOCK_TOKENS, MOONCAKE_BLOCK_TOKENS
 from sglang_cp_hicache.sim.sizing import DEFAULT_CAPACITY
 
-__all__ = ["add_simulate_flags"]
+__all__ = ["ENGINES", "SCHEDULER_ONLY_FLAGS", "add_simulate_flags"]
+
+ENGINES = ("loop", "scheduler")
+#: The flags only --engine scheduler reads: (flag, argparse dest).
+SCHEDULER_ONLY_FLAGS = (("--max-running-requests", "max_running_requests"),
+                        ("--chunked-prefill-size", "chunked_prefill_size"), ("--in-flight", "in_flight"),
+                        ("--max-new-tokens", "max_new_tokens"), ("--overlap", "overlap"))
 
 _DEFAULTS = SimConfig()
 
@@ -30,6 +36,7 @@ def add_simulate_flags(p: argparse.ArgumentParser) -> None:
     _add_output_flags(p)
     _add_limit_flags(p)
     _add_stack_flags(p)
+    _add_engine_flags(p)
 
 
 def _converted(text: str, convert: Callable[[str], Any], expected: str) -> Any:
@@ -180,3 +187,26 @@ def _add_stack_flags(p: argparse.ArgumentParser) -> None:
                    help="SGLang 0.5.23 only: whose copies the sharded pool runs, this library's kernels or "
                         "upstream's own (default library)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+
+
+def _add_engine_flags(p: argparse.ArgumentParser) -> None:
+    """Which engine replays the workload, and the real scheduler's knobs."""
+    p.add_argument("--engine", choices=ENGINES, default="loop",
+                   help="'loop': the simulator's own loop (one request at a time: match, load-back, alloc, "
+                        "insert); 'scheduler': SGLang's real Scheduler and its own event loop in each CP rank, "
+                        "only the model worker replaced (batches, chunked prefill, PrefillAdder's quotas, "
+                        "load-backs it asks for, its idle leak checks); arrivals are a closed loop in the "
+                        "workload's order, at most --in-flight unfinished (default loop)")
+    p.add_argument("--max-running-requests", type=_positive("--max-running-requests", 1024), default=None,
+                   metavar="N", help="--engine scheduler: SGLang's --max-running-requests (default 8)")
+    p.add_argument("--chunked-prefill-size", type=_positive("--chunked-prefill-size"), default=None,
+                   metavar="T", help="--engine scheduler: SGLang's --chunked-prefill-size, a multiple of the "
+                                     "page size (default 1024)")
+    p.add_argument("--in-flight", type=_positive("--in-flight", 4096), default=None, metavar="K",
+                   help="--engine scheduler: requests submitted and unfinished at most; the next one in order "
+                        "is submitted before the next batch once one finishes (default: --max-running-requests)")
+    p.add_argument("--max-new-tokens", type=_positive("--max-new-tokens", 4096), default=None, metavar="M",
+                   help="--engine scheduler on 0.5.18 or CP 1: tokens each request decodes (default 1: prefill "
+                        "only, as the loop engine; more puts decode and retraction in the run)")
+    p.add_argument("--overlap", action="store_true",
+                   help="--engine scheduler: SGLang's overlap event loop instead of the normal one")

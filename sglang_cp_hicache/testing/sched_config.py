@@ -61,6 +61,9 @@ class SchedConfig:
     prefetch_policy: str = "best_effort"
     pd_scripts: tuple[PdScript, ...] = ()
     extra_server_args: tuple[tuple[str, Any], ...] = ()
+    # 0.5.23: whose copies the sharded pool runs (SGLANG_CP_HICACHE_COPY in each rank); "upstream" keeps
+    # SGLang's own stack, so the library's CP cache is expected off
+    copy_path: str = "library"
     batch_timeout_s: float = 120.0  # the most the parent waits for the next event of a busy run
 
     def __post_init__(self) -> None:
@@ -71,6 +74,10 @@ class SchedConfig:
         if self.version == "0.5.23" and self.cp_size > 1 and not self.pd_prefill:
             # SGLang 0.5.23's page-interleave sharded allocator refuses decode
             raise ValueError("pd_prefill must be True for 0.5.23 with cp_size > 1 (the sharded allocator refuses decode)")
+        if self.copy_path not in ("library", "upstream"):
+            raise ValueError(f"copy_path must be 'library' or 'upstream', got {self.copy_path!r}")
+        if self.copy_path != "library" and self.version != "0.5.23":
+            raise ValueError(f"copy_path {self.copy_path!r} needs version '0.5.23' (0.5.18's CP copies are the library's)")
         if self.chunked_prefill_size % self.shape.page_size:
             raise ValueError(f"chunked_prefill_size must be a multiple of page_size {self.shape.page_size}, "
                              f"got {self.chunked_prefill_size}")

@@ -101,9 +101,11 @@ class SchedulerHarness:
             self._ipc = self._bind_sockets()
             self._launch()
             self._pump_until(lambda: len(self._ready) == config.cp_size, _STARTUP_S, "start-up")
-            off = [r.rank for r in self._ready.values() if not r.library]
+            want = config.copy_path == "library"  # upstream's copy path keeps SGLang's own stack
+            off = [r.rank for r in self._ready.values() if r.library != want]
             if config.cp_size > 1 and off:
-                self._fail(f"the library's CP cache is not active on ranks {off}: {self._ready}")
+                state = "not active" if want else "active under copy_path 'upstream'"
+                self._fail(f"the library's CP cache is {state} on ranks {off}: {self._ready}")
         except BaseException:
             self._kill()
             raise

@@ -115,6 +115,7 @@ def _environment(config: SchedConfig) -> None:
     os.environ["SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE"] = "1"  # a leak raises in on_idle
     if config.version == "0.5.23":
         os.environ["SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND"] = "python"
+        os.environ["SGLANG_CP_HICACHE_COPY"] = config.copy_path
     if config.cp_size > 1:
         os.environ["SGLANG_CPU_OMP_THREADS_BIND"] = "|".join(["0"] * config.cp_size)
 

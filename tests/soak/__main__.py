@@ -3,7 +3,14 @@
     python -m tests.soak --release 0.5.18 --minutes 20
     python -m tests.soak --release 0.5.23 --minutes 20 --python .venv-0523/bin/python
 
-``make soak`` runs both, SOAK_MINUTES each (0.5.18 under ``.venv``, 0.5.23
+    python -m tests.soak --release 0.5.18 --engine scheduler --minutes 20
+
+``--engine scheduler`` runs random workloads through SGLang's real Scheduler
+instead (:mod:`tests.soak.scheduler`: arrival bursts, aborts, chunk sizes,
+device pressure, both event loops), one process per seed; its steps are
+batches.
+
+``make soak`` runs all four, SOAK_MINUTES each (0.5.18 under ``.venv``, 0.5.23
 under ``.venv-0523``). Each release's machine (:data:`RELEASES`) runs under
 the hypothesis ``dev`` profile again and again, each run in a fresh process
 with a new random seed and ``--examples`` examples, until the time is up (a
@@ -41,6 +48,7 @@ class SoakRun:
     steps: int
     seconds: float
     passed: bool
+    requests: int = 0  # scheduler runs: requests replayed
 
 
 def run_once(seed: int, examples: int, python: str, test: str = TEST) -> tuple[SoakRun, str]:
@@ -61,10 +69,28 @@ def run_once(seed: int, examples: int, python: str, test: str = TEST) -> tuple[S
     return SoakRun(seed, steps, seconds, passed), proc.stdout + proc.stderr
 
 
+def run_scheduler_once(seed: int, python: str) -> tuple[SoakRun, str]:
+    """One scheduler-driven random run (:mod:`tests.soak.scheduler`) in its own process."""
+    with tempfile.TemporaryDirectory(prefix="cp-hicache-soak-") as tmp:
+        report = os.path.join(tmp, "run.jsonl")
+        cmd = [python, "-m", "tests.soak.scheduler", "--seed", str(seed), "--report", report]
+        start = time.monotonic()
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        seconds = time.monotonic() - start
+        lines = Path(report).read_text().splitlines() if os.path.exists(report) else []
+    row = json.loads(lines[-1]) if lines else {}
+    passed = proc.returncode == 0 and bool(row.get("passed"))
+    return SoakRun(seed, int(row.get("steps", 0)), seconds, passed, int(row.get("requests", 0))), \
+        proc.stdout[-4000:] + proc.stderr[-4000:]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.soak", description=__doc__.split("\n\n")[0])
     parser.add_argument("--release", choices=sorted(RELEASES), default="0.5.18",
                         help="whose state machine (the --python environment must have that SGLang)")
+    parser.add_argument("--engine", choices=("state-machine", "scheduler"), default="state-machine",
+                        help="the cache state machine under hypothesis, or random workloads through the real "
+                             "Scheduler (tests.soak.scheduler)")
     parser.add_argument("--minutes", type=float, default=float(os.environ.get("SOAK_MINUTES", 20)))
     parser.add_argument("--examples", type=int, default=None,
                         help="hypothesis examples per run (each up to 300 steps)")
@@ -80,23 +106,29 @@ def main(argv: list[str] | None = None) -> int:
     deadline = time.monotonic() + args.minutes * 60
     rng = random.SystemRandom()
     runs: list[SoakRun] = []
-    tag = f"soak {args.release}"
-    print(f"{tag}: {test} ({args.python}), dev profile, {examples} examples per run, {args.minutes:g} min",
-          flush=True)
+    sched = args.engine == "scheduler"
+    tag = f"soak {args.release}" + (" scheduler" if sched else "")
+    what = "random workloads through SGLang's Scheduler" if sched else \
+        f"{test}, dev profile, {examples} examples per run"
+    print(f"{tag}: {what} ({args.python}), {args.minutes:g} min", flush=True)
     while time.monotonic() < deadline:
-        seed = rng.randrange(2**32)
-        run, output = run_once(seed, examples, args.python, test)
+        seed = rng.randrange(2**31 if sched else 2**32)  # the simulator takes seeds below 2**31
+        run, output = run_scheduler_once(seed, args.python) if sched else run_once(seed, examples, args.python, test)
         runs.append(run)
         state = "passed" if run.passed else "FAILED"
-        print(f"{tag}: seed {seed}: {run.steps} steps in {run.seconds:.0f} s, {state}", flush=True)
+        reqs = f"{run.requests} requests, " if sched else ""
+        print(f"{tag}: seed {seed}: {reqs}{run.steps} steps in {run.seconds:.0f} s, {state}", flush=True)
         if not run.passed:
             print(output[-8000:])
-            print(f"{tag}: repeat with: HYPOTHESIS_PROFILE=dev STATE_MACHINE_EXAMPLES={examples} "
-                  f"{args.python} -m pytest {test} -s --hypothesis-seed={seed}")
+            repeat = (f"{args.python} -m tests.soak.scheduler --seed {seed}" if sched else
+                      f"HYPOTHESIS_PROFILE=dev STATE_MACHINE_EXAMPLES={examples} "
+                      f"{args.python} -m pytest {test} -s --hypothesis-seed={seed}")
+            print(f"{tag}: repeat with: {repeat}")
             break
     total = sum(r.steps for r in runs)
     failed = [r.seed for r in runs if not r.passed]
-    print(f"{tag}: {total} steps in {len(runs)} runs, seeds {[r.seed for r in runs]}; "
+    reqs = f"{sum(r.requests for r in runs)} requests, " if sched else ""
+    print(f"{tag}: {reqs}{total} steps in {len(runs)} runs, seeds {[r.seed for r in runs]}; "
           f"{'failed: seed ' + str(failed) if failed else 'none failed'}")
     short = total < args.min_steps or len(runs) < args.min_seeds
     if short and not failed:

@@ -1,0 +1,85 @@
+"""``simulate --engine``: which flags each engine honours, and the scheduler
+engine's run (:mod:`.engine_scheduler`) from the prepared workload to the
+exit status (0 passed, 1 a rank failed or a check did not pass)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any, Optional
+
+from sglang_cp_hicache.sim.cli_flags import SCHEDULER_ONLY_FLAGS
+from sglang_cp_hicache.sim.config import FAIL_ENV
+from sglang_cp_hicache.sim.engine_scheduler import EngineOptions
+from sglang_cp_hicache.sim.rates import WorkloadFacts
+
+__all__ = ["engine_options", "engine_problem", "run_scheduler_engine"]
+
+#: Flags the scheduler engine cannot honour, and why.
+_REFUSED = (
+    ("--compare-non-cp", "compare_non_cp", "the non-CP baseline runs on the loop engine only"),
+    ("--compare-upstream", "compare_upstream", "run --copy library and --copy upstream as two runs"),
+    ("--plot", "plot", "its per-request series come from the loop engine"),
+    ("--metrics", "metrics", "the ranks' library metrics are scraped by the loop engine only"),
+    ("--l3", "l3", "the harness's L3 is SGLang's storage backend, not this library's --l3 directory"),
+    ("--startup-timeout", "startup_timeout", "the scheduler harness has its own start-up limit (240 s)"),
+)
+
+
+def engine_problem(args: argparse.Namespace, version: str, failure_injected: bool) -> Optional[str]:
+    """Why the flags do not fit ``--engine`` (None if they do), naming the flag."""
+    if args.engine == "loop":
+        for flag, dest in SCHEDULER_ONLY_FLAGS:
+            if getattr(args, dest) not in (None, False):
+                return f"{flag} needs --engine scheduler (the loop engine replays one request at a time)"
+        return None
+    for flag, dest, why in _REFUSED:
+        if getattr(args, dest) not in (None, False):
+            return f"--engine scheduler does not take {flag}: {why}"
+    if failure_injected:
+        return f"--engine scheduler does not take {FAIL_ENV}: failure injection is the loop engine's"
+    if version == "0.5.23" and args.cp_size > 1 and (args.max_new_tokens or 1) > 1:
+        return ("--max-new-tokens must be 1 on SGLang 0.5.23 at --cp-size > 1: its sharded allocator refuses "
+                "decode, so the ranks run as a PD prefill server")
+    chunk = args.chunked_prefill_size
+    if chunk is not None and chunk % args.page_size:
+        return f"--chunked-prefill-size must be a multiple of the page size {args.page_size}, got {chunk}"
+    return None
+
+
+def engine_options(args: argparse.Namespace) -> EngineOptions:
+    defaults = EngineOptions()
+    return EngineOptions(
+        max_running_requests=args.max_running_requests or defaults.max_running_requests,
+        chunked_prefill_size=args.chunked_prefill_size or defaults.chunked_prefill_size,
+        in_flight=args.in_flight, max_new_tokens=args.max_new_tokens or defaults.max_new_tokens,
+        overlap=bool(args.overlap))
+
+
+def run_scheduler_engine(args: argparse.Namespace, prepared: Any, token_lists: Any, facts: WorkloadFacts) -> int:
+    """Replay through the real scheduler, print and write the summary."""
+    from sglang_cp_hicache.sim.engine_scheduler import replay_through_scheduler
+    from sglang_cp_hicache.sim.report import dump_json
+    from sglang_cp_hicache.sim.report_scheduler import format_scheduler_table, summarize_scheduler
+    from sglang_cp_hicache.testing.sched_harness import HarnessError
+
+    opts = engine_options(args)
+    try:
+        replay = replay_through_scheduler(prepared.config, token_lists, opts, show_progress=not args.no_progress)
+    except HarnessError as exc:
+        print(str(exc), file=sys.stderr)
+        return 1
+    summary = summarize_scheduler(prepared.config, opts, prepared.workload, replay, facts,
+                                  allow_unverified=args.allow_unverified)
+    if prepared.sizing is not None:
+        summary["pool_sizing"] = prepared.sizing.as_dict()
+    print(format_scheduler_table(summary))
+    if args.json is not None:
+        try:
+            with open(args.json, "w", encoding="utf-8") as f:
+                f.write(dump_json(summary))
+        except OSError as exc:
+            print(f"sglang-cp-hicache simulate: error: cannot write {exc.filename or 'the output'}: "
+                  f"{exc.strerror or exc}", file=sys.stderr)
+            return 1
+    return 0 if summary["ok"] else 1

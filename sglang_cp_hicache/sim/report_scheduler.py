@@ -1,0 +1,149 @@
+"""The summary (JSON) and verdict of a ``simulate --engine scheduler`` run,
+with the loop engine's names where a figure means the same.
+
+Hits per tier come from what the scheduler really forwarded: a request's
+first batch starts at its cached prefix (``prefix_len``), of which the
+tokens rank 0's cache loaded back for it came from host; the rest was a
+device hit. A host hit the cache declined (``init_load_back`` loading 0
+tokens) is recomputed and counts in ``load_back_declined_tokens``, not in
+the hits. Corruption cannot be counted, only found: the forward stand-in
+fails the run at the first prefix row that does not hold its content, so a
+summary exists only for a run with none (``corrupted_pages`` 0).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from sglang_cp_hicache.sim.config import SimConfig
+from sglang_cp_hicache.sim.engine_scheduler import ARRIVALS, EngineOptions, SchedulerReplay
+from sglang_cp_hicache.sim.rates import WorkloadFacts
+from sglang_cp_hicache.sim.report import NOTHING_VERIFIED
+
+__all__ = ["format_scheduler_table", "summarize_scheduler"]
+
+
+def _share(part: float, whole: float) -> Optional[float]:
+    return part / whole if whole else None
+
+
+def _first_prefix(replay: SchedulerReplay) -> dict[str, int]:
+    """Each request's prefix at the first batch that forwarded it."""
+    first: dict[str, int] = {}
+    for batch in replay.run.batches:
+        for entry in batch.entries:
+            first.setdefault(entry.rid, entry.prefix_len)
+    return first
+
+
+def _tiers(replay: SchedulerReplay) -> tuple[dict[str, int], list[str]]:
+    """Hit tokens per tier, and any request whose figures do not add up."""
+    loaded: dict[str, int] = {}
+    for lb in replay.run.ranks[0].load_backs:
+        loaded[lb.rid] = loaded.get(lb.rid, 0) + lb.loaded_tokens
+    first = _first_prefix(replay)
+    problems = [f"request {rid} loaded back {n} tokens but started its first batch at prefix {first.get(rid, 0)}"
+                for rid, n in loaded.items() if n > first.get(rid, 0)]
+    host = sum(loaded.values())
+    return {"device": sum(first.values()) - host, "host": host, "l3": 0}, problems
+
+
+def _outcomes(replay: SchedulerReplay) -> tuple[int, int, list[str]]:
+    """(finished by length, aborted on purpose, problems: requests that ended otherwise)."""
+    finished = aborted = 0
+    problems = []
+    for rid in replay.rids:
+        out = replay.run.outputs.get(rid)
+        kind = out.finish_type if out is not None else None
+        if kind == "abort" and rid in replay.aborted_on_purpose:
+            aborted += 1
+        elif kind == "length" or (kind is not None and rid in replay.aborted_on_purpose):
+            finished += 1  # an abort that came after the request's last batch changes nothing
+        else:
+            problems.append(f"request {rid} ended {kind!r}")
+    return finished, aborted, problems
+
+
+def summarize_scheduler(config: SimConfig, opts: EngineOptions, workload: str, replay: SchedulerReplay,
+                        facts: WorkloadFacts, *, allow_unverified: bool = False) -> dict[str, Any]:
+    """The run's summary; ``ok`` and ``problems`` say whether it passed."""
+    run, ranks = replay.run, replay.run.ranks
+    tiers, problems = _tiers(replay)
+    finished, aborted, ended = _outcomes(replay)
+    problems += ended[:20] + ([f"... and {len(ended) - 20} more"] if len(ended) > 20 else [])
+    hits = sum(tiers.values())
+    ideal = sum(facts.ideal_hit_tokens)
+    prompt = facts.prompt_tokens
+    verified_tokens = sum(r.stats.verified for r in ranks)
+    declined = run.load_back_declined_tokens()
+    summary: dict[str, Any] = {
+        "engine": "scheduler",
+        "sglang_version": config.sglang_version,
+        "copy_path": config.copy_path,
+        "cp_size": config.cp_size, "page_size": config.page_size, "layers": config.num_layers,
+        "requests": len(replay.rids), "seed": config.seed,
+        "device_pages": config.device_pages, "host_pages": config.host_pages, "workload": workload,
+        "event_loop": sorted({loop for r in ranks for loop in r.loops}),
+        "max_running_requests": opts.max_running_requests,
+        "chunked_prefill_size": opts.chunked_prefill_size,
+        "in_flight": opts.window, "max_new_tokens": opts.max_new_tokens, "arrivals": ARRIVALS,
+        **facts.trace,
+        "prompt_tokens": prompt, "ideal_hit_tokens": ideal, "ideal_hit_rate": _share(ideal, prompt),
+        "hit_tokens": hits, "hit_tokens_per_tier": tiers, "hit_ratio": _share(hits, ideal),
+        "hit_ratio_per_tier": {t: _share(n, ideal) for t, n in tiers.items()},
+        "hit_rate": _share(hits, prompt),
+        "device_hit_tokens": tiers["device"], "host_hit_tokens": tiers["host"], "l3_hit_tokens": 0,
+        "batches": len(run.batches),
+        "extend_batches": ranks[0].stats.extend_batches, "decode_batches": ranks[0].stats.decode_batches,
+        "chunks": sum(1 for b in run.batches if b.chunked_rid is not None),
+        "max_batch_requests": max((len(b.entries) for b in run.batches), default=0),
+        "load_backs": sum(1 for lb in ranks[0].load_backs if lb.loaded_tokens > 0),
+        "load_back_tokens": tiers["host"],
+        "load_backs_declined": sum(1 for lb in ranks[0].load_backs if lb.loaded_tokens == 0),
+        "load_back_declined_tokens": declined,
+        "finished": finished, "aborted": aborted,
+        # every hit page was checked on its owner before the request's first forward (the loop engine's
+        # meaning); verified_tokens counts every check, a chunked request's prefix again at each chunk
+        "verified_tokens": verified_tokens, "verified_pages": hits // config.page_size,
+        "restored_pages_verified": tiers["host"] // config.page_size,
+        "written_tokens": sum(r.stats.written for r in ranks),
+        "corrupted_pages": 0, "nothing_verified": verified_tokens == 0,
+        "ranks_agree": True,  # every batch was the same on every rank, or the run failed
+        "idle_checks_per_rank": [r.idle_checks for r in ranks],
+        "library_counters_per_rank": [r.counters for r in ranks],
+        "free_device_tokens_at_end": [r.free_device_tokens for r in ranks],
+        "evictable_tokens_at_end": [r.evictable_tokens for r in ranks],
+        "startup_wall_seconds": round(replay.startup_seconds, 3),
+        "replay_wall_seconds": round(replay.replay_seconds, 3),
+        "run_wall_seconds": round(run.wall_s, 3),
+    }
+    if any(n == 0 for n in summary["idle_checks_per_rank"]):
+        problems.append(f"a rank never ran SGLang's idle leak checks: {summary['idle_checks_per_rank']}")
+    if verified_tokens == 0 and not allow_unverified:
+        problems.append(NOTHING_VERIFIED)
+    summary["leak_checks_clean"] = True  # strict idle checks raise in the rank on a leak, failing the run
+    summary["ok"] = not problems
+    summary["problems"] = problems
+    return summary
+
+
+def format_scheduler_table(summary: dict[str, Any]) -> str:
+    """The key figures, one per line."""
+    ratio = summary["hit_ratio"]
+    rows = [
+        ("engine", f"scheduler ({', '.join(summary['event_loop'])}), SGLang {summary['sglang_version']}, "
+                   f"copy {summary['copy_path']}, CP {summary['cp_size']}"),
+        ("requests", f"{summary['requests']} ({summary['finished']} finished, {summary['aborted']} aborted), "
+                     f"{summary['prompt_tokens']:,} prompt tokens"),
+        ("batches", f"{summary['batches']} ({summary['chunks']} carried a chunk, up to "
+                    f"{summary['max_batch_requests']} requests)"),
+        ("hits", f"device {summary['device_hit_tokens']:,} + host {summary['host_hit_tokens']:,} of ideal "
+                 f"{summary['ideal_hit_tokens']:,} (hit_ratio {'-' if ratio is None else f'{ratio:.3f}'})"),
+        ("load-backs", f"{summary['load_backs']} ({summary['load_back_tokens']:,} tokens), declined "
+                       f"{summary['load_backs_declined']} ({summary['load_back_declined_tokens']:,} tokens)"),
+        ("verified", f"{summary['verified_tokens']:,} prefix rows on their owners, 0 corrupted; idle leak checks "
+                     f"{summary['idle_checks_per_rank']}"),
+        ("wall", f"start-up {summary['startup_wall_seconds']:.0f}s, replay {summary['replay_wall_seconds']:.0f}s"),
+        ("ok", "yes" if summary["ok"] else "NO: " + "; ".join(summary["problems"])),
+    ]
+    return "\n".join(f"{k:>11}  {v}" for k, v in rows)

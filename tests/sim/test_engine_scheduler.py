@@ -1,0 +1,88 @@
+"""``simulate --engine scheduler`` on SGLang 0.5.18: a synthetic workload
+through the real Scheduler at CP 2 (exit 0, the summary's engine fields,
+hits that add up), and the flags an engine cannot honour (exit 2 naming the
+flag, before any rank starts, nothing created)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from sglang_cp_hicache.sim import engine_scheduler
+from sglang_cp_hicache.sim.config import FAIL_ENV
+from tests.helpers.engine_checks import check_scheduler_summary
+from tests.sim.simrun import simulate
+from tests.sim.test_cli_checks import run_cli
+
+#: Small pools and chunks: host hits, load-backs, chunked prefill and batches of several requests in 30 requests.
+SMALL_RUN = ("--engine", "scheduler", "--cp-size", "2", "--requests", "30", "--device-pages", "10",
+             "--host-pages", "24", "--chunked-prefill-size", "256", "--max-running-requests", "4")
+
+
+@pytest.mark.slow(40)
+def test_scheduler_engine_replays_the_synthetic_chat_through_sglangs_scheduler(tmp_path):
+    out = tmp_path / "s.json"
+    proc, _ = simulate(*SMALL_RUN, "--json", str(out))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # 0.5.18 declines host hits only evictable device pages could cover today (issue 41, fix a)
+    check_scheduler_summary(json.loads(out.read_text()), version="0.5.18", requests=30, loop="event_loop_normal",
+                            declines_allowed=True)
+
+
+@pytest.fixture
+def no_replay(monkeypatch):
+    monkeypatch.setattr(engine_scheduler, "replay_through_scheduler",
+                        lambda *a, **k: pytest.fail("the scheduler engine started"))
+
+
+@pytest.mark.parametrize("args, needle", [
+    (("--max-running-requests", "4"), "--max-running-requests needs --engine scheduler"),
+    (("--overlap",), "--overlap needs --engine scheduler"),
+    (("--engine", "scheduler", "--compare-non-cp"), "--engine scheduler does not take --compare-non-cp"),
+    (("--engine", "scheduler", "--metrics"), "--engine scheduler does not take --metrics"),
+    (("--engine", "scheduler", "--startup-timeout", "60"), "--engine scheduler does not take --startup-timeout"),
+    (("--engine", "scheduler", "--chunked-prefill-size", "100"),
+     "--chunked-prefill-size must be a multiple of the page size 64, got 100"),
+])
+def test_flags_an_engine_cannot_honour_exit_2_naming_the_flag(capsys, no_replay, args, needle):
+    assert run_cli(*args) == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_l3_with_the_scheduler_engine_exits_2_and_creates_nothing(tmp_path, capsys, no_replay):
+    directory = tmp_path / "l3"
+    assert run_cli("--engine", "scheduler", "--l3", str(directory)) == 2
+    assert "--engine scheduler does not take --l3" in capsys.readouterr().err
+    assert not directory.exists()
+
+
+def test_failure_injection_is_the_loop_engines(capsys, monkeypatch, no_replay):
+    monkeypatch.setenv(FAIL_ENV, "0:3")
+    assert run_cli("--engine", "scheduler") == 2
+    assert f"--engine scheduler does not take {FAIL_ENV}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("version, cp", [("0.5.18", 3), ("0.5.23", 4)])
+def test_harness_config_keeps_the_pools_and_stretches_the_context_to_whole_logical_pages(version, cp):
+    from sglang_cp_hicache.sim.config import SimConfig
+
+    config = SimConfig(cp_size=cp, device_pages=235, host_pages=470, sglang_version=version,
+                       copy_path="upstream" if version == "0.5.23" else "library")
+    sc = engine_scheduler.sched_config(config, engine_scheduler.EngineOptions(chunked_prefill_size=512), 15_080)
+    assert (sc.cp_size, sc.shape.device_pages, sc.shape.num_layers, sc.hicache_ratio) == (cp, 235, 2, 2.0)
+    assert sc.pd_prefill == (version == "0.5.23") and sc.chunked_prefill_size == 512
+    # 0.5.23's sharded pool asserts a context of whole logical pages (page_size x cp_size)
+    context = sc.shape.max_context_len
+    assert context % (64 * cp) == 0 and 15_080 + 1 <= context < 15_080 + 1 + 64 + 64 * cp
+    assert dict(sc.extra_server_args)["context_length"] == context
+    assert sc.copy_path == ("upstream" if version == "0.5.23" else "library")
+
+
+def test_request_ids_are_prefix_free():
+    # SGLang's abort_request aborts every request whose rid starts with the one named: q2 must not abort q20
+    from sglang_cp_hicache.sim.packed import PackedRequests
+
+    loop = engine_scheduler._ClosedLoop(None, PackedRequests.from_token_lists([[1]] * 120),  # type: ignore[arg-type]
+                                        engine_scheduler.EngineOptions(), show=False)
+    assert len(set(loop.rids)) == 120 and len({len(r) for r in loop.rids}) == 1, loop.rids[:12]
