@@ -11,9 +11,9 @@ SHARED_FIELDS = ("hit_tokens_per_tier", "ideal_hit_tokens", "hit_ratio", "corrup
                  "ranks_agree", "ok", "problems", "prompt_tokens", "device_hit_tokens", "host_hit_tokens")
 
 
-def check_scheduler_summary(s: dict[str, Any], *, version: str, requests: int, loop: str,
-                            declines_allowed: bool = False) -> None:
-    """``declines_allowed``: the cache may decline a host hit the scheduler asks it to load back."""
+def check_scheduler_summary(s: dict[str, Any], *, version: str, requests: int, loop: str) -> None:
+    """A scheduler-engine summary: fields present, checks passed, hits within the ideal, every host hit
+    the scheduler asked for loaded back."""
     missing = [k for k in ENGINE_FIELDS + SHARED_FIELDS if k not in s]
     assert not missing, missing
     assert s["engine"] == "scheduler" and s["sglang_version"] == version and s["event_loop"] == [loop], s
@@ -25,8 +25,7 @@ def check_scheduler_summary(s: dict[str, Any], *, version: str, requests: int, l
     assert s["hit_tokens"] <= s["ideal_hit_tokens"], (s["hit_tokens"], s["ideal_hit_tokens"])
     assert s["host_hit_tokens"] == s["load_back_tokens"], s
     assert s["load_backs"] + s["load_backs_declined"] > 0, "the scheduler asked for no load-back"
-    if not declines_allowed:
-        assert s["load_back_declined_tokens"] == 0 and s["load_backs"] > 0, s
+    assert s["load_back_declined_tokens"] == 0 and s["load_backs"] > 0, s
     # every hit page was checked on its owner before its first forward; chunks check their prefix again
     assert s["verified_pages"] == s["hit_tokens"] // s["page_size"] and s["verified_tokens"] >= s["hit_tokens"]
     assert s["restored_pages_verified"] == s["host_hit_tokens"] // s["page_size"]

@@ -25,9 +25,7 @@ def test_scheduler_engine_replays_the_synthetic_chat_through_sglangs_scheduler(t
     out = tmp_path / "s.json"
     proc, _ = simulate(*SMALL_RUN, "--json", str(out))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    # 0.5.18 declines host hits only evictable device pages could cover today (issue 41, fix a)
-    check_scheduler_summary(json.loads(out.read_text()), version="0.5.18", requests=30, loop="event_loop_normal",
-                            declines_allowed=True)
+    check_scheduler_summary(json.loads(out.read_text()), version="0.5.18", requests=30, loop="event_loop_normal")
 
 
 @pytest.fixture
