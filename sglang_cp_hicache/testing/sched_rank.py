@@ -265,7 +265,7 @@ def _final_idle_check(scheduler: Any, on_idle: Any, result: RankResult) -> None:
 
 def _library_active(version: str, scheduler: Any) -> bool:
     if version == "0.5.23":
-        from sglang_cp_hicache.sglang_0523.stack import library_stack
+        from sglang_cp_hicache.sglang_0523.controller import library_stack
 
         return library_stack(scheduler.tree_cache) is not None
     from sglang_cp_hicache.sglang_0518.hiradix import CpHiRadixCache

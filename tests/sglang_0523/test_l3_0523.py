@@ -421,11 +421,11 @@ def test_an_identically_configured_0518_deployment_has_the_same_namespaces(layou
     group.anchor_entry.host_pool.kv = kv
     group.entry_map[next(iter(group.entry_map))].host_pool = indexer
     location = l3_location("file", {"file_storage_path": str(tmp_path)})
-    opening = open_l3(location, "test", lambda: l3_binding(group, None, 0),
-                      identity=ModelIdentity("name:deepseek-ai/DeepSeek-V3.2"))
+    identity = ModelIdentity("name:deepseek-ai/DeepSeek-V3.2")
+    opening = open_l3(location, "test", lambda: l3_binding(group, None, 0), identity=identity)
     assert opening.error is None and type(opening.tier) is HostL3Tier and opening.tier.page_hasher is get_hash_str
     assert [opening.tier.kv_ns.digest(), opening.tier.indexer_ns.digest()] == [
-        ns.digest() for ns in namespaces("name:deepseek-ai/DeepSeek-V3.2", kv, indexer, 0)]
+        ns.digest() for ns in namespaces(identity.text(), kv, indexer, 0)]
 
 
 def test_file_and_mooncake_are_served_and_any_other_store_is_refused_naming_the_flag():
