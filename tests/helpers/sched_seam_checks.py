@@ -24,6 +24,7 @@ def check_every_seam_resolves(version: str) -> None:
 
 def check_moved_target_fails_loudly(version: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A release that renamed what a seam replaces refuses at start-up, naming the seam and the name."""
+    sched_seams.import_only_stand_ins(version)  # SGLang's scheduler module imports them; this test may run first
     from sglang.srt.mem_cache import kv_cache_builder
 
     monkeypatch.delattr(kv_cache_builder, "is_deepseek_dsa")
@@ -32,6 +33,7 @@ def check_moved_target_fails_loudly(version: str, monkeypatch: pytest.MonkeyPatc
 
 
 def check_changed_signature_fails_loudly(version: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    sched_seams.import_only_stand_ins(version)
     from sglang.srt.managers.scheduler import Scheduler
 
     def init_tp_model_worker(self, worker_kwargs):  # a release that started passing an argument
@@ -43,6 +45,7 @@ def check_changed_signature_fails_loudly(version: str, monkeypatch: pytest.Monke
 
 
 def check_worker_method_removed_fails_loudly(version: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    sched_seams.import_only_stand_ins(version)
     from sglang.srt.managers.tp_worker import TpModelWorker
 
     owner = next(k for k in TpModelWorker.__mro__ if "get_memory_pool" in vars(k))
