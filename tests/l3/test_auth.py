@@ -21,8 +21,11 @@ from sglang_cp_hicache.l3.keys import page_key
 from sglang_cp_hicache.l3.store import FilePageStore
 from tests.l3.common import namespace, payload, write_chain
 
-SECRET = b"s" * 16 + os.urandom(24)
-OTHER_SECRET = os.urandom(32)
+# Random bytes between two non-whitespace ends: a key file's surrounding
+# whitespace is stripped, so a secret ending in a whitespace byte (one run in
+# ~40 with 24 random bytes at the end) would read back as another secret.
+SECRET = b"s" * 16 + os.urandom(24) + b"e"
+OTHER_SECRET = b"o" + os.urandom(32) + b"e"
 KEYED = ObjectSeal.keyed(SECRET)
 NS = namespace(seal=KEYED)
 KEY = page_key("1" * 64, NS)
