@@ -17,8 +17,9 @@ from __future__ import annotations
 import datetime
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -44,6 +45,37 @@ def seq(first: int, pages: int) -> list[int]:
     return list(range(first, first + pages * P))
 
 _building = threading.local()
+
+
+@contextmanager
+def runtime_context_per_thread() -> Iterator[None]:
+    """SGLang's runtime context is process-global and last-publish-wins (one
+    server per process); ranks built at once in threads would each read the
+    last rank's settings (a rank's host pool sized from another rank's
+    ``hicache_ratio``). Inside this block each thread publishes into, and
+    reads from, its own context."""
+    from sglang.srt import runtime_context
+
+    local = threading.local()
+
+    def own() -> Any:
+        if not hasattr(local, "context"):
+            local.context = runtime_context.RuntimeContext(parallel=runtime_context.get_parallel())
+        return local.context
+
+    class _ThreadsOwnContext:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(own(), name)
+
+        def __setattr__(self, name: str, value: Any) -> None:
+            setattr(own(), name, value)
+
+    shared = runtime_context._CONTEXT
+    runtime_context._CONTEXT = _ThreadsOwnContext()
+    try:
+        yield
+    finally:
+        runtime_context._CONTEXT = shared
 
 
 def building_rank() -> Optional[int]:
@@ -72,7 +104,7 @@ def build_each_rank(
     timeout = datetime.timedelta(seconds=timeout_s)
     n = config.cp_size
     never = RankFailure()  # nothing records into it: no rank stops waiting early
-    with ThreadPoolExecutor(n) as pool:
+    with runtime_context_per_thread(), ThreadPoolExecutor(n) as pool:
         groups = list(pool.map(
             lambda r: FailFastGroup(dist.ProcessGroupGloo(store, r, n, timeout), never), range(n)
         ))

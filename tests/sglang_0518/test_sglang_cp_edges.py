@@ -12,7 +12,15 @@ from sglang_cp_hicache.sglang_0518.checks import check_cp_hicache_server_args
 from sglang_cp_hicache.testing.stack_0518 import CpStackConfig, build_cp_rank_stack
 from sglang_cp_hicache.sglang_0518.tree_node import CpTreeNode
 
-from tests.helpers.cp_cluster import P, CpCluster, RankSetup, build_each_rank, building_rank, seq
+from tests.helpers.cp_cluster import (
+    P,
+    CpCluster,
+    RankSetup,
+    build_each_rank,
+    building_rank,
+    runtime_context_per_thread,
+    seq,
+)
 
 
 @pytest.fixture
@@ -270,6 +278,34 @@ def test_ranks_with_different_host_balance_policies_refuse_to_start(monkeypatch)
     )
     assert [type(o) for o in outcomes] == [CpAgreementError] * 2
     assert [str(o) for o in outcomes] == [expected] * 2
+
+
+def test_ranks_built_in_threads_read_their_own_published_settings():
+    """SGLang reads ``hicache_ratio`` from its process-global runtime context;
+    ranks built at once in threads must each read their own (else a rank with
+    a different host pool is sized like its peer and the refusal below never
+    fires: one CI run in many). Both threads publish before either reads."""
+    import threading
+
+    from sglang.srt.runtime_context import get_memory
+
+    from sglang_cp_hicache.testing import env
+
+    both_published = threading.Barrier(2)
+    read = {}
+
+    def rank(r: int) -> None:
+        env.publish_server_args(env.make_cpu_server_args(page_size=P, hicache_ratio=2.0 + r))
+        both_published.wait(timeout=10)
+        read[r] = get_memory().hicache_ratio
+
+    with runtime_context_per_thread():
+        threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert read == {0: 2.0, 1: 3.0}
 
 
 def test_ranks_with_different_host_pool_sizes_refuse_to_start():
