@@ -3,10 +3,13 @@ with the loop engine's names where a figure means the same.
 
 Hits per tier come from what the scheduler really forwarded: a request's
 first batch starts at its cached prefix (``prefix_len``), of which the
-tokens rank 0's cache loaded back for it came from host; the rest was a
-device hit. A host hit the cache declined (``init_load_back`` loading 0
-tokens) is recomputed and counts in ``load_back_declined_tokens``, not in
-the hits. Corruption cannot be counted, only found: the forward stand-in
+tokens rank 0's cache loaded back for it up to then came from host; the
+rest was a device hit. A host hit the cache declined (``init_load_back`` loading
+0 tokens) is recomputed and counts in ``load_back_declined_tokens``, not in
+the hits. SGLang loads back before its last admission checks (chunk and
+tile budgets), so a request can be turned away after a load-back and its
+loaded pages evicted before it runs; tokens loaded back beyond what its
+first batch started from count in ``load_back_unused_tokens``. Corruption cannot be counted, only found: the forward stand-in
 fails the run at the first prefix row that does not hold its content, so a
 summary exists only for a run with none (``corrupted_pages`` 0).
 """
@@ -27,25 +30,39 @@ def _share(part: float, whole: float) -> Optional[float]:
     return part / whole if whole else None
 
 
-def _first_prefix(replay: SchedulerReplay) -> dict[str, int]:
-    """Each request's prefix at the first batch that forwarded it."""
-    first: dict[str, int] = {}
+def _first_batches(replay: SchedulerReplay) -> dict[str, tuple[int, int]]:
+    """Each request's first forwarded batch: (its step, the request's prefix there)."""
+    first: dict[str, tuple[int, int]] = {}
     for batch in replay.run.batches:
         for entry in batch.entries:
-            first.setdefault(entry.rid, entry.prefix_len)
+            first.setdefault(entry.rid, (batch.step, entry.prefix_len))
     return first
 
 
-def _tiers(replay: SchedulerReplay) -> tuple[dict[str, int], list[str]]:
-    """Hit tokens per tier, and any request whose figures do not add up."""
+def _tiers(replay: SchedulerReplay) -> tuple[dict[str, int], int, list[str]]:
+    """Hit tokens per tier, tokens loaded back that the request's first
+    batch did not start from, and any request whose figures do not add up.
+
+    SGLang loads back before its last admission checks (chunk and tile
+    budgets): a request turned away after its load-back keeps nothing
+    locked, runs in a later batch, and by then its loaded pages may have
+    been evicted. So a request's host tokens are those loaded back up to its
+    first batch, at most that batch's prefix; the rest are unused. A
+    load-back in the batch's own round must fit inside its prefix."""
+    first = _first_batches(replay)
     loaded: dict[str, int] = {}
+    in_round: dict[str, int] = {}
     for lb in replay.run.ranks[0].load_backs:
-        loaded[lb.rid] = loaded.get(lb.rid, 0) + lb.loaded_tokens
-    first = _first_prefix(replay)
-    problems = [f"request {rid} loaded back {n} tokens but started its first batch at prefix {first.get(rid, 0)}"
-                for rid, n in loaded.items() if n > first.get(rid, 0)]
-    host = sum(loaded.values())
-    return {"device": sum(first.values()) - host, "host": host, "l3": 0}, problems
+        step, _ = first.get(lb.rid, (-1, 0))
+        if lb.step <= step:  # after the first batch: a retracted request admitted again
+            loaded[lb.rid] = loaded.get(lb.rid, 0) + lb.loaded_tokens
+        if lb.step == step:
+            in_round[lb.rid] = in_round.get(lb.rid, 0) + lb.loaded_tokens
+    problems = [f"request {rid} loaded back {n} tokens in its first batch's round but started it at prefix "
+                f"{first[rid][1]}" for rid, n in in_round.items() if n > first[rid][1]]
+    host = sum(min(n, first[rid][1]) for rid, n in loaded.items())
+    device = sum(prefix for _, prefix in first.values()) - host
+    return {"device": device, "host": host, "l3": 0}, sum(loaded.values()) - host, problems
 
 
 def _outcomes(replay: SchedulerReplay) -> tuple[int, int, list[str]]:
@@ -68,7 +85,7 @@ def summarize_scheduler(config: SimConfig, opts: EngineOptions, workload: str, r
                         facts: WorkloadFacts, *, allow_unverified: bool = False) -> dict[str, Any]:
     """The run's summary; ``ok`` and ``problems`` say whether it passed."""
     run, ranks = replay.run, replay.run.ranks
-    tiers, problems = _tiers(replay)
+    tiers, unused_load_back, problems = _tiers(replay)
     finished, aborted, ended = _outcomes(replay)
     problems += ended[:20] + ([f"... and {len(ended) - 20} more"] if len(ended) > 20 else [])
     hits = sum(tiers.values())
@@ -98,9 +115,10 @@ def summarize_scheduler(config: SimConfig, opts: EngineOptions, workload: str, r
         "chunks": sum(1 for b in run.batches if b.chunked_rid is not None),
         "max_batch_requests": max((len(b.entries) for b in run.batches), default=0),
         "load_backs": sum(1 for lb in ranks[0].load_backs if lb.loaded_tokens > 0),
-        "load_back_tokens": tiers["host"],
+        "load_back_tokens": tiers["host"] + unused_load_back,
         "load_backs_declined": sum(1 for lb in ranks[0].load_backs if lb.loaded_tokens == 0),
         "load_back_declined_tokens": declined,
+        "load_back_unused_tokens": unused_load_back,
         "finished": finished, "aborted": aborted,
         # every hit page was checked on its owner before the request's first forward (the loop engine's
         # meaning); verified_tokens counts every check, a chunked request's prefix again at each chunk
@@ -140,7 +158,8 @@ def format_scheduler_table(summary: dict[str, Any]) -> str:
         ("hits", f"device {summary['device_hit_tokens']:,} + host {summary['host_hit_tokens']:,} of ideal "
                  f"{summary['ideal_hit_tokens']:,} (hit_ratio {'-' if ratio is None else f'{ratio:.3f}'})"),
         ("load-backs", f"{summary['load_backs']} ({summary['load_back_tokens']:,} tokens), declined "
-                       f"{summary['load_backs_declined']} ({summary['load_back_declined_tokens']:,} tokens)"),
+                       f"{summary['load_backs_declined']} ({summary['load_back_declined_tokens']:,} tokens), "
+                       f"unused {summary['load_back_unused_tokens']:,} tokens"),
         ("verified", f"{summary['verified_tokens']:,} prefix rows on their owners, 0 corrupted; idle leak checks "
                      f"{summary['idle_checks_per_rank']}"),
         ("wall", f"start-up {summary['startup_wall_seconds']:.0f}s, replay {summary['replay_wall_seconds']:.0f}s"),

@@ -52,6 +52,11 @@ class LoadBack:
     rid: str
     host_hit_tokens: int
     loaded_tokens: int
+    # Batches this rank had forwarded when the load-back ran: the step of the
+    # batch it was for. SGLang loads back before its last admission checks,
+    # so a request can be turned away after its load-back; the pages loaded
+    # for it are then unlocked and may be evicted before it runs.
+    step: int = -1
 
 
 @dataclass
@@ -203,7 +208,8 @@ def _observe(scheduler: Any, result: RankResult, channel: Any) -> Any:
             return out
         first = out[0] if isinstance(out, tuple) else out
         loaded = first if isinstance(first, int) else int(getattr(first, "numel", lambda: 0)())
-        result.load_backs.append(LoadBack(str(getattr(params.req, "rid", "")), int(params.host_hit_length), loaded))
+        result.load_backs.append(LoadBack(str(getattr(params.req, "rid", "")), int(params.host_hit_length), loaded,
+                                          result.stats.batches))
         return out
 
     cache.init_load_back = observed_load_back

@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 #: Fields the scheduler engine adds to the simulator's summary.
-ENGINE_FIELDS = ("engine", "batches", "chunks", "load_backs", "load_back_declined_tokens", "aborted")
+ENGINE_FIELDS = ("engine", "batches", "chunks", "load_backs", "load_back_declined_tokens", "load_back_unused_tokens",
+                 "aborted")
 #: The simulator summary's names the scheduler engine keeps.
 SHARED_FIELDS = ("hit_tokens_per_tier", "ideal_hit_tokens", "hit_ratio", "corrupted_pages", "verified_pages",
                  "ranks_agree", "ok", "problems", "prompt_tokens", "device_hit_tokens", "host_hit_tokens")
@@ -23,7 +24,7 @@ def check_scheduler_summary(s: dict[str, Any], *, version: str, requests: int, l
     assert s["hit_tokens"] == tiers["device"] + tiers["host"] + tiers["l3"] > 0, tiers
     # concurrency can only lose hits against one request at a time on an infinite cache
     assert s["hit_tokens"] <= s["ideal_hit_tokens"], (s["hit_tokens"], s["ideal_hit_tokens"])
-    assert s["host_hit_tokens"] == s["load_back_tokens"], s
+    assert s["host_hit_tokens"] + s["load_back_unused_tokens"] == s["load_back_tokens"], s
     assert s["load_backs"] + s["load_backs_declined"] > 0, "the scheduler asked for no load-back"
     assert s["load_back_declined_tokens"] == 0 and s["load_backs"] > 0, s
     # every hit page was checked on its owner before its first forward; chunks check their prefix again
