@@ -65,6 +65,9 @@ class SchedConfig:
     # SGLang's own stack, so the library's CP cache is expected off
     copy_path: str = "library"
     batch_timeout_s: float = 120.0  # the most the parent waits for the next event of a busy run
+    # Every this many forwards a decode batch retracts requests, memory short or not (SGLang's own
+    # retraction test switch, SGLANG_TEST_RETRACT); 0: only when decode memory runs out
+    forced_retract_interval: int = 0
 
     def __post_init__(self) -> None:
         if self.version not in ("0.5.18", "0.5.23"):
@@ -78,6 +81,8 @@ class SchedConfig:
             raise ValueError(f"copy_path must be 'library' or 'upstream', got {self.copy_path!r}")
         if self.copy_path != "library" and self.version != "0.5.23":
             raise ValueError(f"copy_path {self.copy_path!r} needs version '0.5.23' (0.5.18's CP copies are the library's)")
+        if not isinstance(self.forced_retract_interval, int) or self.forced_retract_interval < 0:
+            raise ValueError(f"forced_retract_interval must be an int >= 0, got {self.forced_retract_interval!r}")
         if self.chunked_prefill_size % self.shape.page_size:
             raise ValueError(f"chunked_prefill_size must be a multiple of page_size {self.shape.page_size}, "
                              f"got {self.chunked_prefill_size}")

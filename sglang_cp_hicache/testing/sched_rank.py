@@ -128,6 +128,7 @@ def _environment(config: SchedConfig) -> None:
 def _seam_patches(config: SchedConfig) -> PatchSet:
     import torch
     from sglang.srt.disaggregation import prefill
+    from sglang.srt.managers import scheduler
     from sglang.srt.mem_cache import kv_cache_builder
 
     from sglang_cp_hicache.testing.sched_pd import scripted_kv_class
@@ -138,6 +139,9 @@ def _seam_patches(config: SchedConfig) -> PatchSet:
         plan.append((prefill, "get_kv_class", lambda _orig: scripted_kv_class(config)))
         if config.overlap:
             plan.append((torch.cuda, "Event", lambda _orig: torch.cpu.Event))
+    if config.forced_retract_interval:
+        plan += [(scheduler, "TEST_RETRACT", lambda _orig: True),
+                 (scheduler, "TEST_RETRACT_INTERVAL", lambda _orig: config.forced_retract_interval)]
     with patches.lock:
         patches.apply(plan)
     return patches

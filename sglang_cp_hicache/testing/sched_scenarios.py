@@ -11,7 +11,6 @@ returns saw no mismatch. The tests assert on the outcome.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
 
 from sglang_cp_hicache.testing.sched_forward import BatchEntry, BatchReport
 from sglang_cp_hicache.testing.sched_harness import Output, SchedulerHarness
@@ -19,7 +18,7 @@ from sglang_cp_hicache.testing.sched_rank import LoadBack, RankResult
 
 __all__ = [
     "ChurnedPrefixes", "Outcome", "abort_after_load_back", "cache_then_churn", "abort_mid_chunk", "chunked_shared_prefix", "concurrent_load_backs",
-    "host_hit_after_churn", "pd_scripted", "retraction_under_pressure",
+    "host_hit_after_churn", "pd_scripted", "retracted", "retraction",
 ]
 
 
@@ -197,13 +196,30 @@ def pd_scripted(h: SchedulerHarness, base: int, rooms: dict[str, int]) -> Outcom
     return s.outcome(list(rooms))
 
 
-def retraction_under_pressure(h: SchedulerHarness, base: int, n: int = 4, prompt: Optional[int] = None,
-                              new_tokens: int = 160) -> Outcome:
-    """Decode of ``n`` requests that outgrow the device: the scheduler retracts some."""
-    page = h.config.shape.page_size
-    total = usable_tokens(h)
-    prompt = prompt if prompt is not None else (total // n) - new_tokens // 2 - page
+def retraction(h: SchedulerHarness, base: int, n: int = 4, shared: int = 128, tail: int = 100,
+               new_tokens: int = 12) -> Outcome:
+    """Decode of ``n`` requests sharing a ``shared``-token prefix, on a run
+    started with ``forced_retract_interval``: SGLang retracts some of them
+    mid-decode (their KV released uninserted, their prefix unlocked) and
+    prefills them again."""
+    if not h.config.forced_retract_interval:
+        raise ValueError("retraction needs a harness started with forced_retract_interval > 0")
+    prefix = _ids(base, shared)
     s = _Scenario(h)
     rids = [f"h{i}-{base}" for i in range(n)]
-    h.submit(*[h.request(r, _ids(base + i * 10_000, prompt), max_new_tokens=new_tokens) for i, r in enumerate(rids)])
-    return s.outcome(rids, prompt=prompt)
+    h.submit(*[h.request(r, prefix + _ids(base + 10_000 * (i + 1), tail), max_new_tokens=new_tokens)
+               for i, r in enumerate(rids)])
+    return s.outcome(rids, prompt=shared + tail)
+
+
+def retracted(o: Outcome) -> dict[str, list[BatchEntry]]:
+    """Each request prefilled again after it had decoded: its extend entries after its first decode."""
+    out: dict[str, list[BatchEntry]] = {}
+    for rid in o.outputs:
+        decoded = False
+        for i, e in o.entries(rid):
+            if o.batches[i].mode == "DECODE":
+                decoded = True
+            elif decoded:
+                out.setdefault(rid, []).append(e)
+    return out

@@ -118,6 +118,14 @@ SEAMS: tuple[Seam, ...] = (
          Hook(_SCHED, "Scheduler", "on_idle", "replaced-on-instance", ("self",), "is where the harness observes")),
     ),
     Seam(
+        "forced-retraction",
+        "sglang/srt/managers/scheduler.py: TEST_RETRACT, TEST_RETRACT_INTERVAL (SGLANG_TEST_RETRACT*, read at import)",
+        "SGLang's own retraction test switch; the zygote imported the scheduler before a rank knew its config, so a "
+        "run that asks for forced retraction sets the module's two values",
+        (Hook(_SCHED, None, "TEST_RETRACT", "attribute", None, "makes a decode batch retract every interval"),
+         Hook(_SCHED, None, "TEST_RETRACT_INTERVAL", "attribute", None, "is that interval")),
+    ),
+    Seam(
         "uvloop",
         "sglang/srt/managers/tokenizer_manager.py: import uvloop (reached from mm_utils on the recv path)",
         "an import-only module whose EventLoopPolicy is asyncio's default; the tokenizer manager never runs",
