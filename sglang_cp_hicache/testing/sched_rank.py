@@ -69,6 +69,7 @@ class RankResult:
     load_backs: list[LoadBack] = field(default_factory=list)
     idle_checks: int = 0  # on_idle calls made while fully idle, each one passed
     counters: dict[str, int] = field(default_factory=dict)  # the library's cp_counters, where the cache has them
+    l3_counters: dict[str, int] = field(default_factory=dict)  # the library's L3 counters, where L3 is on
     free_device_tokens: int = 0
     evictable_tokens: int = 0
     final: bool = False  # the result after the loop ended
@@ -197,6 +198,9 @@ def _snapshot(scheduler: Any, result: RankResult) -> RankResult:
     counters = getattr(scheduler.tree_cache, "cp_counters", None)
     if counters is not None:
         result.counters = {k: int(v) for k, v in vars(counters).items() if isinstance(v, int)}
+    rank_l3 = getattr(getattr(scheduler.tree_cache, "cp_l3_cache", None), "rank_l3", None)  # 0.5.18's CP cache
+    if rank_l3 is not None:
+        result.l3_counters = {k: int(v) for k, v in vars(rank_l3.tier.counters).items() if isinstance(v, int)}
     return result
 
 

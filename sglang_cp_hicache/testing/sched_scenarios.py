@@ -17,7 +17,8 @@ from sglang_cp_hicache.testing.sched_harness import Output, SchedulerHarness
 from sglang_cp_hicache.testing.sched_rank import LoadBack, RankResult
 
 __all__ = [
-    "ChurnedPrefixes", "Outcome", "abort_after_load_back", "cache_then_churn", "abort_mid_chunk", "chunked_shared_prefix", "concurrent_load_backs",
+    "ChurnedPrefixes", "Outcome", "abort_after_load_back", "abort_mid_l3_prefetch", "cache_then_evict_to_l3",
+    "l3_restore", "cache_then_churn", "abort_mid_chunk", "chunked_shared_prefix", "concurrent_load_backs",
     "host_hit_after_churn", "pd_scripted", "retracted", "retraction",
 ]
 
@@ -223,3 +224,37 @@ def retracted(o: Outcome) -> dict[str, list[BatchEntry]]:
             elif decoded:
                 out.setdefault(rid, []).append(e)
     return out
+
+
+def cache_then_evict_to_l3(h: SchedulerHarness, base: int, prefixes: list[list[int]], fills: int = 3) -> None:
+    """Cache ``prefixes`` (each written to L3 by its pages' owners), then
+    fill the device ``fills`` times with other content: the prefixes leave
+    the device and then the host, and only L3 still holds them."""
+    if h.config.l3_dir is None:
+        raise ValueError("cache_then_evict_to_l3 needs a harness started with an l3_dir")
+    seeds = {f"l3seed{i}-{base}": p for i, p in enumerate(prefixes)}
+    h.submit(*[h.request(rid, p, max_new_tokens=1) for rid, p in seeds.items()])
+    h.wait_finished(list(seeds))
+    h.wait_idle()
+    for k in range(fills):
+        _fill_device(h, f"l3fill{k}-{base}", base + (k + 1) * 1_000_000)
+
+
+def l3_restore(h: SchedulerHarness, base: int, prefix: list[int], tail: int = 64) -> Outcome:
+    """A request extending an L3-only ``prefix``: SGLang's own prefetch (the
+    run's prefetch policy) brings it back through the library's L3."""
+    rid = f"g1-{base}"
+    s = _Scenario(h)
+    h.submit(h.request(rid, prefix + _ids(base + 500_000, tail), max_new_tokens=1))
+    return s.outcome([rid], prefix_tokens=len(prefix))
+
+
+def abort_mid_l3_prefetch(h: SchedulerHarness, base: int, prefix: list[int], tail: int = 64) -> Outcome:
+    """A request extending an L3-only ``prefix`` and its abort, sent back to
+    back: the scheduler takes both in one receive, so the abort lands while
+    the request's L3 prefetch is in flight and the request is still queued."""
+    rid = f"g2-{base}"
+    s = _Scenario(h)
+    h.submit(h.request(rid, prefix + _ids(base + 600_000, tail), max_new_tokens=1))
+    h.abort(rid)
+    return s.outcome([rid], prefix_tokens=len(prefix))
