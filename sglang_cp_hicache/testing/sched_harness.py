@@ -308,16 +308,17 @@ class SchedulerHarness:
         if force and rank is not None and rank not in self._results:
             self._fail(f"rank {rank}'s pipe closed before its result")
 
+    def rank_log(self, rank: int) -> str:
+        """What rank ``rank`` logged so far ("" once the run's directory is gone)."""
+        try:
+            with open(os.path.join(self._dir, f"rank{rank}.log"), errors="replace") as f:
+                return f.read()
+        except OSError:
+            return ""
+
     def _fail(self, message: str) -> None:
-        tails = []
-        for rank in range(self.config.cp_size):
-            path = os.path.join(self._dir, f"rank{rank}.log")
-            try:
-                with open(path, errors="replace") as f:
-                    text = f.read()
-                tails.append(f"--- rank {rank} log tail ---\n{text[-_LOG_TAIL:]}")
-            except OSError:
-                pass
+        tails = [f"--- rank {rank} log tail ---\n{self.rank_log(rank)[-_LOG_TAIL:]}"
+                 for rank in range(self.config.cp_size)]
         self._closed = True
         self._kill()
         raise HarnessError(f"sglang-cp-hicache scheduler harness: {message}\n" + "\n".join(tails))

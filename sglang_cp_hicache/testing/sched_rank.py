@@ -198,10 +198,19 @@ def _snapshot(scheduler: Any, result: RankResult) -> RankResult:
     counters = getattr(scheduler.tree_cache, "cp_counters", None)
     if counters is not None:
         result.counters = {k: int(v) for k, v in vars(counters).items() if isinstance(v, int)}
-    rank_l3 = getattr(getattr(scheduler.tree_cache, "cp_l3_cache", None), "rank_l3", None)  # 0.5.18's CP cache
-    if rank_l3 is not None:
-        result.l3_counters = {k: int(v) for k, v in vars(rank_l3.tier.counters).items() if isinstance(v, int)}
+    l3 = _l3_counters(scheduler.tree_cache)
+    if l3 is not None:
+        result.l3_counters = {k: int(v) for k, v in vars(l3).items() if isinstance(v, int)}
     return result
+
+
+def _l3_counters(cache: Any) -> Any:
+    """The library's L3 counters of this rank's cache (None: L3 off or not the library's)."""
+    rank_l3 = getattr(getattr(cache, "cp_l3_cache", None), "rank_l3", None)  # 0.5.18's CP cache
+    if rank_l3 is not None:
+        return rank_l3.tier.counters
+    driver = getattr(getattr(getattr(cache, "cache_controller", None), "cp_stack", None), "l3", None)  # 0.5.23
+    return None if driver is None else driver.counters
 
 
 def _observe(scheduler: Any, result: RankResult, channel: Any) -> Any:
