@@ -68,6 +68,9 @@ class SchedConfig:
     # Every this many forwards a decode batch retracts requests, memory short or not (SGLang's own
     # retraction test switch, SGLANG_TEST_RETRACT); 0: only when decode memory runs out
     forced_retract_interval: int = 0
+    # 0.5.18: host reads of device indices (the request pool's req_to_token and all taken from it)
+    # raise while the cache inserts (sched_trap.py)
+    trap_insert_reads: bool = False
 
     def __post_init__(self) -> None:
         if self.version not in ("0.5.18", "0.5.23"):
@@ -83,6 +86,8 @@ class SchedConfig:
             raise ValueError(f"copy_path {self.copy_path!r} needs version '0.5.23' (0.5.18's CP copies are the library's)")
         if not isinstance(self.forced_retract_interval, int) or self.forced_retract_interval < 0:
             raise ValueError(f"forced_retract_interval must be an int >= 0, got {self.forced_retract_interval!r}")
+        if self.trap_insert_reads and self.version != "0.5.18":
+            raise ValueError("trap_insert_reads needs version '0.5.18' (the inserts it traps are 0.5.18's)")
         if self.chunked_prefill_size % self.shape.page_size:
             raise ValueError(f"chunked_prefill_size must be a multiple of page_size {self.shape.page_size}, "
                              f"got {self.chunked_prefill_size}")

@@ -189,6 +189,10 @@ def _build(spec: RankSpec, channel: Any) -> Any:
         scheduler = HarnessScheduler(server_args, port_args, gpu_id=spec.rank, tp_rank=spec.rank, moe_ep_rank=0,
                                      pp_rank=0, attn_cp_rank=spec.rank, moe_dp_rank=0, dp_rank=None)
     scheduler.tp_worker.forward.scheduler = scheduler
+    if config.trap_insert_reads:
+        from sglang_cp_hicache.testing.sched_trap import install_insert_trap
+
+        install_insert_trap(scheduler)
     return scheduler
 
 

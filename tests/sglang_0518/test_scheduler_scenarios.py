@@ -18,7 +18,9 @@ from tests.helpers import sched_module as mod
 
 pytestmark = pytest.mark.slow(90)
 
-CONFIGS = [SchedConfig("0.5.18", cp_size=2), SchedConfig("0.5.18", cp_size=3, overlap=True)]
+# Both run with the insert trap: a host read of a device index inside an insert fails the run.
+CONFIGS = [SchedConfig("0.5.18", cp_size=2, trap_insert_reads=True),
+           SchedConfig("0.5.18", cp_size=3, overlap=True, trap_insert_reads=True)]
 _CLOSED: list = []
 
 
