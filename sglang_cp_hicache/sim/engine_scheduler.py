@@ -58,6 +58,10 @@ class EngineOptions:
     overlap: bool = False
     aborts: frozenset[int] = frozenset()  # indices of the requests to abort after their first batch
     batch_timeout_s: float = 600.0
+    # Soak runs: every this many forwards a decode batch retracts requests (SGLang's own test switch); 0: off.
+    # On 0.5.18 also the insert trap (a host read of a device index inside an insert fails the run).
+    forced_retract_interval: int = 0
+    trap_insert_reads: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_running_requests", "chunked_prefill_size", "max_new_tokens"):
@@ -97,7 +101,8 @@ def sched_config(config: SimConfig, opts: EngineOptions, longest_request: int) -
         chunked_prefill_size=opts.chunked_prefill_size, shape=shape,
         hicache_ratio=config.host_pages / config.device_pages, extra_server_args=tuple(extra),
         copy_path=config.copy_path,
-        batch_timeout_s=opts.batch_timeout_s)
+        batch_timeout_s=opts.batch_timeout_s, forced_retract_interval=opts.forced_retract_interval,
+        trap_insert_reads=opts.trap_insert_reads)
 
 
 @dataclass

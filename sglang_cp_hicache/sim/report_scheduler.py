@@ -65,6 +65,19 @@ def _tiers(replay: SchedulerReplay) -> tuple[dict[str, int], int, list[str]]:
     return {"device": device, "host": host, "l3": 0}, sum(loaded.values()) - host, problems
 
 
+def _retracted(replay: SchedulerReplay) -> int:
+    """Requests prefilled again after they had decoded (SGLang retracted them)."""
+    decoded: set[str] = set()
+    again: set[str] = set()
+    for batch in replay.run.batches:
+        for entry in batch.entries:
+            if batch.mode == "DECODE":
+                decoded.add(entry.rid)
+            elif entry.rid in decoded:
+                again.add(entry.rid)
+    return len(again)
+
+
 def _outcomes(replay: SchedulerReplay) -> tuple[int, int, list[str]]:
     """(finished by length, aborted on purpose, problems: requests that ended otherwise)."""
     finished = aborted = 0
@@ -113,6 +126,7 @@ def summarize_scheduler(config: SimConfig, opts: EngineOptions, workload: str, r
         "batches": len(run.batches),
         "extend_batches": ranks[0].stats.extend_batches, "decode_batches": ranks[0].stats.decode_batches,
         "chunks": sum(1 for b in run.batches if b.chunked_rid is not None),
+        "retracted": _retracted(replay),
         "max_batch_requests": max((len(b.entries) for b in run.batches), default=0),
         "load_backs": sum(1 for lb in ranks[0].load_backs if lb.loaded_tokens > 0),
         "load_back_tokens": tiers["host"] + unused_load_back,

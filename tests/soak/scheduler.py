@@ -1,7 +1,10 @@
 """One scheduler-driven random soak run: a random synthetic chat workload
 through SGLang's real Scheduler (``simulate --engine scheduler``'s engine)
 with random CP size, loop, chunk size, running-request cap, arrival window
-(bursts: up to 32 requests land at once), aborts and device pressure.
+(bursts: up to 32 requests land at once), aborts, device pressure and, on
+0.5.18 decode runs, forced retraction (SGLang's own switch); 0.5.18 runs
+with the insert trap on (a host read of a device index inside an insert
+fails the run).
 
     python -m tests.soak.scheduler --seed 123 [--report steps.jsonl]
 
@@ -22,6 +25,7 @@ import random
 import sys
 import time
 import traceback
+from dataclasses import replace
 from typing import Any
 
 from sglang_cp_hicache.sim.config import SimConfig
@@ -47,6 +51,9 @@ def draw(seed: int, version: str) -> tuple[SimConfig, EngineOptions, int]:
         in_flight=rng.choice((1, 2, running, 3 * running, 32)), max_new_tokens=rng.randint(2, 40) if decode else 1,
         overlap=rng.random() < 0.5,
         aborts=frozenset(i for i in range(requests) if rng.random() < 0.1), batch_timeout_s=300.0)
+    # drawn last, so the draws above stay what each seed drew before
+    opts = replace(opts, forced_retract_interval=rng.choice((0, 3, 7)) if decode else 0,
+                   trap_insert_reads=version == "0.5.18")
     return config, opts, requests
 
 
@@ -60,6 +67,7 @@ def run(seed: int, version: str) -> dict[str, Any]:
                            "device_pages": config.device_pages, "chunk": opts.chunked_prefill_size,
                            "max_running": opts.max_running_requests, "in_flight": opts.window,
                            "max_new_tokens": opts.max_new_tokens, "overlap": opts.overlap,
+                           "forced_retract_interval": opts.forced_retract_interval,
                            "aborts": len(opts.aborts), "requests": n, "steps": 0, "passed": False}
     start = time.monotonic()
     try:
@@ -67,7 +75,7 @@ def run(seed: int, version: str) -> dict[str, Any]:
         summary = summarize_scheduler(config, opts, "synthetic-chat", replay, facts, allow_unverified=True)
         row.update(steps=summary["batches"], aborted=summary["aborted"], passed=summary["ok"],
                    problems=summary["problems"], load_backs=summary["load_backs"],
-                   declined=summary["load_backs_declined"])
+                   declined=summary["load_backs_declined"], retracted=summary["retracted"])
     except Exception as exc:  # noqa: BLE001 - reported as a failed run with its cause
         row["error"] = f"{type(exc).__name__}: {exc}"[-6000:]
         row["traceback"] = traceback.format_exc()[-3000:]
