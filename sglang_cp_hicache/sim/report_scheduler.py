@@ -108,6 +108,8 @@ def summarize_scheduler(config: SimConfig, opts: EngineOptions, workload: str, r
     declined = run.load_back_declined_tokens()
     summary: dict[str, Any] = {
         "engine": "scheduler",
+        # which cache SGLang built (at CP 1 on 0.5.18: stock HiRadixCache, the baseline)
+        "tree_cache": run.ready[0].tree_cache if run.ready else None,
         "sglang_version": config.sglang_version,
         "copy_path": config.copy_path,
         "cp_size": config.cp_size, "page_size": config.page_size, "layers": config.num_layers,
@@ -164,7 +166,7 @@ def format_scheduler_table(summary: dict[str, Any]) -> str:
     ratio = summary["hit_ratio"]
     rows = [
         ("engine", f"scheduler ({', '.join(summary['event_loop'])}), SGLang {summary['sglang_version']}, "
-                   f"copy {summary['copy_path']}, CP {summary['cp_size']}"),
+                   f"copy {summary['copy_path']}, CP {summary['cp_size']}, {summary['tree_cache']}"),
         ("requests", f"{summary['requests']} ({summary['finished']} finished, {summary['aborted']} aborted), "
                      f"{summary['prompt_tokens']:,} prompt tokens"),
         ("batches", f"{summary['batches']} ({summary['chunks']} carried a chunk, up to "
