@@ -15,7 +15,8 @@ The server is spawned (a clean interpreter with the launcher's environment,
 working directory and ``sys.path``), dies with the launcher, and its
 processes die with it. Each batch's pipes reach it as descriptors passed
 over the control socket (``SCM_RIGHTS``): a job's arguments may hold
-``multiprocessing`` ``Connection`` objects and picklable values only. A
+``multiprocessing`` ``Connection`` objects, objects whose whole state is one
+descriptor ``fd`` (a log file), and picklable values. A
 process a batch forks closes every descriptor that is not its own: the other
 jobs' ends, the control socket, every batch's status pipe, so each pipe still
 reports end-of-file when its one writer exits. The server forks from one
@@ -62,32 +63,50 @@ class _FdPickler(pickle.Pickler):
         self._index: dict[int, int] = {}
 
     def persistent_id(self, obj: Any) -> Any:
-        if not isinstance(obj, Connection):
-            return None
+        if isinstance(obj, Connection):
+            return ("conn", self._fd_index(obj, obj.fileno()), obj.readable, obj.writable)
+        if _is_fd_holder(obj):
+            return ("holder", self._fd_index(obj, obj.fd), type(obj))
+        return None
+
+    def _fd_index(self, obj: Any, fd: int) -> int:
         index = self._index.get(id(obj))
         if index is None:
             index = self._index[id(obj)] = len(self.fds)
-            self.fds.append(obj.fileno())
-        return ("fd", index, obj.readable, obj.writable)
+            self.fds.append(fd)
+        return index
+
+
+def _is_fd_holder(obj: Any) -> bool:
+    """An object whose whole state is one descriptor, ``fd`` (a log file handed to a process)."""
+    state = getattr(obj, "__dict__", None)
+    return isinstance(state, dict) and list(state) == ["fd"] and isinstance(state["fd"], int) \
+        and not isinstance(state["fd"], bool)
 
 
 class _FdUnpickler(pickle.Unpickler):
     def __init__(self, data: bytes, fds: list[int]) -> None:
         super().__init__(io.BytesIO(data))
         self._fds = fds
-        self._conns: dict[int, Connection] = {}
+        self._objs: dict[int, Any] = {}  # descriptor index -> the object rebuilt around it
 
     def persistent_load(self, pid: Any) -> Any:
-        _, index, readable, writable = pid
-        conn = self._conns.get(index)
-        if conn is None:
-            conn = self._conns[index] = Connection(self._fds[index], readable=readable, writable=writable)
-        return conn
+        got = self._objs.get(pid[1])
+        if got is not None:
+            return got
+        if pid[0] == "conn":
+            _, index, readable, writable = pid
+            got = Connection(self._fds[index], readable=readable, writable=writable)
+        else:
+            _, index, cls = pid
+            got = cls.__new__(cls)
+            got.fd = self._fds[index]
+        self._objs[pid[1]] = got
+        return got
 
     @property
     def unused_fds(self) -> list[int]:
-        used = {c.fileno() for c in self._conns.values()}
-        return [fd for fd in self._fds if fd not in used]
+        return [fd for i, fd in enumerate(self._fds) if i not in self._objs]
 
 
 def _dumps(obj: Any) -> tuple[bytes, list[int]]:
@@ -264,8 +283,7 @@ class ForkBatch:
         self._eof = True
         for key in self._keys:
             self.codes.setdefault(key, EXIT_STATUS_LOST)
-        self._status.close()
-        self._server._open.discard(self._id)
+        self._server._open.discard(self._id)  # the pipe stays open: callers still wait on the sentinel
 
     def signal(self, key: int, signum: int) -> None:
         """Send ``signum`` to a process; one not forked yet gets it once forked."""

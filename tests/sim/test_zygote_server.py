@@ -159,3 +159,25 @@ def test_one_server_per_preload_and_environment_the_oldest_idle_stopped(monkeypa
     third.alive = False  # a dead server is replaced
     monkeypatch.setenv("SGLANG_CP_HICACHE_TEST_ZYGOTE", "1")
     assert shared_zygote(CTX, one) not in (first, second, third, fourth)
+
+
+class _Holder:
+    """A log file handed to a process: its whole state is one descriptor."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+
+def _write_to(holder: _Holder, text: str, server_pid: int) -> None:
+    os.write(holder.fd, text.encode())
+
+
+def test_a_descriptor_holder_reaches_the_process_as_its_own_descriptor(server, preloads, tmp_path):
+    preload = functools.partial(_count_preload, preloads)
+    with open(tmp_path / "log", "wb+") as log:
+        holder = _Holder(log.fileno())
+        batch = server.fork(preload, _write_to, [ForkJob(key=0, args=(holder, "written by the fork"), owned=(holder,))])
+        batch.join(timeout=30)
+        assert batch.codes == {0: 0}
+        log.seek(0)
+        assert log.read() == b"written by the fork"
