@@ -46,8 +46,10 @@ test-0518:
 
 # The copy paths again with the Triton kernels themselves (interpreter) as the
 # CPU backend: kernels, the adapter's copy path, faults, no-sync. Tests marked
-# same_under_interpret only run subprocesses whose TRITON_INTERPRET they set
-# themselves: test-0518 runs them, a second run here would repeat them unchanged.
+# same_under_interpret cannot depend on TRITON_INTERPRET in the pytest process
+# (they run only subprocesses whose variable they set, set it themselves in
+# every test, or launch through the launcher, which interprets CPU tensors
+# whatever it says): test-0518 runs them, a second run here would repeat them unchanged.
 test-0518-interpreted:
 	CP_HICACHE_TEST_PART=1 TRITON_INTERPRET=1 $(PY) -m pytest $(PYTEST_PAR) -m "not same_under_interpret" \
 		tests/kernels tests/sglang_0518/test_sglang_cp.py \

@@ -3,7 +3,9 @@
 The processes are forked by one spawned zygote that imported what a rank
 needs once (:mod:`.zygote`): a clean interpreter with the launcher's
 environment, as ``spawn`` gives each rank, without paying SGLang's import in
-every process.
+every process. It is the launcher process's shared one
+(:mod:`.zygote_server`), so a second run of the same process forks from it
+too.
 
 The CP ranks join one gloo group on a free localhost port, bounded by the
 start-up and collective timeouts. Each process has its own pipe to the
@@ -34,7 +36,8 @@ from sglang_cp_hicache.sim.progress import ProgressBar, StartupProgress
 from sglang_cp_hicache.sim.ranklog import RankLog, save_logs
 from sglang_cp_hicache.sim.records import Progress, RankFailure, RankReport, StartupEvent
 from sglang_cp_hicache.sim.worker import forked_rank_main, preload_release
-from sglang_cp_hicache.sim.zygote import ForkedProcess, ForkJob, Zygote
+from sglang_cp_hicache.sim.zygote import ForkedProcess, ForkJob
+from sglang_cp_hicache.sim.zygote_server import ForkBatch, shared_zygote
 
 __all__ = ["LaunchResult", "free_port", "launch"]
 
@@ -107,7 +110,7 @@ def launch(
     startup = StartupProgress(label, len(ranks), show=show_progress)
     bar = ProgressBar(label, len(requests)) if show_progress else None
     start = time.perf_counter()
-    zygote: Optional[Zygote] = None
+    zygote: Optional[ForkBatch] = None
     try:
         jobs, writers = [], []
         for rank in ranks:
@@ -121,8 +124,10 @@ def launch(
             writers.append(writer)
             jobs.append(ForkJob(key=rank, args=(spec, writer), owned=(writer, spec.log)))
         try:
-            zygote = Zygote(ctx, functools.partial(preload_release, config.sglang_version), forked_rank_main, jobs,
-                            launcher_pid=os.getpid(), name=f"sim-{label}-zygote")
+            # This process's shared zygote: a second run (--compare-non-cp,
+            # --compare-upstream) forks from the one that imported SGLang already.
+            preload = functools.partial(preload_release, config.sglang_version)
+            zygote = shared_zygote(ctx, preload).fork(preload, forked_rank_main, jobs)
         finally:
             for writer in writers:
                 writer.close()  # each process holds the only write end of its pipe: EOF when it exits

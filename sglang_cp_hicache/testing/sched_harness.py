@@ -1,9 +1,10 @@
 """SGLang's real ``Scheduler`` in N CP rank processes; this process plays the
 tokenizer manager and the detokenizer.
 
-The ranks are forked from one zygote that imported SGLang once (the
-simulator's :class:`~sglang_cp_hicache.sim.zygote.Zygote`) and join one gloo
-group. Requests, aborts and the final ``ShutdownReq`` go through the REAL
+The ranks are forked from a zygote that imported SGLang once and join one
+gloo group. The zygote is this process's shared one
+(:func:`~sglang_cp_hicache.sim.zygote_server.shared_zygote`): every harness
+a process starts forks its ranks from it, so only the first pays the import. Requests, aborts and the final ``ShutdownReq`` go through the REAL
 input socket (``scheduler_input_ipc_name``, bound here as SGLang's tokenizer
 manager binds it); outputs come back through the REAL output sockets (the
 tokenizer and detokenizer names, bound here). Each rank runs SGLang's own
@@ -32,7 +33,8 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 
 import zmq
 
-from sglang_cp_hicache.sim.zygote import ForkJob, Zygote
+from sglang_cp_hicache.sim.zygote import ForkJob
+from sglang_cp_hicache.sim.zygote_server import ForkBatch, shared_zygote
 from sglang_cp_hicache.testing.sched_config import IpcNames, SchedConfig
 from sglang_cp_hicache.testing.sched_forward import BatchReport
 from sglang_cp_hicache.testing.sched_rank import RankError, RankReady, RankResult, RankSpec, forked_rank_main, preload
@@ -95,7 +97,7 @@ class SchedulerHarness:
         self._results: dict[int, RankResult] = {}
         self._idle: dict[int, RankResult] = {}
         self._next_room = 1000  # each rank's latest idle snapshot
-        self._zygote: Optional[Zygote] = None
+        self._zygote: Optional[ForkBatch] = None
         self._closed = False
         try:
             self._ipc = self._bind_sockets()
@@ -138,8 +140,8 @@ class SchedulerHarness:
             spec = RankSpec(self.config, rank, self._ipc, os.path.join(self._dir, f"rank{rank}.log"))
             jobs.append(ForkJob(key=rank, args=(spec, theirs), owned=(theirs,)))
         try:
-            self._zygote = Zygote(ctx, functools.partial(preload, self.config.version), forked_rank_main, jobs,
-                                  launcher_pid=os.getpid(), name="sched-harness-zygote")
+            load = functools.partial(preload, self.config.version)
+            self._zygote = shared_zygote(ctx, load).fork(load, forked_rank_main, jobs)
         finally:
             for child in children:
                 child.close()

@@ -10,9 +10,10 @@
   never sglang; core never imports it;
 * each adapter imports only its own SGLang release, never the harness, the
   simulator or the tests (production code);
-* the harness never imports the simulator, except its three leaf modules the
+* the harness never imports the simulator, except its four leaf modules the
   real-scheduler harness reuses rather than copies (``LEAF_SIM``: the zygote
-  that forks rank processes, the launcher-death guard, the content keys),
+  that forks rank processes and its shared form, the launcher-death guard,
+  the content keys),
   which import nothing of the package above core but each other; nothing in the
   package imports tests;
 * ``preflight`` (the ``check`` command) imports the adapters' checks, the
@@ -43,7 +44,8 @@ ALLOWED = {
     "cli": {"sim", "preflight"},
 }
 #: simulator modules the harness may import: leaves (checked below) shared with the real-scheduler harness
-LEAF_SIM = {"sglang_cp_hicache.sim.zygote", "sglang_cp_hicache.sim.lifetime", "sglang_cp_hicache.sim.content"}
+LEAF_SIM = {"sglang_cp_hicache.sim.zygote", "sglang_cp_hicache.sim.zygote_server", "sglang_cp_hicache.sim.lifetime",
+            "sglang_cp_hicache.sim.content"}
 PRODUCTION = {"core", "policy_0518", "policy_0523", "kernels", "l3_backends", "sglang_0518", "sglang_0523"}
 TORCH_ONLY = ("core", "policy_0518", "policy_0523", "kernels", "l3_backends")
 

@@ -19,6 +19,11 @@ from sglang_cp_hicache.kernels import DEBUG_ENV, _checks, _triton_launch, transf
 from sglang_cp_hicache.kernels.bound import bind_indexer_copies, bind_kv_copies
 from sglang_cp_hicache.placement import CpPlacement
 
+# Every test picks its backend itself (TRITON_INTERPRET set or removed per test) or
+# calls the launcher, which interprets CPU tensors whatever the variable says:
+# the interpreted re-run would repeat it unchanged.
+pytestmark = pytest.mark.same_under_interpret
+
 P = 4
 RANK0 = CpPlacement(P, 2, 0)  # owns the even logical pages
 I64 = torch.int64

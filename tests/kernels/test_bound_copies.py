@@ -19,6 +19,11 @@ from sglang_cp_hicache.kernels import DEBUG_ENV, _checks, _launch_spec, transfer
 from sglang_cp_hicache.kernels.bound import PoolCopies, bind_indexer_copies, bind_kv_copies
 from sglang_cp_hicache.placement import CpPlacement, page_owner
 
+# Every test picks its backend itself (TRITON_INTERPRET set or removed per test) or
+# calls the launcher, which interprets CPU tensors whatever the variable says:
+# the interpreted re-run would repeat it unchanged.
+pytestmark = pytest.mark.same_under_interpret
+
 I64 = torch.int64
 BACKENDS = [pytest.param(None, id="reference"), pytest.param("1", id="interpret")]
 

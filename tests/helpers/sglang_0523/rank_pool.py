@@ -23,7 +23,8 @@ from multiprocessing.connection import Connection, wait
 from typing import Any, Callable
 
 from sglang_cp_hicache.sim.lifetime import die_with_launcher
-from sglang_cp_hicache.sim.zygote import ForkJob, Zygote
+from sglang_cp_hicache.sim.zygote import ForkJob
+from sglang_cp_hicache.sim.zygote_server import shared_zygote
 from tests.helpers.sglang_0523.ranks import PRELOAD, RankError
 
 __all__ = ["RankPool"]
@@ -85,7 +86,7 @@ class RankPool:
             self._conns.append(parent)
             jobs.append(ForkJob(key=rank, args=(factory, rank, world, store, child), owned=(child,)))
         try:
-            self._zygote = Zygote(ctx, PRELOAD, _forked_serve, jobs, launcher_pid=os.getpid(), name="rank-pool-zygote")
+            self._zygote = shared_zygote(ctx, PRELOAD).fork(PRELOAD, _forked_serve, jobs)
         finally:
             for job in jobs:
                 job.args[-1].close()  # each rank holds the only other end of its pipe

@@ -2,8 +2,9 @@
 
 SGLang 0.5.23's runtime context is process-global, so each CP rank of the
 sharded stack needs its own process. :func:`run_ranks` starts ``world``
-processes (forked by one spawned zygote that imported SGLang once: a clean
-interpreter with this process's environment and sys.path), joins a gloo
+processes (forked by this process's shared zygote for the environment they
+need, which imported SGLang once: a clean interpreter with this process's
+environment and sys.path, reused by every later call), joins a gloo
 group through a FileStore in ``workdir`` and calls
 ``fn(rank, world, **kwargs)`` in every one. It returns the per-rank results in
 rank order, or raises :class:`RankError` with every failing rank's traceback;
@@ -17,13 +18,14 @@ import datetime
 import functools
 import multiprocessing
 import os
-import queue as queue_mod
 import traceback
+from multiprocessing.connection import Connection, wait
 from typing import Any, Callable, Iterator
 
 from sglang_cp_hicache.sim.lifetime import die_with_launcher
 from sglang_cp_hicache.sim.worker import preload_release
-from sglang_cp_hicache.sim.zygote import ForkJob, Zygote
+from sglang_cp_hicache.sim.zygote import ForkJob
+from sglang_cp_hicache.sim.zygote_server import shared_zygote
 
 __all__ = ["RankError", "run_ranks"]
 
@@ -32,7 +34,7 @@ class RankError(RuntimeError):
     pass
 
 
-def _child(fn: Callable[..., Any], rank: int, world: int, store: str, kwargs: dict, out: Any) -> None:
+def _child(fn: Callable[..., Any], rank: int, world: int, store: str, kwargs: dict, out: Connection) -> None:
     try:
         import torch
         import torch.distributed as dist
@@ -44,20 +46,18 @@ def _child(fn: Callable[..., Any], rank: int, world: int, store: str, kwargs: di
         )
         result = fn(rank, world, **kwargs)
         dist.destroy_process_group()
-        out.put((rank, True, result))
+        out.send((True, result))
     except BaseException:  # report anything to the parent
-        out.put((rank, False, traceback.format_exc()))
+        out.send((False, traceback.format_exc()))
 
 
 def _forked_child(
-    fn: Callable[..., Any], rank: int, world: int, store: str, kwargs: dict, out: Any, zygote_pid: int
+    fn: Callable[..., Any], rank: int, world: int, store: str, kwargs: dict, out: Connection, zygote_pid: int
 ) -> None:
-    """:func:`_child` in a process the zygote forked: it lives as long as the
-    zygote, and flushes its result before the fork's immediate exit."""
+    """:func:`_child` in a process the zygote forked: it lives as long as the zygote."""
     die_with_launcher(zygote_pid)
     _child(fn, rank, world, store, kwargs, out)
     out.close()
-    out.join_thread()
 
 
 #: What every rank process imports first, once in the zygote.
@@ -93,22 +93,34 @@ def run_ranks(
     they import anything, e.g. ``TRITON_INTERPRET``).
     """
     ctx = multiprocessing.get_context("spawn")
-    out = ctx.Queue()
     store = os.path.join(workdir, f"gloo-store-{world}")
-    jobs = [ForkJob(key=r, args=(fn, r, world, store, kwargs, out)) for r in range(world)]
-    with _environ(env or {}):
-        zygote = Zygote(ctx, PRELOAD, _forked_child, jobs, launcher_pid=os.getpid(), name=f"ranks-{world}-zygote")
-    procs = [zygote.process(r) for r in range(world)]
+    pipes = [ctx.Pipe(duplex=False) for _ in range(world)]  # (the parent's reader, the rank's writer)
+    jobs = [ForkJob(key=r, args=(fn, r, world, store, kwargs, pipes[r][1]), owned=(pipes[r][1],))
+            for r in range(world)]
+    try:
+        with _environ(env or {}):
+            zygote = shared_zygote(ctx, PRELOAD)
+        batch = zygote.fork(PRELOAD, _forked_child, jobs)
+    finally:
+        for _, writer in pipes:
+            writer.close()  # each rank holds the only write end of its pipe
+    procs = [batch.process(r) for r in range(world)]
+    pending = {reader: r for r, (reader, _) in enumerate(pipes)}
     results: dict[int, Any] = {}
     failures: dict[int, str] = {}
     try:
-        while len(results) + len(failures) < world:
-            try:
-                rank, ok, payload = out.get(timeout=timeout_s)
-            except queue_mod.Empty:
-                missing = sorted(set(range(world)) - set(results) - set(failures))
-                raise RankError(f"ranks {missing} gave no result within {timeout_s} s; failures: {failures}")
-            (results if ok else failures)[rank] = payload
+        while pending:
+            ready = wait(list(pending), timeout=timeout_s)
+            if not ready:
+                raise RankError(f"ranks {sorted(pending.values())} gave no result within {timeout_s} s; "
+                                f"failures: {failures}")
+            for reader in ready:
+                rank = pending.pop(reader)
+                try:
+                    ok, payload = reader.recv()
+                except EOFError:
+                    ok, payload = False, "the rank process exited without a result"
+                (results if ok else failures)[rank] = payload
             if failures:
                 break  # peers blocked in a collective would wait for the gloo timeout
     finally:
@@ -117,7 +129,9 @@ def run_ranks(
             if proc.is_alive():
                 proc.terminate()
                 proc.join()
-        zygote.join(timeout=5)
+        batch.join(timeout=5)
+        for reader, _ in pipes:
+            reader.close()
     if failures:
         raise RankError("\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(failures.items())))
     return [results[r] for r in range(world)]
