@@ -7,10 +7,10 @@
 # Stock's paged allocator runs a Triton kernel, so both runs set
 # TRITON_INTERPRET=1 (the library's allocator never calls it).
 #
-#   bash bench/sim_stock_scheduler.sh [OUT_DIR]    (default bench/results/engines)
+#   bash bench/sim_stock_scheduler.sh [OUT_DIR]    (default bench/results/stock_scheduler)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-OUT=${1:-bench/results/engines}
+OUT=${1:-bench/results/stock_scheduler}
 mkdir -p "$OUT"
 run() {  # NAME ARGS...
     local name=$1; shift

@@ -47,7 +47,7 @@ from results_sections import (  # noqa: E402
     what_you_get,
 )
 from results_host_room import headline_row as host_room_row, section_host_room  # noqa: E402
-from results_engines import section_engines  # noqa: E402
+from results_engines import section_engines, section_stock_scheduler  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = "docs/results.md"
@@ -152,7 +152,7 @@ def render_doc(res: Results) -> str:
         "",
     ]
     for section in (section_compare_upstream, section_sim_0518, section_sim_0523, section_host_room, section_l3, section_l3_bench,
-                    section_traces, section_engines, section_other_sims,
+                    section_traces, section_engines, section_stock_scheduler, section_other_sims,
                     section_bookkeeping, section_transfer, section_other_files):
         lines += section(res)
     return "\n".join(lines).rstrip() + "\n"

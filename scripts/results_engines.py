@@ -73,3 +73,40 @@ def section_engines(res: Results) -> list[str]:
         files_line(res, names),
         "",
     ]
+
+
+STOCK = "stock_scheduler/"
+
+
+def section_stock_scheduler(res: Results) -> list[str]:
+    """The library's CP cache against SGLang's own default cache at CP 1, same logical pools, both under
+    SGLang 0.5.18's real Scheduler (bench/sim_stock_scheduler.sh)."""
+    names = sorted(f for f in res.json if f.startswith(STOCK) and isinstance(res.json[f], dict))
+    if not names:
+        return []
+    rows = []
+    for name in names:
+        d = res.take(name)
+        tiers = d.get("hit_tokens_per_tier") or {}
+        cache = n(d.get("tree_cache"))
+        rows.append([
+            f"[{name[len(STOCK):]}](../bench/results/{name})", n(d.get("cp_size")),
+            cache + (" (the library)" if cache.startswith("Cp") else " (SGLang's default)"),
+            n(d.get("device_pages")), n(d.get("host_pages")), n(tiers.get("device")), n(tiers.get("host")),
+            _ratio(d), n(d.get("load_back_declined_tokens")), n(d.get("corrupted_pages")), n(d.get("ok")),
+        ])
+    return [
+        "## The library against SGLang's own cache, under the real scheduler (0.5.18)",
+        "",
+        "`bench/sim_stock_scheduler.sh`: the simulator's synthetic chat workload (120 requests, seed 0) through "
+        "SGLang 0.5.18's real Scheduler (`simulate --engine scheduler`), the library's CP cache at CP 2 "
+        "against the cache SGLang builds by itself at CP 1, with the same logical pools (19 usable device "
+        "pages, 60 host pages). Device and host pages are per rank. Batching depends on when outputs reach "
+        "the driver, so a rerun can differ by a page of hits.",
+        "",
+        *table(["run", "CP", "tree cache", "device pages", "host pages", "device hits", "host hits", "hit_ratio",
+                "declined tokens", "corrupted", "ok"], rows),
+        "",
+        files_line(res, names),
+        "",
+    ]
