@@ -55,7 +55,7 @@ class Deployment:
     hits: dict[int, tuple[int, int, int]] = field(default_factory=dict)  # index -> (device, host, l3) tokens
     verified: int = 0  # owned pages checked, every rank, finished requests
     corrupted: int = 0
-    started: set[int] = field(default_factory=set)
+    started: dict[int, float] = field(default_factory=dict)  # index -> when rank 0 started it (perf_counter)
     exit_code: Optional[int] = None
     died_at_request: Optional[int] = None  # the next request to release when it was seen dead
 
@@ -74,6 +74,7 @@ class FleetRun:
     replay_seconds: float
     wall_seconds: float
     unrouted: list[int]  # requests released when no deployment was alive
+    replay_t0: float  # perf_counter() when the first request was released
 
 
 def _start(dep: Deployment, work: str, position: int) -> None:
@@ -95,7 +96,7 @@ def _pump(deps: list[Deployment], router: Router, timeout: float) -> None:
             if words[0] == "ready":
                 dep.ready = True
             elif words[0] == "start":
-                dep.started.add(int(words[1]))
+                dep.started[int(words[1])] = time.perf_counter()
             done = parse_done(words)
             if done is None:
                 continue
@@ -169,7 +170,7 @@ def run_fleet(deps: list[Deployment], requests: Sequence[Sequence[int]], router:
         finally:
             for dep in deps:
                 _stop(dep)
-    return FleetRun(deps, samples, startup, replay, time.perf_counter() - t0, unrouted)
+    return FleetRun(deps, samples, startup, replay, time.perf_counter() - t0, unrouted, t1)
 
 
 def _stop(dep: Deployment) -> None:

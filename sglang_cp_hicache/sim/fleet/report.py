@@ -85,7 +85,7 @@ def _attribution(deps: list[Deployment], jsons: list[Optional[dict[str, Any]]]) 
 
 def _deployment_fields(dep: Deployment, j: Optional[dict[str, Any]], facts: FleetFacts,
                        requests: Sequence[Sequence[int]], by_writer: dict[str, int],
-                       releases: dict[str, str]) -> dict[str, Any]:
+                       releases: dict[str, str], replay_t0: float) -> dict[str, Any]:
     tiers = _tiers(dep)
     hits = sum(tiers.values())
     served = sorted(dep.done)
@@ -121,7 +121,9 @@ def _deployment_fields(dep: Deployment, j: Optional[dict[str, Any]], facts: Flee
                    "device_hit_tokens": [dep.hits[i][0] for i in served],
                    "host_hit_tokens": [dep.hits[i][1] for i in served],
                    "l3_hit_tokens": [dep.hits[i][2] for i in served],
-                   "ideal_hit_tokens": [facts.ideal_hit_tokens[i] for i in served]},
+                   "ideal_hit_tokens": [facts.ideal_hit_tokens[i] for i in served],
+                   # seconds into the replay when rank 0 started each request
+                   "start_seconds": [round(dep.started.get(i, replay_t0) - replay_t0, 3) for i in served]},
     }
 
 
@@ -130,7 +132,7 @@ def fleet_summary(run: FleetRun, facts: FleetFacts, requests: Sequence[Sequence[
     jsons = [_load_json(d.json_path) for d in run.deployments]
     attribution = _attribution(run.deployments, jsons)
     releases = {d.name: d.spec.release for d in run.deployments}
-    per = [_deployment_fields(d, j, facts, requests, a, releases)
+    per = [_deployment_fields(d, j, facts, requests, a, releases, run.replay_t0)
            for d, j, a in zip(run.deployments, jsons, attribution)]
     tiers = {t: sum(p["hit_tokens_per_tier"][t] for p in per) for t in TIERS}
     hits = sum(tiers.values())
