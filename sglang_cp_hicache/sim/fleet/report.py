@@ -111,6 +111,7 @@ def _deployment_fields(dep: Deployment, j: Optional[dict[str, Any]], facts: Flee
         "l3_written_bytes": moved.get("l3_write", 0), "l3_read_bytes": moved.get("l3_read", 0),
         "l3_written_pages": (j or {}).get("l3_written_pages", 0),
         # the ranks' events cover a deployment that died; its JSON, one that never sent them
+        "restored_pages_verified": (j or {}).get("restored_pages_verified", 0),
         "verified_pages": dep.verified, "corrupted_pages": max(dep.corrupted, (j or {}).get("corrupted_pages", 0)),
         "ranks_agree": (j or {}).get("ranks_agree"), "ok": bool(j and j.get("ok")) and dep.exit_code == 0,
         "problems": (j or {}).get("problems", []), "exit_code": dep.exit_code,
@@ -183,7 +184,7 @@ def format_fleet_table(s: dict[str, Any]) -> str:
     cols = [*s["deployments"], {"name": "fleet", **s}]
     rows: list[tuple[str, Any]] = [
         ("release / CP", lambda c: f"{c['release']} cp{c['cp_size']}" if "release" in c else "-"),
-        ("device / host pages per rank", lambda c: f"{c['device_pages']} / {c['host_pages']}"
+        ("device / host pages per rank", lambda c: f"{c['device_pages'] or '-'} / {c['host_pages'] or '-'}"
          if "release" in c else "-"),
         ("requests served (lost)", lambda c: f"{c['requests_served']} ({c['requests_lost']})" if "release" in c
          else f"{s['requests'] - s['requests_lost']} ({s['requests_lost']})"),
