@@ -16,7 +16,7 @@ import importlib.metadata
 import os
 import shlex
 import sys
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 from sglang_cp_hicache import settings
 from sglang_cp_hicache.sim.config import (
@@ -43,7 +43,7 @@ from sglang_cp_hicache.sim.workload import (
     synthetic_chat,
 )
 
-__all__ = ["add_simulate_parser", "run_simulate"]
+__all__ = ["add_simulate_parser", "run_simulate", "write_outputs"]
 
 _DEFAULTS = SimConfig()
 
@@ -170,7 +170,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     if config.l3_dir is not None and config.fleet_feed is None:  # a fleet's coordinator attributes its own
         _attribute_l3(summary, config, cp.reports, l3_before)
     print(format_table(summary))
-    written = _write_outputs(args, summary)
+    written = write_outputs(args, summary)
     if written != 0:
         return written
     return 0 if verdict.ok else 1
@@ -373,10 +373,11 @@ def _config(args: argparse.Namespace, version: str) -> SimConfig:
     )
 
 
-def _write_outputs(args: argparse.Namespace, summary: dict[str, Any]) -> int:
-    """--json and --plot; 1 (with the error printed) when the disk refuses,
-    0 otherwise. The paths were checked before the run; the disk may still
-    fill up since."""
+def write_outputs(args: argparse.Namespace, summary: dict[str, Any],
+                  plot: Callable[[dict[str, Any], str], None] = plot_summary, command: str = "simulate") -> int:
+    """--json and --plot (drawn by ``plot``); 1 (with the error printed, as
+    ``command``'s) when the disk refuses, 0 otherwise. The paths were checked
+    before the run; the disk may still fill up since."""
     from sglang_cp_hicache.sim.report import dump_json
 
     try:
@@ -384,7 +385,9 @@ def _write_outputs(args: argparse.Namespace, summary: dict[str, Any]) -> int:
             with open(args.json, "w", encoding="utf-8") as f:
                 f.write(dump_json(summary))
         if args.plot is not None:
-            plot_summary(summary, args.plot)
+            plot(summary, args.plot)
     except OSError as exc:
-        return _error(f"cannot write {exc.filename or 'the output'}: {exc.strerror or exc}", 1)
+        print(f"sglang-cp-hicache {command}: error: cannot write {exc.filename or 'the output'}: "
+              f"{exc.strerror or exc}", file=sys.stderr)
+        return 1
     return 0

@@ -11,8 +11,10 @@ trace's pages, so pages leave the host pools and come back from L3."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+from array import array
 import subprocess
 import sys
 from pathlib import Path
@@ -39,23 +41,40 @@ def fleet(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, dict
     return proc, json.loads(out.read_text())
 
 
+def _prefix_pages(tokens) -> list[bytes]:
+    """One digest per whole page, naming the page and every page before it."""
+    ids, chain, out = array("q", tokens), hashlib.blake2b(digest_size=16), []
+    for page in range(len(ids) // 64):
+        chain.update(ids[page * 64:(page + 1) * 64].tobytes())
+        out.append(chain.copy().digest())
+    return out
+
+
 def check_accounting(summary: dict) -> None:
-    """Every request served once or counted lost; hits never above the one
-    infinite cache's, request by request; requests started in trace order."""
+    """Every request served once or counted lost; requests started in trace
+    order; no request hit more than the pages of the requests that had
+    started before it finished (the ones before it, and the later ones
+    running at the same time elsewhere)."""
     trace = load_trace(TRACE, seed=0, limit=REQUESTS)
     ideal = ideal_cache(trace.packed, 64).hit_tokens
     assert summary["ideal_hit_tokens"] == sum(ideal)
-    starts = {}
+    runs, hits = {}, {}
     for d in summary["deployments"]:
         series = d["series"]
         for k, i in enumerate(series["request_index"]):
-            assert i not in starts
-            starts[i] = series["start_seconds"][k]
+            assert i not in runs
+            runs[i] = (series["start_seconds"][k], series["done_seconds"][k])
+            hits[i] = series["device_hit_tokens"][k] + series["host_hit_tokens"][k]
             assert series["ideal_hit_tokens"][k] == ideal[i]
-            assert series["device_hit_tokens"][k] + series["host_hit_tokens"][k] <= ideal[i]
-    assert len(starts) + summary["requests_lost"] == REQUESTS
-    ordered = [starts[i] for i in sorted(starts)]
+    assert len(runs) + summary["requests_lost"] == REQUESTS
+    ordered = [runs[i][0] for i in sorted(runs)]
     assert ordered == sorted(ordered), "a request started before an earlier one"
+    pages = [_prefix_pages(trace.packed[i]) for i in range(REQUESTS)]
+    for i, (_, done) in runs.items():
+        seen = {p for j in range(REQUESTS) if j != i and (j < i or (j in runs and runs[j][0] < done))
+                for p in pages[j]}
+        reachable = next((k for k, p in enumerate(pages[i]) if p not in seen), len(pages[i]))
+        assert hits[i] <= reachable * 64, (i, hits[i], reachable)
 
 
 @pytest.mark.slow(60)

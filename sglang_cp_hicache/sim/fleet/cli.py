@@ -211,17 +211,8 @@ def run_fleet_command(args: argparse.Namespace) -> int:
         shutil.rmtree(logs, ignore_errors=True)  # kept only for a failed run
     else:
         print(f"logs of every deployment: {logs}", file=sys.stderr)
-    from sglang_cp_hicache.sim.report import dump_json
+    from sglang_cp_hicache.sim.cli import write_outputs
+    from sglang_cp_hicache.sim.fleet.plot import plot_fleet
 
-    try:
-        if args.json is not None:
-            with open(args.json, "w", encoding="utf-8") as f:
-                f.write(dump_json(summary))
-        if args.plot is not None:
-            from sglang_cp_hicache.sim.fleet.plot import plot_fleet
-
-            plot_fleet(summary, args.plot)
-    except OSError as exc:
-        return _error(f"cannot write {exc.filename or 'the output'}: {exc.strerror or exc}", 1)
-    return 0 if summary["ok"] else 1
-
+    written = write_outputs(args, summary, plot=plot_fleet, command="fleet")
+    return written or (0 if summary["ok"] else 1)

@@ -51,7 +51,7 @@ class Deployment:
     writer: Optional[FeedWriter] = None
     ready: bool = False
     sent: list[int] = field(default_factory=list)  # request indices released to it, in order
-    done: set[int] = field(default_factory=set)  # finished on rank 0
+    done: dict[int, float] = field(default_factory=dict)  # index -> when rank 0 finished it (perf_counter)
     hits: dict[int, tuple[int, int, int]] = field(default_factory=dict)  # index -> (device, host, l3) tokens
     verified: int = 0  # owned pages checked, every rank, finished requests
     corrupted: int = 0
@@ -103,7 +103,7 @@ def _pump(deps: list[Deployment], router: Router, timeout: float) -> None:
             dep.verified += done.verified
             dep.corrupted += done.corrupted
             if done.rank == 0:
-                dep.done.add(done.index)
+                dep.done[done.index] = time.perf_counter()
                 dep.hits[done.index] = (done.device, done.host, done.l3)
                 router.finished(deps.index(dep))
 

@@ -7,7 +7,10 @@ request in trace order: a request's ideal counts every page any earlier
 request held, wherever it ran, so ``hit_ratio`` (hits / ideal) measures the
 fleet against one perfect shared cache. A deployment's ``ideal_hit_tokens``
 is that ideal over its own requests; ``ideal_hit_tokens_alone`` is an
-infinite cache that saw only its own requests (an island's ceiling).
+infinite cache that saw only its own requests (an island's ceiling). The
+deployments run at once, so a request can hit a page that a later request,
+served at the same time elsewhere, stored first: a deployment's
+``hit_ratio`` can pass 1 by that much.
 
 Restored pages are attributed by page key: a page a deployment restored from
 L3 and never stored itself, that another deployment stored, came from that
@@ -123,8 +126,9 @@ def _deployment_fields(dep: Deployment, j: Optional[dict[str, Any]], facts: Flee
                    "host_hit_tokens": [dep.hits[i][1] for i in served],
                    "l3_hit_tokens": [dep.hits[i][2] for i in served],
                    "ideal_hit_tokens": [facts.ideal_hit_tokens[i] for i in served],
-                   # seconds into the replay when rank 0 started each request
-                   "start_seconds": [round(dep.started.get(i, replay_t0) - replay_t0, 3) for i in served]},
+                   # seconds into the replay when rank 0 started and finished each request
+                   "start_seconds": [round(dep.started.get(i, replay_t0) - replay_t0, 3) for i in served],
+                   "done_seconds": [round(dep.done[i] - replay_t0, 3) for i in served]},
     }
 
 
