@@ -119,6 +119,10 @@ def _deployment_fields(dep: Deployment, j: Optional[dict[str, Any]], facts: Flee
         "ranks_agree": (j or {}).get("ranks_agree"), "ok": bool(j and j.get("ok")) and dep.exit_code == 0,
         "problems": (j or {}).get("problems", []), "exit_code": dep.exit_code,
         "died_at_request": dep.died_at_request if dep.exit_code != 0 else None,
+        # where a deployment's replay time went: process CPU per rank, and of it inside SGLang's cache
+        # calls (consensus all-reduces included) and writing / checking content
+        **{key: (j or {}).get(key) for key in ("cpu_seconds_per_rank", "cache_cpu_seconds_per_rank",
+                                               "content_cpu_seconds_per_rank", "collective_cpu_seconds_per_rank")},
         "startup_wall_seconds": (j or {}).get("startup_wall_seconds"),
         "replay_wall_seconds": (j or {}).get("replay_wall_seconds"),
         "series": {"request_index": served,
