@@ -1,10 +1,13 @@
-"""How big a file L3 store is: object count and bytes on disk, sampled while a fleet runs."""
+"""How big a fleet's file L3 is while it runs: page objects and their bytes
+on disk (as :mod:`..l3_usage` counts them), over every directory in use."""
 
 from __future__ import annotations
 
-import os
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any, Iterable
+
+from sglang_cp_hicache.sim.l3_usage import stored_objects
 
 __all__ = ["StoreSample", "store_size"]
 
@@ -20,31 +23,10 @@ class StoreSample:
         return asdict(self)
 
 
-def _walk(directory: str) -> tuple[int, int]:
-    objects = size = 0
-    try:
-        entries = list(os.scandir(directory))
-    except OSError:  # not created yet, or gone
-        return 0, 0
-    for entry in entries:
-        if entry.name.startswith("."):
-            continue  # temporary files being written, manifests, the store's own state
-        try:
-            if entry.is_dir(follow_symlinks=False):
-                o, b = _walk(entry.path)
-                objects, size = objects + o, size + b
-            elif entry.is_file(follow_symlinks=False):
-                objects += 1
-                size += entry.stat(follow_symlinks=False).st_size
-        except OSError:  # removed while we looked (the store's own eviction)
-            continue
-    return objects, size
-
-
 def store_size(directories: Iterable[str], requests: int, seconds: float) -> StoreSample:
     """The objects and bytes under every directory (the fleet's one store, or each deployment's)."""
     objects = size = 0
     for directory in directories:
-        o, b = _walk(directory)
+        o, b = stored_objects(Path(directory))
         objects, size = objects + o, size + b
     return StoreSample(requests, round(seconds, 3), objects, size)
