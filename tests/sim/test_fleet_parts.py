@@ -112,3 +112,21 @@ def test_bad_flags_stop_the_fleet_before_anything_starts(tmp_path, capsys, args,
     err = capsys.readouterr().err
     assert needle in err and "fleet: error:" in err
     assert not l3.exists()  # nothing made, nothing started
+
+
+def test_restored_pages_are_attributed_to_the_deployment_that_alone_stored_them():
+    from sglang_cp_hicache.sim.fleet.coordinator import Deployment
+    from sglang_cp_hicache.sim.fleet.report import _attribution
+
+    deps = [Deployment(spec=DeploymentSpec("0.5.18", 2), name=f"d{k}", command=[], l3_dir=None, json_path="",
+                       log_path="", env={}) for k in range(3)]
+    jsons = [
+        {"l3_stored_keys_per_rank": [["a"], ["b"]], "l3_restored_keys_per_rank": [["c", "a"], ["x"]]},
+        {"l3_stored_keys_per_rank": [["c"], ["a"]], "l3_restored_keys_per_rank": [["b"], []]},
+        None,  # died before it reported: what it stored is unknown
+    ]
+    by_writer = _attribution(deps, jsons)
+    # d0 restored its own "a" (d1 stored it too: the restorer's own copy wins), "c" from d1, "x" from nobody known
+    assert by_writer[0] == {"d0": 1, "d1": 1, "unknown": 1}
+    assert by_writer[1] == {"d0": 1}
+    assert by_writer[2] == {}
