@@ -95,16 +95,16 @@ def section_fleet(res: Results) -> list[str]:
 
 
 def headline_row(res: Results) -> Optional[list[str]]:
-    """Fleet scope against per-deployment stores, prefix-affinity (or the first route run)."""
-    runs = _runs(res)
-    by = {_stem(f): d for f, d in runs.items()}
-    fleet, alone = by.get("route-prefix-affinity-fleet"), by.get("route-prefix-affinity-deployment")
-    if fleet is None or alone is None:
+    """Each route's fleet hit_ratio, one store against a store per deployment."""
+    by = {_stem(f): d for f, d in _runs(res).items()}
+    pairs = [(route, by.get(f"route-{route}-fleet"), by.get(f"route-{route}-deployment"))
+             for route in ("round-robin", "least-loaded", "prefix-affinity")]
+    pairs = [(r, f, a) for r, f, a in pairs if f is not None and a is not None]
+    if not pairs:
         return None
-    deps = " + ".join(f"{d['release']} CP {d['cp_size']}" for d in fleet["deployments"])
-    return [f"a fleet on one L3 ({deps}, prefix-affinity, {n(fleet.get('requests'))} trace requests): hit_ratio, "
-            "one store vs a store per deployment",
-            f"{_pct(fleet.get('hit_ratio'))} vs {_pct(alone.get('hit_ratio'))}; "
-            f"{n(fleet.get('l3_restored_from_other_deployment'))} L3 pages restored from another deployment "
-            f"({n(fleet.get('l3_restored_from_other_release'))} from another release); "
-            f"{n(fleet.get('corrupted_pages'))} corrupted"]
+    first = pairs[0][1]
+    deps = " + ".join(f"{d['release']} CP {d['cp_size']}" for d in first["deployments"])
+    return [f"a fleet on one L3 ({deps}, {n(first.get('requests'))} trace requests): hit_ratio of one infinite "
+            "cache, one store vs a store per deployment",
+            "; ".join(f"{r} {_pct(f.get('hit_ratio'))} vs {_pct(a.get('hit_ratio'))}" for r, f, a in pairs)
+            + f"; {sum(f.get('corrupted_pages') or 0 for _, f, _ in pairs)} corrupted"]
