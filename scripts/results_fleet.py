@@ -90,7 +90,7 @@ def section_fleet(res: Results) -> list[str]:
     for png in (f for f in extras if f.endswith("sizing.png")):
         lines += [f"![fleet hit_ratio against the L3 size and the host pages](../bench/results/{png})", ""]
     res.used.update(extras)
-    lines += [files_line(res, list(runs)), ""]
+    lines += [files_line(res, [*runs, *extras]), ""]
     return lines
 
 
