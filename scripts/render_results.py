@@ -48,6 +48,7 @@ from results_sections import (  # noqa: E402
 )
 from results_host_room import headline_row as host_room_row, section_host_room  # noqa: E402
 from results_engines import section_engines, section_stock_scheduler  # noqa: E402
+from results_fleet import headline_row as fleet_row, section_fleet  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = "docs/results.md"
@@ -108,6 +109,9 @@ def headline(res: Results, *, trace_row: bool = True) -> list[str]:
     room = host_room_row(res)
     if room:
         rows.append(room)
+    fleet = fleet_row(res)
+    if fleet:
+        rows.append(fleet)
     reads = [d for f, d in sorted(res.json.items()) if SIM_L3.match(f) and SIM_L3.match(f).group(4) == "read"]
     if reads:
         rows.append(["L3 written at one CP size, read at another", f"{len(reads)} reader runs, "
@@ -152,7 +156,7 @@ def render_doc(res: Results) -> str:
         "",
     ]
     for section in (section_compare_upstream, section_sim_0518, section_sim_0523, section_host_room, section_l3, section_l3_bench,
-                    section_traces, section_engines, section_stock_scheduler, section_other_sims,
+                    section_traces, section_engines, section_stock_scheduler, section_fleet, section_other_sims,
                     section_bookkeeping, section_transfer, section_other_files):
         lines += section(res)
     return "\n".join(lines).rstrip() + "\n"

@@ -15,6 +15,7 @@ def build_parser() -> argparse.ArgumentParser:
     from sglang_cp_hicache import __version__
     from sglang_cp_hicache.preflight import add_check_parser
     from sglang_cp_hicache.sim.cli import add_simulate_parser
+    from sglang_cp_hicache.sim.fleet.cli import add_fleet_parser
 
     parser = argparse.ArgumentParser(
         prog="sglang-cp-hicache",
@@ -24,6 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     add_simulate_parser(sub)
+    add_fleet_parser(sub)
     shown = sub.add_parser(
         "settings", help="the installed SGLang release, the plugin that will load, and the environment "
                          "variables this library reads that are set, with the values in force (exit 2 on "

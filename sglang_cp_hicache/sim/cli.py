@@ -16,7 +16,7 @@ import importlib.metadata
 import os
 import shlex
 import sys
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 from sglang_cp_hicache import settings
 from sglang_cp_hicache.sim.config import (
@@ -43,7 +43,7 @@ from sglang_cp_hicache.sim.workload import (
     synthetic_chat,
 )
 
-__all__ = ["add_simulate_parser", "run_simulate"]
+__all__ = ["add_simulate_parser", "run_simulate", "write_outputs"]
 
 _DEFAULTS = SimConfig()
 
@@ -142,7 +142,11 @@ def run_simulate(args: argparse.Namespace) -> int:
     if args.engine == "scheduler":
         return run_scheduler_engine(args, prepared, token_lists, facts)
 
-    show = not args.no_progress
+    if config.fleet_feed is not None:  # one deployment of a fleet: the coordinator has the ideal
+        from sglang_cp_hicache.sim.lifetime import die_with_launcher
+
+        die_with_launcher(os.getppid())
+    show = not args.no_progress and config.fleet_feed is None
     l3_before = object_names(config.l3_dir) if config.l3_dir is not None else set()
     cp = launch(config, token_lists, cp_mode=True, failure=failure, show_progress=show)
     if not cp.ok or len(cp.reports) != config.cp_size:
@@ -155,14 +159,18 @@ def run_simulate(args: argparse.Namespace) -> int:
             print(failure_message(non_cp), file=sys.stderr)
             return 1
     summary, verdict = summarize(config, workload, len(requests), cp, non_cp,
-                                 allow_unverified=args.allow_unverified, facts=facts)
+                                 allow_unverified=args.allow_unverified,
+                                 facts=facts if config.fleet_feed is None else None)
     summary = {"engine": "loop", **summary}
     if prepared.sizing is not None:
         summary["pool_sizing"] = prepared.sizing.as_dict()
-    if config.l3_dir is not None:
+    if config.l3_dir is not None and config.fleet_feed is not None:  # what the fleet attributes
+        summary["l3_stored_keys_per_rank"] = [r.totals.l3_stored_keys for r in cp.reports]
+        summary["l3_restored_keys_per_rank"] = [r.totals.l3_restored_keys for r in cp.reports]
+    if config.l3_dir is not None and config.fleet_feed is None:  # a fleet's coordinator attributes its own
         _attribute_l3(summary, config, cp.reports, l3_before)
     print(format_table(summary))
-    written = _write_outputs(args, summary)
+    written = write_outputs(args, summary)
     if written != 0:
         return written
     return 0 if verdict.ok else 1
@@ -246,7 +254,7 @@ def _prepare(args: argparse.Namespace) -> Union[int, Prepared]:
         failure: Optional[FailureInjection] = parse_failure_injection()
     except ValueError as exc:
         return _error(str(exc), 2)
-    problem = engine_problem(args, version, failure is not None)
+    problem = engine_problem(args, version, failure is not None) or _fleet_feed_problem(args)
     if problem is not None:
         return _error(problem, 2)
     if args.plot is not None:
@@ -303,6 +311,19 @@ def _l3_problem(directory: Optional[str]) -> Optional[str]:
     return None
 
 
+def _fleet_feed_problem(args: argparse.Namespace) -> Optional[str]:
+    """Why a fleet deployment (--fleet-feed) cannot run with these flags."""
+    if args.fleet_feed is None:
+        return None
+    if not os.path.isdir(args.fleet_feed):
+        return f"--fleet-feed {args.fleet_feed}: not a directory"
+    for flag, given in (("--engine scheduler", args.engine == "scheduler"), ("--compare-non-cp", args.compare_non_cp),
+                        ("--compare-upstream", args.compare_upstream), ("--plot", args.plot is not None)):
+        if given:
+            return f"--fleet-feed (a fleet deployment) and {flag} do not combine"
+    return None
+
+
 def _version_problem(version: str, args: argparse.Namespace) -> Optional[str]:
     if version not in SGLANG_VERSIONS:
         return f"the installed SGLang is {version}; the simulator drives {' and '.join(SGLANG_VERSIONS)}"
@@ -348,13 +369,15 @@ def _config(args: argparse.Namespace, version: str) -> SimConfig:
         sglang_version=version, copy_path=args.copy,
         l3_dir=os.path.abspath(args.l3) if args.l3 is not None else None,
         metrics=args.metrics,
+        fleet_feed=os.path.abspath(args.fleet_feed) if args.fleet_feed is not None else None,
     )
 
 
-def _write_outputs(args: argparse.Namespace, summary: dict[str, Any]) -> int:
-    """--json and --plot; 1 (with the error printed) when the disk refuses,
-    0 otherwise. The paths were checked before the run; the disk may still
-    fill up since."""
+def write_outputs(args: argparse.Namespace, summary: dict[str, Any],
+                  plot: Callable[[dict[str, Any], str], None] = plot_summary, command: str = "simulate") -> int:
+    """--json and --plot (drawn by ``plot``); 1 (with the error printed, as
+    ``command``'s) when the disk refuses, 0 otherwise. The paths were checked
+    before the run; the disk may still fill up since."""
     from sglang_cp_hicache.sim.report import dump_json
 
     try:
@@ -362,7 +385,9 @@ def _write_outputs(args: argparse.Namespace, summary: dict[str, Any]) -> int:
             with open(args.json, "w", encoding="utf-8") as f:
                 f.write(dump_json(summary))
         if args.plot is not None:
-            plot_summary(summary, args.plot)
+            plot(summary, args.plot)
     except OSError as exc:
-        return _error(f"cannot write {exc.filename or 'the output'}: {exc.strerror or exc}", 1)
+        print(f"sglang-cp-hicache {command}: error: cannot write {exc.filename or 'the output'}: "
+              f"{exc.strerror or exc}", file=sys.stderr)
+        return 1
     return 0

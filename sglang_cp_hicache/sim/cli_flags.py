@@ -187,6 +187,8 @@ def _add_stack_flags(p: argparse.ArgumentParser) -> None:
                    help="SGLang 0.5.23 only: whose copies the sharded pool runs, this library's kernels or "
                         "upstream's own (default library)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    # a fleet's coordinator (sim.fleet) starts each deployment with the pipes it feeds requests through
+    p.add_argument("--fleet-feed", metavar="DIR", default=None, help=argparse.SUPPRESS)
 
 
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:

@@ -106,6 +106,9 @@ class SimConfig:
     # CP ranks only: build the stacks as --enable-metrics does and return each
     # rank's scrape of the library's metrics (sglang_cp_hicache:*) in its report.
     metrics: bool = False
+    # A fleet deployment: the directory of the pipes its coordinator feeds
+    # request indices through (sim.fleet.feed); None: serve every request.
+    fleet_feed: Optional[str] = None
 
     def __post_init__(self) -> None:
         if self.sglang_version not in SGLANG_VERSIONS:

@@ -82,7 +82,7 @@ class SimRankEngine(RankEngineBase):
         self._l3_inserted_tokens = 0
         if self.l3 is not None:
             self._record_l3_nodes()
-            self._record_l3_restores(self.l3)
+            self._record_l3_keys(self.l3)
 
     # ---- instrumentation --------------------------------------------------
     def _count_backups(self) -> None:

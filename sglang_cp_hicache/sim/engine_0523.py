@@ -88,7 +88,7 @@ class ShardedSimRankEngine(RankEngineBase):
         record = library_stack(self.cache)
         self.l3 = record.l3 if record is not None else None
         if self.l3 is not None:
-            self._record_l3_restores(self.l3)
+            self._record_l3_keys(self.l3)
         # One req_to_token row: the engine serves one request at a time.
         self.requests = SchedulerRequests(self.cache, rows=1, max_tokens=1 << 14)
 

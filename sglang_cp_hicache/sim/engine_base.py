@@ -103,16 +103,28 @@ class RankEngineBase:
         # Page keys of the own pages L3 lookups restored (which run wrote
         # them is the launcher's to say: sim.l3_writers).
         self.l3_restored_keys: list[str] = []
+        # Page keys of the own pages whose KV and indexer objects this rank
+        # stored or found sound in L3 (a fleet says from them whose pages
+        # another deployment restored).
+        self.l3_stored_keys: list[str] = []
         self.page_bytes = _page_bytes(stack.kv_pool, self.page_size)
         self.copy_wall = CopyWall()
         self._time_l2_copies(stack.cache.cache_controller.l2_transfer_engine)
 
-    def _record_l3_restores(self, l3: Any) -> None:
-        """Note the page key of every own page a lookup restores, without
-        changing what it does (``l3``: the rank's L3, with its prefetch
+    def _record_l3_keys(self, l3: Any) -> None:
+        """Note the page key of every own page a lookup restores, and of
+        every own page whose objects a write left whole in L3, without
+        changing what either does (``l3``: the rank's L3, with its prefetch
         protocol and tier)."""
         prefetcher, tier = l3.prefetcher, l3.tier
         settle = prefetcher._settle
+        store_page = tier.store_page
+
+        def stored(kv_key: str, idx_key: str, kv: Any, idx: Any) -> bool:
+            whole = store_page(kv_key, idx_key, kv, idx)
+            if whole:  # runs on the L3 I/O threads: list.append is atomic
+                self.l3_stored_keys.append(kv_key)
+            return whole
 
         def recorded(lookup: Any, pages: int) -> int:
             tokens = settle(lookup, pages)
@@ -124,6 +136,7 @@ class RankEngineBase:
             return tokens
 
         prefetcher._settle = recorded
+        tier.store_page = stored
 
     def _time_l2_copies(self, engine: Any) -> None:
         """Wall time of every L2 copy submission, whatever runs it (this
@@ -271,6 +284,7 @@ class RankEngineBase:
         totals.l3_hit_tokens = c.restored_pages * self.page_size
         totals.l3_rejected_objects = c.rejected_pages
         totals.l3_restored_keys = list(self.l3_restored_keys)
+        totals.l3_stored_keys = list(self.l3_stored_keys)
 
     def _wait_l3_io(self) -> None:
         raise NotImplementedError

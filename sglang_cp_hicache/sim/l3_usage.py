@@ -12,19 +12,25 @@ from pathlib import Path
 
 from sglang_cp_hicache.sim.l3_writers import MANIFEST_DIR
 
-__all__ = ["peak_stored_bytes", "stored_bytes"]
+__all__ = ["peak_stored_bytes", "stored_bytes", "stored_objects"]
 
 
 def stored_bytes(directory: Path) -> int:
     """The bytes of the page objects under ``directory`` now."""
-    total = 0
+    return stored_objects(directory)[1]
+
+
+def stored_objects(directory: Path) -> tuple[int, int]:
+    """How many page object files ``directory`` holds now, and their bytes."""
+    count = total = 0
     for path in directory.rglob("*"):
         try:
             if path.is_file() and not path.name.startswith(".l3-") and MANIFEST_DIR not in path.parts:
                 total += path.stat().st_size
+                count += 1
         except FileNotFoundError:
             pass  # evicted while being measured
-    return total
+    return count, total
 
 
 def peak_stored_bytes(proc: subprocess.Popen, directory: Path, interval_s: float = 0.02) -> int:

@@ -106,6 +106,7 @@ class EngineTotals:
     l3_hit_tokens: int = 0  # own tokens this rank put into its host pool from L3
     l3_rejected_objects: int = 0  # own objects found but refused (checksum, length, namespace)
     l3_restored_keys: list[str] = field(default_factory=list)  # page keys of the own pages restored from L3
+    l3_stored_keys: list[str] = field(default_factory=list)  # page keys of the own pages left whole in L3
     # 0.5.23 (both copy paths, counted the same way on each):
     backups_attempted: int = 0  # calls of the cache's _execute_kv_backup
     device_evictions: int = 0  # tree nodes whose device value was evicted (FULL component)

@@ -139,6 +139,7 @@ def summarize(
             "loaded_tokens": [rec.loaded_tokens for rec in rank0.records],
             "l3_hit_tokens": [rec.l3_hit_tokens for rec in rank0.records],
             "ideal_hit_tokens": list(facts.ideal_hit_tokens),
+            "request_index": [rec.index for rec in rank0.records],
         },
     }
     problems = _cp_problems(summary, reports, allow_unverified)

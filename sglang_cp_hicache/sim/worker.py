@@ -22,6 +22,7 @@ from typing import Any, Optional
 
 from sglang_cp_hicache import settings
 from sglang_cp_hicache.sim.config import FAIL_ENV, FailureInjection, RankSpec
+from sglang_cp_hicache.sim.fleet.feed import RankFeed
 from sglang_cp_hicache.sim.lifetime import EXIT_LAUNCHER_GONE, die_with_launcher
 from sglang_cp_hicache.sim.metrics_scrape import scrape_library_metrics
 from sglang_cp_hicache.sim.records import (
@@ -257,18 +258,33 @@ def _replay(
     spec: RankSpec, engine: Any, channel: Any, step_ref: list[Optional[int]],
     injected: Optional[FailureInjection],
 ) -> tuple[list[RequestRecord], float, float]:
-    """Serve every request; (records, process CPU seconds, wall seconds)."""
+    """Serve every request (or, in a fleet, those its coordinator feeds);
+    (records, process CPU seconds, wall seconds)."""
+    feed = RankFeed(spec.config.fleet_feed, spec.rank) if spec.config.fleet_feed is not None else None
     total = len(spec.requests)
     every = max(1, total // 200)
     wall0, cpu0 = time.perf_counter(), time.process_time()
     records = []
-    for index, tokens in enumerate(spec.requests):
+    indices = feed.indices() if feed is not None else iter(range(total))
+    if feed is not None:
+        feed.ready()
+    for index in indices:
         step_ref[0] = index
-        if injected is not None and injected.step == index:
+        # at the first request from STEP on: a fed rank serves only some indices
+        if injected is not None and injected.step is not None and index >= injected.step:
             _inject(injected, engine)
-        records.append(engine.serve(index, tokens))
+            injected = None
+        if feed is not None:
+            feed.started(index)
+        record = engine.serve(index, spec.requests[index])
+        records.append(record)
+        if feed is not None:
+            feed.done(index, record.device_hit_tokens, record.host_hit_tokens, record.l3_hit_tokens,
+                      record.verified_pages, record.corrupted_pages)
         if spec.progress and ((index + 1) % every == 0 or index + 1 == total):
             _send(channel, Progress(spec.rank, index + 1, total))
+    if feed is not None:
+        feed.close()
     cpu = time.process_time() - cpu0
     wall = time.perf_counter() - wall0
     step_ref[0] = AFTER_REPLAY

@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# A fleet of three deployments (0.5.23 CP 4, 0.5.23 CP 2, 0.5.18 CP 2) on the
+# Mooncake conversation trace (first REQUESTS requests, 64 tokens a hash id),
+# through `python -m sglang_cp_hicache fleet` on the simulator's loop engine:
+#
+#   bash bench/fleet.sh TRACE [OUT_DIR] [PART ...]
+#
+# PART: `routes` (each --route with --l3-scope fleet and deployment: 6 runs),
+# `size` (fleet hit_ratio against the bounded L3 directory's max size,
+# SGLANG_HICACHE_FILE_BACKEND_MAX_SIZE, prefix-affinity, fleet scope), `host`
+# (against host pages per rank, same); default: all three. Each run writes
+# NAME.json and NAME.txt (the command, the printed table, its time) under
+# OUT_DIR (default bench/results/fleet/run-<time>); L3 directories are fresh
+# ones under $TMPDIR, removed afterwards. Then: python bench/fleet_table.py OUT_DIR
+set -euo pipefail
+cd "$(dirname "$0")/.."
+TRACE=${1:?usage: bash bench/fleet.sh TRACE [OUT_DIR] [PART ...]}
+OUT=${2:-bench/results/fleet/run-$(date +%Y%m%d-%H%M%S)}
+shift $(( $# >= 2 ? 2 : 1 ))
+REQUESTS=${REQUESTS:-1000}
+DEPLOYMENTS=${DEPLOYMENTS:-"0.5.23:cp4 0.5.23:cp2 0.5.18:cp2"}
+SIZES=${SIZES:-"2M 8M 32M 128M"}
+HOSTS=${HOSTS:-"4 16 64"}
+mkdir -p "$OUT"
+
+run() {  # NAME [ENV=VALUE ...] -- FLEET FLAGS...
+    local name=$1; shift
+    local envs=()
+    while [ "$1" != -- ]; do envs+=("$1"); shift; done
+    shift
+    local l3dir deps=()
+    l3dir=$(mktemp -d "${TMPDIR:-/tmp}/fleet-l3-$name-XXXX")
+    for d in $DEPLOYMENTS; do deps+=(--deployment "$d${HOST_SUFFIX:-}"); done
+    local args=("${deps[@]}" --trace "$TRACE" --requests "$REQUESTS" --l3 "$l3dir" --no-progress
+                --json "$OUT/$name.json" "$@")
+    {
+        echo "\$ ${envs[*]} .venv/bin/python -m sglang_cp_hicache fleet ${args[*]}"
+        { time env "${envs[@]}" .venv/bin/python -m sglang_cp_hicache fleet "${args[@]}"; } 2>&1
+    } > "$OUT/$name.txt" || echo "$name: FAILED (see $OUT/$name.txt)"
+    rm -rf "$l3dir"
+    echo "$name: $(grep '^result:' "$OUT/$name.txt" || echo 'no result line')"
+}
+
+parts=("$@")
+[ ${#parts[@]} -gt 0 ] || parts=(routes size host)
+for part in "${parts[@]}"; do
+    case $part in
+        routes)
+            for scope in fleet deployment; do
+                for route in round-robin prefix-affinity least-loaded; do
+                    run "route-$route-$scope" -- --route "$route" --l3-scope "$scope"
+                done
+            done ;;
+        size)
+            for size in $SIZES; do
+                run "size-$size" SGLANG_HICACHE_FILE_BACKEND_MAX_SIZE="$size" -- --route prefix-affinity
+            done ;;
+        host)
+            for host in $HOSTS; do
+                HOST_SUFFIX=":host=$host" run "host-$host" -- --route prefix-affinity
+            done ;;
+        *) echo "unknown part $part" >&2; exit 2 ;;
+    esac
+done

@@ -1,0 +1,218 @@
+"""``sglang-cp-hicache fleet``: several deployments behind a router on one L3.
+
+Exit status: 0 when every deployment finished its requests with its own
+checks passed, no page anywhere was corrupted and some page was verified;
+1 otherwise (the table's ``problem:`` lines and the JSON's ``problems`` say
+why; a failed deployment's log is kept); 2 for bad flags, found before any
+deployment starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+from typing import Optional, Union
+
+from sglang_cp_hicache.sim.config import (
+    DSA_PAGE_SIZE,
+    FAIL_ENV,
+    check_seconds,
+    default_startup_timeout_s,
+    parse_failure_injection,
+)
+from sglang_cp_hicache.sim.fleet.coordinator import Deployment, run_fleet
+from sglang_cp_hicache.sim.fleet.report import FleetFacts, fleet_summary, format_fleet_table
+from sglang_cp_hicache.sim.fleet.router import ROUTES, AffinityParams, make_router
+from sglang_cp_hicache.sim.fleet.spec import DeploymentSpec, parse_deployment, parse_python, python_for
+from sglang_cp_hicache.sim.ideal import ideal_cache
+from sglang_cp_hicache.sim.outputs import OutputPathError, check_output_paths
+from sglang_cp_hicache.sim.sizing import DEFAULT_CAPACITY
+from sglang_cp_hicache.sim.workload import TraceError, load_trace
+
+__all__ = ["add_fleet_parser", "run_fleet_command"]
+
+SCOPES = ("fleet", "deployment")
+
+
+def add_fleet_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "fleet", allow_abbrev=False,
+        help="replay a trace across several CP deployments (mixed releases and CP sizes) behind a router, "
+             "sharing one L3",
+        description="Each --deployment is one simulate run (its own rank group, started by its release's "
+                    "Python) on the simulator's loop engine; a coordinator releases the trace's requests in "
+                    "order, each to the deployment --route picks, the next only once the last has started.",
+    )
+    p.add_argument("--deployment", action="append", required=True, metavar="RELEASE:cpN[:device=D][:host=H]",
+                   help="one deployment (repeat for more): SGLang release, CP size, and optionally its device "
+                        "and host pages per rank (default: sized from the trace with --capacity)")
+    p.add_argument("--trace", required=True, metavar="FILE.jsonl", help="the trace every deployment replays a part of")
+    p.add_argument("--requests", type=int, default=None, metavar="R", help="the trace's first R requests (default all)")
+    p.add_argument("--trace-block-tokens", type=int, default=None, metavar="B",
+                   help="Mooncake trace: tokens per hash id (default 64)")
+    p.add_argument("--capacity", type=float, default=DEFAULT_CAPACITY, metavar="F",
+                   help="pools of a deployment without device=/host=: sized as simulate --capacity F sizes them "
+                        f"from the whole trace's distinct pages at that deployment's CP size (default "
+                        f"{DEFAULT_CAPACITY})")
+    p.add_argument("--layers", type=int, default=2, metavar="L", help="KV and indexer layers (default 2)")
+    p.add_argument("--seed", type=int, default=0, metavar="S", help="content seed (default 0)")
+    p.add_argument("--l3", metavar="DIR", default=None, help="the file L3 the deployments share")
+    p.add_argument("--l3-scope", choices=SCOPES, default="fleet",
+                   help="'fleet': every deployment on DIR; 'deployment': each its own DIR/<name> (what "
+                        "rank-keyed stores allow), for comparison (default fleet)")
+    p.add_argument("--route", choices=ROUTES, default="round-robin", help="how requests are routed (default "
+                   "round-robin); prefix-affinity is SGLang's router's cache_aware policy")
+    p.add_argument("--cache-threshold", type=float, default=AffinityParams.cache_threshold,
+                   help="prefix-affinity: the match rate above which the longest match wins (default 0.5)")
+    p.add_argument("--balance-abs-threshold", type=int, default=AffinityParams.balance_abs_threshold,
+                   help="prefix-affinity: the outstanding-request gap that, with the relative one, means "
+                        "imbalance (default 32)")
+    p.add_argument("--balance-rel-threshold", type=float, default=AffinityParams.balance_rel_threshold,
+                   help="prefix-affinity: max outstanding above this times min means imbalance (default 1.0001)")
+    p.add_argument("--python", action="append", default=[], metavar="RELEASE=PATH",
+                   help="the interpreter for a release's deployments (default: the checkout's .venv / .venv-0523)")
+    p.add_argument("--json", metavar="PATH", default=None, help="write the fleet's summary as JSON")
+    p.add_argument("--plot", metavar="PATH", default=None,
+                   help="PNG: cumulative hits per tier against the ideal over the trace, per deployment")
+    p.add_argument("--collective-timeout", type=float, default=60.0, metavar="SECONDS",
+                   help="each deployment's gloo timeout (default 60)")
+    p.add_argument("--startup-timeout", type=float, default=None, metavar="SECONDS",
+                   help="how long the deployments get to start (default: simulate's for the largest CP size)")
+    p.add_argument("--no-progress", action="store_true", help="no progress lines on stderr")
+    # test hook: FAIL_ENV's RANK:STEP:MODE for deployment D only
+    p.add_argument("--fault", metavar="D:RANK:STEP:MODE", default=None, help=argparse.SUPPRESS)
+    p.set_defaults(func=run_fleet_command)
+    return p
+
+
+def _error(message: str, code: int = 2) -> int:
+    print(f"sglang-cp-hicache fleet: error: {message}", file=sys.stderr)
+    return code
+
+
+def _installed() -> str:
+    from sglang_cp_hicache.sim.cli import installed_sglang
+
+    return installed_sglang()
+
+
+def _fault(text: Optional[str], count: int) -> Optional[tuple[int, str]]:
+    if text is None:
+        return None
+    position, sep, rest = text.partition(":")
+    if not sep or not position.isdigit() or int(position) >= count:
+        raise ValueError(f"--fault {text}: expected D:RANK:STEP:MODE with D a deployment's position (< {count})")
+    parse_failure_injection(rest)  # ValueError naming the format
+    return int(position), rest
+
+
+def _check(args: argparse.Namespace) -> Union[str, tuple[list[DeploymentSpec], dict[str, str]]]:
+    """Every flag checked before anything starts: the deployments and their interpreters, or an error."""
+    try:
+        specs = [parse_deployment(text) for text in args.deployment]
+        overrides = dict(parse_python(text) for text in args.python)
+        installed = _installed()
+        pythons = {s.release: python_for(s.release, overrides, installed) for s in specs}
+        check_seconds("--collective-timeout", args.collective_timeout)
+        if args.startup_timeout is not None:
+            check_seconds("--startup-timeout", args.startup_timeout)
+        AffinityParams(args.cache_threshold, args.balance_abs_threshold, args.balance_rel_threshold)
+        _fault(args.fault, len(specs))
+    except (TypeError, ValueError) as exc:
+        return str(exc)
+    if args.requests is not None and args.requests < 1:
+        return f"--requests must be a positive integer, got {args.requests}"
+    if not 0.0 < args.capacity <= 1.0:
+        return f"--capacity must be in (0, 1], got {args.capacity}"
+    if args.l3 is None and args.l3_scope != "fleet":
+        return "--l3-scope deployment needs --l3 DIR"
+    if args.l3 is not None:
+        from sglang_cp_hicache.sim.cli import _l3_problem
+
+        problem = _l3_problem(args.l3)
+        if problem is not None:
+            return problem
+    return specs, pythons
+
+
+def _deployments(args: argparse.Namespace, specs: list[DeploymentSpec], pythons: dict[str, str],
+                 logs: str) -> list[Deployment]:
+    fault = _fault(args.fault, len(specs))
+    out = []
+    for position, spec in enumerate(specs):
+        name = spec.name(position)
+        l3 = None
+        if args.l3 is not None:
+            l3 = os.path.abspath(args.l3 if args.l3_scope == "fleet" else os.path.join(args.l3, name))
+        json_path = os.path.join(logs, f"{name}.json")
+        cmd = [pythons[spec.release], "-m", "sglang_cp_hicache", "simulate", "--no-progress", "--allow-unverified",
+               "--sglang", spec.release, "--cp-size", str(spec.cp_size), "--trace", os.path.abspath(args.trace),
+               "--layers", str(args.layers), "--seed", str(args.seed), "--json", json_path,
+               "--collective-timeout", str(args.collective_timeout)]
+        for flag, value in (("--requests", args.requests), ("--trace-block-tokens", args.trace_block_tokens),
+                            ("--device-pages", spec.device_pages), ("--host-pages", spec.host_pages),
+                            ("--startup-timeout", args.startup_timeout), ("--l3", l3)):
+            if value is not None:
+                cmd += [flag, str(value)]
+        if spec.device_pages is None or spec.host_pages is None:
+            cmd += ["--capacity", str(args.capacity)]
+        if spec.release == "0.5.23":
+            cmd += ["--copy", "library"]  # upstream's sharded stack refuses storage
+        env = dict(os.environ)
+        env.pop(FAIL_ENV, None)
+        if fault is not None and fault[0] == position:
+            env[FAIL_ENV] = fault[1]
+        out.append(Deployment(spec=spec, name=name, command=cmd, l3_dir=l3, json_path=json_path,
+                              log_path=os.path.join(logs, f"{name}.log"), env=env))
+    return out
+
+
+def run_fleet_command(args: argparse.Namespace) -> int:
+    checked = _check(args)
+    if isinstance(checked, str):
+        return _error(checked)
+    specs, pythons = checked
+    if args.plot is not None:
+        from sglang_cp_hicache.sim.plot import PlotUnavailable, check_matplotlib
+
+        try:
+            check_matplotlib()
+        except PlotUnavailable as exc:
+            return _error(str(exc))
+    try:
+        check_output_paths({"--json": args.json, "--plot": args.plot}, inputs={"--trace": args.trace})
+        trace = load_trace(args.trace, seed=args.seed, limit=args.requests, block_tokens=args.trace_block_tokens)
+    except (OutputPathError, TraceError, ValueError) as exc:
+        return _error(str(exc))
+    packed = trace.packed
+    requests = [packed[i] for i in range(len(packed))]
+    page_size = DSA_PAGE_SIZE  # what both releases' DSA pools take
+    facts = FleetFacts(route=args.route, l3_scope=args.l3_scope if args.l3 is not None else None,
+                       l3_dir=os.path.abspath(args.l3) if args.l3 is not None else None, page_size=page_size,
+                       prompt_tokens=[len(r) for r in requests],
+                       ideal_hit_tokens=ideal_cache(requests, page_size).hit_tokens, workload=f"trace:{args.trace}")
+    logs = tempfile.mkdtemp(prefix="sglang-cp-hicache-fleet-")
+    deps = _deployments(args, specs, pythons, logs)
+    store_dirs = sorted({d.l3_dir for d in deps if d.l3_dir is not None})
+    router = make_router(args.route, len(deps), page_size,
+                         AffinityParams(args.cache_threshold, args.balance_abs_threshold, args.balance_rel_threshold))
+    # every deployment's ranks import SGLang at once: simulate's allowance for all of them together
+    startup = args.startup_timeout if args.startup_timeout is not None else default_startup_timeout_s(
+        sum(s.cp_size for s in specs))
+    run = run_fleet(deps, requests, router, startup_timeout_s=startup,
+                    finish_timeout_s=args.collective_timeout + 60.0, show_progress=not args.no_progress,
+                    store_dirs=store_dirs)
+    summary = fleet_summary(run, facts, requests)
+    print(format_fleet_table(summary))
+    if summary["ok"]:
+        shutil.rmtree(logs, ignore_errors=True)  # kept only for a failed run
+    else:
+        print(f"logs of every deployment: {logs}", file=sys.stderr)
+    from sglang_cp_hicache.sim.cli import write_outputs
+    from sglang_cp_hicache.sim.fleet.plot import plot_fleet
+
+    written = write_outputs(args, summary, plot=plot_fleet, command="fleet")
+    return written or (0 if summary["ok"] else 1)
