@@ -34,4 +34,13 @@ are :mod:`.engine_0518` and :mod:`.engine_0523` (and
 * ``engine_scheduler`` -- ``--engine scheduler``: the workload through SGLang's real
   ``Scheduler`` (the harness in ``sglang_cp_hicache.testing.sched_*``), closed-loop arrivals
 * ``report_scheduler`` -- that engine's summary JSON and printed table
+* ``packed``   -- many requests' token ids in two flat arrays (what every rank receives)
+* ``zygote``   -- start a run's processes by forking one that imported what they need
+* ``zygote_server`` -- one long-lived zygote per launching process, forking batch after batch
+* ``progress`` -- start-up and replay progress on stderr
+* ``copy_path_times`` -- CPU seconds of a rank's copy path, per phase
+* ``l3_usage`` -- bytes a file L3 directory holds, and the most it held during a run
+* ``l3_writers`` -- which run wrote the L3 objects a run restores from
+* ``metrics_scrape`` -- a rank's scrape of the library's ``sglang_cp_hicache:*`` metrics
+* ``fleet``    -- (package) ``sglang-cp-hicache fleet``: deployments behind a router on one L3
 """
