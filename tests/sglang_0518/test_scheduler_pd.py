@@ -1,5 +1,6 @@
-"""SGLang 0.5.18's real Scheduler as a PD prefill server on the overlap loop
-(CP 2, the cp-hicache backend), its fake PD sender scripted.
+"""SGLang 0.5.18's real Scheduler as a PD prefill server (CP 2, the
+cp-hicache backend) on both PD prefill loops, normal and overlap, its fake
+PD sender scripted.
 
 SGLang 0.5.18 turns optimistic prefill off under HiCache unless the write
 policy is write_back, which CP shared KV refuses: the delayed sender's
@@ -19,9 +20,9 @@ pytestmark = pytest.mark.slow(60)
 _CLOSED: list = []
 
 
-@pytest.fixture(scope="module")
-def h():
-    yield from chk.run_harness(chk.pd_config("0.5.18", 2, overlap=True), _CLOSED)
+@pytest.fixture(scope="module", params=[False, True], ids=["pd-normal", "pd-overlap"])
+def h(request):
+    yield from chk.run_harness(chk.pd_config("0.5.18", 2, overlap=request.param), _CLOSED)
 
 
 def test_chunked_prefill_second_request_rides_the_first_ones_chunks(h):
