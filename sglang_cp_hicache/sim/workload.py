@@ -75,10 +75,11 @@ MAX_REQUEST_TOKENS = 1 << 20
 #: Tokens in the whole trace. Every rank holds its own copy, packed
 #: (:class:`.packed.PackedRequests`): 4 bytes a token + 8 a request, plus
 #: array's growth slack of a sixteenth -- at most 13 bytes a token (one-token
-#: lines), 208 MiB per rank at 2**24, a little over 4 for long requests; the
-#: launcher 8 more a request (line numbers). Use --requests to replay the
-#: first lines of a longer one.
-MAX_TRACE_TOKENS = 1 << 24
+#: lines), 416 MiB per rank at 2**25, a little over 4 for long requests
+#: (the Mooncake conversation trace, 18M tokens at 64 a hash id: ~73 MB a
+#: rank); the launcher 8 more a request (line numbers). Use --requests to
+#: replay the first lines of a longer one.
+MAX_TRACE_TOKENS = 1 << 25
 
 
 @dataclass(frozen=True)

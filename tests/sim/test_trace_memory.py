@@ -59,12 +59,12 @@ def test_parsed_trace_and_each_ranks_copy_stay_within_the_documented_bytes(tmp_p
     assert copy == trace.packed
     rank_bound = SLACK * (4 * tokens + 8 * lines) + 512
     assert 4 * tokens <= held <= rank_bound, f"a rank holds {held / tokens:.1f} B a token"
-    if per_line == 1:  # the worst case: what docs/simulator.md quotes, 13 B a token (208 MiB at 2**24)
+    if per_line == 1:  # the worst case: what docs/simulator.md quotes, 13 B a token (416 MiB at 2**25)
         assert held <= 13 * tokens
 
 
 def test_the_cap_is_the_documented_one():
-    assert MAX_TRACE_TOKENS == 1 << 24 and 13 * MAX_TRACE_TOKENS == 208 << 20
+    assert MAX_TRACE_TOKENS == 1 << 25 and 13 * MAX_TRACE_TOKENS == 416 << 20
 
 
 def test_packed_requests_read_back_every_request_and_refuse_ids_beyond_int32():
