@@ -10,7 +10,9 @@ and host by three device fills, so only L3 holds them.
 
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Callable, Iterator
+
+import pytest
 
 from sglang_cp_hicache.testing import sched_scenarios as sc
 from sglang_cp_hicache.testing.sched_config import SchedConfig
@@ -80,3 +82,25 @@ def check_abort_mid_prefetch(h: SchedulerHarness) -> None:
     # the aborted request's lookup had started on every rank; it restored nothing, the next one all of its prefix
     assert _grew(again, before, "prefetches") == [2, 2]
     assert _grew(again, before, "restored_tokens") == [len(AGAIN)] * 2
+
+
+def l3_tests(version: str) -> tuple[Callable, ...]:
+    """The module fixture ``run`` and the three tests, for ``version``'s test module."""
+
+    @pytest.fixture(scope="module")
+    def run(tmp_path_factory):
+        yield from start(config(version, str(tmp_path_factory.mktemp("l3"))))
+
+    def test_an_l3_only_prefix_is_prefetched_loaded_back_and_forwarded_from(run):
+        check_restore(*run)
+
+    def test_an_abort_while_the_prefetch_is_in_flight_leaves_nothing_behind(run):
+        check_abort_mid_prefetch(run[0])
+
+    def test_shutdown_after_l3_scenarios_leaves_every_rank_clean(run):
+        h, _ = run
+        chk.check_closed(h.close(), h.config)
+
+    return (run, test_an_l3_only_prefix_is_prefetched_loaded_back_and_forwarded_from,
+            test_an_abort_while_the_prefetch_is_in_flight_leaves_nothing_behind,
+            test_shutdown_after_l3_scenarios_leaves_every_rank_clean)
