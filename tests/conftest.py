@@ -19,6 +19,7 @@ import os
 import pytest
 from hypothesis import HealthCheck, settings
 
+from sglang_cp_hicache.sim.extensions import isolate_torch_extensions
 from tests.helpers.cpu_slots import SlotGate
 from tests.helpers.shared_fixtures import group_by_shared_fixtures, order_longest_modules_first
 
@@ -30,6 +31,10 @@ settings.register_profile(
     "dev", max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+# Both suites run at once: each release JIT-builds SGLang's native hash extension in its own directory
+# (same name, different sources), inherited by every process a test starts.
+isolate_torch_extensions()
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # One torch thread per pytest-xdist worker (and the processes it starts):

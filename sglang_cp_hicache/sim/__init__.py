@@ -42,5 +42,6 @@ are :mod:`.engine_0518` and :mod:`.engine_0523` (and
 * ``l3_usage`` -- bytes a file L3 directory holds, and the most it held during a run
 * ``l3_writers`` -- which run wrote the L3 objects a run restores from
 * ``metrics_scrape`` -- a rank's scrape of the library's ``sglang_cp_hicache:*`` metrics
+* ``extensions`` -- each SGLang release JIT-builds torch extensions in its own directory
 * ``fleet``    -- (package) ``sglang-cp-hicache fleet``: deployments behind a router on one L3
 """

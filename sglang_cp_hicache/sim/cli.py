@@ -123,10 +123,12 @@ class Prepared:
 
 
 def run_simulate(args: argparse.Namespace) -> int:
+    from sglang_cp_hicache.sim.extensions import isolate_torch_extensions
     from sglang_cp_hicache.sim.launcher import launch
     from sglang_cp_hicache.sim.report import failure_message, summarize
     from sglang_cp_hicache.sim.table import format_table
 
+    isolate_torch_extensions()  # before any rank starts: they inherit it
     prepared = _prepare(args)
     if isinstance(prepared, int):
         return prepared
