@@ -5,20 +5,16 @@ library's kernels with the real cp_size, and the JSON says so."""
 from __future__ import annotations
 
 import json
-import subprocess
 
 import pytest
 
-from tests.sim.simrun import ROOT, sim_command, sim_env
+from tests.sim.simrun import ROOT, simulate
 
 
 @pytest.mark.slow(45)
 def test_simulate_on_the_sharded_pool_through_the_library_kernels(tmp_path):
     out = tmp_path / "sim.json"
-    proc = subprocess.run(
-        sim_command("--cp-size", "2", "--requests", "30", "--json", str(out)),
-        cwd=ROOT, env=sim_env(), capture_output=True, text=True, timeout=600,
-    )
+    proc = simulate("--cp-size", "2", "--requests", "30", "--json", str(out))[0]
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     s = json.loads(out.read_text())
     assert s["sglang_version"] == "0.5.23" and s["copy_path"] == "library"
@@ -35,11 +31,8 @@ def test_simulate_on_the_sharded_pool_through_the_library_kernels(tmp_path):
 @pytest.mark.slow(70)
 def test_simulate_with_l3_writes_own_pages_and_restores_them_bit_exact(tmp_path):
     out, directory = tmp_path / "l3.json", tmp_path / "l3"
-    proc = subprocess.run(
-        sim_command("--cp-size", "2", "--device-pages", "16", "--host-pages", "24", "--requests", "40",
-                    "--l3", str(directory), "--json", str(out)),
-        cwd=ROOT, env=sim_env(), capture_output=True, text=True, timeout=600,
-    )
+    proc = simulate("--cp-size", "2", "--device-pages", "16", "--host-pages", "24", "--requests", "40",
+                    "--l3", str(directory), "--json", str(out))[0]
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     s = json.loads(out.read_text())
     assert s["ranks_agree"] and s["corrupted_pages"] == 0
@@ -53,10 +46,7 @@ def test_simulate_with_l3_writes_own_pages_and_restores_them_bit_exact(tmp_path)
 
 def test_l3_is_refused_on_upstreams_copy_path(tmp_path):
     directory = tmp_path / "l3"
-    proc = subprocess.run(
-        sim_command("--cp-size", "2", "--copy", "upstream", "--l3", str(directory)), cwd=ROOT, env=sim_env(),
-        capture_output=True, text=True, timeout=120,
-    )
+    proc = simulate("--cp-size", "2", "--copy", "upstream", "--l3", str(directory))[0]
     assert proc.returncode == 2 and "--l3 needs --copy library on --sglang 0.5.23" in proc.stderr
     assert not directory.exists()
 
@@ -80,10 +70,7 @@ def _count(value):
 
 def _run_tight(tmp_path, copy_path):
     out = tmp_path / f"{copy_path}.json"
-    proc = subprocess.run(
-        sim_command(*_TIGHT, "--copy", copy_path, "--json", str(out)),
-        cwd=ROOT, env=sim_env(), capture_output=True, text=True, timeout=600,
-    )
+    proc = simulate(*_TIGHT, "--copy", copy_path, "--json", str(out))[0]
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     s = json.loads(out.read_text())
     assert s["copy_path"] == copy_path and s["ranks_agree"] and s["corrupted_pages"] == 0
@@ -141,11 +128,8 @@ def test_bookkeeping_counters_on_a_tight_host_upstream_loses_backups_and_reads_l
 def test_compare_upstream_runs_both_paths_and_only_the_library_gets_the_l3(tmp_path):
     out, directory = tmp_path / "compare.json", tmp_path / "l3"
     trace = f"{ROOT}/tests/data/mooncake_conversation_slice.jsonl"
-    proc = subprocess.run(
-        sim_command("--compare-upstream", "--cp-size", "2", "--trace", trace, "--requests", "12",
-                    "--l3", str(directory), "--json", str(out)),
-        cwd=ROOT, env=sim_env(), capture_output=True, text=True, timeout=600,
-    )
+    proc = simulate("--compare-upstream", "--cp-size", "2", "--trace", trace, "--requests", "12",
+                    "--l3", str(directory), "--json", str(out))[0]
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     c = json.loads(out.read_text())
     assert c["kind"] == "compare_upstream" and c["ok"] and c["sglang_version"] == "0.5.23"

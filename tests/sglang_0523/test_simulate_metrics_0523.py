@@ -7,12 +7,11 @@ value the simulator's own report gives for the same run."""
 from __future__ import annotations
 
 import json
-import subprocess
 
 import pytest
 
 from sglang_cp_hicache.library_metrics import GAUGE_HELP, RELEASE_COUNTERS
-from tests.sim.simrun import ROOT, sim_command, sim_env
+from tests.sim.simrun import simulate
 
 P = 64
 #: Host-pressured (as test_simulate_cli's tight run): backups need owner-aware host room.
@@ -23,8 +22,7 @@ _ROOMY = ("--cp-size", "2", "--device-pages", "8", "--host-pages", "64", "--requ
 
 def _run(tmp_path, name, *args):
     out = tmp_path / f"{name}.json"
-    proc = subprocess.run(sim_command(*args, "--json", str(out)), cwd=ROOT, env=sim_env(), capture_output=True,
-                          text=True, timeout=600)
+    proc = simulate(*args, "--json", str(out))[0]
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads(out.read_text())
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from sglang_cp_hicache.sim.ideal import ideal_hit_tokens
 from sglang_cp_hicache.sim.workload import load_trace
-from tests.sim.simrun import ROOT, remove_kept_logs, sim_command, sim_env
+from tests.sim.simrun import simulate
 
 SLICE = Path(__file__).resolve().parents[1] / "data" / "mooncake_conversation_slice.jsonl"
 P = 64
@@ -26,9 +26,7 @@ def run_slice(tmp_path: Path, *extra: str) -> tuple[dict[str, Any], subprocess.C
     args = ("--cp-size", "2", "--device-pages", "24", "--host-pages", "24", "--trace", str(SLICE),
             "--l3", str(tmp_path / "l3"), "--compare-non-cp", "--non-cp-group", "single",
             "--json", str(out), "--plot", str(png), *extra)
-    proc = subprocess.run(sim_command(*args, progress=True), cwd=ROOT, env=sim_env(), capture_output=True,
-                          text=True, timeout=900)
-    remove_kept_logs(proc.stderr)
+    proc, _ = simulate(*args, progress=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads(out.read_text()), proc, png
 

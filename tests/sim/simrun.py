@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
+import faulthandler
+import io
 import os
 import re
 import shutil
 import subprocess
 import sys
 import time
-from typing import Optional
+import traceback
+from typing import Optional, Sequence
 
 from sglang_cp_hicache.sim.config import FAIL_ENV
 
@@ -47,11 +51,53 @@ def remove_kept_logs(stderr: str) -> list[str]:
 HANG_GUARD_S = 600
 
 
-def simulate(*args: str, env: Optional[dict] = None,
-             timeout: float = HANG_GUARD_S) -> tuple[subprocess.CompletedProcess, float]:
+def run_cli(argv: Sequence[str], *, env: Optional[dict] = None,
+            timeout: float = HANG_GUARD_S) -> subprocess.CompletedProcess:
+    """``python -m sglang_cp_hicache ARGV`` run inside this test process, as
+    a subprocess would see it: the working directory ROOT, the environment
+    of :func:`sim_env`, stdout and stderr captured, the exit status from
+    ``main`` (a traceback and 1 for an escaping exception).
+
+    In process, every run of one worker forks its ranks from the worker's
+    shared zygote (one per environment): the SGLang import and the hook
+    check (7-9 CPU-seconds) are paid once per worker instead of once per
+    run, plus the CLI's own interpreter start (2-3 s). Tests of the process
+    boundary itself (signals to the launcher, the console script, another
+    release's interpreter) start a real subprocess instead. A run that
+    outlives ``timeout`` dumps every thread's stack and ends the worker: a
+    hang guard, as ``subprocess.run``'s timeout was."""
+    from sglang_cp_hicache.__main__ import main
+
+    saved_env, saved_cwd = dict(os.environ), os.getcwd()
+    out, err = io.StringIO(), io.StringIO()
+    os.environ.clear()
+    os.environ.update(sim_env(env))
+    os.chdir(ROOT)
+    faulthandler.dump_traceback_later(timeout, exit=True)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main(list(argv))
+            except SystemExit as exc:
+                code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+                if exc.code is not None and not isinstance(exc.code, int):
+                    print(exc.code, file=sys.stderr)
+            except Exception:  # what the interpreter would print before exiting 1
+                traceback.print_exc()
+                code = 1
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+        os.chdir(saved_cwd)
+        os.environ.clear()
+        os.environ.update(saved_env)
+    return subprocess.CompletedProcess(["sglang_cp_hicache", *argv], code, out.getvalue(), err.getvalue())
+
+
+def simulate(*args: str, env: Optional[dict] = None, timeout: float = HANG_GUARD_S,
+             progress: bool = False) -> tuple[subprocess.CompletedProcess, float]:
+    """One ``simulate`` run in this process (:func:`run_cli`), and its seconds."""
     start = time.perf_counter()
-    proc = subprocess.run(sim_command(*args), cwd=ROOT, env=sim_env(env), capture_output=True, text=True,
-                          timeout=timeout)
+    proc = run_cli(sim_command(*args, progress=progress)[3:], env=env, timeout=timeout)
     seconds = time.perf_counter() - start
     remove_kept_logs(proc.stderr)
     return proc, seconds
