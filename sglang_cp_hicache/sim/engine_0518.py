@@ -14,7 +14,7 @@ Per request, in the same order on every rank (the SGLang contract)::
 This is the scheduler's flow in 0.5.18 (``PrefillAdder`` admission lock +
 ``init_load_back``, ``alloc_for_extend`` + ``evict_from_tree_cache``,
 ``cache_finished_req``), collapsed to one request per batch. Content lives in
-:mod:`sglang_cp_hicache.sim.content`; a token's content key is a rolling hash
+:mod:`sglang_cp_hicache.testing.content`; a token's content key is a rolling hash
 of its prefix, so a restored page is right only if it holds exactly the bytes
 written for that prefix. Works on a plain (non-CP) HiRadixCache too, where this
 one process owns every page.

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any, Callable, Optional
 
-from sglang_cp_hicache.sim.lifetime import die_with_launcher
+from sglang_cp_hicache.testing.lifetime import die_with_launcher
 
 __all__ = ["ForkJob", "ForkedProcess", "Zygote"]
 

@@ -1,6 +1,6 @@
 """One long-lived zygote per launching process, forking batch after batch.
 
-:class:`~sglang_cp_hicache.sim.zygote.Zygote` spawns a fresh zygote for each
+:class:`~sglang_cp_hicache.testing.zygote.Zygote` spawns a fresh zygote for each
 run: every run pays the preload (torch, SGLang, the hook check's parse of
 SGLang's source: 10-13 CPU-seconds) again. A test process starts many runs
 (every rank group of the real-scheduler harness, every rank pool and every
@@ -43,8 +43,8 @@ from multiprocessing import reduction
 from multiprocessing.connection import Connection, wait
 from typing import Any, Callable, Optional
 
-from sglang_cp_hicache.sim.lifetime import die_with_launcher
-from sglang_cp_hicache.sim.zygote import EXIT_STATUS_LOST, ForkedProcess, ForkJob, _close, _exit_now
+from sglang_cp_hicache.testing.lifetime import die_with_launcher
+from sglang_cp_hicache.testing.zygote import EXIT_STATUS_LOST, ForkedProcess, ForkJob, _close, _exit_now
 
 __all__ = ["ForkBatch", "ZygoteServer", "shared_zygote"]
 
