@@ -35,6 +35,7 @@ from sglang.srt.mem_cache.base_prefix_cache import (
 )
 from sglang.srt.mem_cache.radix_cache import RadixKey
 
+from sglang_cp_hicache.l3.prefetch import path_length
 from sglang_cp_hicache.placement import CpPlacement
 from sglang_cp_hicache.sglang_0518.hiradix import CpInsertParams
 from sglang_cp_hicache.sim.engine_base import NewPages, PrefixHit, RankEngineBase, RequestInFlight
@@ -46,15 +47,6 @@ __all__ = ["SimRankEngine"]
 _EMPTY = torch.empty((0,), dtype=torch.int64)
 #: Steps a prefetch takes to settle: the query's MIN, then the fetch's.
 _L3_MAX_STEPS = 2
-
-
-def _depth(node: Any) -> int:
-    """Tokens on the path from the root to ``node`` (the root: 0)."""
-    n = 0
-    while node is not None and node.parent is not None:
-        n += len(node.key)
-        node = node.parent
-    return n
 
 
 class SimRankEngine(RankEngineBase):
@@ -137,7 +129,7 @@ class SimRankEngine(RankEngineBase):
 
         def recorded(anchor: Any, key: Any, meta: Any) -> None:
             insert(anchor, key, meta)
-            self._l3_spans.append((_depth(anchor), len(key)))
+            self._l3_spans.append((path_length(anchor), len(key)))
 
         port.insert_host_node = recorded
 

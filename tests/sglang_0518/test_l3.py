@@ -112,18 +112,24 @@ def test_each_cp4_rank_writes_exactly_its_own_pages(written):
     assert not list(directory.rglob("*.tmp*"))
 
 
+def check_restored_whole(cl: CpCluster) -> None:
+    """Nothing cached: L3 alone supplies every page of ``TOKENS``, bit-exact,
+    refusing none, and every rank ends alike."""
+    assert cl.device_locs(TOKENS)[0].numel() == 0
+    assert read_back(cl) == [PAGES * P] * len(cl.caches)
+    assert cl.check(TOKENS) == {}
+    assert sum(c.cp_l3.counters.restored_pages for c in cl.caches) == PAGES
+    assert all(c.cp_l3.counters.rejected_pages == 0 for c in cl.caches)
+    assert_alike(cl)
+
+
 @pytest.mark.parametrize("n", [2, 1])
 def test_cp4_writes_cp_n_reads_bit_exact(written, n, monkeypatch):
     directory, _, _ = written
     monkeypatch.setenv(settings.L3_DIR.name, str(directory))
     cl = cluster(n)
     try:
-        assert cl.device_locs(TOKENS)[0].numel() == 0  # nothing cached: only L3 can supply it
-        assert read_back(cl) == [PAGES * P] * n
-        assert cl.check(TOKENS) == {}
-        assert sum(c.cp_l3.counters.restored_pages for c in cl.caches) == PAGES
-        assert all(c.cp_l3.counters.rejected_pages == 0 for c in cl.caches)
-        assert_alike(cl)
+        check_restored_whole(cl)
     finally:
         cl.close()
 

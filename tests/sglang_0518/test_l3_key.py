@@ -32,7 +32,7 @@ from sglang_cp_hicache.testing.stack_0518 import CpStackConfig
 
 from tests.helpers.l3_key import UNKEYED, keyed_view, digests, forge_without_the_key, key_file, keyed_objects, new_secret
 from tests.sglang_0518.test_l3 import (
-    PAGES, TOKENS, P, assert_alike, cluster, copy_of, object_path, read_back, write_with_cp4,
+    PAGES, TOKENS, P, assert_alike, check_restored_whole, cluster, copy_of, object_path, read_back, write_with_cp4,
 )
 
 SECRET, OTHER_SECRET = new_secret(), new_secret()
@@ -67,12 +67,7 @@ def test_the_same_key_restores_the_chain_bit_exact_from_keyed_objects(keyed, tmp
     cl = cluster(2)
     try:
         assert [c.cp_l3.describe() for c in cl.caches] == [writer_view] * 2
-        assert cl.device_locs(TOKENS)[0].numel() == 0  # only L3 can supply it
-        assert read_back(cl) == [PAGES * P] * 2
-        assert cl.check(TOKENS) == {}
-        assert sum(c.cp_l3.counters.restored_pages for c in cl.caches) == PAGES
-        assert all(c.cp_l3.counters.rejected_pages == 0 for c in cl.caches)
-        assert_alike(cl)
+        check_restored_whole(cl)
     finally:
         cl.close()
     # every object: format 3, keyed namespace, keyed BLAKE3 tag over header and payload
