@@ -310,7 +310,7 @@ class L3Requests:
         included) and its ``MatchResult``."""
         self._last_match = _Match(key, result.last_host_node, len(result.device_indices) + result.host_hit_length)
 
-    def _requests_match(self, anchor: TreeNode, tokens: Sequence[int]) -> Optional["_Match"]:
+    def _requests_match(self, anchor: TreeNode, tokens: Sequence[int]) -> Optional[_Match]:
         """The match the scheduler ran just before for the request whose
         ``tokens`` (whole pages past the match) it hands in, if it is that
         request's and its key is plain (no extra key or cache salt)."""
