@@ -27,7 +27,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional
 
-from sglang_cp_hicache.l3.metrics import LIBRARY_PREFIX, L3IoMeter, counter_names
+from sglang_cp_hicache.l3.metrics import LIBRARY_PREFIX, CounterGrowth, L3IoMeter, counter_names
 
 logger = logging.getLogger(__name__)
 
@@ -142,15 +142,14 @@ class PrometheusLibraryMetrics:
         names = tuple(self.labels)
         self.counter_names = {n: library_counter_name(n) for n in counters}
         self.gauge_names = {n: library_gauge_name(n) for n in GAUGE_HELP}
-        self._counters = {
+        self._counters = CounterGrowth({
             n: _family("counter", counter_cls, names, n, m, COUNTER_HELP[n]).labels(**self.labels)
             for n, m in self.counter_names.items()
-        }
+        })
         self._gauges = {
             n: _family("gauge", gauge_cls, names, n, m, GAUGE_HELP[n]).labels(**self.labels)
             for n, m in self.gauge_names.items()
         }
-        self._last: dict[str, int] = {}
 
     def publish_step(self, figures: Callable[[], LibraryFigures], cp_rank: int) -> None:
         """:meth:`publish` ``figures()`` once a scheduler step. Never raises:
@@ -162,12 +161,7 @@ class PrometheusLibraryMetrics:
 
     def publish(self, figures: LibraryFigures) -> None:
         """Add what each counter grew by since the last call; set the gauges."""
-        for name, value in figures.counters.items():
-            series = self._counters.get(name)
-            grown = value - self._last.get(name, 0)
-            if series is not None and grown > 0:
-                series.inc(grown)
-            self._last[name] = value
+        self._counters.publish(figures.counters)
         for name, value in figures.gauges.items():
             gauge = self._gauges.get(name)
             if gauge is not None:

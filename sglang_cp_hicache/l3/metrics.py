@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 __all__ = [
-    "LIBRARY_PREFIX", "IoSample", "L3IoMeter", "L3MetricsSource", "L3StepFigures", "MeteredTier",
+    "LIBRARY_PREFIX", "CounterGrowth", "IoSample", "L3IoMeter", "L3MetricsSource", "L3StepFigures", "MeteredTier",
     "PrometheusL3Counters", "counter_names",
 ]
 
@@ -233,6 +233,23 @@ def _families(labelnames: tuple[str, ...], names: Mapping[str, str], counter_cls
         return families
 
 
+class CounterGrowth:
+    """Counter series fed from monotonic totals (Prometheus counters only
+    grow): :meth:`publish` adds what each total grew by since the last call."""
+
+    def __init__(self, series: Mapping[str, Any]) -> None:
+        self._series = dict(series)
+        self._last: dict[str, float] = {}
+
+    def publish(self, values: Mapping[str, float]) -> None:
+        for name, value in values.items():
+            series = self._series.get(name)
+            grown = value - self._last.get(name, 0)
+            if series is not None and grown > 0:
+                series.inc(grown)
+            self._last[name] = value
+
+
 class PrometheusL3Counters:
     """The library's L3 counters of one rank as Prometheus counters,
     ``sglang_cp_hicache:l3_<field>_total`` (field: an :class:`L3Counters`
@@ -246,14 +263,8 @@ class PrometheusL3Counters:
         self.labels = {k: str(v) for k, v in labels.items()}
         self.names = counter_names(fields)
         families = _families(tuple(self.labels), self.names, counter_cls)
-        self._series = {name: families[name].labels(**self.labels) for name in self.names}
-        self._last: dict[str, float] = {}
+        self._growth = CounterGrowth({name: families[name].labels(**self.labels) for name in self.names})
 
     def publish(self, values: Mapping[str, float]) -> None:
-        for name, value in values.items():
-            series = self._series.get(name)
-            grown = value - self._last.get(name, 0)
-            if series is not None and grown > 0:
-                series.inc(grown)
-            self._last[name] = value
+        self._growth.publish(values)
 

@@ -50,6 +50,7 @@ __all__ = [
     "NOT_READY",
     "chain_hashes",
     "chain_hashes_or_none",
+    "path_length",
     "path_tokens",
     "plain_key",
     "ChainPlan",
@@ -77,6 +78,15 @@ def path_tokens(node: Any) -> list[int]:
         parts.append(list(node.key.token_ids[: len(node.key)]))
         node = node.parent
     return [t for part in reversed(parts) for t in part]
+
+
+def path_length(node: Any) -> int:
+    """How many tokens :func:`path_tokens` would give, without copying them."""
+    n = 0
+    while node is not None and node.parent is not None:
+        n += len(node.key)
+        node = node.parent
+    return n
 
 
 def chain_hashes(tier: HostL3Tier, tokens: list[int], first_page: int) -> tuple[list[str], Optional[str]]:

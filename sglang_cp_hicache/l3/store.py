@@ -25,7 +25,10 @@ from sglang_cp_hicache.l3.capacity import CapacityConfig, DirectoryCapacity, is_
 from sglang_cp_hicache.l3.keys import check_page_key
 from sglang_cp_hicache.l3.safe_files import READ_FLAGS, create_exclusive, iter_subdirs, open_regular, open_subdir
 
-__all__ = ["FilePageStore", "OpenObject", "PageStore", "SizeMismatch", "TMP_SUFFIX", "preadv_all", "writev_all"]
+__all__ = [
+    "FilePageStore", "OpenObject", "PageStore", "SizeMismatch", "TMP_SUFFIX", "check_blobs", "check_keys", "check_sizes",
+    "preadv_all", "writev_all",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -117,10 +120,25 @@ def writev_all(fd: int, views: Sequence[memoryview]) -> int:
     return total
 
 
-def _check_keys(keys: object) -> list[str]:
+def check_keys(keys: object) -> list[str]:
+    """``keys`` of every :class:`PageStore` call: a list of page keys."""
     if isinstance(keys, str) or not isinstance(keys, Sequence):
         raise TypeError(f"keys must be a list of page keys, got {type(keys).__name__}")
     return [check_page_key(f"keys[{i}]", key) for i, key in enumerate(keys)]
+
+
+def check_blobs(blobs: object, count: int) -> list[memoryview]:
+    """``blobs`` of :meth:`PageStore.put`: one bytes-like object per key, as byte views."""
+    if isinstance(blobs, (bytes, bytearray, memoryview)) or not isinstance(blobs, Sequence):
+        raise TypeError(f"blobs must be a list of bytes-like objects, got {type(blobs).__name__}")
+    if len(blobs) != count:
+        raise ValueError(f"blobs must have one entry per key ({count}), got {len(blobs)}")
+    views = []
+    for i, blob in enumerate(blobs):
+        if not isinstance(blob, (bytes, bytearray, memoryview)):
+            raise TypeError(f"blobs[{i}] must be bytes-like, got {type(blob).__name__}")
+        views.append(memoryview(blob).cast("B"))
+    return views
 
 
 def check_sizes(sizes: object, count: int) -> list[Optional[int]]:
@@ -310,7 +328,7 @@ class FilePageStore:
         return f"{self._root}/{key[:2]}/{key}.bin"
 
     def exists(self, keys: Sequence[str]) -> list[bool]:
-        return [self._is_object(self._file_of(key)) for key in _check_keys(keys)]
+        return [self._is_object(self._file_of(key)) for key in check_keys(keys)]
 
     @staticmethod
     def _is_object(path: str) -> bool:
@@ -321,22 +339,13 @@ class FilePageStore:
             return False
 
     def get(self, keys: Sequence[str], sizes: Optional[Sequence[int]] = None) -> list[bytes | SizeMismatch | None]:
-        checked = _check_keys(keys)
+        checked = check_keys(keys)
         expected = check_sizes(sizes, len(checked))
         return [self._get_one(self.path_of(key), size) for key, size in zip(checked, expected)]
 
     def put(self, keys: Sequence[str], blobs: Sequence[Blob]) -> list[bool]:
-        checked = _check_keys(keys)
-        if isinstance(blobs, (bytes, bytearray, memoryview)) or not isinstance(blobs, Sequence):
-            raise TypeError(f"blobs must be a list of bytes-like objects, got {type(blobs).__name__}")
-        if len(blobs) != len(checked):
-            raise ValueError(f"blobs must have one entry per key ({len(checked)}), got {len(blobs)}")
-        views = []
-        for i, blob in enumerate(blobs):
-            if not isinstance(blob, (bytes, bytearray, memoryview)):
-                raise TypeError(f"blobs[{i}] must be bytes-like, got {type(blob).__name__}")
-            views.append(memoryview(blob).cast("B"))
-        return [self.write_from(k, [v]) for k, v in zip(checked, views)]
+        checked = check_keys(keys)
+        return [self.write_from(k, [v]) for k, v in zip(checked, check_blobs(blobs, len(checked)))]
 
     def read_into(self, key: str, size: int, views: Sequence[memoryview]) -> int | SizeMismatch | None:
         """Read ``key``'s object, which must be ``size`` bytes, straight into

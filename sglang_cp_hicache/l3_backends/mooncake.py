@@ -31,7 +31,7 @@ from typing import Any, Mapping, Optional, Union
 
 from sglang_cp_hicache.l3.clear import ClearReport
 from sglang_cp_hicache.l3.keys import PAGE_HASH_CHARS, PARENT_CHARS, ROOT_PARENT, check_page_key
-from sglang_cp_hicache.l3.store import SizeMismatch, check_sizes
+from sglang_cp_hicache.l3.store import SizeMismatch, check_blobs, check_keys, check_sizes
 from sglang_cp_hicache.sizes import parse_mooncake_size
 
 __all__ = ["MooncakeConfig", "MooncakePageStore"]
@@ -118,23 +118,10 @@ class MooncakeConfig:
         return cls(master_server_address=extra["master_server_address"], **known)
 
 
-def _check_keys(keys: object) -> list[str]:
-    if isinstance(keys, str) or not isinstance(keys, Sequence):
-        raise TypeError(f"keys must be a list of page keys, got {type(keys).__name__}")
-    return [check_page_key(f"keys[{i}]", key) for i, key in enumerate(keys)]
-
-
 def _check_blobs(blobs: object, count: int) -> list[bytes]:
-    if isinstance(blobs, (bytes, bytearray, memoryview)) or not isinstance(blobs, Sequence):
-        raise TypeError(f"blobs must be a list of bytes-like objects, got {type(blobs).__name__}")
-    if len(blobs) != count:
-        raise ValueError(f"blobs must have one entry per key ({count}), got {len(blobs)}")
-    out = []
-    for i, blob in enumerate(blobs):
-        if not isinstance(blob, (bytes, bytearray, memoryview)):
-            raise TypeError(f"blobs[{i}] must be bytes-like, got {type(blob).__name__}")
-        out.append(bytes(blob))
-        if not out[-1]:
+    out = [bytes(view) for view in check_blobs(blobs, count)]
+    for i, blob in enumerate(out):
+        if not blob:
             raise ValueError(f"blobs[{i}] is empty (Mooncake reads an empty object as missing)")
     return out
 
@@ -226,7 +213,7 @@ class MooncakePageStore:
         return self._client
 
     def exists(self, keys: Sequence[str]) -> list[bool]:
-        checked = _check_keys(keys)
+        checked = check_keys(keys)
         client = self._live()
         if not checked:
             return []
@@ -238,7 +225,7 @@ class MooncakePageStore:
         return [flag == 1 for flag in flags] if len(flags) == len(checked) else [False] * len(checked)
 
     def get(self, keys: Sequence[str], sizes: Optional[Sequence[int]] = None) -> list[bytes | SizeMismatch | None]:
-        checked = _check_keys(keys)
+        checked = check_keys(keys)
         expected = check_sizes(sizes, len(checked))
         self._live()  # a closed store raises here, before any batch
         if not checked:  # Mooncake answers an empty batch with one empty object
@@ -357,7 +344,7 @@ class MooncakePageStore:
         return [bytes(blob) if blob else None for blob in blobs]
 
     def put(self, keys: Sequence[str], blobs: Sequence[Blob]) -> list[bool]:
-        checked = _check_keys(keys)
+        checked = check_keys(keys)
         data = _check_blobs(blobs, len(checked))
         self._live()
         results = [False] * len(checked)

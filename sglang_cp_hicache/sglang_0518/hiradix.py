@@ -320,8 +320,9 @@ class CpHiRadixCache(HiRadixCache):
 
     # ---- the tree: 0.5.18's bodies, CP-aware (upstream_0518) ----------------------------
     def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
-        self.cp_l3_requests.remember_match(params.key)
-        return upstream_0518.match_prefix(self, params)
+        result = upstream_0518.match_prefix(self, params)
+        self.cp_l3_requests.remember_match(params.key, result)
+        return result
 
     def _split_node(self, key: RadixKey, child: TreeNode, split_len: int):
         return upstream_0518.split_node(self, key, child, split_len)

@@ -40,10 +40,13 @@ CP copy targets' host pools.
 
 Requests with an ``extra_key`` (a LoRA adapter) or a ``cache_salt`` never
 look up L3: their pages are another namespace's. The scheduler does not pass
-them to ``prefetch_from_storage``, but it matches the request's key (which
-carries both) just before: the cache's ``match_prefix`` hands every key to
-:meth:`L3Requests.remember_match`, which keeps the last one, and a lookup
-whose tokens are not that plain key's is skipped.
+them to ``prefetch_from_storage`` (only the request id, the node and the
+tokens past the match), but it matches the request's key (which carries
+both) just before: the cache's ``match_prefix`` hands every key and its
+result to :meth:`L3Requests.remember_match`, which keeps the last one. A
+lookup serves from that match (one ``match_prefix`` per lookup) and is
+skipped unless it is this request's: the same node, the tokens past the
+match, a plain key.
 
 SGLang's own storage controller, threads and backends are never built (the
 base cache is built without the flag): attaching or detaching a storage
@@ -56,7 +59,7 @@ collector is built as ``HiRadixCache`` builds it and fed from this L3
 from __future__ import annotations
 
 import logging
-from array import array
+from dataclasses import dataclass
 from typing import Any, Hashable, List, Optional, Sequence
 
 from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
@@ -75,7 +78,7 @@ from sglang_cp_hicache.l3.storage_metrics import (
 from sglang_cp_hicache.l3_backends import store_opener
 from sglang_cp_hicache.placement import CpPlacement
 from sglang_cp_hicache.settings import SGLANG_FILE_DIR
-from sglang_cp_hicache.sglang_0518.l3_port import path_tokens, plain_key
+from sglang_cp_hicache.sglang_0518.l3_port import path_length, path_tokens, plain_key
 from sglang_cp_hicache.sglang_0518.library_metrics import tp_and_dp_rank
 
 logger = logging.getLogger(__name__)
@@ -159,7 +162,9 @@ class L3Cache:
         evicted before), the second on the pages fetched and verified; then
         a host-only node of exactly those pages is in the tree. ``rid``: the
         scheduler's request waiting on it."""
-        found = self._lookup_target(key)
+        return self._start(self._lookup_target(key), rid)
+
+    def _start(self, found: Optional[tuple[TreeNode, RadixKey]], rid: Optional[Hashable]) -> int:
         if found is None:
             return 0
         anchor, chain = found
@@ -170,25 +175,37 @@ class L3Cache:
 
     def _lookup_target(self, key: RadixKey):
         """(anchor, chain key) of a prefetch, or None: the whole pages of
-        ``key`` past the cached prefix, when that prefix ends at a node whose
-        host copy is final (or the root) and no lookup hangs there yet."""
-        tree, P = self.tree, self.placement.page_size
-        if self.rank_l3 is None or tree.is_eagle or not plain_key(key):
+        ``key`` past the cached prefix (:meth:`_target_past`)."""
+        if self.rank_l3 is None or self.tree.is_eagle or not plain_key(key):
             return None
-        match = tree.match_prefix(MatchPrefixParams(key=key))
-        anchor = match.last_host_node
+        match = self.tree.match_prefix(MatchPrefixParams(key=key))
         matched = len(match.device_indices) + match.host_hit_length
-        if len(path_tokens(anchor)) != matched:
+        return self._target_past(match.last_host_node, matched, key[matched:])
+
+    def _target_past(self, anchor: TreeNode, matched: int, rest: RadixKey):
+        """(anchor, chain key) of a prefetch, or None: the whole pages of
+        ``rest`` (the key past its ``matched`` cached tokens), when that
+        prefix ends at ``anchor``, a node whose host copy is final (or the
+        root), and no lookup hangs there yet."""
+        tree, P = self.tree, self.placement.page_size
+        if path_length(anchor) != matched:
             return None  # the deepest matched node has no final host copy yet
         if anchor is not tree.root_node and (not anchor.backuped or anchor.write_through_pending_id is not None):
             return None
-        whole = (len(key) - matched) // P * P
+        whole = len(rest) // P * P
         if whole <= 0:
             return None
-        chain = key[matched : matched + whole]
+        chain = rest[:whole]
         if self.rank_l3.prefetcher.hangs_at(anchor, tuple(chain.token_ids[:P])):
             return None
         return anchor, chain
+
+    def prefetch_past(self, anchor: TreeNode, matched: int, rest: RadixKey, rid: Hashable) -> int:
+        """:meth:`prefetch` for a key the cache matched already: ``rest`` is
+        its part past the ``matched`` tokens that end at ``anchor``."""
+        if self.rank_l3 is None or self.tree.is_eagle:
+            return 0
+        return self._start(self._target_past(anchor, matched, rest), rid)
 
     # ---- the step's MIN (called by the step protocol) -----------------------------------
     def words(self) -> list[int]:
@@ -226,15 +243,6 @@ _REFUSE_RUNTIME = (
     "CP shared KV (sglang-cp-hicache): attaching or detaching a HiCache storage backend at runtime is "
     "not supported; start the server with --hicache-storage-backend file (the library serves L3 itself)"
 )
-
-
-def _same_kind(prefix: list[int], tokens: Sequence[int]) -> Sequence[int]:
-    """``prefix + tokens`` as the container ``tokens`` is: the scheduler's
-    keys hold ``array('q')`` and RadixKey refuses to match a list against an
-    array, so a node restored from L3 must hold what the requests hold."""
-    if isinstance(tokens, array):
-        return array(tokens.typecode, prefix) + tokens
-    return prefix + list(tokens)
 
 
 def source_label(location: L3Location) -> str:
@@ -275,6 +283,16 @@ def refuse_runtime_attach(storage_backend: str) -> tuple[bool, str]:
     return False, _REFUSE_RUNTIME
 
 
+@dataclass(frozen=True)
+class _Match:
+    """A ``match_prefix`` the cache ran: the key, its deepest node with a
+    final host copy, and how many of its tokens are cached."""
+
+    key: RadixKey
+    anchor: TreeNode
+    matched: int
+
+
 class L3Requests:
     """The scheduler's prefetch calls on one CP cache, served by ``l3``.
 
@@ -284,25 +302,25 @@ class L3Requests:
     def __init__(self, tree: Any, l3: L3Cache) -> None:
         self.tree = tree
         self.l3 = l3
-        self._last_match: Optional[RadixKey] = None
+        self._last_match: Optional[_Match] = None
 
     # ---- arrival --------------------------------------------------------------------
-    def remember_match(self, key: RadixKey) -> None:
-        """The key the cache matched last (a request's, extra key and salt included)."""
-        self._last_match = key
+    def remember_match(self, key: RadixKey, result: Any) -> None:
+        """The key the cache matched last (a request's, extra key and salt
+        included) and its ``MatchResult``."""
+        self._last_match = _Match(key, result.last_host_node, len(result.device_indices) + result.host_hit_length)
 
-    def _request_is_plain(self, anchor: TreeNode, new_input_tokens: Sequence[int]) -> bool:
-        """The request's key has no extra key or cache salt: below a node,
-        the node's key says (a request only matches its own namespace); at
-        the root, the key the scheduler matched just before (its tokens must
-        be these)."""
-        if anchor is not self.tree.root_node:
-            return plain_key(anchor.key)
+    def _requests_match(self, anchor: TreeNode, tokens: Sequence[int]) -> Optional[_Match]:
+        """The match the scheduler ran just before for the request whose
+        ``tokens`` (whole pages past the match) it hands in, if it is that
+        request's and its key is plain (no extra key or cache salt)."""
         last = self._last_match
-        if last is None or not plain_key(last):
-            return False
-        n = len(new_input_tokens)
-        return len(last) >= n and list(last.token_ids[:n]) == list(new_input_tokens)
+        if last is None or last.anchor is not anchor or not plain_key(last.key):
+            return None
+        n, at = len(tokens), last.matched
+        if len(last.key) < at + n or list(last.key.token_ids[at : at + n]) != list(tokens):
+            return None
+        return last
 
     def prefetch_from_storage(self, req_id: str, last_host_node: TreeNode, new_input_tokens: List[int]) -> None:
         """Start (or join) the L3 lookup of the whole pages of
@@ -317,12 +335,14 @@ class L3Requests:
             return  # a retracted request re-queued keeps its wait
         P = tree.page_size
         whole = len(new_input_tokens) // P * P
-        if whole == 0 or not self._request_is_plain(last_host_node, new_input_tokens[:whole]):
+        match = self._requests_match(last_host_node, new_input_tokens[:whole]) if whole else None
+        if match is None:
             return
         if prefetcher.join(last_host_node, tuple(new_input_tokens[:P]), req_id):
             return
-        key = RadixKey(_same_kind(path_tokens(last_host_node), new_input_tokens[:whole]), is_bigram=tree.is_eagle)
-        self.l3.prefetch(key, req_id)
+        # the tokens as the scheduler holds them: a node restored from L3 must hold what the requests hold
+        rest = RadixKey(new_input_tokens[:whole], is_bigram=tree.is_eagle)
+        self.l3.prefetch_past(last_host_node, match.matched, rest, req_id)
 
     # ---- the waiting queue ----------------------------------------------------------
     def check_prefetch_progress(self, req_id: str) -> bool:

@@ -25,14 +25,14 @@ import torch
 from sglang.srt.disaggregation.kv_events import StorageMedium
 from sglang.srt.mem_cache.radix_cache import RadixKey, TreeNode
 
-from sglang_cp_hicache.l3.prefetch import ChainPlan, chain_hashes_or_none, path_tokens, plain_key
+from sglang_cp_hicache.l3.prefetch import ChainPlan, chain_hashes_or_none, path_length, path_tokens, plain_key
 from sglang_cp_hicache.placement import CpPlacement
 from sglang_cp_hicache.policy_0518.metadata import CpHiCacheNodeMetadata
 from sglang_cp_hicache.policy_0518.node_state import set_host_state
 from sglang_cp_hicache.sglang_0518.host_tier import HostTier
 from sglang_cp_hicache.sglang_0518.tree_node import CpTreeNode
 
-__all__ = ["HostRoom0518", "L3Port0518", "balanced_owners", "path_tokens", "plain_key"]
+__all__ = ["HostRoom0518", "L3Port0518", "balanced_owners", "path_length", "path_tokens", "plain_key"]
 
 logger = logging.getLogger(__name__)
 

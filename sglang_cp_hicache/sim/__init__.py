@@ -10,9 +10,10 @@ owned page of every matched prefix bit-exactly.
 Modules (none imports SGLang; the rank engines that call SGLang's cache API
 are :mod:`.engine_0518` and :mod:`.engine_0523` (and
 :mod:`.engine_0523_plain`, the 0.5.23 non-CP baseline), on the shared
-:mod:`.engine_base`, loaded in the rank processes):
+:mod:`.engine_base`, loaded in the rank processes; the page content, the
+zygote that forks the ranks and their launcher-death guard are the harness's,
+:mod:`sglang_cp_hicache.testing`):
 
-* ``content``  -- deterministic page content and bit-exact checks (pure torch)
 * ``workload`` -- synthetic multi-turn chat, JSONL traces
 * ``mooncake`` -- Mooncake FAST'25 trace lines as requests (hash id -> block)
 * ``ideal``    -- what an infinite cache would hit on the same requests
@@ -21,7 +22,6 @@ are :mod:`.engine_0518` and :mod:`.engine_0523` (and
 * ``config``   -- settings, per-process spec, the failure-injection test hook
 * ``records``  -- dataclasses passed from the ranks to the launcher
 * ``worker``   -- body of one rank process (or of the non-CP comparison)
-* ``lifetime`` -- a rank ends as soon as its launcher is gone (SIGKILL included)
 * ``ranklog``  -- each process's output in an unnamed file, kept only on failure
 * ``launcher`` -- spawn, watch, stop on failure, collect
 * ``failures`` -- which rank failed first (the cause, not its peers' symptoms)
@@ -35,8 +35,6 @@ are :mod:`.engine_0518` and :mod:`.engine_0523` (and
   ``Scheduler`` (the harness in ``sglang_cp_hicache.testing.sched_*``), closed-loop arrivals
 * ``report_scheduler`` -- that engine's summary JSON and printed table
 * ``packed``   -- many requests' token ids in two flat arrays (what every rank receives)
-* ``zygote``   -- start a run's processes by forking one that imported what they need
-* ``zygote_server`` -- one long-lived zygote per launching process, forking batch after batch
 * ``progress`` -- start-up and replay progress on stderr
 * ``copy_path_times`` -- CPU seconds of a rank's copy path, per phase
 * ``l3_usage`` -- bytes a file L3 directory holds, and the most it held during a run

@@ -145,7 +145,7 @@ def run_simulate(args: argparse.Namespace) -> int:
         return run_scheduler_engine(args, prepared, token_lists, facts)
 
     if config.fleet_feed is not None:  # one deployment of a fleet: the coordinator has the ideal
-        from sglang_cp_hicache.sim.lifetime import die_with_launcher
+        from sglang_cp_hicache.testing.lifetime import die_with_launcher
 
         die_with_launcher(os.getppid())
     show = not args.no_progress and config.fleet_feed is None

@@ -14,7 +14,7 @@ Per request, in the same order on every rank (the SGLang contract)::
 This is the scheduler's flow in 0.5.18 (``PrefillAdder`` admission lock +
 ``init_load_back``, ``alloc_for_extend`` + ``evict_from_tree_cache``,
 ``cache_finished_req``), collapsed to one request per batch. Content lives in
-:mod:`sglang_cp_hicache.sim.content`; a token's content key is a rolling hash
+:mod:`sglang_cp_hicache.testing.content`; a token's content key is a rolling hash
 of its prefix, so a restored page is right only if it holds exactly the bytes
 written for that prefix. Works on a plain (non-CP) HiRadixCache too, where this
 one process owns every page.
@@ -35,6 +35,7 @@ from sglang.srt.mem_cache.base_prefix_cache import (
 )
 from sglang.srt.mem_cache.radix_cache import RadixKey
 
+from sglang_cp_hicache.l3.prefetch import path_length
 from sglang_cp_hicache.placement import CpPlacement
 from sglang_cp_hicache.sglang_0518.hiradix import CpInsertParams
 from sglang_cp_hicache.sim.engine_base import NewPages, PrefixHit, RankEngineBase, RequestInFlight
@@ -46,15 +47,6 @@ __all__ = ["SimRankEngine"]
 _EMPTY = torch.empty((0,), dtype=torch.int64)
 #: Steps a prefetch takes to settle: the query's MIN, then the fetch's.
 _L3_MAX_STEPS = 2
-
-
-def _depth(node: Any) -> int:
-    """Tokens on the path from the root to ``node`` (the root: 0)."""
-    n = 0
-    while node is not None and node.parent is not None:
-        n += len(node.key)
-        node = node.parent
-    return n
 
 
 class SimRankEngine(RankEngineBase):
@@ -137,7 +129,7 @@ class SimRankEngine(RankEngineBase):
 
         def recorded(anchor: Any, key: Any, meta: Any) -> None:
             insert(anchor, key, meta)
-            self._l3_spans.append((_depth(anchor), len(key)))
+            self._l3_spans.append((path_length(anchor), len(key)))
 
         port.insert_host_node = recorded
 

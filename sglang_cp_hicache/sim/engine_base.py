@@ -14,7 +14,7 @@ from typing import Any, ContextManager, Iterator, Optional, Sequence
 import torch
 
 from sglang_cp_hicache.placement import CpPlacement
-from sglang_cp_hicache.sim.content import corrupted_token_mask, prefix_keys, write_content
+from sglang_cp_hicache.testing.content import corrupted_token_mask, prefix_keys, write_content
 from sglang_cp_hicache.sim.records import AckCounts, CopyWall, EngineTotals, RequestRecord
 
 __all__ = ["NewPages", "PrefixHit", "RankEngineBase", "RequestInFlight"]

@@ -36,8 +36,8 @@ from sglang_cp_hicache.sim.progress import ProgressBar, StartupProgress
 from sglang_cp_hicache.sim.ranklog import RankLog, save_logs
 from sglang_cp_hicache.sim.records import Progress, RankFailure, RankReport, StartupEvent
 from sglang_cp_hicache.sim.worker import forked_rank_main, preload_release
-from sglang_cp_hicache.sim.zygote import ForkedProcess, ForkJob
-from sglang_cp_hicache.sim.zygote_server import ForkBatch, shared_zygote
+from sglang_cp_hicache.testing.zygote import ForkedProcess, ForkJob
+from sglang_cp_hicache.testing.zygote_server import ForkBatch, shared_zygote
 
 __all__ = ["LaunchResult", "free_port", "launch"]
 

@@ -23,7 +23,7 @@ from typing import Any, Optional
 from sglang_cp_hicache import settings
 from sglang_cp_hicache.sim.config import FAIL_ENV, FailureInjection, RankSpec
 from sglang_cp_hicache.sim.fleet.feed import RankFeed
-from sglang_cp_hicache.sim.lifetime import EXIT_LAUNCHER_GONE, die_with_launcher
+from sglang_cp_hicache.testing.lifetime import EXIT_LAUNCHER_GONE, die_with_launcher
 from sglang_cp_hicache.sim.metrics_scrape import scrape_library_metrics
 from sglang_cp_hicache.sim.records import (
     AFTER_REPLAY,

@@ -19,7 +19,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from sglang_cp_hicache.placement import CpPlacement
-from sglang_cp_hicache.sim.content import POISON_BYTE, corrupted_token_mask, prefix_keys, write_content
+from sglang_cp_hicache.testing.content import POISON_BYTE, corrupted_token_mask, prefix_keys, write_content
 
 __all__ = ["BatchEntry", "BatchReport", "ForwardMismatch", "ForwardStandIn", "ForwardStats", "poison_rows"]
 

@@ -3,7 +3,7 @@ tokenizer manager and the detokenizer.
 
 The ranks are forked from a zygote that imported SGLang once and join one
 gloo group. The zygote is this process's shared one
-(:func:`~sglang_cp_hicache.sim.zygote_server.shared_zygote`): every harness
+(:func:`~sglang_cp_hicache.testing.zygote_server.shared_zygote`): every harness
 a process starts forks its ranks from it, so only the first pays the import. Requests, aborts and the final ``ShutdownReq`` go through the REAL
 input socket (``scheduler_input_ipc_name``, bound here as SGLang's tokenizer
 manager binds it); outputs come back through the REAL output sockets (the
@@ -33,8 +33,8 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 
 import zmq
 
-from sglang_cp_hicache.sim.zygote import ForkJob
-from sglang_cp_hicache.sim.zygote_server import ForkBatch, shared_zygote
+from sglang_cp_hicache.testing.zygote import ForkJob
+from sglang_cp_hicache.testing.zygote_server import ForkBatch, shared_zygote
 from sglang_cp_hicache.testing.sched_config import IpcNames, SchedConfig
 from sglang_cp_hicache.testing.sched_forward import BatchReport
 from sglang_cp_hicache.testing.sched_rank import RankError, RankReady, RankResult, RankSpec, forked_rank_main, preload

@@ -20,7 +20,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
-from sglang_cp_hicache.sim.lifetime import die_with_launcher
+from sglang_cp_hicache.testing.lifetime import die_with_launcher
 from sglang_cp_hicache.testing.patching import PatchSet
 from sglang_cp_hicache.testing.sched_config import IpcNames, SchedConfig, server_args_kwargs
 from sglang_cp_hicache.testing.sched_forward import BatchReport, ForwardStats

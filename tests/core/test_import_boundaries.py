@@ -10,12 +10,9 @@
   never sglang; core never imports it;
 * each adapter imports only its own SGLang release, never the harness, the
   simulator or the tests (production code);
-* the harness never imports the simulator, except its four leaf modules the
-  real-scheduler harness reuses rather than copies (``LEAF_SIM``: the zygote
-  that forks rank processes and its shared form, the launcher-death guard,
-  the content keys),
-  which import nothing of the package above core but each other; nothing in the
-  package imports tests;
+* the harness never imports the simulator (the zygote that forks rank
+  processes, the launcher-death guard and the content keys, which both use,
+  live in the harness); nothing in the package imports tests;
 * ``preflight`` (the ``check`` command) imports the adapters' checks, the
   kernels, ``l3_backends`` and, only on a machine without torchvision, the
   harness's import-only torchvision stand-in; only the CLI imports it.
@@ -43,9 +40,6 @@ ALLOWED = {
     "preflight": {"kernels", "l3_backends", "sglang_0518", "sglang_0523", "testing"},
     "cli": {"sim", "preflight"},
 }
-#: simulator modules the harness may import: leaves (checked below) shared with the real-scheduler harness
-LEAF_SIM = {"sglang_cp_hicache.sim.zygote", "sglang_cp_hicache.sim.zygote_server", "sglang_cp_hicache.sim.lifetime",
-            "sglang_cp_hicache.sim.content"}
 PRODUCTION = {"core", "policy_0518", "policy_0523", "kernels", "l3_backends", "sglang_0518", "sglang_0523"}
 TORCH_ONLY = ("core", "policy_0518", "policy_0523", "kernels", "l3_backends")
 
@@ -104,11 +98,6 @@ def violations() -> list[str]:
                 bad.append(f"{rel}:{line} ({room}) imports sglang ({module})")
             target = room_of_module(module)
             if target is None or target == "core" or target == room:
-                continue
-            if room == "testing" and target == "sim" and module in LEAF_SIM:
-                continue
-            if room == "sim" and rel.replace("/", ".")[:-3] in LEAF_SIM and target != "sim":
-                bad.append(f"{rel}:{line} (a leaf sim module the harness imports) imports {target} ({module})")
                 continue
             if target not in ALLOWED[room]:
                 bad.append(f"{rel}:{line} ({room}) imports {target} ({module})")

@@ -31,7 +31,7 @@ from sglang.srt.mem_cache.base_prefix_cache import (
 from sglang.srt.mem_cache.radix_cache import RadixKey
 
 from sglang_cp_hicache.sglang_0518.hiradix import CpInsertParams
-from sglang_cp_hicache.sim.content import content_mismatches, prefix_keys, write_content
+from sglang_cp_hicache.testing.content import content_mismatches, prefix_keys, write_content
 from sglang_cp_hicache.testing.stack_0518 import CpStackConfig, build_cp_rank_stack
 from tests.helpers.rank_failure import FailFastGroup, PeerRankFailed, RankFailure, release_groups
 

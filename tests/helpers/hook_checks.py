@@ -11,7 +11,7 @@ import pytest
 
 from sglang_cp_hicache import hook_registry
 
-__all__ = ["check_registry_shape", "remove_hook"]
+__all__ = ["check_registry_shape", "missing_hook_message", "remove_hook"]
 
 
 def remove_hook(
@@ -44,6 +44,19 @@ def remove_hook(
     monkeypatch.setattr(
         hook_registry, "_instance_attributes", lambda cls: scan(cls) - {hook.attribute} if cls is owner else scan(cls)
     )
+
+
+def missing_hook_message(
+    monkeypatch: pytest.MonkeyPatch, hook: hook_registry.Hook, hooks: tuple[hook_registry.Hook, ...],
+    check_hooks: Callable[[], None],
+) -> str:
+    """The refusal ``check_hooks`` gives once ``hook`` is taken away: it
+    must name exactly that hook."""
+    remove_hook(monkeypatch, hook, hooks)
+    with pytest.raises(hook_registry.HookMismatchError) as err:
+        check_hooks()
+    assert err.value.hook is hook
+    return str(err.value)
 
 
 def check_registry_shape(hooks: tuple[hook_registry.Hook, ...], params_kinds: tuple[str, ...]) -> None:

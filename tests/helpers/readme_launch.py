@@ -40,3 +40,16 @@ def parse_with_sglang(args: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(allow_abbrev=False)  # the README spells every flag out
     ServerArgs.add_cli_args(parser)
     return parser.parse_args(args)
+
+
+def check_kernel_pool_config(release: str, argv: list[str]) -> None:
+    """The kernel pool configuration ``check`` derives from ``argv`` is one
+    the kernels accept (argument checks; the compile itself needs a GPU)."""
+    from sglang_cp_hicache.kernels import transfer
+    from sglang_cp_hicache.preflight import launch
+
+    args, _ = launch.launch_findings(release, argv)
+    config = launch.kernel_config(release, args)
+    assert config["page_size"] == 64 and config["host_layout"] == args.hicache_mem_layout
+    report = transfer.warmup(**config, device="cpu")
+    assert report.config["kv_dim"] == config["kv_dim"]

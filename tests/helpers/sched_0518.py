@@ -25,7 +25,7 @@ from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
 from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 from sglang.srt.mem_cache.radix_cache import RadixKey
 
-from sglang_cp_hicache.sim.content import prefix_keys
+from sglang_cp_hicache.testing.content import prefix_keys
 
 from tests.helpers.device_index import unwrap, wrap
 

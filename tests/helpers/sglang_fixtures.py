@@ -9,7 +9,7 @@ second once SGLang is imported (``build_seconds`` records it).
 
 The stack is :func:`sglang_cp_hicache.testing.stack_0518.build_cp_rank_stack` with
 ``cp_mode=False``; the content helpers are re-exported from
-:mod:`sglang_cp_hicache.sim.content`.
+:mod:`sglang_cp_hicache.testing.content`.
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def rank_stack(config: Optional[RankStackConfig] = None, **overrides: Any) -> It
 # ---------------------------------------------------------------------------
 
 # Deterministic content lives in the library (the simulator uses it too).
-from sglang_cp_hicache.sim.content import (  # noqa: E402,F401
+from sglang_cp_hicache.testing.content import (  # noqa: E402,F401
     POISON_BYTE,
     content_mismatches,
     pattern_bytes,

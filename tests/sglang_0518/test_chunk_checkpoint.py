@@ -22,13 +22,11 @@ from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang_cp_hicache import settings
 from sglang_cp_hicache.testing.stack_0518 import CpStackConfig
 
-from tests.helpers.cp_cluster import P, CpCluster, seq
+from tests.helpers.cp_cluster import P, CpCluster
 from tests.helpers.rank_snapshot import rank_state, shared_view
 from tests.helpers.sched_0518 import FakeReq, SchedulerShapes
-from tests.sglang_0518.test_scheduler_inserts import mirror_lies
+from tests.sglang_0518.test_scheduler_inserts import A, chunked_pair, mirror_lies
 
-A = seq(1_000, 4) + list(range(9_000, 9_000 + P // 2))  # chunked 2 + 2 + 0.5 pages
-B = A[: 2 * P] + list(range(20_000, 20_000 + P + P // 2))
 DECODES = 3
 
 
@@ -66,27 +64,12 @@ def run_chunked(cl: CpCluster) -> None:
 
     def on_rank(s):
         sh = shapes[id(s)]
-        a, b = FakeReq("a", list(A)), FakeReq("b", list(B))
-        sh.admit(a)
-        sh.extend([(a, 2 * P)])
-        sh.checkpoint(a)
-        checkpoint_checks(cl, sh, [a])
-        sh.step()
-        sh.admit(b)
-        sh.extend([(a, 4 * P), (b, len(B))])
-        sh.checkpoint(a)
-        checkpoint_checks(cl, sh, [a, b])
-        # the shared first chunk is held by both requests
-        first = path_nodes(sh.cache, b.last_node)[-1]
-        assert first.lock_ref == 2
-        sh.step()
-        sh.extend([(a, len(A))])
-        for _ in range(DECODES):
-            sh.decode([a, b])
-        sh.finish(b)
-        sh.finish(a)
-        sh.step()
-        return a.all_ids, b.all_ids
+
+        def checked(requests):
+            checkpoint_checks(cl, sh, requests)
+            if len(requests) == 2:  # the shared first chunk is held by both requests
+                assert path_nodes(sh.cache, requests[1].last_node)[-1].lock_ref == 2
+        return chunked_pair(sh, DECODES, checked)
 
     return cl.each(on_rank)
 

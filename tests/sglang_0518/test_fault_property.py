@@ -35,7 +35,7 @@ from sglang.srt.mem_cache.hicache_storage import PoolName
 
 from sglang_cp_hicache.placement import page_owner
 from sglang_cp_hicache.sglang_0518.hiradix import CpHiCacheTransferError
-from sglang_cp_hicache.sim.content import write_content
+from sglang_cp_hicache.testing.content import write_content
 from sglang_cp_hicache.testing.stack_0518 import CpStackConfig
 
 from tests.helpers.cp_cluster import SEED, CpCluster

@@ -112,18 +112,24 @@ def test_each_cp4_rank_writes_exactly_its_own_pages(written):
     assert not list(directory.rglob("*.tmp*"))
 
 
+def check_restored_whole(cl: CpCluster) -> None:
+    """Nothing cached: L3 alone supplies every page of ``TOKENS``, bit-exact,
+    refusing none, and every rank ends alike."""
+    assert cl.device_locs(TOKENS)[0].numel() == 0
+    assert read_back(cl) == [PAGES * P] * len(cl.caches)
+    assert cl.check(TOKENS) == {}
+    assert sum(c.cp_l3.counters.restored_pages for c in cl.caches) == PAGES
+    assert all(c.cp_l3.counters.rejected_pages == 0 for c in cl.caches)
+    assert_alike(cl)
+
+
 @pytest.mark.parametrize("n", [2, 1])
 def test_cp4_writes_cp_n_reads_bit_exact(written, n, monkeypatch):
     directory, _, _ = written
     monkeypatch.setenv(settings.L3_DIR.name, str(directory))
     cl = cluster(n)
     try:
-        assert cl.device_locs(TOKENS)[0].numel() == 0  # nothing cached: only L3 can supply it
-        assert read_back(cl) == [PAGES * P] * n
-        assert cl.check(TOKENS) == {}
-        assert sum(c.cp_l3.counters.restored_pages for c in cl.caches) == PAGES
-        assert all(c.cp_l3.counters.rejected_pages == 0 for c in cl.caches)
-        assert_alike(cl)
+        check_restored_whole(cl)
     finally:
         cl.close()
 
@@ -140,24 +146,34 @@ def _damage(path: Path, how: str) -> None:
         path.write_bytes(bytes(flipped))
 
 
+def copy_of(source: Path, directory: Path) -> Path:
+    """``directory``, holding a copy of the L3 objects under ``source`` (the
+    shared directory stays whole)."""
+    for f in source.rglob("*.bin"):
+        (directory / f.parent.name).mkdir(parents=True, exist_ok=True)
+        (directory / f.parent.name / f.name).write_bytes(f.read_bytes())
+    return directory
+
+
+def object_path(cl: CpCluster, pool: str, page: int) -> Path:
+    """The object of page ``page`` of ``TOKENS`` in ``pool`` ("kv" or "indexer")."""
+    tier = cl.caches[0].cp_l3.tier
+    kv_keys, idx_keys = tier.chain_keys(tier.page_hashes(TOKENS))
+    return tier.store.path_of((kv_keys if pool == "kv" else idx_keys)[page])
+
+
 @pytest.mark.parametrize("pool", ["kv", "indexer"])
 @pytest.mark.parametrize("how", ["delete", "truncate", "flip"])
 def test_a_damaged_object_on_one_rank_gives_every_rank_the_same_shorter_prefix(
     written, tmp_path, monkeypatch, how, pool
 ):
     source, _, _ = written
-    directory = tmp_path / "l3"
-    for f in source.rglob("*.bin"):  # a copy: the shared directory stays whole
-        (directory / f.parent.name).mkdir(parents=True, exist_ok=True)
-        (directory / f.parent.name / f.name).write_bytes(f.read_bytes())
-    monkeypatch.setenv(settings.L3_DIR.name, str(directory))
+    monkeypatch.setenv(settings.L3_DIR.name, str(copy_of(source, tmp_path / "l3")))
     cl = cluster(2)
     try:
         bad = 3
         assert balanced_owners([0, 0], PAGES, P)[bad] == 1  # the damaged page is rank 1's
-        tier = cl.caches[0].cp_l3.tier
-        kv_keys, idx_keys = tier.chain_keys(tier.page_hashes(TOKENS))
-        _damage(tier.store.path_of((kv_keys if pool == "kv" else idx_keys)[bad]), how)
+        _damage(object_path(cl, pool, bad), how)
         assert read_back(cl) == [bad * P, bad * P]
         assert cl.check(TOKENS) == {}  # every restored token right, on every rank
         # A deleted object stops the query (nothing past it is fetched); a

@@ -31,7 +31,9 @@ from sglang_cp_hicache.sglang_0518.l3_port import balanced_owners
 from sglang_cp_hicache.testing.stack_0518 import CpStackConfig
 
 from tests.helpers.l3_key import UNKEYED, keyed_view, digests, forge_without_the_key, key_file, keyed_objects, new_secret
-from tests.sglang_0518.test_l3 import PAGES, TOKENS, P, assert_alike, cluster, read_back, write_with_cp4
+from tests.sglang_0518.test_l3 import (
+    PAGES, TOKENS, P, assert_alike, check_restored_whole, cluster, copy_of, object_path, read_back, write_with_cp4,
+)
 
 SECRET, OTHER_SECRET = new_secret(), new_secret()
 
@@ -65,12 +67,7 @@ def test_the_same_key_restores_the_chain_bit_exact_from_keyed_objects(keyed, tmp
     cl = cluster(2)
     try:
         assert [c.cp_l3.describe() for c in cl.caches] == [writer_view] * 2
-        assert cl.device_locs(TOKENS)[0].numel() == 0  # only L3 can supply it
-        assert read_back(cl) == [PAGES * P] * 2
-        assert cl.check(TOKENS) == {}
-        assert sum(c.cp_l3.counters.restored_pages for c in cl.caches) == PAGES
-        assert all(c.cp_l3.counters.rejected_pages == 0 for c in cl.caches)
-        assert_alike(cl)
+        check_restored_whole(cl)
     finally:
         cl.close()
     # every object: format 3, keyed namespace, keyed BLAKE3 tag over header and payload
@@ -82,21 +79,14 @@ def test_a_page_forged_without_the_key_is_refused_and_every_rank_stops_before_it
     keyed, tmp_path, monkeypatch, caplog, pool
 ):
     source, _ = keyed
-    directory = tmp_path / "l3"
-    for f in source.rglob("*.bin"):  # a copy: the shared directory stays whole
-        (directory / f.parent.name).mkdir(parents=True, exist_ok=True)
-        (directory / f.parent.name / f.name).write_bytes(f.read_bytes())
     monkeypatch.setenv(settings.L3_KEY_FILE.name, str(key_file(tmp_path, SECRET)))
-    monkeypatch.setenv(settings.L3_DIR.name, str(directory))
+    monkeypatch.setenv(settings.L3_DIR.name, str(copy_of(source, tmp_path / "l3")))
     cl = cluster(2)
     try:
         bad = 3
         assert balanced_owners([0, 0], PAGES, P)[bad] == 1  # the forged page is rank 1's
-        tier = cl.caches[0].cp_l3.tier
-        kv_keys, idx_keys = tier.chain_keys(tier.page_hashes(TOKENS))
-        keys = kv_keys if pool == "kv" else idx_keys
         # the payload of another genuine page of the same pool: plausible bytes, wrong ones here
-        forge_without_the_key(tier.store.path_of(keys[bad]), tier.store.path_of(keys[0]).read_bytes()[HEADER_BYTES:])
+        forge_without_the_key(object_path(cl, pool, bad), object_path(cl, pool, 0).read_bytes()[HEADER_BYTES:])
         with caplog.at_level(logging.WARNING, logger="sglang_cp_hicache.l3.host_tier"):
             assert read_back(cl) == [bad * P, bad * P]
         assert cl.check(TOKENS) == {}  # every restored token right, on every rank

@@ -23,6 +23,7 @@ from sglang_cp_hicache import settings
 from sglang_cp_hicache.testing.stack_0518 import CpStackConfig
 
 from tests.helpers.cp_cluster import CpCluster
+from tests.helpers.radix_metrics import per_cache_radix_collector
 from tests.sglang_0518 import test_l3_scheduler as sched
 
 prometheus_client = pytest.importorskip("prometheus_client")
@@ -39,31 +40,11 @@ def _only_the_flag(monkeypatch):
     monkeypatch.delenv(settings.SGLANG_FILE_DIR.name, raising=False)
 
 
-def _private_radix_collector():
-    """SGLang's radix-cache collector registering in a registry of its own:
-    it has no rank label, so ranks simulated in one process would register
-    it twice (a server runs one cache per process). The storage collector
-    and the library's counters stay in the default registry, as a server's."""
-    from functools import partial
-
-    from sglang.srt.observability.metrics_collector import RadixCacheMetricsCollector
-
-    class PerCacheRadixCollector(RadixCacheMetricsCollector):
-        def __init__(self, labels):
-            registry = prometheus_client.CollectorRegistry()
-            self._counter_cls = partial(prometheus_client.Counter, registry=registry)
-            self._gauge_cls = partial(prometheus_client.Gauge, registry=registry)
-            self._histogram_cls = partial(prometheus_client.Histogram, registry=registry)
-            super().__init__(labels)
-
-    return PerCacheRadixCollector
-
-
 def cluster(n: int, directory: Path, *, metrics: bool = True) -> CpCluster:
     config = CpStackConfig(
         cp_size=n, device_pages=8, host_pages=10, storage_backend="file", enable_metrics=metrics,
         storage_extra_config=json.dumps({"file_storage_path": str(directory)}),
-        server_args=(("stat_loggers", {"radix_cache": _private_radix_collector()}),),
+        server_args=(("stat_loggers", {"radix_cache": per_cache_radix_collector()}),),
     )
     return CpCluster(config, threaded=True, timeout_s=30)
 

@@ -168,11 +168,24 @@ def assert_nothing_held(cl: CpCluster) -> None:
 # ---- reads ---------------------------------------------------------------------------
 
 
+def count_matches(cl: CpCluster) -> list[int]:
+    """Each rank's ``match_prefix`` calls from now on (appended as they run)."""
+    calls: list[int] = []
+
+    def wrap(s):
+        real = s.cache.match_prefix
+        s.cache.match_prefix = lambda params: calls.append(s.cp_rank) or real(params)
+    cl.each(wrap)
+    return calls
+
+
 def test_cp4_writes_cp2_reads_bit_exact_through_the_scheduler(written):
     with cluster(2, written) as cl:
         assert all(c.cp_l3 is not None and c.enable_storage is False for c in cl.caches)
+        matches = count_matches(cl)
         queues = arrive(cl, ["a"])
         assert all(c.cp_l3.prefetcher.waiting.keys() == {"a"} for c in cl.caches)
+        assert sorted(matches) == [0, 1]  # the lookup serves from the scheduler's own match
         assert waiting_pass(cl, queues) == [[], []]  # the query's MIN: still waiting
         assert waiting_pass(cl, queues) == [["a"], ["a"]]  # the fetch's MIN: restored
         for q in queues:
@@ -185,6 +198,21 @@ def test_cp4_writes_cp2_reads_bit_exact_through_the_scheduler(written):
         assert cl.check(AS_SERVED) == {}  # every token's KV and indexer bytes, on every rank
         assert sum(c.cp_l3.counters.restored_pages for c in cl.caches) == PAGES
         assert_alike(cl)
+
+
+def test_a_lookup_that_is_not_the_last_matched_requests_is_skipped(tmp_path):
+    """The lookup serves from the match the scheduler ran just before; tokens
+    or a node that are not that match's start nothing (on every rank)."""
+    with cluster(2, tmp_path) as cl:
+        other = list(range(5000, 5000 + 3 * P))
+
+        def run(s):
+            cache = s.cache
+            Scheduler._prefetch_kvcache(scheduler(s), request("a"))  # matched TOKENS: nothing cached
+            cache.prefetch_from_storage("b", cache.root_node, array("q", other), None, None)
+            cache.prefetch_from_storage("c", cache.root_node, array("q", TOKENS[P:]), None, None)
+            return set(cache.cp_l3.prefetcher.waiting)
+        assert cl.each(run) == [{"a"}, {"a"}]
 
 
 def test_a_miss_releases_the_request_after_the_query(tmp_path):

@@ -11,6 +11,7 @@ import pytest
 from sglang_cp_hicache import settings
 from sglang_cp_hicache.testing.stack_0518 import CpStackConfig
 from tests.helpers.cp_cluster import P, CpCluster, seq
+from tests.helpers.radix_metrics import per_cache_radix_collector
 
 prometheus_client = pytest.importorskip("prometheus_client")
 N = 2
@@ -19,26 +20,6 @@ N = 2
 @pytest.fixture(autouse=True)
 def _no_l3(monkeypatch):
     monkeypatch.delenv(settings.L3_DIR.name, raising=False)
-
-
-def _per_cache_radix_collector() -> type:
-    """SGLang's radix-cache collector in a registry of its own: it has no
-    rank label, so two ranks in one process would register it twice (a
-    server runs one cache per process). The library's metrics stay in the
-    default registry, as a server's."""
-    from functools import partial
-
-    from sglang.srt.observability.metrics_collector import RadixCacheMetricsCollector
-
-    class PerCacheRadixCollector(RadixCacheMetricsCollector):
-        def __init__(self, labels):
-            registry = prometheus_client.CollectorRegistry()
-            self._counter_cls = partial(prometheus_client.Counter, registry=registry)
-            self._gauge_cls = partial(prometheus_client.Gauge, registry=registry)
-            self._histogram_cls = partial(prometheus_client.Histogram, registry=registry)
-            super().__init__(labels)
-
-    return PerCacheRadixCollector
 
 
 def _values(cl: CpCluster, name: str) -> list[float]:
@@ -53,7 +34,7 @@ def _grown(before: list[float], cl: CpCluster, name: str) -> list[float]:
 def test_load_backs_declined_and_performed_are_counted_on_every_rank():
     # SGLang's radix collector has no rank label: one registry per cache (ranks share this process)
     config = CpStackConfig(cp_size=N, device_pages=6, host_pages=10, enable_metrics=True,
-                           server_args=(("stat_loggers", {"radix_cache": _per_cache_radix_collector()}),))
+                           server_args=(("stat_loggers", {"radix_cache": per_cache_radix_collector()}),))
     with CpCluster(config, threaded=True, timeout_s=30) as cl:
         names = {n: f"sglang_cp_hicache:{n}_total" for n in
                  ("backups", "load_backs", "load_back_tokens", "load_backs_declined", "load_back_declined_tokens",

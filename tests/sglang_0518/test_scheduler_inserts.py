@@ -10,6 +10,8 @@ host read (:mod:`tests.helpers.device_index`)."""
 
 from __future__ import annotations
 
+from typing import Callable
+
 import pytest
 import torch
 from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
@@ -27,29 +29,36 @@ B = A[: 2 * P] + list(range(20_000, 20_000 + P + P // 2))  # shares A's first ch
 DECODES = 40  # A: 288 -> 328 tokens, B: 224 -> 264 tokens: each opens a page in decode
 
 
+def chunked_pair(
+    sh: SchedulerShapes, decodes: int, checked: Callable[[list[FakeReq]], None] = lambda reqs: None,
+) -> tuple[list[int], list[int]]:
+    """Request a (``A``) prefilled in chunks of 2 + 2 + 0.5 pages; b (``B``)
+    admitted after a's first chunk, which it hits, and extended in a's second
+    chunk's batch; both decoded ``decodes`` tokens, then finished.
+    ``checked(requests)`` runs after each checkpoint. Both token id lists."""
+    a, b = FakeReq("a", list(A)), FakeReq("b", list(B))
+    sh.admit(a)
+    sh.extend([(a, 2 * P)])
+    sh.checkpoint(a)
+    checked([a])
+    sh.step()
+    sh.admit(b)  # hits a's first chunk, already in the tree
+    assert len(b.prefix_indices) == 2 * P
+    sh.extend([(a, 4 * P), (b, len(B))])  # one batch: the chunked request and a new one
+    sh.checkpoint(a)
+    checked([a, b])
+    sh.step()
+    sh.extend([(a, len(A))])
+    for _ in range(decodes):
+        sh.decode([a, b])
+    sh.finish(b)
+    sh.finish(a)
+    sh.step()
+    return a.all_ids, b.all_ids
+
+
 def run_two_requests(cl: CpCluster, *, trap: bool) -> list:
-    ranks = [SchedulerShapes(cl, s, trap=trap) for s in cl.stacks]
-
-    def on_rank(sh: SchedulerShapes):
-        a, b = FakeReq("a", list(A)), FakeReq("b", list(B))
-        sh.admit(a)
-        sh.extend([(a, 2 * P)])
-        sh.checkpoint(a)
-        sh.step()
-        sh.admit(b)  # hits a's first chunk, already in the tree
-        assert len(b.prefix_indices) == 2 * P
-        sh.extend([(a, 4 * P), (b, len(B))])  # one batch: the chunked request and a new one
-        sh.checkpoint(a)
-        sh.step()
-        sh.extend([(a, len(A))])
-        for _ in range(DECODES):
-            sh.decode([a, b])
-        sh.finish(b)
-        sh.finish(a)
-        sh.step()
-        return a.all_ids, b.all_ids
-
-    return [on_rank(sh) for sh in ranks]
+    return [chunked_pair(SchedulerShapes(cl, s, trap=trap), DECODES) for s in cl.stacks]
 
 
 def mirror_lies(cache) -> list[int]:

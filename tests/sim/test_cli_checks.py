@@ -23,19 +23,6 @@ def no_launch(monkeypatch):
     monkeypatch.setattr(launcher, "launch", lambda *a, **k: pytest.fail("a rank was launched"))
 
 
-@pytest.fixture
-def captured_launch(monkeypatch):
-    """Record the SimConfig a run would launch with, then stop it (exit 1)."""
-    seen: list[SimConfig] = []
-
-    def fake(config, requests, **kwargs):
-        seen.append(config)
-        return launcher.LaunchResult(label="fake", exit_codes={0: 1})
-
-    monkeypatch.setattr(launcher, "launch", fake)
-    return seen
-
-
 def run_cli(*args: str) -> int:
     from sglang_cp_hicache.__main__ import main
 

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from sglang_cp_hicache.sim import launcher
 from sglang_cp_hicache.sim.compare import UPSTREAM_L3_REFUSAL, compare_upstream, format_comparison
 from sglang_cp_hicache.sim.config import SimConfig
 from sglang_cp_hicache.sim.sizing import size_pools
@@ -29,19 +28,6 @@ def _cli(*args: str) -> int:
     from sglang_cp_hicache.__main__ import main
 
     return main(["simulate", "--no-progress", *args])
-
-
-@pytest.fixture
-def captured_launch(monkeypatch):
-    """The SimConfig a run would launch with; the run then stops (exit 1)."""
-    seen: list[SimConfig] = []
-
-    def fake(config, requests, **kwargs):
-        seen.append(config)
-        return launcher.LaunchResult(label="fake", exit_codes={0: 1})
-
-    monkeypatch.setattr(launcher, "launch", fake)
-    return seen
 
 
 # ---- pools from the trace's working set ---------------------------------------------

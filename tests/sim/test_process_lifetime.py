@@ -16,7 +16,7 @@ import sys
 import pytest
 
 from sglang_cp_hicache.sim.config import FAIL_ENV
-from sglang_cp_hicache.sim.lifetime import EXIT_LAUNCHER_GONE
+from sglang_cp_hicache.testing.lifetime import EXIT_LAUNCHER_GONE
 from tests.sim.proc_tree import alive, descendants, fd_target, kill_all, spawned_ranks, wait_until
 from tests.sim.simrun import ROOT, sim_command, sim_env
 
@@ -25,7 +25,7 @@ ORPHAN_EXIT_S = 5.0
 
 _CHILD = r"""
 import os, sys, threading, time
-from sglang_cp_hicache.sim import lifetime
+from sglang_cp_hicache.testing import lifetime
 guard = sys.argv[1]
 if guard == "watchdog":
     lifetime.set_parent_death_signal = lambda *args: False
@@ -69,7 +69,7 @@ def test_a_launcher_already_gone_ends_the_process_at_once():
     not_my_parent = os.getppid()  # the test's parent, not the child's
     proc = subprocess.run(
         [sys.executable, "-c",
-         f"from sglang_cp_hicache.sim import lifetime; lifetime.die_with_launcher({not_my_parent}); print('lived')"],
+         f"from sglang_cp_hicache.testing import lifetime; lifetime.die_with_launcher({not_my_parent}); print('lived')"],
         cwd=ROOT, capture_output=True, text=True, timeout=60,
     )
     assert proc.returncode == EXIT_LAUNCHER_GONE and "lived" not in proc.stdout

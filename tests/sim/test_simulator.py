@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from sglang_cp_hicache.sim.config import FAIL_ENV, FailureInjection, parse_failure_injection
-from sglang_cp_hicache.sim.content import (
+from sglang_cp_hicache.testing.content import (
     content_mismatches,
     corrupted_token_mask,
     pattern_bytes,
@@ -374,7 +374,7 @@ def _pattern_byte_exact(key: int, col: int, seed: int, layer: int, part: int) ->
 
 @pytest.mark.parametrize("width", [1, 9, 576, 656])
 def test_pattern_bytes_is_the_exact_integer_hash_on_both_forms(width):
-    from sglang_cp_hicache.sim.content import _pattern_bytes_int64
+    from sglang_cp_hicache.testing.content import _pattern_bytes_int64
 
     g = torch.Generator().manual_seed(width)
     keys = torch.cat([torch.tensor([0, 1, 2**31 - 2, 2**31 - 1]), torch.randint(0, 2**31 - 1, (60,), generator=g)])

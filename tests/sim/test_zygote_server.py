@@ -1,4 +1,4 @@
-"""The shared zygote (``sim/zygote_server.py``): one server forks batch after
+"""The shared zygote (``testing/zygote_server.py``): one server forks batch after
 batch, each batch's processes see only their own descriptors, exit statuses
 come back per batch, and one server serves one preload and environment."""
 
@@ -12,9 +12,9 @@ import time
 
 import pytest
 
-from sglang_cp_hicache.sim import zygote_server
-from sglang_cp_hicache.sim.zygote import ForkJob
-from sglang_cp_hicache.sim.zygote_server import ZygoteServer, shared_zygote
+from sglang_cp_hicache.testing import zygote_server
+from sglang_cp_hicache.testing.zygote import ForkJob
+from sglang_cp_hicache.testing.zygote_server import ZygoteServer, shared_zygote
 
 CTX = mp.get_context("spawn")
 

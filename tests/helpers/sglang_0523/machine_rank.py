@@ -65,7 +65,7 @@ class MachineRank:
         """Fresh stacks for both paths (the old ones closed)."""
         import torch.distributed as dist
 
-        from sglang_cp_hicache.sim.content import poison_device
+        from sglang_cp_hicache.testing.content import poison_device
         from sglang_cp_hicache.sim.engine_0523 import ShardedSimRankEngine
         from sglang_cp_hicache.testing.stack_0523 import ShardedStackConfig, build_sharded_rank_stack
 
@@ -202,7 +202,7 @@ class MachineRank:
         nodes whose bytes differ."""
         import torch
 
-        from sglang_cp_hicache.sim.content import corrupted_token_mask
+        from sglang_cp_hicache.testing.content import corrupted_token_mask
 
         placement = engine.placement
         nodes, phys, keys, owners = [], [], [], []
@@ -247,7 +247,7 @@ def _full() -> Any:
 
 def _extend_keys(h: int, tokens: Any) -> tuple[Any, int]:
     """Content keys of ``tokens`` continuing a prefix whose last key is ``h``, and the last one."""
-    from sglang_cp_hicache.sim.content import prefix_keys
+    from sglang_cp_hicache.testing.content import prefix_keys
 
     keys = prefix_keys(tokens, start=h)
     return keys, int(keys[-1]) if len(keys) else h

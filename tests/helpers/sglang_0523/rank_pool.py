@@ -22,9 +22,9 @@ import traceback
 from multiprocessing.connection import Connection, wait
 from typing import Any, Callable
 
-from sglang_cp_hicache.sim.lifetime import die_with_launcher
-from sglang_cp_hicache.sim.zygote import ForkJob
-from sglang_cp_hicache.sim.zygote_server import shared_zygote
+from sglang_cp_hicache.testing.lifetime import die_with_launcher
+from sglang_cp_hicache.testing.zygote import ForkJob
+from sglang_cp_hicache.testing.zygote_server import shared_zygote
 from tests.helpers.sglang_0523.ranks import PRELOAD, RankError
 
 __all__ = ["RankPool"]

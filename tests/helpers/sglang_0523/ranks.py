@@ -22,10 +22,10 @@ import traceback
 from multiprocessing.connection import Connection, wait
 from typing import Any, Callable, Iterator
 
-from sglang_cp_hicache.sim.lifetime import die_with_launcher
+from sglang_cp_hicache.testing.lifetime import die_with_launcher
 from sglang_cp_hicache.sim.worker import preload_release
-from sglang_cp_hicache.sim.zygote import ForkJob
-from sglang_cp_hicache.sim.zygote_server import shared_zygote
+from sglang_cp_hicache.testing.zygote import ForkJob
+from sglang_cp_hicache.testing.zygote_server import shared_zygote
 
 __all__ = ["RankError", "run_ranks"]
 

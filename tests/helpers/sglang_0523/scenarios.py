@@ -84,7 +84,7 @@ def _drive(stack: Any) -> dict[str, Any]:
     """The round trip on one stack; returns snapshots and per-request records."""
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
-    from sglang_cp_hicache.sim.content import poison_device
+    from sglang_cp_hicache.testing.content import poison_device
     from sglang_cp_hicache.sim.engine_0523 import ShardedSimRankEngine
 
     for buf in _host_buffers(stack):

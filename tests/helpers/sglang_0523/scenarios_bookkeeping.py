@@ -33,7 +33,7 @@ class _Driver:
     def _content(self, locs: Any, start: int, *, check: bool) -> None:
         import torch
 
-        from sglang_cp_hicache.sim.content import corrupted_token_mask, write_content
+        from sglang_cp_hicache.testing.content import corrupted_token_mask, write_content
         from tests.helpers.device_index import device_side, unwrap
 
         with device_side():
@@ -345,7 +345,7 @@ def finding_host_eviction(rank: int, world: int, copy_path: str = "upstream") ->
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams
     from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 
-    from sglang_cp_hicache.sim.content import poison_device
+    from sglang_cp_hicache.testing.content import poison_device
     from sglang_cp_hicache.sim.engine_0523 import ShardedSimRankEngine
     from sglang_cp_hicache.testing.stack_0523 import ShardedStackConfig, build_sharded_rank_stack
 

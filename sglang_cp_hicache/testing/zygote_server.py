@@ -1,15 +1,14 @@
 """One long-lived zygote per launching process, forking batch after batch.
 
-:class:`~sglang_cp_hicache.sim.zygote.Zygote` spawns a fresh zygote for each
-run: every run pays the preload (torch, SGLang, the hook check's parse of
-SGLang's source: 10-13 CPU-seconds) again. A test process starts many runs
-(every rank group of the real-scheduler harness, every rank pool and every
-``run_ranks`` call), each with the same preload, so :func:`shared_zygote`
+A zygote spawned afresh for each run would pay the preload (torch, SGLang,
+the hook check's parse of SGLang's source: 10-13 CPU-seconds) every run. A
+test process starts many runs (every rank group of the real-scheduler
+harness, every rank pool and every ``run_ranks`` call), and a simulator run
+with a comparison two, each with the same preload, so :func:`shared_zygote`
 keeps one :class:`ZygoteServer` per launching process and environment: it
 runs each distinct preload once, then forks every later batch from that
-state. :meth:`ZygoteServer.fork` gives a :class:`ForkBatch`, which offers what
-a ``Zygote`` offers its user (``process``, ``sentinel``, ``poll``,
-``signal``, ``join``, ``pids``, ``codes``), so callers change one line.
+state. :meth:`ZygoteServer.fork` gives a :class:`ForkBatch` (``process``,
+``sentinel``, ``poll``, ``signal``, ``join``, ``pids``, ``codes``).
 
 The server is spawned (a clean interpreter with the launcher's environment,
 working directory and ``sys.path``), dies with the launcher, and its
@@ -20,8 +19,7 @@ descriptor ``fd`` (a log file), and picklable values. A
 process a batch forks closes every descriptor that is not its own: the other
 jobs' ends, the control socket, every batch's status pipe, so each pipe still
 reports end-of-file when its one writer exits. The server forks from one
-Python thread plus the launcher watchdog and never runs torch ops, as the
-one-shot zygote does.
+Python thread plus the launcher watchdog and never runs torch ops.
 """
 
 from __future__ import annotations
@@ -43,8 +41,8 @@ from multiprocessing import reduction
 from multiprocessing.connection import Connection, wait
 from typing import Any, Callable, Optional
 
-from sglang_cp_hicache.sim.lifetime import die_with_launcher
-from sglang_cp_hicache.sim.zygote import EXIT_STATUS_LOST, ForkedProcess, ForkJob, _close, _exit_now
+from sglang_cp_hicache.testing.lifetime import die_with_launcher
+from sglang_cp_hicache.testing.zygote import EXIT_STATUS_LOST, ForkedProcess, ForkJob, _close, _exit_now
 
 __all__ = ["ForkBatch", "ZygoteServer", "shared_zygote"]
 
@@ -254,7 +252,7 @@ class ForkBatch:
     def process(self, key: int) -> ForkedProcess:
         if key not in self._keys:
             raise ValueError(f"key must be one of {self._keys}, got {key!r}")
-        return ForkedProcess(self, key)  # type: ignore[arg-type]  # duck-typed as a Zygote
+        return ForkedProcess(self, key)
 
     @property
     def ended(self) -> bool:
