@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.sim.simrun import ROOT, sim_command, sim_env
+from tests.sim.simrun import simulate as simulate_here
 
 PYTHON_0523 = Path(ROOT) / ".venv-0523" / "bin" / "python"
 if not PYTHON_0523.exists():
@@ -34,10 +35,12 @@ SHAPES = {  # the same logical capacity on both: (16 * 4 - 1) * 64 usable tokens
 
 
 def simulate(release: str, l3: Path, out: Path) -> dict:
-    cmd = sim_command(*SHAPES[release], "--requests", str(REQUESTS), "--l3", str(l3), "--json", str(out))
-    if release == "0.5.23":
-        cmd[0] = str(PYTHON_0523)
-    proc = subprocess.run(cmd, cwd=ROOT, env=sim_env(), capture_output=True, text=True, timeout=600)
+    args = (*SHAPES[release], "--requests", str(REQUESTS), "--l3", str(l3), "--json", str(out))
+    if release == "0.5.23":  # the other release's interpreter
+        proc = subprocess.run([str(PYTHON_0523), *sim_command(*args)[1:]], cwd=ROOT, env=sim_env(),
+                              capture_output=True, text=True, timeout=600)
+    else:  # this suite's release: in this process, from the worker's shared zygote
+        proc, _ = simulate_here(*args, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return json.loads(out.read_text())
 

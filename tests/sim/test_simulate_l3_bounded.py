@@ -8,15 +8,16 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
+import threading
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
 from sglang_cp_hicache.l3.envelope import HEADER_BYTES
 from sglang_cp_hicache.sim.l3_usage import peak_stored_bytes, stored_bytes
 
-from tests.sim.simrun import ROOT, sim_command, sim_env
+from tests.sim.simrun import simulate
 
 REQUESTS = 40
 CP4 = ("--cp-size", "4", "--device-pages", "16", "--host-pages", "8")
@@ -28,13 +29,26 @@ CAP = 40 * PAGE_OBJECTS  # an unbounded CP 4 run of these requests writes about 
 THREADS = 2
 
 
+class _Running:
+    """What :func:`peak_stored_bytes` polls: None while the run's thread lives."""
+
+    def __init__(self, thread: threading.Thread) -> None:
+        self.thread = thread
+
+    def poll(self) -> Optional[int]:
+        return None if self.thread.is_alive() else 0
+
+
 def run_sampled(shape: tuple[str, ...], l3: Path, out: Path) -> tuple[dict, int]:
-    env = sim_env({"SGLANG_HICACHE_FILE_BACKEND_MAX_SIZE": str(CAP), "SGLANG_CP_HICACHE_L3_THREADS": str(THREADS)})
-    cmd = sim_command(*shape, "--requests", str(REQUESTS), "--l3", str(l3), "--json", str(out))
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    peak = peak_stored_bytes(proc, l3)
-    text = proc.stdout.read()
-    assert proc.returncode == 0, text
+    env = {"SGLANG_HICACHE_FILE_BACKEND_MAX_SIZE": str(CAP), "SGLANG_CP_HICACHE_L3_THREADS": str(THREADS)}
+    done: list = []
+    # the run in a thread of this process (its ranks from the worker's shared zygote), sampled from this one
+    thread = threading.Thread(target=lambda: done.append(simulate(
+        *shape, "--requests", str(REQUESTS), "--l3", str(l3), "--json", str(out), env=env, timeout=600)[0]))
+    thread.start()
+    peak = peak_stored_bytes(_Running(thread), l3)
+    thread.join()
+    assert done and done[0].returncode == 0, done and done[0].stdout + done[0].stderr
     return json.loads(out.read_text()), max(peak, stored_bytes(l3))
 
 
