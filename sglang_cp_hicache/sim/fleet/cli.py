@@ -139,21 +139,25 @@ def _check(args: argparse.Namespace) -> Union[str, tuple[list[DeploymentSpec], d
         return f"--requests must be a positive integer, got {args.requests}"
     if not 0.0 < args.capacity <= 1.0:
         return f"--capacity must be in (0, 1], got {args.capacity}"
-    problem = check_fleet_l3(args.l3, args.l3_scope, args.mooncake_segment) or _mooncake_problem(args, specs,
-                                                                                                  pythons)
+    problem = (_restart_problem(args) or check_fleet_l3(args.l3, args.l3_scope, args.mooncake_segment)
+               or _mooncake_problem(args, specs, pythons))
     if problem is not None:
         return problem
     return specs, pythons
 
 
-def _mooncake_problem(args: argparse.Namespace, specs: list[DeploymentSpec], pythons: dict[str, str]) -> Optional[str]:
-    """Why a Mooncake L3 cannot run here: a deployment's environment without
-    the wheel, no master to start, a restart fault it cannot take."""
+def _restart_problem(args: argparse.Namespace) -> Optional[str]:
     restart = args.fault_master_restart
     if restart is not None and (args.l3 != OWN_CLUSTER or args.l3_scope != "fleet" or restart < 0
                                 or (args.requests is not None and restart >= args.requests)):
         return (f"--fault-master-restart {restart}: needs --l3 mooncake, --l3-scope fleet and a request index "
                 "below --requests")
+    return None
+
+
+def _mooncake_problem(args: argparse.Namespace, specs: list[DeploymentSpec], pythons: dict[str, str]) -> Optional[str]:
+    """Why a Mooncake L3 cannot run here: no master to start, or a
+    deployment's environment without the wheel."""
     if not is_mooncake(args.l3):
         return None
     if args.l3 == OWN_CLUSTER and master_binary() is None:
@@ -235,8 +239,8 @@ def run_fleet_command(args: argparse.Namespace) -> int:
     restart = args.fault_master_restart
 
     def fault(i: int) -> None:
-        if i == restart:
-            store.restart_master(i)
+        if i == restart:  # every rank of a live deployment is a client
+            store.restart_master(i, sum(d.spec.cp_size for d in deps if d.alive))
 
     try:
         run = run_fleet(deps, requests, router, startup_timeout_s=startup,

@@ -18,6 +18,7 @@ while the fleet runs, and (Mooncake) the masters the fleet started.
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -38,6 +39,8 @@ class MasterRestart:
     new_pid: int
     keys_before: Optional[int]  # objects the master held just before (forgotten with it)
     keys_after: Optional[int]
+    # how long until every client had found the new master (None: not within the wait)
+    clients_back_seconds: Optional[float]
 
 
 def check_fleet_l3(l3: Optional[str], scope: str, segment: Optional[str]) -> Optional[str]:
@@ -130,14 +133,23 @@ class FleetL3:
         self.capacity_bytes = max(self.capacity_bytes, capacity)
         return StoreSample(requests, round(seconds, 3), objects, size)
 
-    def restart_master(self, after_request: int) -> MasterRestart:
-        """Kill the (fleet scope) master and start it again on its port."""
+    def restart_master(self, after_request: int, clients: int, wait_s: float = 60.0) -> MasterRestart:
+        """Kill the (fleet scope) master, start it again on its port, and wait
+        (at most ``wait_s``) until its ``clients`` have reconnected to it, so
+        the rest of the run shows the store working again."""
         master = self.masters["fleet"]
         before = master.metrics().get("master_key_count")
         old, new = master.restart()
         after = master.metrics().get("master_key_count")
+        t0 = time.monotonic()
+        back: Optional[float] = None
+        while back is None and time.monotonic() - t0 < wait_s:
+            if master.metrics().get("master_active_clients", 0) >= clients:
+                back = round(time.monotonic() - t0, 3)
+            else:
+                time.sleep(0.1)
         record = MasterRestart(after_request, old, new, None if before is None else int(before),
-                               None if after is None else int(after))
+                               None if after is None else int(after), back)
         self.restarts.append(record)
         return record
 

@@ -35,6 +35,8 @@ TIERS = ("device", "host", "l3")
 #: L3 losses per deployment (simulate's JSON): page writes failed or dropped, pages found present but not
 #: read whole, lookups given up at their deadline.
 LOSS_KEYS = ("l3_write_failures", "l3_dropped_writes", "l3_read_failures", "l3_timeouts")
+#: ... and objects found but refused by the readers' checks (corrupt, short, another namespace).
+REFUSED_KEY = "l3_rejected_objects"
 
 
 @dataclass(frozen=True)
@@ -117,7 +119,7 @@ def _deployment_fields(dep: Deployment, j: Optional[dict[str, Any]], facts: Flee
         "l3_written_bytes": moved.get("l3_write", 0), "l3_read_bytes": moved.get("l3_read", 0),
         "l3_written_pages": (j or {}).get("l3_written_pages", 0),
         # what the store lost or refused, as this deployment's ranks counted it (0: none, or it died unreported)
-        **{key: (j or {}).get(key, 0) for key in LOSS_KEYS},
+        **{key: (j or {}).get(key, 0) for key in (*LOSS_KEYS, REFUSED_KEY)},
         # the ranks' events cover a deployment that died; its JSON, one that never sent them
         "restored_pages_verified": (j or {}).get("restored_pages_verified", 0),
         "verified_pages": dep.verified, "corrupted_pages": max(dep.corrupted, (j or {}).get("corrupted_pages", 0)),
@@ -178,7 +180,7 @@ def fleet_summary(run: FleetRun, facts: FleetFacts, requests: Sequence[Sequence[
         "l3_restored_from_other_release": sum(p["l3_restored_from_other_release"] for p in per),
         "l3_written_bytes": sum(p["l3_written_bytes"] for p in per),
         "l3_read_bytes": sum(p["l3_read_bytes"] for p in per),
-        **{key: sum(p[key] for p in per) for key in LOSS_KEYS},
+        **{key: sum(p[key] for p in per) for key in (*LOSS_KEYS, REFUSED_KEY)},
         "mooncake": mooncake,
         "store_size": [s.as_dict() for s in run.store_samples],
         "verified_pages": verified, "corrupted_pages": corrupted,
@@ -204,7 +206,8 @@ def _mooncake_lines(m: Optional[dict[str, Any]]) -> list[str]:
              f"{m['capacity_bytes'] >> 20} MiB mounted; store size = {m['store_size_measures']}"]
     for r in m["master_restarts"]:
         lines.append(f"Mooncake master restarted after request {r['after_request']}: pid {r['old_pid']} -> "
-                     f"{r['new_pid']}, objects {r['keys_before']} -> {r['keys_after']} (forgotten: later misses)")
+                     f"{r['new_pid']}, objects {r['keys_before']} -> {r['keys_after']} (forgotten: later misses), "
+                     f"clients back after {r['clients_back_seconds']} s")
     return lines
 
 
