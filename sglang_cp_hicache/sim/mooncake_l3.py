@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Optional
 
 from sglang_cp_hicache.l3_backends.mooncake import MIN_SEGMENT_BYTES
+from sglang_cp_hicache.sim.lifetime import end_process, set_parent_death_signal
 from sglang_cp_hicache.sizes import parse_mooncake_size
 
 __all__ = ["DEFAULT_SEGMENT", "LOOPBACK", "MOONCAKE_SCHEME", "MasterProcess", "OWN_CLUSTER", "extra_config",
@@ -138,8 +139,9 @@ class MasterProcess:
         with open(self.log, "ab") as out:
             out.write(f"--- start {self.starts + 1}: {' '.join(args)}\n".encode())
             out.flush()
+            # it dies with the process that started it, even one SIGKILLed before it could stop it
             self.proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         cwd=self.log.parent)
+                                         cwd=self.log.parent, preexec_fn=set_parent_death_signal)
         self.starts += 1
         deadline = time.monotonic() + timeout_s
         while not (_listening(self.rpc_port) and _listening(self.metrics_port)):
@@ -164,14 +166,8 @@ class MasterProcess:
         return old, self.pid
 
     def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        if self.proc is not None:
+            end_process(self.proc)
 
     def metrics(self) -> dict[str, float]:
         """The master's gauges and counters (``/metrics``, Prometheus text); empty when it does not answer."""

@@ -27,6 +27,7 @@ from sglang_cp_hicache.sim.fleet.feed import FeedWriter, make_feed_dir, parse_do
 from sglang_cp_hicache.sim.fleet.router import Router
 from sglang_cp_hicache.sim.fleet.spec import DeploymentSpec
 from sglang_cp_hicache.sim.fleet.store_size import StoreSample
+from sglang_cp_hicache.sim.lifetime import end_process
 
 __all__ = ["Deployment", "FleetRun", "run_fleet"]
 
@@ -189,14 +190,7 @@ def run_fleet(deps: list[Deployment], requests: Sequence[Sequence[int]], router:
 def _stop(dep: Deployment) -> None:
     """End a deployment still running (its ranks die with it) and close its pipes."""
     if dep.proc is not None:
-        if dep.proc.poll() is None:
-            dep.proc.terminate()
-            try:
-                dep.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                dep.proc.kill()
-                dep.proc.wait()
-        dep.exit_code = dep.proc.returncode
+        dep.exit_code = end_process(dep.proc)
     if dep.writer is not None:
         dep.writer.close()
         dep.writer = None
