@@ -31,7 +31,7 @@ def _mooncake(summary: dict, ranks: int) -> dict:
     return m
 
 
-@pytest.mark.slow(60)
+@pytest.mark.slow(20)
 def test_two_cp_sizes_restore_each_others_pages_from_one_mooncake_cluster(tmp_path):
     proc, summary = fleet(tmp_path, "--deployment", "0.5.18:cp1", "--deployment", "0.5.18:cp2", *MOONCAKE,
                           l3="mooncake")
@@ -66,7 +66,7 @@ def test_a_master_restarted_mid_run_forgets_its_objects_and_the_fleet_serves_on(
     assert "master restarted after request 20" in proc.stdout  # the table says what happened
 
 
-@pytest.mark.slow(45)
+@pytest.mark.slow(30)
 def test_a_client_leaving_with_its_segment_loses_its_requests_and_l3_objects_and_the_other_serves_on(tmp_path):
     # deployment 1's only rank (a client lending a segment) SIGKILLs itself at its first request from 16 on
     proc, summary = fleet(tmp_path, "--deployment", "0.5.18:cp1", "--deployment", "0.5.18:cp1", *MOONCAKE,
@@ -83,3 +83,20 @@ def test_a_client_leaving_with_its_segment_loses_its_requests_and_l3_objects_and
     assert lost_io > 0 or after < before, (lost_io, sizes)
     assert summary["l3_write_failures"] + summary["l3_read_failures"] == lost_io  # the victim reported nothing
     assert f"{victim['name']} exited" in proc.stdout
+
+
+def test_deployment_scope_gives_each_deployment_its_own_master_and_the_fleet_stops_them(tmp_path):
+    from sglang_cp_hicache.sim.fleet.l3 import FleetL3
+
+    store = FleetL3("mooncake", "deployment", "32mb")
+    store.open(["d0", "d1"], str(tmp_path))
+    try:
+        a, b = store.flags("d0"), store.flags("d1")
+        assert a[0] == b[0] == "--l3" and a[1] != b[1] and a[2:] == b[2:] == ["--mooncake-segment", "32mb"]
+        assert (store.where("d0"), store.where("d1")) == (a[1], b[1])
+        assert sorted(store.masters) == ["d0", "d1"] and store.sample(0, 0.0).objects == 0
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["mooncake_master-d0.log", "mooncake_master-d1.log"]
+    finally:
+        store.stop()
+    assert all(m.proc is not None and m.proc.poll() is not None for m in store.masters.values())
+    assert store.as_dict()["own_masters"].keys() == {"d0", "d1"}
