@@ -199,6 +199,15 @@ def test_a_mooncake_l3_reaches_the_config_as_a_master_and_a_segment_per_rank(cap
     assert config.l3_label == "mooncake://127.0.0.1:5"
 
 
+def test_a_mooncake_l3_without_the_wheel_is_refused_naming_the_flag(capsys, no_launch, monkeypatch):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec  # this environment without the mooncake wheel (as .venv-0523 is)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "mooncake" else find_spec(name, *a))
+    assert run_cli("--l3", "mooncake://127.0.0.1:5") == 2
+    assert "--l3 mooncake://127.0.0.1:5: this environment" in capsys.readouterr().err
+
+
 def test_release_is_auto_detected_and_the_baseline_group_reaches_the_config(captured_launch):
     assert run_cli("--compare-non-cp", "--non-cp-group", "single") == 1
     (config,) = captured_launch
