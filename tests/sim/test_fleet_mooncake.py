@@ -11,6 +11,9 @@ tests/sim/test_fleet.py's, on a Mooncake store instead of a directory."""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 
 from tests.sim.test_fleet import check_accounting, check_each_restored_the_others_pages, check_one_killed_at_16, fleet
@@ -22,8 +25,13 @@ SEGMENT = 16 << 20
 
 
 def _mooncake(summary: dict, ranks: int) -> dict:
-    """The run's Mooncake facts: the fleet's own master, a 16 MiB segment per rank, all of them mounted."""
+    """The run's Mooncake facts: the fleet's own master, a 16 MiB segment per rank, all of them mounted;
+    the master stopped at the end, its log kept only when the run failed."""
     m = summary["mooncake"]
+    master = m["own_masters"]["fleet"]
+    with pytest.raises(ProcessLookupError):
+        os.kill(master["pid"], 0)
+    assert Path(master["log"]).is_file() == (not summary["ok"])
     assert list(m["own_masters"]) == ["fleet"] and m["external_master"] is None
     assert m["segment_bytes_per_rank"] == SEGMENT and m["capacity_bytes"] == ranks * SEGMENT
     assert summary["l3_dir"] == "mooncake" and all(d["l3_dir"] == f"mooncake://{m['own_masters']['fleet']['address']}"

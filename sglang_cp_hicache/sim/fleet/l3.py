@@ -162,7 +162,7 @@ class FleetL3:
         if not self.mooncake:
             return None
         return {
-            "own_masters": {store: {"address": m.address, "log": str(m.log), "starts": m.starts}
+            "own_masters": {store: {"address": m.address, "log": str(m.log), "starts": m.starts, "pid": m.pid}
                             for store, m in self.masters.items()},
             "external_master": None if self.masters else parse_master(self.spec or ""),
             "segment_bytes_per_rank": parse_segment(self.segment or DEFAULT_SEGMENT),
