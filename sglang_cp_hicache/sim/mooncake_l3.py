@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Optional
 
 from sglang_cp_hicache.l3_backends.mooncake import MIN_SEGMENT_BYTES
-from sglang_cp_hicache.sim.lifetime import end_process, set_parent_death_signal
+from sglang_cp_hicache.testing.lifetime import end_process, set_parent_death_signal
 from sglang_cp_hicache.sizes import parse_mooncake_size
 
 __all__ = ["DEFAULT_SEGMENT", "LOOPBACK", "MOONCAKE_SCHEME", "MasterProcess", "OWN_CLUSTER", "extra_config",

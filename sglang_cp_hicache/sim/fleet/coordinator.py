@@ -27,7 +27,7 @@ from sglang_cp_hicache.sim.fleet.feed import FeedWriter, make_feed_dir, parse_do
 from sglang_cp_hicache.sim.fleet.router import Router
 from sglang_cp_hicache.sim.fleet.spec import DeploymentSpec
 from sglang_cp_hicache.sim.fleet.store_size import StoreSample
-from sglang_cp_hicache.sim.lifetime import end_process
+from sglang_cp_hicache.testing.lifetime import end_process
 
 __all__ = ["Deployment", "FleetRun", "run_fleet"]
 
