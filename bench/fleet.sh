@@ -8,7 +8,10 @@
 # PART: `routes` (each --route with --l3-scope fleet and deployment: 6 runs),
 # `size` (fleet hit_ratio against the bounded L3 directory's max size,
 # SGLANG_HICACHE_FILE_BACKEND_MAX_SIZE, prefix-affinity, fleet scope), `host`
-# (against host pages per rank, same); default: all three. Each run writes
+# (against host pages per rank, same), `segment` (against the Mooncake segment
+# each CP rank's client lends, --l3 mooncake: one master the fleet starts,
+# prefix-affinity, fleet scope; on MOONCAKE_DEPLOYMENTS, 0.5.18 ones by default
+# since only .venv has the mooncake wheel); default: the first three. Each run writes
 # NAME.json and NAME.txt (the command, the printed table, its time) under
 # OUT_DIR (default bench/results/fleet/run-<time>); L3 directories are fresh
 # ones under $TMPDIR, removed afterwards. Then: python bench/fleet_table.py OUT_DIR
@@ -21,6 +24,8 @@ REQUESTS=${REQUESTS:-1000}
 DEPLOYMENTS=${DEPLOYMENTS:-"0.5.23:cp4 0.5.23:cp2 0.5.18:cp2"}
 SIZES=${SIZES:-"2M 8M 32M 128M"}
 HOSTS=${HOSTS:-"4 16 64"}
+SEGMENTS=${SEGMENTS:-"16mb 64mb 256mb"}
+MOONCAKE_DEPLOYMENTS=${MOONCAKE_DEPLOYMENTS:-"0.5.18:cp4 0.5.18:cp2 0.5.18:cp2"}
 mkdir -p "$OUT"
 
 run() {  # NAME [ENV=VALUE ...] -- FLEET FLAGS...
@@ -31,7 +36,7 @@ run() {  # NAME [ENV=VALUE ...] -- FLEET FLAGS...
     local l3dir deps=()
     l3dir=$(mktemp -d "${TMPDIR:-/tmp}/fleet-l3-$name-XXXX")
     for d in $DEPLOYMENTS; do deps+=(--deployment "$d${HOST_SUFFIX:-}"); done
-    local args=("${deps[@]}" --trace "$TRACE" --requests "$REQUESTS" --l3 "$l3dir" --no-progress
+    local args=("${deps[@]}" --trace "$TRACE" --requests "$REQUESTS" --l3 "${L3:-$l3dir}" --no-progress
                 --json "$OUT/$name.json" "$@")
     {
         echo "\$ ${envs[*]} .venv/bin/python -m sglang_cp_hicache fleet ${args[*]}"
@@ -58,6 +63,11 @@ for part in "${parts[@]}"; do
         host)
             for host in $HOSTS; do
                 HOST_SUFFIX=":host=$host" run "host-$host" -- --route prefix-affinity
+            done ;;
+        segment)
+            for segment in $SEGMENTS; do
+                DEPLOYMENTS=$MOONCAKE_DEPLOYMENTS L3=mooncake run "segment-$segment" -- --route prefix-affinity \
+                    --mooncake-segment "$segment"
             done ;;
         *) echo "unknown part $part" >&2; exit 2 ;;
     esac

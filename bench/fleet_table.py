@@ -2,9 +2,10 @@
 
     python bench/fleet_table.py OUT_DIR
 
-Writes OUT_DIR/tables.md (routes x scopes; the two sizing sweeps) and, where
+Writes OUT_DIR/tables.md (routes x scopes; the sizing sweeps) and, where
 matplotlib is installed and a sweep ran, OUT_DIR/sizing.png (fleet hit_ratio
-against the L3 directory's max size and against host pages per rank)."""
+against the L3 directory's max size, against host pages per rank and against
+the Mooncake segment per CP rank)."""
 
 from __future__ import annotations
 
@@ -35,6 +36,12 @@ HEADER = ("| run | served | hit_ratio | device | host | L3 | ideal | L3 pages fr
           "|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 
 
+def _segment_mib(name: str) -> float:
+    """``segment-64mb`` / ``segment-1gb`` -> MiB (Mooncake's units: 2**20, 2**30 bytes)."""
+    text = name.split("-", 1)[1].lower()
+    return float(text[:-2]) * (1024 if text.endswith("gb") else 1)
+
+
 def _size_bytes(name: str) -> float:
     text = name.split("-", 1)[1]
     return float(text[:-1]) * _UNITS[text[-1]] if text[-1] in _UNITS else float(text)
@@ -44,12 +51,16 @@ def main(out: Path) -> None:
     runs = {p.stem: json.loads(p.read_text()) for p in sorted(out.glob("*.json"))}
     lines = []
     for prefix, title in (("route-", "routes and scopes"), ("size-", "L3 max size (fleet scope, prefix-affinity)"),
-                          ("host-", "host pages per rank (fleet scope, prefix-affinity)")):
+                          ("host-", "host pages per rank (fleet scope, prefix-affinity)"),
+                          ("segment-", "Mooncake segment per CP rank (--l3 mooncake, fleet scope, prefix-affinity; "
+                                       "store MB at end: the master's allocated bytes)")):
         names = [n for n in runs if n.startswith(prefix)]
         if prefix == "size-":
             names.sort(key=_size_bytes)
         elif prefix == "host-":
             names.sort(key=lambda n: int(n.split("-")[1]))
+        elif prefix == "segment-":
+            names.sort(key=_segment_mib)
         if names:
             lines += [f"### {title}", "", HEADER, *(_row(n, runs[n]) for n in names), ""]
     (out / "tables.md").write_text("\n".join(lines))
@@ -60,7 +71,8 @@ def main(out: Path) -> None:
 def _plot(out: Path, runs: dict[str, dict[str, Any]]) -> None:
     sizes = sorted((n for n in runs if n.startswith("size-")), key=_size_bytes)
     hosts = sorted((n for n in runs if n.startswith("host-")), key=lambda n: int(n.split("-")[1]))
-    if not (sizes or hosts):
+    segments = sorted((n for n in runs if n.startswith("segment-")), key=_segment_mib)
+    if not (sizes or hosts or segments):
         return
     try:
         import matplotlib
@@ -70,11 +82,16 @@ def _plot(out: Path, runs: dict[str, dict[str, Any]]) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
-    for ax, names, xs, label in ((axes[0], sizes, [_size_bytes(n) / 1e6 for n in sizes], "L3 max size (MB)"),
-                                 (axes[1], hosts, [int(n.split("-")[1]) for n in hosts], "host pages per rank")):
+    panels = [(sizes, [_size_bytes(n) / 1e6 for n in sizes], "L3 max size (MB)"),
+              (hosts, [int(n.split("-")[1]) for n in hosts], "host pages per rank")]
+    if segments:
+        panels.append((segments, [_segment_mib(n) for n in segments], "Mooncake segment per CP rank (MiB)"))
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.8))
+    for ax, (names, xs, label) in zip(axes, panels):
         ax.plot(xs, [runs[n]["hit_ratio"] for n in names], marker="o")
         ax.set_xscale("log")
+        ax.set_xticks(xs, [f"{x:g}" for x in xs])  # the swept points, not log decades
+        ax.minorticks_off()
         ax.set_xlabel(label)
         ax.set_ylabel("fleet hit_ratio (of one infinite cache)")
         ax.set_ylim(0, 1)

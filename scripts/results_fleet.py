@@ -53,20 +53,35 @@ def _size(stem: str) -> float:
     return float(text[:-1]) * _UNITS[text[-1]] if text[-1] in _UNITS else float(text)
 
 
+def _segment_mib(stem: str) -> float:
+    """``segment-64mb`` / ``segment-1gb`` -> MiB (Mooncake's units)."""
+    text = stem.split("-", 1)[1].lower()
+    return float(text[:-2]) * (1024 if text.endswith("gb") else 1)
+
+
+def _deployments(d: dict[str, Any]) -> str:
+    return ", ".join(f"{x['release']} CP {x['cp_size']}" for x in d["deployments"])
+
+
 def section_fleet(res: Results) -> list[str]:
     runs = _runs(res)
     if not runs:
         return []
     for name in runs:
         res.take(name)
-    first = next(iter(runs.values()))
-    deps = ", ".join(f"{d['release']} CP {d['cp_size']}" for d in first["deployments"])
+    first = next((d for f, d in runs.items() if not _stem(f).startswith("segment-")), next(iter(runs.values())))
+    deps = _deployments(first)
+    segments = [f for f in runs if _stem(f).startswith("segment-")]
     groups = [
         ("Routes and L3 scopes", [f for f in runs if _stem(f).startswith("route-")], None),
         ("Sizing: the bounded L3 directory's max size (SGLANG_HICACHE_FILE_BACKEND_MAX_SIZE, fleet scope, "
          "prefix-affinity)", [f for f in runs if _stem(f).startswith("size-")], _size),
         ("Sizing: host pages per rank (fleet scope, prefix-affinity)",
          [f for f in runs if _stem(f).startswith("host-")], lambda s: float(s.split("-")[1])),
+        ("Sizing: the Mooncake segment per CP rank (`--l3 mooncake`: one master, every rank's client lending its "
+         "segment; fleet scope, prefix-affinity; "
+         + (_deployments(runs[segments[0]]) if segments else "") + ", the releases with the mooncake wheel; "
+         "store MB at end: the master's allocated bytes)", segments, _segment_mib),
     ]
     lines = [
         "## A fleet on one L3",
@@ -88,7 +103,7 @@ def section_fleet(res: Results) -> list[str]:
             names.sort(key=lambda f: key(_stem(f)))
         lines += [f"### {title}", "", *table(HEADER, [_row(f, runs[f]) for f in names]), ""]
     for png in (f for f in extras if f.endswith("sizing.png")):
-        lines += [f"![fleet hit_ratio against the L3 size and the host pages](../bench/results/{png})", ""]
+        lines += [f"![fleet hit_ratio against the L3 size, the host pages and the Mooncake segment](../bench/results/{png})", ""]
     res.used.update(extras)
     lines += [files_line(res, [*runs, *extras]), ""]
     return lines

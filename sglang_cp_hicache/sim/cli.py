@@ -166,7 +166,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     summary = {"engine": "loop", **summary}
     if prepared.sizing is not None:
         summary["pool_sizing"] = prepared.sizing.as_dict()
-    if config.l3_dir is not None and config.fleet_feed is not None:  # what the fleet attributes
+    if config.l3_label is not None and config.fleet_feed is not None:  # what the fleet attributes
         summary["l3_stored_keys_per_rank"] = [r.totals.l3_stored_keys for r in cp.reports]
         summary["l3_restored_keys_per_rank"] = [r.totals.l3_restored_keys for r in cp.reports]
     if config.l3_dir is not None and config.fleet_feed is None:  # a fleet's coordinator attributes its own
@@ -189,7 +189,8 @@ def _run_compare_upstream(args: argparse.Namespace, prepared: Prepared, token_li
     summaries = {}
     for path in ("library", "upstream"):
         config = dataclasses.replace(prepared.config, copy_path=path,
-                                     l3_dir=prepared.config.l3_dir if path == "library" else None)
+                                     l3_dir=prepared.config.l3_dir if path == "library" else None,
+                                     l3_mooncake=prepared.config.l3_mooncake if path == "library" else None)
         l3_before = object_names(config.l3_dir) if config.l3_dir is not None else set()
         run = launch(config, token_lists, cp_mode=True, failure=prepared.failure, show_progress=not args.no_progress)
         if not run.ok or len(run.reports) != config.cp_size:
@@ -276,7 +277,7 @@ def _prepare(args: argparse.Namespace) -> Union[int, Prepared]:
             config = dataclasses.replace(config, device_pages=sizing.device_pages, host_pages=sizing.host_pages)
     except (TraceError, ValueError) as exc:
         return _error(str(exc), 2)
-    problem = _l3_problem(config.l3_dir)  # last: only a run that will start creates DIR
+    problem = _l3_problem(config.l3_dir) or _mooncake_problem(config)  # last: only a run that will start creates DIR
     if problem is not None:
         return _error(problem, 2)
     return Prepared(config, failure, requests, workload, sizing, ideal)
@@ -310,6 +311,32 @@ def _l3_problem(directory: Optional[str]) -> Optional[str]:
         FilePageStore(directory)
     except (TypeError, ValueError) as exc:
         return f"--l3 {directory}: not a usable L3 directory: {exc}"
+    return None
+
+
+def _l3_fields(args: argparse.Namespace) -> dict[str, Any]:
+    """SimConfig's L3 fields from --l3 and --mooncake-segment (ValueError naming the flag)."""
+    from sglang_cp_hicache.sim.mooncake_l3 import MOONCAKE_SCHEME, parse_master, parse_segment
+
+    if args.l3 is None or not args.l3.startswith(MOONCAKE_SCHEME):
+        if args.mooncake_segment is not None:
+            raise ValueError("--mooncake-segment needs --l3 mooncake://HOST:PORT")
+        return {"l3_dir": os.path.abspath(args.l3) if args.l3 is not None else None}
+    fields: dict[str, Any] = {"l3_mooncake": parse_master(args.l3)}
+    if args.mooncake_segment is not None:
+        fields["mooncake_segment_bytes"] = parse_segment(args.mooncake_segment)
+    return fields
+
+
+def _mooncake_problem(config: SimConfig) -> Optional[str]:
+    """Why this environment cannot open the Mooncake L3 --l3 names (None if it can, or there is none)."""
+    if config.l3_mooncake is None:
+        return None
+    import importlib.util
+
+    if importlib.util.find_spec("mooncake") is None:
+        return (f"--l3 mooncake://{config.l3_mooncake}: this environment ({sys.executable}) has no mooncake "
+                "wheel (mooncake-transfer-engine, or mooncake-transfer-engine-non-cuda without CUDA)")
     return None
 
 
@@ -369,7 +396,7 @@ def _config(args: argparse.Namespace, version: str) -> SimConfig:
         grace_s=min(_DEFAULTS.grace_s, args.collective_timeout),
         startup_timeout_s=args.startup_timeout,
         sglang_version=version, copy_path=args.copy,
-        l3_dir=os.path.abspath(args.l3) if args.l3 is not None else None,
+        **_l3_fields(args),
         metrics=args.metrics,
         fleet_feed=os.path.abspath(args.fleet_feed) if args.fleet_feed is not None else None,
     )

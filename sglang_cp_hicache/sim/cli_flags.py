@@ -143,12 +143,17 @@ def _add_output_flags(p: argparse.ArgumentParser) -> None:
                         "pool (a TP deployment of an MLA model: replicated KV, the same per-step ack "
                         "all-reduce over N ranks); 'single' runs one process with no group "
                         f"(default {_DEFAULTS.non_cp_group})")
-    p.add_argument("--l3", metavar="DIR", default=None,
-                   help="give the CP ranks this library's file L3 tier in DIR (0.5.23: --copy library; created "
-                        "if missing; SGLANG_CP_HICACHE_L3_DIR in each rank). Pages are keyed by content, so "
-                        "runs of any --cp-size share DIR: each rank writes the pages it owns once their "
-                        "write-through completes, and every request first looks its uncached pages up in "
-                        "L3. With --compare-non-cp the non-CP baseline runs without L3")
+    p.add_argument("--l3", metavar="DIR|mooncake://HOST:PORT", default=None,
+                   help="give the CP ranks this library's L3 tier (0.5.23: --copy library): a file store in DIR "
+                        "(created if missing; SGLANG_CP_HICACHE_L3_DIR in each rank), or a Mooncake store on the "
+                        "running mooncake_master at HOST:PORT (--hicache-storage-backend mooncake in each rank: "
+                        "its own client over TCP lending --mooncake-segment; needs the mooncake wheel). Pages "
+                        "are keyed by content, so runs of any --cp-size share it: each rank writes the pages it "
+                        "owns once their write-through completes, and every request first looks its uncached "
+                        "pages up in L3. With --compare-non-cp the non-CP baseline runs without L3")
+    p.add_argument("--mooncake-segment", metavar="SIZE", default=None,
+                   help="--l3 mooncake://...: the memory each CP rank's client lends the store (its segment; "
+                        "'64mb', '1gb' or bytes, at least 16mb; default 64mb)")
     p.add_argument("--compare-upstream", action="store_true",
                    help="SGLang 0.5.23 only: replay the workload twice, through this library's path (--copy "
                         "library) and upstream's (--copy upstream), and report them side by side (hits per "

@@ -103,6 +103,10 @@ class SimConfig:
     # process; 0.5.23: the library copy path); None: no L3. The non-CP
     # baseline never uses it.
     l3_dir: Optional[str] = None
+    # CP ranks only: the L3 on a Mooncake store instead (the master's
+    # host:port; each rank opens its own client lending mooncake_segment_bytes).
+    l3_mooncake: Optional[str] = None
+    mooncake_segment_bytes: int = 64 << 20
     # CP ranks only: build the stacks as --enable-metrics does and return each
     # rank's scrape of the library's metrics (sglang_cp_hicache:*) in its report.
     metrics: bool = False
@@ -123,12 +127,22 @@ class SimConfig:
         if self.l3_dir is not None and self.sglang_version == "0.5.23" and self.copy_path != "library":
             raise ValueError("l3_dir needs copy_path 'library' on SGLang 0.5.23: upstream's sharded stack "
                              "refuses storage under KV sharding")
+        if self.l3_dir is not None and self.l3_mooncake is not None:
+            raise ValueError("l3_dir and l3_mooncake are two L3s: give one")
+        if self.l3_mooncake is not None and self.sglang_version == "0.5.23" and self.copy_path != "library":
+            raise ValueError("l3_mooncake needs copy_path 'library' on SGLang 0.5.23: upstream's sharded stack "
+                             "refuses storage under KV sharding")
         if self.non_cp_group not in NON_CP_GROUPS:
             raise ValueError(f"non_cp_group must be one of {NON_CP_GROUPS}, got {self.non_cp_group!r}")
         check_seconds("collective_timeout_s", self.collective_timeout_s)
         check_seconds("grace_s", self.grace_s)
         if self.startup_timeout_s is not None:
             check_seconds("startup_timeout_s", self.startup_timeout_s)
+
+    @property
+    def l3_label(self) -> Optional[str]:
+        """The CP ranks' L3 as --l3 names it (None: none)."""
+        return self.l3_dir if self.l3_mooncake is None else f"mooncake://{self.l3_mooncake}"
 
     @property
     def startup_limit_s(self) -> float:

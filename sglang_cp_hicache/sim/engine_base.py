@@ -6,6 +6,7 @@ verifying / corrupting the deterministic content of this rank's pages
 
 from __future__ import annotations
 
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -107,6 +108,9 @@ class RankEngineBase:
         # stored or found sound in L3 (a fleet says from them whose pages
         # another deployment restored).
         self.l3_stored_keys: list[str] = []
+        # Own pages a lookup found present whose read did not bring them whole.
+        self.l3_read_failures = 0
+        self._l3_read_lock = threading.Lock()
         self.page_bytes = _page_bytes(stack.kv_pool, self.page_size)
         self.copy_wall = CopyWall()
         self._time_l2_copies(stack.cache.cache_controller.l2_transfer_engine)
@@ -119,6 +123,14 @@ class RankEngineBase:
         prefetcher, tier = l3.prefetcher, l3.tier
         settle = prefetcher._settle
         store_page = tier.store_page
+        read_page = tier.read_page
+
+        def read(kv_key: str, idx_key: str, slot: int, publish: Any) -> bool:
+            whole = read_page(kv_key, idx_key, slot, publish)
+            if not whole:  # runs on the L3 I/O threads
+                with self._l3_read_lock:
+                    self.l3_read_failures += 1
+            return whole
 
         def stored(kv_key: str, idx_key: str, kv: Any, idx: Any) -> bool:
             whole = store_page(kv_key, idx_key, kv, idx)
@@ -137,6 +149,7 @@ class RankEngineBase:
 
         prefetcher._settle = recorded
         tier.store_page = stored
+        tier.read_page = read
 
     def _time_l2_copies(self, engine: Any) -> None:
         """Wall time of every L2 copy submission, whatever runs it (this
@@ -285,6 +298,10 @@ class RankEngineBase:
         totals.l3_rejected_objects = c.rejected_pages
         totals.l3_restored_keys = list(self.l3_restored_keys)
         totals.l3_stored_keys = list(self.l3_stored_keys)
+        totals.l3_write_failures = c.write_failures
+        totals.l3_dropped_writes = c.dropped_writes
+        totals.l3_read_failures = self.l3_read_failures
+        totals.l3_timeouts = c.timeouts
 
     def _wait_l3_io(self) -> None:
         raise NotImplementedError

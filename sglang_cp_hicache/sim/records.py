@@ -107,6 +107,12 @@ class EngineTotals:
     l3_rejected_objects: int = 0  # own objects found but refused (checksum, length, namespace)
     l3_restored_keys: list[str] = field(default_factory=list)  # page keys of the own pages restored from L3
     l3_stored_keys: list[str] = field(default_factory=list)  # page keys of the own pages left whole in L3
+    # what the L3 lost (a store gone, a master restarted): own pages whose put failed or was dropped,
+    # own pages found present but not read whole (gone since, a failed transfer, refused), lookups timed out
+    l3_write_failures: int = 0
+    l3_dropped_writes: int = 0
+    l3_read_failures: int = 0
+    l3_timeouts: int = 0
     # 0.5.23 (both copy paths, counted the same way on each):
     backups_attempted: int = 0  # calls of the cache's _execute_kv_backup
     device_evictions: int = 0  # tree nodes whose device value was evicted (FULL component)

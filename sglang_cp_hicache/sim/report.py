@@ -129,7 +129,7 @@ def summarize(
         **_cpu_fields(reports),
         **_copy_fields(reports),
         **(_bookkeeping_fields(reports, rank0) if config.sglang_version == "0.5.23" else {}),
-        **(_l3_fields(config, reports) if config.l3_dir is not None else {}),
+        **(_l3_fields(config, reports) if config.l3_label is not None else {}),
         **traffic_fields(reports, config.page_size),
         **({"library_metrics_per_rank": [r.metrics for r in reports]} if config.metrics else {}),
         "series": {
@@ -262,7 +262,8 @@ def _l3_fields(config: SimConfig, reports: list[RankReport]) -> dict[str, Any]:
     t = [r.totals for r in reports]
     verified = [sum(rec.l3_pages_verified for rec in r.records) for r in reports]
     return {
-        "l3_dir": config.l3_dir,
+        "l3_dir": config.l3_label,  # a directory, or mooncake://HOST:PORT
+        "l3_backend": "file" if config.l3_mooncake is None else "mooncake",
         "l3_written_pages": sum(x.l3_written_pages for x in t),
         "l3_written_pages_per_rank": [x.l3_written_pages for x in t],
         "l3_hit_tokens": sum(x.l3_hit_tokens for x in t),
@@ -271,6 +272,10 @@ def _l3_fields(config: SimConfig, reports: list[RankReport]) -> dict[str, Any]:
         "l3_pages_verified_per_rank": verified,
         "l3_rejected_objects": sum(x.l3_rejected_objects for x in t),
         "l3_rejected_objects_per_rank": [x.l3_rejected_objects for x in t],
+        # what the store lost or refused: failed / dropped page writes, pages found but not read whole,
+        # lookups given up at their deadline (each a miss, never an error)
+        **{f"l3_{name}": sum(getattr(x, f"l3_{name}") for x in t)
+           for name in ("write_failures", "dropped_writes", "read_failures", "timeouts")},
         # filled in by the launcher from the directory's writer manifests (sim.l3_writers)
         "l3_restored_pages_by_writer": {},
         "l3_restored_from_other_release": 0,

@@ -229,7 +229,9 @@ def _l3_line(summary: dict[str, Any]) -> list[str]:
     return [
         f"L3 ({summary['l3_dir']}; CP ranks only): {summary['l3_written_pages']} pages written, "
         f"{summary['l3_hit_tokens']} tokens restored, {summary['l3_pages_verified']} restored pages verified "
-        f"bit-exact, {summary['l3_rejected_objects']} objects rejected"
+        f"bit-exact, {summary['l3_rejected_objects']} objects rejected; lost: {summary['l3_write_failures']} "
+        f"page writes failed, {summary['l3_dropped_writes']} dropped, {summary['l3_read_failures']} page reads "
+        f"failed, {summary['l3_timeouts']} lookups timed out"
     ]
 
 

@@ -127,6 +127,19 @@ class _RankSetup:
     startup_seconds: float
 
 
+def _mooncake_storage(cfg: Any, *, segment_ranks: int) -> dict[str, Any]:
+    """The stack's --hicache-storage-backend mooncake and extra config for
+    --l3 mooncake://... (nothing otherwise). ``segment_ranks``: the TP size
+    the stack's server arguments carry (0.5.18's CPU stack: 1; 0.5.23's
+    sharded one: the CP size), which SGLang divides the global segment by."""
+    if cfg.l3_mooncake is None:
+        return {}
+    from sglang_cp_hicache.sim.mooncake_l3 import extra_config
+
+    return {"storage_backend": "mooncake",
+            "storage_extra_config": extra_config(cfg.l3_mooncake, cfg.mooncake_segment_bytes, segment_ranks)}
+
+
 def _build_0518(spec: RankSpec, group: Any) -> tuple[Any, Any]:
     """One rank's SGLang 0.5.18 stack (CP, or a non-CP baseline process) and its engine."""
     import torch
@@ -143,7 +156,7 @@ def _build_0518(spec: RankSpec, group: Any) -> tuple[Any, Any]:
         stack_config = CpStackConfig(
             cp_size=cfg.cp_size, page_size=cfg.page_size, num_layers=cfg.num_layers,
             device_pages=cfg.device_pages, host_pages=cfg.host_pages, cp_mode=True, dtype=getattr(torch, KV_DTYPE),
-            enable_metrics=cfg.metrics,
+            enable_metrics=cfg.metrics, **_mooncake_storage(cfg, segment_ranks=1),
         )
         rank = spec.rank
     else:
@@ -179,7 +192,7 @@ def _build_0523(spec: RankSpec, group: Any) -> tuple[Any, Any]:
         ShardedStackConfig(
             cp_size=cfg.cp_size, page_size=cfg.page_size, num_layers=cfg.num_layers,
             device_pages=cfg.device_pages, host_pages=cfg.host_pages, copy_path=cfg.copy_path,
-            enable_metrics=cfg.metrics,
+            enable_metrics=cfg.metrics, **_mooncake_storage(cfg, segment_ranks=cfg.cp_size),
         ),
         spec.rank, cp_group=group,
     )

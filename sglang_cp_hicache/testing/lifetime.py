@@ -25,11 +25,12 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
 
-__all__ = ["EXIT_LAUNCHER_GONE", "WATCHDOG_POLL_S", "die_with_launcher", "set_parent_death_signal"]
+__all__ = ["EXIT_LAUNCHER_GONE", "WATCHDOG_POLL_S", "die_with_launcher", "end_process", "set_parent_death_signal"]
 
 #: Exit status of a process that ended because its launcher disappeared.
 EXIT_LAUNCHER_GONE = 75
@@ -67,3 +68,15 @@ def die_with_launcher(launcher_pid: int, *, poll_s: float = WATCHDOG_POLL_S) -> 
     if os.getppid() != launcher_pid:  # gone before the signal was armed
         os._exit(EXIT_LAUNCHER_GONE)
     threading.Thread(target=_watch, args=(launcher_pid, poll_s), name="launcher-watchdog", daemon=True).start()
+
+
+def end_process(proc: subprocess.Popen, grace_s: float = 10.0) -> int:
+    """End a child still running: SIGTERM, then SIGKILL after ``grace_s``; its exit status."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode

@@ -178,6 +178,9 @@ def test_a_trace_of_sub_page_requests_exits_1_saying_nothing_was_verified(tmp_pa
         (["--copy", "upstream"], "needs SGLang 0.5.23"),
         (["--sglang", "0.5.23"], "separate venvs"),
         (["--non-cp-group", "ring"], "invalid choice"),
+        (["--l3", "mooncake://nohost"], "--l3 mooncake://nohost: expected mooncake://HOST:PORT"),
+        (["--mooncake-segment", "64mb"], "--mooncake-segment needs --l3 mooncake://HOST:PORT"),
+        (["--l3", "mooncake://127.0.0.1:5", "--mooncake-segment", "8mb"], "--mooncake-segment must be at least"),
     ],
 )
 def test_release_and_copy_path_flags_are_checked_before_launch(capsys, no_launch, args, message):
@@ -187,6 +190,22 @@ def test_release_and_copy_path_flags_are_checked_before_launch(capsys, no_launch
         code = exc.code
     assert code == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_mooncake_l3_reaches_the_config_as_a_master_and_a_segment_per_rank(captured_launch):
+    assert run_cli("--l3", "mooncake://127.0.0.1:5", "--mooncake-segment", "32mb") == 1
+    (config,) = captured_launch
+    assert (config.l3_mooncake, config.mooncake_segment_bytes, config.l3_dir) == ("127.0.0.1:5", 32 << 20, None)
+    assert config.l3_label == "mooncake://127.0.0.1:5"
+
+
+def test_a_mooncake_l3_without_the_wheel_is_refused_naming_the_flag(capsys, no_launch, monkeypatch):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec  # this environment without the mooncake wheel (as .venv-0523 is)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "mooncake" else find_spec(name, *a))
+    assert run_cli("--l3", "mooncake://127.0.0.1:5") == 2
+    assert "--l3 mooncake://127.0.0.1:5: this environment" in capsys.readouterr().err
 
 
 def test_release_is_auto_detected_and_the_baseline_group_reaches_the_config(captured_launch):

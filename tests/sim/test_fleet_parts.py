@@ -101,12 +101,25 @@ def test_the_feed_carries_indices_in_order_and_events_back(tmp_path):
      "--python 0.5.18=/nonexistent"),
     (("--deployment", "0.5.18:cp2", "--cache-threshold", "2", "--l3", "L3"), "--cache-threshold"),
     (("--deployment", "0.5.18:cp2", "--fault", "3:0:1:kill", "--l3", "L3"), "--fault 3:0:1:kill"),
+    (("--deployment", "0.5.18:cp2", "--l3", "mooncake://nohost"), "--l3 mooncake://nohost: expected mooncake://"),
+    (("--deployment", "0.5.18:cp2", "--l3", "mooncake://127.0.0.1:5", "--l3-scope", "deployment"),
+     "--l3-scope deployment with --l3 mooncake://127.0.0.1:5"),
+    (("--deployment", "0.5.18:cp2", "--l3", "L3", "--mooncake-segment", "64mb"), "--mooncake-segment needs --l3"),
+    (("--deployment", "0.5.18:cp2", "--l3", "mooncake", "--mooncake-segment", "8mb"),
+     "--mooncake-segment must be at least"),
+    (("--deployment", "0.5.18:cp2", "--l3", "L3", "--fault-master-restart", "3"),
+     "--fault-master-restart 3: needs --l3 mooncake"),
+    (("--deployment", "0.5.18:cp2", "--python", "0.5.18=NO_WHEEL", "--l3", "mooncake"),
+     "--l3 mooncake: --deployment 0.5.18:cp2: "),
 ])
 def test_bad_flags_stop_the_fleet_before_anything_starts(tmp_path, capsys, args, needle):
     from sglang_cp_hicache.__main__ import main
 
     l3 = tmp_path / "never"
-    argv = [str(l3) if a == "L3" else a for a in args]
+    no_wheel = tmp_path / "python"  # an interpreter whose environment has no mooncake wheel
+    no_wheel.write_text("#!/bin/sh\necho \"ModuleNotFoundError: No module named 'mooncake'\" >&2\nexit 1\n")
+    no_wheel.chmod(0o755)
+    argv = [str(l3) if a == "L3" else a.replace("NO_WHEEL", str(no_wheel)) for a in args]
     trace = os.path.join(ROOT, "tests/data/mooncake_conversation_slice.jsonl")
     assert main(["fleet", "--no-progress", "--trace", trace, *argv]) == 2
     err = capsys.readouterr().err

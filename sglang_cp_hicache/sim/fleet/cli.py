@@ -24,10 +24,12 @@ from sglang_cp_hicache.sim.config import (
     parse_failure_injection,
 )
 from sglang_cp_hicache.sim.fleet.coordinator import Deployment, run_fleet
+from sglang_cp_hicache.sim.fleet.l3 import FleetL3, check_fleet_l3
 from sglang_cp_hicache.sim.fleet.report import FleetFacts, fleet_summary, format_fleet_table
 from sglang_cp_hicache.sim.fleet.router import ROUTES, AffinityParams, make_router
 from sglang_cp_hicache.sim.fleet.spec import DeploymentSpec, parse_deployment, parse_python, python_for
 from sglang_cp_hicache.sim.ideal import ideal_cache
+from sglang_cp_hicache.sim.mooncake_l3 import OWN_CLUSTER, is_mooncake, master_binary, mooncake_missing
 from sglang_cp_hicache.sim.outputs import OutputPathError, check_output_paths
 from sglang_cp_hicache.sim.sizing import DEFAULT_CAPACITY
 from sglang_cp_hicache.sim.workload import TraceError, load_trace
@@ -59,10 +61,18 @@ def add_fleet_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                         f"{DEFAULT_CAPACITY})")
     p.add_argument("--layers", type=int, default=2, metavar="L", help="KV and indexer layers (default 2)")
     p.add_argument("--seed", type=int, default=0, metavar="S", help="content seed (default 0)")
-    p.add_argument("--l3", metavar="DIR", default=None, help="the file L3 the deployments share")
+    p.add_argument("--l3", metavar="DIR|mooncake|mooncake://HOST:PORT", default=None,
+                   help="the L3 the deployments share: a file store in DIR; 'mooncake': a Mooncake cluster the "
+                        "fleet starts on loopback (one mooncake_master, every CP rank's client lending "
+                        "--mooncake-segment; stopped at the end); or mooncake://HOST:PORT, a running master. "
+                        "Mooncake needs the mooncake wheel in every deployment's environment")
     p.add_argument("--l3-scope", choices=SCOPES, default="fleet",
-                   help="'fleet': every deployment on DIR; 'deployment': each its own DIR/<name> (what "
-                        "rank-keyed stores allow), for comparison (default fleet)")
+                   help="'fleet': every deployment on one store; 'deployment': each its own (what rank-keyed "
+                        "stores allow), for comparison: DIR/<name>, or with --l3 mooncake one master per "
+                        "deployment, its store made of its own ranks' segments (default fleet)")
+    p.add_argument("--mooncake-segment", metavar="SIZE", default=None,
+                   help="Mooncake: the memory each CP rank's client lends the store ('64mb', '1gb' or bytes, at "
+                        "least 16mb; default 64mb), so a deployment of CP N lends N segments")
     p.add_argument("--route", choices=ROUTES, default="round-robin", help="how requests are routed (default "
                    "round-robin); prefix-affinity is SGLang's router's cache_aware policy")
     p.add_argument("--cache-threshold", type=float, default=AffinityParams.cache_threshold,
@@ -84,6 +94,8 @@ def add_fleet_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     p.add_argument("--no-progress", action="store_true", help="no progress lines on stderr")
     # test hook: FAIL_ENV's RANK:STEP:MODE for deployment D only
     p.add_argument("--fault", metavar="D:RANK:STEP:MODE", default=None, help=argparse.SUPPRESS)
+    # test hook: --l3 mooncake, the master SIGKILLed and started again on its port once request I started
+    p.add_argument("--fault-master-restart", metavar="I", type=int, default=None, help=argparse.SUPPRESS)
     p.set_defaults(func=run_fleet_command)
     return p
 
@@ -127,26 +139,42 @@ def _check(args: argparse.Namespace) -> Union[str, tuple[list[DeploymentSpec], d
         return f"--requests must be a positive integer, got {args.requests}"
     if not 0.0 < args.capacity <= 1.0:
         return f"--capacity must be in (0, 1], got {args.capacity}"
-    if args.l3 is None and args.l3_scope != "fleet":
-        return "--l3-scope deployment needs --l3 DIR"
-    if args.l3 is not None:
-        from sglang_cp_hicache.sim.cli import _l3_problem
-
-        problem = _l3_problem(args.l3)
-        if problem is not None:
-            return problem
+    problem = (_restart_problem(args) or check_fleet_l3(args.l3, args.l3_scope, args.mooncake_segment)
+               or _mooncake_problem(args, specs, pythons))
+    if problem is not None:
+        return problem
     return specs, pythons
 
 
+def _restart_problem(args: argparse.Namespace) -> Optional[str]:
+    restart = args.fault_master_restart
+    if restart is not None and (args.l3 != OWN_CLUSTER or args.l3_scope != "fleet" or restart < 0
+                                or (args.requests is not None and restart >= args.requests)):
+        return (f"--fault-master-restart {restart}: needs --l3 mooncake, --l3-scope fleet and a request index "
+                "below --requests")
+    return None
+
+
+def _mooncake_problem(args: argparse.Namespace, specs: list[DeploymentSpec], pythons: dict[str, str]) -> Optional[str]:
+    """Why a Mooncake L3 cannot run here: no master to start, or a
+    deployment's environment without the wheel."""
+    if not is_mooncake(args.l3):
+        return None
+    if args.l3 == OWN_CLUSTER and master_binary() is None:
+        return f"--l3 mooncake: no mooncake_master to start: {sys.executable} has no mooncake wheel"
+    for spec in specs:
+        missing = mooncake_missing(pythons[spec.release])
+        if missing is not None:
+            return f"--l3 {args.l3}: --deployment {spec.release}:cp{spec.cp_size}: {missing}"
+    return None
+
+
 def _deployments(args: argparse.Namespace, specs: list[DeploymentSpec], pythons: dict[str, str],
-                 logs: str) -> list[Deployment]:
+                 logs: str, store: FleetL3) -> list[Deployment]:
     fault = _fault(args.fault, len(specs))
     out = []
     for position, spec in enumerate(specs):
         name = spec.name(position)
-        l3 = None
-        if args.l3 is not None:
-            l3 = os.path.abspath(args.l3 if args.l3_scope == "fleet" else os.path.join(args.l3, name))
         json_path = os.path.join(logs, f"{name}.json")
         cmd = [pythons[spec.release], "-m", "sglang_cp_hicache", "simulate", "--no-progress", "--allow-unverified",
                "--sglang", spec.release, "--cp-size", str(spec.cp_size), "--trace", os.path.abspath(args.trace),
@@ -154,9 +182,10 @@ def _deployments(args: argparse.Namespace, specs: list[DeploymentSpec], pythons:
                "--collective-timeout", str(args.collective_timeout)]
         for flag, value in (("--requests", args.requests), ("--trace-block-tokens", args.trace_block_tokens),
                             ("--device-pages", spec.device_pages), ("--host-pages", spec.host_pages),
-                            ("--startup-timeout", args.startup_timeout), ("--l3", l3)):
+                            ("--startup-timeout", args.startup_timeout)):
             if value is not None:
                 cmd += [flag, str(value)]
+        cmd += store.flags(name)
         if spec.device_pages is None or spec.host_pages is None:
             cmd += ["--capacity", str(args.capacity)]
         if spec.release == "0.5.23":
@@ -165,7 +194,7 @@ def _deployments(args: argparse.Namespace, specs: list[DeploymentSpec], pythons:
         env.pop(FAIL_ENV, None)
         if fault is not None and fault[0] == position:
             env[FAIL_ENV] = fault[1]
-        out.append(Deployment(spec=spec, name=name, command=cmd, l3_dir=l3, json_path=json_path,
+        out.append(Deployment(spec=spec, name=name, command=cmd, l3_dir=store.where(name), json_path=json_path,
                               log_path=os.path.join(logs, f"{name}.log"), env=env))
     return out
 
@@ -190,22 +219,37 @@ def run_fleet_command(args: argparse.Namespace) -> int:
     packed = trace.packed
     requests = [packed[i] for i in range(len(packed))]
     page_size = DSA_PAGE_SIZE  # what both releases' DSA pools take
+    store = FleetL3(args.l3, args.l3_scope, args.mooncake_segment)
     facts = FleetFacts(route=args.route, l3_scope=args.l3_scope if args.l3 is not None else None,
-                       l3_dir=os.path.abspath(args.l3) if args.l3 is not None else None, page_size=page_size,
+                       l3_dir=store.label, page_size=page_size,
                        prompt_tokens=[len(r) for r in requests],
                        ideal_hit_tokens=ideal_cache(requests, page_size).hit_tokens, workload=f"trace:{args.trace}")
     logs = tempfile.mkdtemp(prefix="sglang-cp-hicache-fleet-")
-    deps = _deployments(args, specs, pythons, logs)
-    store_dirs = sorted({d.l3_dir for d in deps if d.l3_dir is not None})
+    try:
+        store.open([spec.name(k) for k, spec in enumerate(specs)], logs)
+    except RuntimeError as exc:
+        store.stop()
+        return _error(f"--l3 {args.l3}: {exc}", 1)
+    deps = _deployments(args, specs, pythons, logs, store)
     router = make_router(args.route, len(deps), page_size,
                          AffinityParams(args.cache_threshold, args.balance_abs_threshold, args.balance_rel_threshold))
     # every deployment's ranks import SGLang at once: simulate's allowance for all of them together
     startup = args.startup_timeout if args.startup_timeout is not None else default_startup_timeout_s(
         sum(s.cp_size for s in specs))
-    run = run_fleet(deps, requests, router, startup_timeout_s=startup,
-                    finish_timeout_s=args.collective_timeout + 60.0, show_progress=not args.no_progress,
-                    store_dirs=store_dirs)
-    summary = fleet_summary(run, facts, requests)
+    restart = args.fault_master_restart
+
+    def fault(i: int) -> None:
+        if i == restart:  # every rank of a live deployment is a client
+            store.restart_master(i, sum(d.spec.cp_size for d in deps if d.alive))
+
+    try:
+        run = run_fleet(deps, requests, router, startup_timeout_s=startup,
+                        finish_timeout_s=args.collective_timeout + 60.0, show_progress=not args.no_progress,
+                        measure=store.sample, store_ends_with_clients=store.mooncake,
+                        on_started=None if restart is None else fault)
+    finally:
+        store.stop()
+    summary = fleet_summary(run, facts, requests, store.as_dict())
     print(format_fleet_table(summary))
     if summary["ok"]:
         shutil.rmtree(logs, ignore_errors=True)  # kept only for a failed run

@@ -21,12 +21,13 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from sglang_cp_hicache.sim.fleet.feed import FeedWriter, make_feed_dir, parse_done, wait_readable
 from sglang_cp_hicache.sim.fleet.router import Router
 from sglang_cp_hicache.sim.fleet.spec import DeploymentSpec
-from sglang_cp_hicache.sim.fleet.store_size import StoreSample, store_size
+from sglang_cp_hicache.sim.fleet.store_size import StoreSample
+from sglang_cp_hicache.testing.lifetime import end_process
 
 __all__ = ["Deployment", "FleetRun", "run_fleet"]
 
@@ -121,8 +122,13 @@ def _say(show: bool, text: str) -> None:
 
 def run_fleet(deps: list[Deployment], requests: Sequence[Sequence[int]], router: Router, *,
               startup_timeout_s: float, finish_timeout_s: float, show_progress: bool,
-              store_dirs: list[str]) -> FleetRun:
-    """Start every deployment, release ``requests`` in order, end them, wait."""
+              measure: Callable[[int, float], StoreSample],
+              on_started: Optional[Callable[[int], None]] = None, store_ends_with_clients: bool = False) -> FleetRun:
+    """Start every deployment, release ``requests`` in order, end them, wait.
+    ``measure(requests released, seconds)``: the store's size now;
+    ``on_started(i)``: called once request i has started (a test's fault);
+    ``store_ends_with_clients``: the store's objects leave with the
+    deployments' clients (Mooncake segments): sample it last before they end."""
     t0 = time.perf_counter()
     samples: list[StoreSample] = []
     unrouted: list[int] = []
@@ -154,9 +160,16 @@ def run_fleet(deps: list[Deployment], requests: Sequence[Sequence[int]], router:
                 while i not in dep.started and dep.alive:  # the next request waits for this one to start
                     _pump(deps, router, _POLL_S)
                 if i in sample_at:
-                    samples.append(store_size(store_dirs, i + 1, time.perf_counter() - t1))
+                    samples.append(measure(i + 1, time.perf_counter() - t1))
+                if on_started is not None:
+                    on_started(i)
                 if show_progress and (i + 1) % max(1, n // 10) == 0:
                     _say(True, f"{i + 1}/{n} requests released after {time.perf_counter() - t1:.1f} s")
+            if store_ends_with_clients:  # the last sample while the clients still hold their segments
+                deadline = time.monotonic() + finish_timeout_s
+                while any(d.alive and len(d.done) < len(d.sent) for d in deps) and time.monotonic() < deadline:
+                    _pump(deps, router, _POLL_S)
+                samples.append(measure(len(requests), time.perf_counter() - t1))
             for dep in deps:
                 if dep.writer is not None:
                     dep.writer.end()
@@ -166,7 +179,8 @@ def run_fleet(deps: list[Deployment], requests: Sequence[Sequence[int]], router:
             _pump(deps, router, 0.0)
             replay = time.perf_counter() - t1
             _note_deaths(deps, len(requests))
-            samples.append(store_size(store_dirs, len(requests), replay))
+            if not store_ends_with_clients:  # the last sample once every write has landed
+                samples.append(measure(len(requests), replay))
         finally:
             for dep in deps:
                 _stop(dep)
@@ -176,14 +190,7 @@ def run_fleet(deps: list[Deployment], requests: Sequence[Sequence[int]], router:
 def _stop(dep: Deployment) -> None:
     """End a deployment still running (its ranks die with it) and close its pipes."""
     if dep.proc is not None:
-        if dep.proc.poll() is None:
-            dep.proc.terminate()
-            try:
-                dep.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                dep.proc.kill()
-                dep.proc.wait()
-        dep.exit_code = dep.proc.returncode
+        dep.exit_code = end_process(dep.proc)
     if dep.writer is not None:
         dep.writer.close()
         dep.writer = None

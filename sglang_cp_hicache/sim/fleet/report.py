@@ -32,6 +32,11 @@ from sglang_cp_hicache.sim.ideal import ideal_cache
 __all__ = ["FleetFacts", "fleet_summary", "format_fleet_table"]
 
 TIERS = ("device", "host", "l3")
+#: L3 losses per deployment (simulate's JSON): page writes failed or dropped, pages found present but not
+#: read whole, lookups given up at their deadline.
+LOSS_KEYS = ("l3_write_failures", "l3_dropped_writes", "l3_read_failures", "l3_timeouts")
+#: ... and objects found but refused by the readers' checks (corrupt, short, another namespace).
+REFUSED_KEY = "l3_rejected_objects"
 
 
 @dataclass(frozen=True)
@@ -113,6 +118,8 @@ def _deployment_fields(dep: Deployment, j: Optional[dict[str, Any]], facts: Flee
                                               if w in releases and releases[w] != dep.spec.release),
         "l3_written_bytes": moved.get("l3_write", 0), "l3_read_bytes": moved.get("l3_read", 0),
         "l3_written_pages": (j or {}).get("l3_written_pages", 0),
+        # what the store lost or refused, as this deployment's ranks counted it (0: none, or it died unreported)
+        **{key: (j or {}).get(key, 0) for key in (*LOSS_KEYS, REFUSED_KEY)},
         # the ranks' events cover a deployment that died; its JSON, one that never sent them
         "restored_pages_verified": (j or {}).get("restored_pages_verified", 0),
         "verified_pages": dep.verified, "corrupted_pages": max(dep.corrupted, (j or {}).get("corrupted_pages", 0)),
@@ -136,7 +143,8 @@ def _deployment_fields(dep: Deployment, j: Optional[dict[str, Any]], facts: Flee
     }
 
 
-def fleet_summary(run: FleetRun, facts: FleetFacts, requests: Sequence[Sequence[int]]) -> dict[str, Any]:
+def fleet_summary(run: FleetRun, facts: FleetFacts, requests: Sequence[Sequence[int]],
+                  mooncake: Optional[dict[str, Any]] = None) -> dict[str, Any]:
     """The fleet's JSON summary; ``ok`` and ``problems`` say whether it passed."""
     jsons = [_load_json(d.json_path) for d in run.deployments]
     attribution = _attribution(run.deployments, jsons)
@@ -172,6 +180,8 @@ def fleet_summary(run: FleetRun, facts: FleetFacts, requests: Sequence[Sequence[
         "l3_restored_from_other_release": sum(p["l3_restored_from_other_release"] for p in per),
         "l3_written_bytes": sum(p["l3_written_bytes"] for p in per),
         "l3_read_bytes": sum(p["l3_read_bytes"] for p in per),
+        **{key: sum(p[key] for p in per) for key in (*LOSS_KEYS, REFUSED_KEY)},
+        "mooncake": mooncake,
         "store_size": [s.as_dict() for s in run.store_samples],
         "verified_pages": verified, "corrupted_pages": corrupted,
         "startup_wall_seconds": round(run.startup_seconds, 3), "replay_wall_seconds": round(run.replay_seconds, 3),
@@ -186,6 +196,19 @@ def _pct(value: Optional[float]) -> str:
 
 def _mb(n: int) -> str:
     return f"{n / 1e6:.1f} MB"
+
+
+def _mooncake_lines(m: Optional[dict[str, Any]]) -> list[str]:
+    if m is None:
+        return []
+    masters = ", ".join(f"{store} {x['address']}" for store, x in m["own_masters"].items()) or m["external_master"]
+    lines = [f"Mooncake: master(s) {masters}; {m['segment_bytes_per_rank'] >> 20} MiB segment per CP rank, "
+             f"{m['capacity_bytes'] >> 20} MiB mounted; store size = {m['store_size_measures']}"]
+    for r in m["master_restarts"]:
+        lines.append(f"Mooncake master restarted after request {r['after_request']}: pid {r['old_pid']} -> "
+                     f"{r['new_pid']}, objects {r['keys_before']} -> {r['keys_after']} (forgotten: later misses), "
+                     f"clients back after {r['clients_back_seconds']} s")
+    return lines
 
 
 def format_fleet_table(s: dict[str, Any]) -> str:
@@ -204,6 +227,9 @@ def format_fleet_table(s: dict[str, Any]) -> str:
         ("L3 pages from other deployments", lambda c: f"{c['l3_restored_from_other_deployment']:,}"),
         ("  of which other release", lambda c: f"{c['l3_restored_from_other_release']:,}"),
         ("L3 written / read", lambda c: f"{_mb(c['l3_written_bytes'])} / {_mb(c['l3_read_bytes'])}"),
+        ("L3 lost: writes failed / reads failed", lambda c: f"{c['l3_write_failures'] + c['l3_dropped_writes']:,} / "
+                                                       f"{c['l3_read_failures']:,}"),
+        ("L3 lookups timed out", lambda c: f"{c['l3_timeouts']:,}"),
         ("pages verified / corrupted", lambda c: f"{c['verified_pages']:,} / {c['corrupted_pages']}"),
     ]
     names = [c["name"] for c in cols]
@@ -218,6 +244,7 @@ def format_fleet_table(s: dict[str, Any]) -> str:
                  f"(one request at a time per deployment)")
     sizes = ", ".join(f"{x['requests']}: {x['objects']:,} obj {_mb(x['bytes'])}" for x in s["store_size"])
     lines.append(f"L3 store size (requests released: objects, bytes): {sizes or '-'}")
+    lines += _mooncake_lines(s.get("mooncake"))
     lines.append(f"wall: start-up {s['startup_wall_seconds']:.1f} s, replay {s['replay_wall_seconds']:.1f} s, "
                  f"run {s['run_wall_seconds']:.1f} s")
     for p in s["problems"]:
