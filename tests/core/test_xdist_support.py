@@ -140,12 +140,15 @@ def test_where(i):
 
 
 class _Item:
-    """A stand-in for a pytest item: only its xdist_group mark is read."""
+    """A stand-in for a pytest item: only its xdist_group and waits marks are read."""
 
-    def __init__(self, group):
+    def __init__(self, group, waits=False):
         self.group = group
+        self.waits = waits
 
     def get_closest_marker(self, name):
+        if name == "waits":
+            return pytest.mark.waits.mark if self.waits else None
         return pytest.mark.xdist_group(self.group).mark if self.group is not None else None
 
 
@@ -193,6 +196,26 @@ def test_a_worker_keeps_its_slot_across_one_group_and_only_there(tmp_path):
     other.acquire()  # nothing is left holding the one slot
     assert other.held
     other.release()
+
+
+def test_a_waiting_test_runs_without_a_slot_and_a_held_slot_is_kept(tmp_path):
+    import threading
+
+    from tests.helpers.cpu_slots import SlotGate
+
+    busy, gate = SlotGate(str(tmp_path), 1), SlotGate(str(tmp_path), 1)
+    busy.acquire()  # the only slot is taken: an unmarked test would block here
+    seen: list[bool] = []
+    marked = threading.Thread(target=_run_around, args=(gate, _Item(None, waits=True), _Item(None), seen),
+                              daemon=True)
+    marked.start()
+    marked.join(5)
+    assert not marked.is_alive() and seen == [False] and not gate.held
+    busy.release()
+    _run_around(gate, _Item("fixture-a"), _Item("fixture-a", waits=True), seen)
+    assert gate.held  # kept for the next test of its group, marked or not
+    _run_around(gate, _Item("fixture-a", waits=True), _Item(None), seen)
+    assert seen == [False, True, True] and not gate.held
 
 
 def test_only_an_xdist_worker_is_gated_and_its_children_are_not(monkeypatch, tmp_path):

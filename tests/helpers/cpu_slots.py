@@ -101,8 +101,14 @@ class SlotGate:
 
     def around(self, item: pytest.Item, nextitem: Optional[pytest.Item]):
         """Hold a slot for ``item`` (setup, call, teardown); keep it if
-        ``nextitem`` belongs to the same group. A generator for a
-        ``pytest_runtest_protocol`` hook wrapper."""
+        ``nextitem`` belongs to the same group. A test marked ``waits``
+        (its time goes to waiting out a timeout or a dead peer, not to a
+        CPU) runs without one unless its worker already holds one: it adds
+        little load, and a slot held through its sleep would idle a core.
+        A generator for a ``pytest_runtest_protocol`` hook wrapper."""
+        if not self.held and item.get_closest_marker("waits") is not None:
+            yield
+            return
         self.acquire()
         try:
             yield

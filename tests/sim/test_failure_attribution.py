@@ -135,6 +135,7 @@ def test_sigkill_of_a_rank_names_that_rank():
 
 
 @pytest.mark.slow(16)
+@pytest.mark.waits  # mostly waits out a timeout or a death, little CPU
 def test_sigstop_of_a_rank_names_that_rank():
     proc, seconds = simulate("--cp-size", "2", "--requests", "10", "--collective-timeout", "3",
                              env={FAIL_ENV: "1:3:stop"})

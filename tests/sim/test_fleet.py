@@ -112,6 +112,7 @@ def check_each_restored_the_others_pages(proc: subprocess.CompletedProcess, summ
 
 
 @pytest.mark.slow(35)
+@pytest.mark.waits  # mostly waits out a timeout or a death, little CPU
 def test_a_deployment_killed_mid_run_loses_its_requests_and_the_other_serves_on(tmp_path):
     # deployment 1's only rank SIGKILLs itself at its first request from 16 on,
     # with its earlier requests' L3 writes possibly still in flight

@@ -51,6 +51,7 @@ time.sleep(600)
 
 
 @pytest.mark.parametrize("guard", ["both", "watchdog", "pdeathsig"])
+@pytest.mark.waits  # mostly waits out a timeout or a death, little CPU
 def test_a_process_dies_with_its_launcher(guard):
     launcher = subprocess.Popen([sys.executable, "-c", _LAUNCHER, _CHILD, guard], cwd=ROOT,
                                 stdout=subprocess.PIPE, text=True)
@@ -65,6 +66,7 @@ def test_a_process_dies_with_its_launcher(guard):
         launcher.stdout.close()
 
 
+@pytest.mark.waits  # mostly waits out a timeout or a death, little CPU
 def test_a_launcher_already_gone_ends_the_process_at_once():
     not_my_parent = os.getppid()  # the test's parent, not the child's
     proc = subprocess.run(

@@ -115,6 +115,7 @@ def test_injected_rank_failure_stops_every_rank_with_a_clear_message():
 
 
 @pytest.mark.slow(15)
+@pytest.mark.waits  # mostly waits out a timeout or a death, little CPU
 def test_a_rank_that_stops_answering_is_bounded_by_the_collective_timeout():
     proc, seconds = simulate("--cp-size", "2", "--requests", "10", "--collective-timeout", "3",
                              env={FAIL_ENV: "1:2:hang"})
@@ -129,6 +130,7 @@ def test_a_rank_that_stops_answering_is_bounded_by_the_collective_timeout():
 
 
 @pytest.mark.slow(12)
+@pytest.mark.waits  # mostly waits out a timeout or a death, little CPU
 def test_a_corrupted_restore_fails_the_run(tmp_path):
     out = tmp_path / "sim.json"
     proc, _ = simulate("--cp-size", "2", "--requests", "40", "--json", str(out), env={FAIL_ENV: "0:0:corrupt"})
