@@ -11,7 +11,9 @@
 # (against host pages per rank, same), `segment` (against the Mooncake segment
 # each CP rank's client lends, --l3 mooncake: one master the fleet starts,
 # prefix-affinity, fleet scope; on MOONCAKE_DEPLOYMENTS, 0.5.18 ones by default
-# since only .venv has the mooncake wheel); default: the first three. Each run writes
+# since only .venv has the mooncake wheel), `whole` (with REQUESTS=12031: the whole
+# conversation trace, both scopes, prefix-affinity, --capacity WHOLE_CAPACITY);
+# default: the first three. Each run writes
 # NAME.json and NAME.txt (the command, the printed table, its time) under
 # OUT_DIR (default bench/results/fleet/run-<time>); L3 directories are fresh
 # ones under $TMPDIR, removed afterwards. Then: python bench/fleet_table.py OUT_DIR
@@ -24,6 +26,8 @@ REQUESTS=${REQUESTS:-1000}
 DEPLOYMENTS=${DEPLOYMENTS:-"0.5.23:cp4 0.5.23:cp2 0.5.18:cp2"}
 SIZES=${SIZES:-"2M 8M 32M 128M"}
 HOSTS=${HOSTS:-"4 16 64"}
+# `whole`: pools hold this share of the trace's distinct pages (0.25 would need ~16 GB of pools on 24 GB)
+WHOLE_CAPACITY=${WHOLE_CAPACITY:-0.1}
 SEGMENTS=${SEGMENTS:-"16mb 64mb 256mb"}
 MOONCAKE_DEPLOYMENTS=${MOONCAKE_DEPLOYMENTS:-"0.5.18:cp4 0.5.18:cp2 0.5.18:cp2"}
 mkdir -p "$OUT"
@@ -68,6 +72,10 @@ for part in "${parts[@]}"; do
             for segment in $SEGMENTS; do
                 DEPLOYMENTS=$MOONCAKE_DEPLOYMENTS L3=mooncake run "segment-$segment" -- --route prefix-affinity \
                     --mooncake-segment "$segment"
+            done ;;
+        whole)  # every request of TRACE (set REQUESTS to the trace's count), both scopes, prefix-affinity
+            for scope in fleet deployment; do
+                run "whole-$scope" -- --route prefix-affinity --l3-scope "$scope" --capacity "$WHOLE_CAPACITY"
             done ;;
         *) echo "unknown part $part" >&2; exit 2 ;;
     esac
