@@ -103,6 +103,9 @@ class SchedulerHarness:
             self._ipc = self._bind_sockets()
             self._launch()
             self._pump_until(lambda: len(self._ready) == config.cp_size, _STARTUP_S, "start-up")
+            # SGLang's import (seconds) counts as start-up, not as the first request's submit; not earlier:
+            # beside the zygote's own import of SGLang both take several times as long
+            io_struct()
             want = config.copy_path == "library"  # upstream's copy path keeps SGLang's own stack
             off = [r.rank for r in self._ready.values() if r.library != want]
             if config.cp_size > 1 and off:
@@ -230,6 +233,7 @@ class SchedulerHarness:
         deadline = time.monotonic() + timeout_s
         while not done():
             if time.monotonic() > deadline:
+                self._dump_stacks()
                 last = self.batches[-1] if self.batches else None
                 self._fail(f"timed out after {timeout_s:.0f}s waiting for {what} ({len(self.batches)} batches, "
                            f"the last {last}; idle snapshots {self.snapshots()})")
@@ -297,6 +301,14 @@ class SchedulerHarness:
             self.on_batch(first, self)
         for channel in self._channels.values():
             channel.send("go")
+
+    def _dump_stacks(self) -> None:
+        """Every rank writes its threads' stacks to its log (SIGUSR1), so a stall's tail shows where each waits."""
+        if self._zygote is None:
+            return
+        for rank in range(self.config.cp_size):
+            self._zygote.signal(rank, signal.SIGUSR1)
+        time.sleep(1.0)
 
     def _check_exits(self, force: bool = False, rank: Optional[int] = None) -> None:
         if self._zygote is None:

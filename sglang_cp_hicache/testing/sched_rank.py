@@ -13,7 +13,9 @@ come through the real input socket, not the pipe.
 
 from __future__ import annotations
 
+import faulthandler
 import os
+import signal
 import sys
 import time
 import traceback
@@ -237,6 +239,14 @@ def _observe(scheduler: Any, result: RankResult, channel: Any) -> Any:
     on_idle = scheduler.on_idle
 
     reported_at = [-1]  # the batch count of the last idle snapshot
+    checked = [False]  # this on_idle call found the rank fully idle: its leak checks run before its sleep
+
+    def passed() -> None:
+        checked[0] = False
+        result.idle_checks += 1
+        if reported_at[0] != result.stats.batches:
+            reported_at[0] = result.stats.batches
+            channel.send(_snapshot(scheduler, result))
 
     exit_idles = [0]  # on_idle calls since a ShutdownReq set gracefully_exit
 
@@ -249,14 +259,21 @@ def _observe(scheduler: Any, result: RankResult, channel: Any) -> Any:
             if exit_idles[0] > 1 and scheduler.is_fully_idle():
                 result.loop_ignored_shutdown = True
                 raise _LoopIgnoredShutdown()
-        idle = scheduler.is_fully_idle()
+        checked[0] = scheduler.is_fully_idle()
         on_idle()
-        if idle:
-            result.idle_checks += 1
-            if reported_at[0] != result.stats.batches:
-                reported_at[0] = result.stats.batches
-                channel.send(_snapshot(scheduler, result))
+        if checked[0]:  # on_idle returned without reaching its sleep
+            passed()
 
+    sleep = scheduler.maybe_sleep_on_idle
+
+    def report_then_sleep() -> None:
+        # SGLang sleeps last in on_idle, after its leak checks passed: the snapshot goes out before the
+        # sleep (up to a second on the rank that polls the input socket), not after it
+        if checked[0]:
+            passed()
+        sleep()
+
+    scheduler.maybe_sleep_on_idle = report_then_sleep
     scheduler.on_idle = observed_on_idle
     for name in _LOOPS:
         _record_loop(scheduler, name, result)
@@ -306,9 +323,14 @@ def forked_rank_main(spec: RankSpec, channel: Any, zygote_pid: int) -> None:
     log = os.open(spec.log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(log, 1)
     os.dup2(log, 2)
+    # the parent asks for every thread's stack before it fails a stalled run
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     code = 1
     try:
         start = time.perf_counter()
+        import torch
+
+        torch.set_num_threads(1)  # CP ranks share the machine's cores: no oversubscription
         _environment(spec.config)
         _install_cpu_support(spec.config.version)
         check_seams(spec.config.version)
