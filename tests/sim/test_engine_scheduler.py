@@ -84,3 +84,25 @@ def test_request_ids_are_prefix_free():
     loop = engine_scheduler._ClosedLoop(None, PackedRequests.from_token_lists([[1]] * 120),  # type: ignore[arg-type]
                                         engine_scheduler.EngineOptions(), show=False)
     assert len(set(loop.rids)) == 120 and len({len(r) for r in loop.rids}) == 1, loop.rids[:12]
+
+
+def test_a_device_pool_the_scheduler_can_never_admit_the_longest_request_into_exits_2(tmp_path, capsys, no_replay):
+    # SGLang's PrefillAdder never admits a request that cannot fit: the run would wait for it forever
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(json.dumps({"timestamp": 0, "input_length": 10240, "output_length": 1,
+                                 "hash_ids": list(range(20))}) + "\n")
+    assert run_cli("--engine", "scheduler", "--cp-size", "2", "--trace", str(trace), "--device-pages", "11") == 2
+    err = capsys.readouterr().err
+    assert ("--device-pages 11 is too small for --engine scheduler: the longest request (1280 tokens, 1 new) "
+            "needs 12 device pages per rank at --cp-size 2") in err, err
+
+
+def test_trace_pools_leave_the_scheduler_room_for_the_longest_request():
+    from sglang_cp_hicache.sim.cli_engine import scheduler_reserve_tokens
+    from sglang_cp_hicache.sim.sizing import size_pools
+
+    # 10,897 tokens fit 43 pages a rank at CP 4 (171 logical), but not with 1 new token + 4 x 64 + 1
+    loop = size_pools(distinct_pages=10, longest_request_tokens=10_897, cp_size=4, page_size=64, capacity=0.25)
+    sched = size_pools(distinct_pages=10, longest_request_tokens=10_897, cp_size=4, page_size=64, capacity=0.25,
+                       reserve_tokens=scheduler_reserve_tokens(1, 4, 64))
+    assert (loop.device_pages, sched.device_pages) == (43, 44)
