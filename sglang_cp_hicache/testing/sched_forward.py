@@ -49,6 +49,9 @@ class BatchReport:
     chunked_rid: Optional[str]
     # PD prefill: requests forwarded while their sender still bootstraps (optimistic prefill)
     bootstrapping: tuple[str, ...] = ()
+    # requests of earlier batches SGLang has finished since the previous report (each named once): what
+    # the parent knows for certain at this gate, whenever their outputs reach it
+    finished: tuple[str, ...] = ()
 
     def same_batch(self, other: "BatchReport") -> bool:
         return (self.step, self.mode, self.entries, self.chunked_rid, self.bootstrapping) == (
@@ -100,6 +103,7 @@ class ForwardStandIn:
     scheduler: Any = None  # set once the scheduler is built (chunked request in reports)
     stats: ForwardStats = field(default_factory=ForwardStats)
     _seen: dict[str, _Seen] = field(default_factory=dict)
+    _unfinished: dict[str, Any] = field(default_factory=dict)  # requests forwarded, not finished at the last gate
 
     def _owned(self, locs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(physical slots of the locations this rank owns, the ownership mask)."""
@@ -132,8 +136,12 @@ class ForwardStandIn:
         entries = tuple(BatchEntry(str(r.rid), int(p), int(e)) for r, p, e in zip(batch.reqs, prefix_lens, extend_lens))
         bootstrapping = tuple(str(r.rid) for r in batch.reqs
                               if getattr(getattr(r, "disagg_kv_sender", None), "bootstrap_polls_left", 0) > 0)
+        finished = tuple(rid for rid, r in self._unfinished.items() if r.finished())
+        for rid in finished:
+            del self._unfinished[rid]
+        self._unfinished.update((str(r.rid), r) for r in batch.reqs)
         return BatchReport(self.rank, self.stats.batches, batch.forward_mode.name, entries,
-                           None if chunked is None else str(chunked.rid), bootstrapping)
+                           None if chunked is None else str(chunked.rid), bootstrapping, finished)
 
     def next_tokens(self, batch: Any) -> torch.Tensor:
         """Check prefixes, write new rows; the batch's sampled token ids."""
