@@ -63,7 +63,7 @@ def section_engines(res: Results) -> list[str]:
         "each rank (closed-loop arrivals, at most 8 in flight, chunks of 1,024 tokens) with a forward "
         "stand-in checking every prefix row on its owner, and SGLang's idle leak checks. Load-backs: count / "
         "declined tokens (scheduler) or refused load-backs (loop). A rerun of the scheduler engine gives the "
-        "same batches, chunks and hits (no timing decides a batch). Replay seconds are wall time on the "
+        "same batches and chunks (no timing decides a batch). Replay seconds are wall time on the "
         "shared two-core machine (the scheduler engine also checks a chunked request's whole prefix again "
         "before every chunk), not a performance figure.",
         "",

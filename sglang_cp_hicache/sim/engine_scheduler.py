@@ -17,8 +17,8 @@ before every batch the ranks run (through the real input socket; rank 0
 takes every message pushed before the batch was let go at the loop's next
 ``recv_requests``, :mod:`~sglang_cp_hicache.testing.sched_intake`) from the
 requests that batch's gate reports finished, and whenever the ranks go idle.
-No timing decides a batch: two runs of one command give the same batches,
-chunks and hits (an L3 tier's background prefetch threads aside). A request listed in ``aborts`` gets an
+No timing decides a batch: two runs of one command give the same batches
+and chunks (an L3 tier's background prefetch threads aside). A request listed in ``aborts`` gets an
 ``AbortReq`` right after the first batch that carries it is let go (mid
 chunk when it is being chunked).
 """

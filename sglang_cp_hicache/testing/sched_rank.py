@@ -142,7 +142,7 @@ def _seam_patches(config: SchedConfig) -> PatchSet:
     plan: list = [(kv_cache_builder, "is_deepseek_dsa", lambda _orig: (lambda config: True)),
                   # SGLang builds its LRU eviction heap from a set of nodes, so leaves accessed at the same
                   # instant leave in set order, i.e. by memory address: a run-to-run difference. Hashing a
-                  # node by its creation counter makes that order the same in every run (LRU unchanged).
+                  # node by its creation counter breaks them by creation order instead (LRU unchanged).
                   (radix_cache.TreeNode, "__hash__", lambda _orig: _node_hash)]
     if config.pd_prefill:
         plan.append((prefill, "get_kv_class", lambda _orig: scripted_kv_class(config)))

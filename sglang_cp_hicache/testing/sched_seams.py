@@ -132,7 +132,7 @@ SEAMS: tuple[Seam, ...] = (
         "lru-ties",
         "sglang/srt/mem_cache/radix_cache.py: TreeNode.__hash__ (object identity)",
         "SGLang's eviction heap starts from a set of nodes, so LRU ties leave in memory-address order; hashing a "
-        "node by its creation counter (TreeNode.id) breaks them alike in every run",
+        "node by its creation counter (TreeNode.id) breaks them by creation order instead",
         (Hook("sglang.srt.mem_cache.radix_cache", None, "TreeNode", "attribute", None, "is the radix node"),),
     ),
     Seam(

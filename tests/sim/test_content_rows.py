@@ -99,7 +99,8 @@ def test_the_stand_in_reads_every_prefix_row_again_on_every_chunk():
     req_to_token = torch.zeros(1, 4 * P, dtype=torch.int64)
     req_to_token[0, : 3 * P] = locs
     fwd = ForwardStandIn(0, pool, req_to_token, None, gate=lambda report: None)
-    req = types.SimpleNamespace(rid="r0", origin_input_ids=list(range(100, 100 + 3 * P)), output_ids=[])
+    req = types.SimpleNamespace(rid="r0", origin_input_ids=list(range(100, 100 + 3 * P)), output_ids=[],
+                                finished=lambda: False)
     fwd.next_tokens(_chunk(req, 0, P, locs))
     fwd.next_tokens(_chunk(req, P, P, locs))
     assert (fwd.stats.written, fwd.stats.verified) == (2 * P, P)
@@ -114,9 +115,10 @@ def test_the_stand_in_derives_afresh_when_a_request_id_comes_back_with_other_tok
     req_to_token = torch.zeros(1, 2 * P, dtype=torch.int64)
     req_to_token[0, : 2 * P] = locs
     fwd = ForwardStandIn(0, pool, req_to_token, None, gate=lambda report: None)
-    first = types.SimpleNamespace(rid="r0", origin_input_ids=list(range(2 * P)), output_ids=[])
+    first = types.SimpleNamespace(rid="r0", origin_input_ids=list(range(2 * P)), output_ids=[], finished=lambda: False)
     fwd.next_tokens(_chunk(first, 0, P, locs))
     # same rid, other tokens: the rows hold the first request's content, which is not this prefix's
-    other = types.SimpleNamespace(rid="r0", origin_input_ids=list(range(7, 7 + 2 * P)), output_ids=[])
+    other = types.SimpleNamespace(rid="r0", origin_input_ids=list(range(7, 7 + 2 * P)), output_ids=[],
+                                  finished=lambda: False)
     with pytest.raises(ForwardMismatch, match="request r0: 64 prefix rows"):
         fwd.next_tokens(_chunk(other, P, P, locs))
