@@ -12,13 +12,13 @@
 # TRACE: conversation_trace.jsonl; OUT_DIR: default bench/results/engines;
 # CONFIG: e.g. 0518-scheduler 0523-upstream-loop (default: all six). Each
 # run writes NAME.json (summary) and NAME.txt (the command, the printed
-# table and its time). REQUESTS (default 300) replays the first lines.
+# table and its time). REQUESTS (default 1000) replays the first lines.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 TRACE=${1:?usage: bash bench/sim_engines.sh TRACE [OUT_DIR] [CONFIG ...]}
 OUT=${2:-bench/results/engines}
 shift $(( $# >= 2 ? 2 : 1 ))
-REQUESTS=${REQUESTS:-300}
+REQUESTS=${REQUESTS:-1000}
 mkdir -p "$OUT"
 
 run() {  # NAME PYTHON ENGINE EXTRA...

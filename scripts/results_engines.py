@@ -62,10 +62,10 @@ def section_engines(res: Results) -> list[str]:
         "replays one request at a time; the scheduler engine runs SGLang's own Scheduler and event loop in "
         "each rank (closed-loop arrivals, at most 8 in flight, chunks of 1,024 tokens) with a forward "
         "stand-in checking every prefix row on its owner, and SGLang's idle leak checks. Load-backs: count / "
-        "declined tokens (scheduler) or refused load-backs (loop). The scheduler engine's batching depends "
-        "on when outputs reach the driver, so a rerun can differ by a page of hits. Replay seconds are wall "
-        "time on the shared two-core machine (the scheduler engine also checks a chunked request's whole "
-        "prefix again before every chunk), not a performance figure.",
+        "declined tokens (scheduler) or refused load-backs (loop). A rerun of the scheduler engine gives the "
+        "same batches and chunks (no timing decides a batch). Replay seconds are wall time on the "
+        "shared two-core machine (the scheduler engine also checks a chunked request's whole prefix again "
+        "before every chunk), not a performance figure.",
         "",
         *table(["run", "engine", "SGLang", "copy", "device hits", "host hits", "hit_ratio", "batches",
                 "chunks", "load-backs", "corrupted", "ranks agree", "replay s", "ok"], rows),

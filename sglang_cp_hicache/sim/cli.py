@@ -25,7 +25,7 @@ from sglang_cp_hicache.sim.config import (
     SimConfig,
     parse_failure_injection,
 )
-from sglang_cp_hicache.sim.cli_engine import engine_problem, run_scheduler_engine
+from sglang_cp_hicache.sim.cli_engine import engine_problem, run_scheduler_engine, scheduler_reserve_tokens
 from sglang_cp_hicache.sim.cli_flags import add_simulate_flags
 from sglang_cp_hicache.sim.ideal import IdealCache, ideal_cache
 from sglang_cp_hicache.sim.l3_writers import object_names, restored_by_writer, write_manifest, writers_of
@@ -297,6 +297,8 @@ def _trace_pools(args: argparse.Namespace, config: SimConfig, requests: Sequence
         cp_size=config.cp_size, page_size=config.page_size,
         capacity=args.capacity if args.capacity is not None else DEFAULT_CAPACITY,
         device_pages=args.device_pages, host_pages=args.host_pages,
+        reserve_tokens=(scheduler_reserve_tokens(args.max_new_tokens, config.cp_size, config.page_size)
+                        if args.engine == "scheduler" else 0),
     )
 
 

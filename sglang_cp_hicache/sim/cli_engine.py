@@ -13,7 +13,7 @@ from sglang_cp_hicache.sim.config import FAIL_ENV
 from sglang_cp_hicache.sim.engine_scheduler import EngineOptions
 from sglang_cp_hicache.sim.rates import WorkloadFacts
 
-__all__ = ["engine_options", "engine_problem", "run_scheduler_engine"]
+__all__ = ["engine_options", "engine_problem", "run_scheduler_engine", "scheduler_reserve_tokens"]
 
 #: Flags the scheduler engine cannot honour, and why.
 _REFUSED = (
@@ -47,6 +47,28 @@ def engine_problem(args: argparse.Namespace, version: str, failure_injected: boo
     return None
 
 
+def scheduler_reserve_tokens(max_new_tokens: Optional[int], cp_size: int, page_size: int) -> int:
+    """Device tokens a request needs under SGLang's scheduler beside its prompt. ``PrefillAdder`` admits
+    a request only while more tokens are free than its prompt, its new tokens and a per-request overhead
+    (0.5.18: one page; 0.5.23 under CP: one page on every rank) together."""
+    return (max_new_tokens or EngineOptions().max_new_tokens) + cp_size * page_size + 1
+
+
+def pool_problem(config: Any, longest_request: int, opts: EngineOptions) -> Optional[str]:
+    """Why the device pool can never admit the longest request (None if it can): SGLang would wait for it
+    forever."""
+    from sglang_cp_hicache.sim.sizing import pages_for_request
+
+    need = pages_for_request(
+        longest_request + scheduler_reserve_tokens(opts.max_new_tokens, config.cp_size, config.page_size),
+        config.cp_size, config.page_size)
+    if config.device_pages >= need:
+        return None
+    return (f"--device-pages {config.device_pages} is too small for --engine scheduler: the longest request "
+            f"({longest_request} tokens, {opts.max_new_tokens} new) needs {need} device pages per rank at "
+            f"--cp-size {config.cp_size}; SGLang's scheduler would never admit it")
+
+
 def engine_options(args: argparse.Namespace) -> EngineOptions:
     defaults = EngineOptions()
     return EngineOptions(
@@ -64,6 +86,11 @@ def run_scheduler_engine(args: argparse.Namespace, prepared: Any, token_lists: A
     from sglang_cp_hicache.testing.sched_harness import HarnessError
 
     opts = engine_options(args)
+    problem = pool_problem(prepared.config, max((token_lists.request_len(i) for i in range(len(token_lists))),
+                                                default=1), opts)
+    if problem is not None:
+        print(f"sglang-cp-hicache simulate: error: {problem}", file=sys.stderr)
+        return 2
     try:
         replay = replay_through_scheduler(prepared.config, token_lists, opts, show_progress=not args.no_progress)
     except HarnessError as exc:

@@ -13,9 +13,12 @@ leak checks run whenever the ranks go idle and once more at shutdown.
 Arrivals are a closed loop in the workload's order (a trace's timestamps
 give that order; their gaps are not replayed): at most ``in_flight``
 requests are submitted and unfinished at any time. The window is topped up
-before every batch the ranks run (through the real input socket, so the new
-requests are seen at the loop's next ``recv_requests``) and whenever the
-oldest unfinished request finishes. A request listed in ``aborts`` gets an
+before every batch the ranks run (through the real input socket; rank 0
+takes every message pushed before the batch was let go at the loop's next
+``recv_requests``, :mod:`~sglang_cp_hicache.testing.sched_intake`) from the
+requests that batch's gate reports finished, and whenever the ranks go idle.
+No timing decides a batch: two runs of one command give the same batches
+and chunks (an L3 tier's background prefetch threads aside). A request listed in ``aborts`` gets an
 ``AbortReq`` right after the first batch that carries it is let go (mid
 chunk when it is being chunked).
 """
@@ -41,8 +44,8 @@ __all__ = ["ARRIVALS", "EngineOptions", "SchedulerReplay", "replay_through_sched
 
 #: How arrivals are paced, as the summary states it.
 ARRIVALS = ("closed loop in workload order: at most in_flight requests submitted and unfinished, topped up "
-            "before every batch and when the oldest unfinished request finishes; trace timestamps give the "
-            "order only")
+            "before every batch (from the requests its gate reports finished) and whenever the ranks go idle; "
+            "trace timestamps give the order only")
 #: The stand-in model's context (its config's max_position_embeddings); longer requests stretch it.
 _MODEL_CONTEXT = 8192
 
@@ -118,7 +121,13 @@ class SchedulerReplay:
 
 
 class _ClosedLoop:
-    """Submits the workload in order with at most ``window`` unfinished."""
+    """Submits the workload in order with at most ``window`` unfinished.
+
+    What counts as finished is what the ranks have certainly done by the
+    moment the parent acts: the requests a batch gate reports finished, and
+    every request once all ranks are idle with every pushed message
+    processed. Outputs arriving over the output sockets decide nothing, so
+    two runs submit each request before the same batch."""
 
     def __init__(self, h: "SchedulerHarness", requests: PackedRequests, opts: EngineOptions, show: bool) -> None:
         self.h, self.requests, self.opts, self.show = h, requests, opts, show
@@ -126,7 +135,8 @@ class _ClosedLoop:
         width = len(str(max(len(requests) - 1, 0)))
         self.rids = [f"q{i:0{width}d}" for i in range(len(requests))]
         self.next = 0
-        self.open: list[int] = []  # submitted, unfinished, oldest first
+        self.open: list[int] = []  # submitted, not known finished, oldest first
+        self.finished: set[str] = set()
         self.seen: set[str] = set()
         self.aborted: set[str] = set()
         self.done = 0
@@ -134,7 +144,7 @@ class _ClosedLoop:
         self.start = time.perf_counter()
 
     def _prune(self) -> None:
-        still = [i for i in self.open if not self.h.finished(self.rids[i])]
+        still = [i for i in self.open if self.rids[i] not in self.finished]
         self.done += len(self.open) - len(still)
         self.open = still
 
@@ -150,6 +160,7 @@ class _ClosedLoop:
         self._progress()
 
     def on_batch(self, report: "BatchReport", h: "SchedulerHarness") -> None:
+        self.finished.update(report.finished)
         for entry in report.entries:
             if entry.rid in self.seen:
                 continue
@@ -163,9 +174,11 @@ class _ClosedLoop:
         self.h.on_batch = self.on_batch
         self.top_up()
         while self.open:
-            self.h.wait_finished([self.rids[self.open[0]]])
+            self.h.wait_idle()  # idle with everything pushed processed: every submitted request is finished
+            self.finished.update(self.rids[i] for i in self.open)
             self.top_up()
         self.h.on_batch = None
+        self.h.wait_finished(self.rids)  # every request's output, before the summary reads them
 
     def _progress(self) -> None:
         if not self.show or self.done - self.shown < max(1, len(self.requests) // 20):

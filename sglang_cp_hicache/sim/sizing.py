@@ -12,7 +12,11 @@ request in tokens:
   + 1) / N), MIN_POOL_PAGES): half the host pool (SGLang's
   ``--hicache-ratio 2``, as in the README's launch line), and never too
   small for the longest request (the logical pool has N x D pages, one of
-  them padding).
+  them padding). Under ``--engine scheduler`` L also counts the request's
+  new tokens, N x P and one token: SGLang's ``PrefillAdder`` admits a
+  request only while more tokens are free than it will hold plus a
+  per-request overhead, and never admits one that cannot fit (the run
+  would wait for it forever).
 
 An explicit ``--device-pages`` or ``--host-pages`` wins over its half of the
 rule.
@@ -24,7 +28,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
-__all__ = ["DEFAULT_CAPACITY", "HOST_TO_DEVICE", "MIN_POOL_PAGES", "PoolSizing", "size_pools"]
+__all__ = ["DEFAULT_CAPACITY", "HOST_TO_DEVICE", "MIN_POOL_PAGES", "PoolSizing", "pages_for_request", "size_pools"]
 
 DEFAULT_CAPACITY = 0.25
 #: Host pages per device page (SGLang's --hicache-ratio in the launch line).
@@ -55,6 +59,11 @@ class PoolSizing:
                 f"(from {self.device_from})")
 
 
+def pages_for_request(tokens: int, cp_size: int, page_size: int) -> int:
+    """Device pages per rank whose logical pool (N x D pages, one of them padding) holds ``tokens``."""
+    return math.ceil((math.ceil(tokens / page_size) + 1) / cp_size)
+
+
 def size_pools(
     *,
     distinct_pages: int,
@@ -64,11 +73,13 @@ def size_pools(
     capacity: float,
     device_pages: Optional[int] = None,
     host_pages: Optional[int] = None,
+    reserve_tokens: int = 0,
 ) -> PoolSizing:
-    """The pools per rank by the module's rule; explicit sizes win."""
+    """The pools per rank by the module's rule; explicit sizes win.
+    ``reserve_tokens``: what the engine needs beside the longest request."""
     host = host_pages if host_pages is not None else max(
         math.ceil(capacity * distinct_pages / cp_size), MIN_POOL_PAGES)
-    fits_longest = math.ceil((math.ceil(longest_request_tokens / page_size) + 1) / cp_size)
+    fits_longest = pages_for_request(longest_request_tokens + reserve_tokens, cp_size, page_size)
     device = device_pages if device_pages is not None else max(
         math.ceil(host / HOST_TO_DEVICE), fits_longest, MIN_POOL_PAGES)
     return PoolSizing(

@@ -32,12 +32,17 @@ __all__ = [
     "POISON_BYTE",
     "content_mismatches",
     "corrupted_token_mask",
+    "expected_rows",
     "pattern_bytes",
     "poison_device",
     "poisoned_elsewhere",
     "prefix_keys",
+    "read_rows",
+    "row_widths",
+    "rows_differ",
     "token_positions",
     "write_content",
+    "write_rows",
 ]
 
 POISON_BYTE = 0xA5
@@ -80,14 +85,33 @@ def pattern_bytes(positions: torch.Tensor, width: int, *, seed: int, layer: int,
     if positions.device.type != "cpu":
         return _pattern_bytes_int64(positions, width, seed=seed, layer=layer, part=part)
     salt = (seed * 104_729 + layer * 4_099 + part * 613) & 0x7FFFFFFF
+    return _mix_rows(positions, np.arange(width, dtype=np.uint32) * np.uint32(7_919) + np.uint32(salt))
+
+
+#: Rows hashed per block: a block's uint32 scratch stays in a core's cache
+#: across the in-place steps (whole-array passes are bound by memory traffic).
+_BLOCK_ROWS = 128
+
+
+def _mix_rows(positions: torch.Tensor, columns: np.ndarray) -> torch.Tensor:
+    """uint8 ``(len(positions), len(columns))``: :func:`pattern_bytes`' hash
+    of each row's key with each column's ``byte * 7_919 + salt`` (uint32)."""
     pos = (positions.to(torch.int64) & 0x7FFFFFFF).numpy().astype(np.uint32)
-    row = pos * np.uint32(1_000_003) + np.uint32(salt)
-    x = np.add.outer(row, np.arange(width, dtype=np.uint32) * np.uint32(7_919))
-    x &= np.uint32(0x7FFFFFFF)
-    x ^= x >> np.uint32(7)
-    x *= np.uint32(2_654_435_761)
-    x ^= x >> np.uint32(15)
-    return torch.from_numpy(x.astype(np.uint8))
+    row = pos * np.uint32(1_000_003)
+    out = np.empty((pos.size, columns.size), dtype=np.uint8)
+    scratch = np.empty((min(_BLOCK_ROWS, pos.size), columns.size), dtype=np.uint32)
+    shifted = np.empty_like(scratch)
+    for start in range(0, pos.size, _BLOCK_ROWS):
+        x, tmp = scratch[: min(_BLOCK_ROWS, pos.size - start)], shifted[: min(_BLOCK_ROWS, pos.size - start)]
+        np.add(row[start: start + x.shape[0], None], columns[None, :], out=x)
+        x &= np.uint32(0x7FFFFFFF)
+        np.right_shift(x, np.uint32(7), out=tmp)
+        x ^= tmp
+        x *= np.uint32(2_654_435_761)
+        np.right_shift(x, np.uint32(15), out=tmp)
+        x ^= tmp
+        np.copyto(out[start: start + x.shape[0]], x, casting="unsafe")  # the low byte
+    return torch.from_numpy(out)
 
 
 def _pattern_bytes_int64(positions: torch.Tensor, width: int, *, seed: int, layer: int, part: int) -> torch.Tensor:
@@ -129,45 +153,125 @@ def _check_lengths(locs: torch.Tensor, positions: torch.Tensor) -> None:
         raise ValueError(f"locs ({locs.numel()}) and positions ({positions.numel()}) differ in length")
 
 
+def _kv_rows(kv_pool: Any, layer: int) -> torch.Tensor:
+    return _kv_bytes(kv_pool, layer)[:, 0]  # (slots, row_bytes), a view
+
+
+def _index_rows(kv_pool: Any, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Views ``(pages, P, key_bytes)`` and ``(pages, P, scale_bytes)`` of a
+    layer's indexer buffer: a token's cells are ``[page, offset]`` of each."""
+    index = kv_pool.index_k_with_scale_buffer[layer]
+    P = kv_pool.page_size
+    key_bytes, scale_bytes = _index_geometry(kv_pool)
+    page_stride, col = index.stride()
+    keys = torch.as_strided(index, (index.shape[0], P, key_bytes), (page_stride, key_bytes * col, col),
+                            index.storage_offset())
+    scales = torch.as_strided(index, (index.shape[0], P, scale_bytes), (page_stride, scale_bytes * col, col),
+                              index.storage_offset() + P * key_bytes * col)
+    return keys, scales
+
+
+def row_widths(kv_pool: Any) -> list[int]:
+    """Byte widths of a token's row parts, in :func:`read_rows` order: per
+    layer its KV row, its indexer key bytes, its indexer scale bytes."""
+    key_bytes, scale_bytes = _index_geometry(kv_pool)
+    return [w for layer in range(kv_pool.layer_num) for w in (_kv_bytes(kv_pool, layer).shape[-1], key_bytes,
+                                                               scale_bytes)]
+
+
+def expected_rows(kv_pool: Any, positions: torch.Tensor, *, seed: int) -> torch.Tensor:
+    """uint8 ``(len(positions), sum(row_widths))``: every byte
+    :func:`write_content` writes for each key, in :func:`read_rows` order
+    (one hash pass over all layers and parts)."""
+    if positions.device.type != "cpu":
+        parts = [pattern_bytes(positions, w, seed=seed, layer=i // 3, part=_PARTS[i % 3])
+                 for i, w in enumerate(row_widths(kv_pool))]
+        return torch.cat(parts, dim=1)
+    columns = [np.arange(w, dtype=np.uint32) * np.uint32(7_919)
+               + np.uint32((seed * 104_729 + (i // 3) * 4_099 + _PARTS[i % 3] * 613) & 0x7FFFFFFF)
+               for i, w in enumerate(row_widths(kv_pool))]
+    return _mix_rows(positions, np.concatenate(columns))
+
+
+_PARTS = (_PART_KV, _PART_INDEX_K, _PART_INDEX_SCALE)
+
+
+def _widest(view: torch.Tensor) -> torch.Tensor:
+    """The same bytes seen through the widest integer type their shape,
+    strides and offset allow: a row gather then moves words, not bytes."""
+    for dtype, size in ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2)):
+        if view.shape[-1] % size == 0 and view.storage_offset() % size == 0 and all(
+                stride % size == 0 for stride in view.stride()[:-1]):
+            return view.view(dtype)
+    return view
+
+
+def _row_targets(kv_pool: Any) -> list[tuple[torch.Tensor, bool]]:
+    """Each part of a token's row, in :func:`read_rows` order, as (widest
+    view, by slot): by slot a ``(slots, w)`` view, else ``(pages, P, w)``."""
+    targets = []
+    for layer in range(kv_pool.layer_num):
+        keys, scales = _index_rows(kv_pool, layer)
+        targets += [(_widest(_kv_rows(kv_pool, layer)), True), (_widest(keys), False), (_widest(scales), False)]
+    return targets
+
+
+def read_rows(kv_pool: Any, locs: torch.Tensor) -> torch.Tensor:
+    """uint8 ``(len(locs), sum(row_widths))``: the bytes physical ``locs`` hold, every layer."""
+    locs = locs.to(torch.int64)
+    page, offset = locs // kv_pool.page_size, locs % kv_pool.page_size
+    parts = [(view.index_select(0, locs) if by_slot else view[page, offset]).view(torch.uint8)
+             for view, by_slot in _row_targets(kv_pool)]
+    return torch.cat(parts, dim=1)
+
+
+def write_rows(kv_pool: Any, locs: torch.Tensor, rows: "torch.Tensor | int") -> None:
+    """Store ``rows`` (as :func:`read_rows` returns them), or one byte value
+    everywhere, at physical ``locs``, every layer."""
+    locs = locs.to(torch.int64)
+    page, offset = locs // kv_pool.page_size, locs % kv_pool.page_size
+    start = 0
+    for (view, by_slot), width in zip(_row_targets(kv_pool), row_widths(kv_pool)):
+        if isinstance(rows, int):  # one byte everywhere: through the byte view
+            target = view.view(torch.uint8)
+            if by_slot:
+                target.index_fill_(0, locs, rows)
+            else:
+                target[page, offset] = rows
+            continue
+        # a fresh copy: its own storage at offset 0, whatever the slice's offset (a one-row slice counts as
+        # contiguous in place, and its offset need not suit the wide type)
+        value = rows[:, start: start + width].clone(memory_format=torch.contiguous_format).view(view.dtype)
+        start += width
+        if by_slot:
+            view.index_copy_(0, locs, value)
+        else:
+            view[page, offset] = value
+
+
+def rows_differ(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
+    """Bool per row: True where any byte of ``got`` differs from ``want``."""
+    if torch.equal(got, want):
+        return torch.zeros(got.shape[0], dtype=torch.bool)
+    return (_widest(got) != _widest(want)).any(dim=1)
+
+
 def write_content(kv_pool: Any, locs: torch.Tensor, positions: torch.Tensor, *, seed: int) -> None:
     """Fill the KV rows and indexer key/scale bytes of physical ``locs``
     with the content of ``positions`` (content keys), every layer."""
     _check_lengths(locs, positions)
     if locs.numel() == 0:
         return
-    locs = locs.to(torch.int64)
-    key_bytes, scale_bytes = _index_geometry(kv_pool)
-    page, key_cols, scale_cols = _index_cells(kv_pool, locs)
-    for layer in range(kv_pool.layer_num):
-        kv = _kv_bytes(kv_pool, layer)
-        kv[locs, 0] = pattern_bytes(positions, kv.shape[-1], seed=seed, layer=layer, part=_PART_KV)
-        index = kv_pool.index_k_with_scale_buffer[layer]
-        index[page, key_cols] = pattern_bytes(positions, key_bytes, seed=seed, layer=layer, part=_PART_INDEX_K)
-        index[page, scale_cols] = pattern_bytes(
-            positions, scale_bytes, seed=seed, layer=layer, part=_PART_INDEX_SCALE
-        )
+    write_rows(kv_pool, locs, expected_rows(kv_pool, positions, seed=seed))
 
 
 def corrupted_token_mask(kv_pool: Any, locs: torch.Tensor, positions: torch.Tensor, *, seed: int) -> torch.Tensor:
     """Bool per token: True where any KV or indexer byte of any layer differs
     from the content of its key."""
     _check_lengths(locs, positions)
-    bad = torch.zeros(locs.numel(), dtype=torch.bool)
     if locs.numel() == 0:
-        return bad
-    locs = locs.to(torch.int64)
-    key_bytes, scale_bytes = _index_geometry(kv_pool)
-    page, key_cols, scale_cols = _index_cells(kv_pool, locs)
-    for layer in range(kv_pool.layer_num):
-        kv = _kv_bytes(kv_pool, layer)
-        want = pattern_bytes(positions, kv.shape[-1], seed=seed, layer=layer, part=_PART_KV)
-        bad |= (kv[locs, 0] != want).any(dim=1)
-        index = kv_pool.index_k_with_scale_buffer[layer]
-        want = pattern_bytes(positions, key_bytes, seed=seed, layer=layer, part=_PART_INDEX_K)
-        bad |= (index[page, key_cols] != want).any(dim=1)
-        want = pattern_bytes(positions, scale_bytes, seed=seed, layer=layer, part=_PART_INDEX_SCALE)
-        bad |= (index[page, scale_cols] != want).any(dim=1)
-    return bad
+        return torch.zeros(0, dtype=torch.bool)
+    return rows_differ(read_rows(kv_pool, locs), expected_rows(kv_pool, positions, seed=seed))
 
 
 def content_mismatches(kv_pool: Any, locs: torch.Tensor, positions: torch.Tensor, *, seed: int) -> list[str]:

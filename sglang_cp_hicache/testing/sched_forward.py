@@ -19,7 +19,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from sglang_cp_hicache.placement import CpPlacement
-from sglang_cp_hicache.testing.content import POISON_BYTE, corrupted_token_mask, prefix_keys, write_content
+from sglang_cp_hicache.testing.content import POISON_BYTE, expected_rows, prefix_keys, read_rows, rows_differ, write_rows
 
 __all__ = ["BatchEntry", "BatchReport", "ForwardMismatch", "ForwardStandIn", "ForwardStats", "poison_rows"]
 
@@ -49,6 +49,9 @@ class BatchReport:
     chunked_rid: Optional[str]
     # PD prefill: requests forwarded while their sender still bootstraps (optimistic prefill)
     bootstrapping: tuple[str, ...] = ()
+    # requests of earlier batches SGLang has finished since the previous report (each named once): what
+    # the parent knows for certain at this gate, whenever their outputs reach it
+    finished: tuple[str, ...] = ()
 
     def same_batch(self, other: "BatchReport") -> bool:
         return (self.step, self.mode, self.entries, self.chunked_rid, self.bootstrapping) == (
@@ -68,21 +71,22 @@ class ForwardStats:
 
 def poison_rows(kv_pool: Any, physical_locs: torch.Tensor, byte: int = POISON_BYTE) -> None:
     """Overwrite the KV rows and indexer key/scale cells of ``physical_locs``, every layer."""
-    if physical_locs.numel() == 0:
-        return
-    locs = physical_locs.to(torch.int64)
-    page_size = kv_pool.page_size
-    key_bytes = kv_pool.index_head_dim
-    scale_bytes = kv_pool.index_head_dim // kv_pool.quant_block_size * 4
-    page = (locs // page_size).reshape(-1, 1)
-    offset = (locs % page_size).reshape(-1, 1)
-    key_cols = offset * key_bytes + torch.arange(key_bytes).reshape(1, -1)
-    scale_cols = page_size * key_bytes + offset * scale_bytes + torch.arange(scale_bytes).reshape(1, -1)
-    for layer in range(kv_pool.layer_num):
-        kv_pool.kv_buffer[layer].view(torch.uint8)[locs] = byte
-        index = kv_pool.index_k_with_scale_buffer[layer]
-        index[page, key_cols] = byte
-        index[page, scale_cols] = byte
+    if physical_locs.numel():
+        write_rows(kv_pool, physical_locs, byte)
+
+
+@dataclass
+class _Seen:
+    """What the forward already derived for one request: the content keys of
+    its token sequence so far, and the bytes its owned rows must hold (keys
+    and rows in position order). Both are pure functions of the tokens, so a
+    later chunk or decode step reuses them after an exact comparison of the
+    tokens / keys, and only reads the pool afresh."""
+
+    tokens: list[int]
+    keys: torch.Tensor
+    owned_keys: torch.Tensor
+    owned_rows: torch.Tensor
 
 
 @dataclass
@@ -98,6 +102,8 @@ class ForwardStandIn:
     gate: Callable[[BatchReport], None]
     scheduler: Any = None  # set once the scheduler is built (chunked request in reports)
     stats: ForwardStats = field(default_factory=ForwardStats)
+    _seen: dict[str, _Seen] = field(default_factory=dict)
+    _unfinished: dict[str, Any] = field(default_factory=dict)  # requests forwarded, not finished at the last gate
 
     def _owned(self, locs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(physical slots of the locations this rank owns, the ownership mask)."""
@@ -130,8 +136,12 @@ class ForwardStandIn:
         entries = tuple(BatchEntry(str(r.rid), int(p), int(e)) for r, p, e in zip(batch.reqs, prefix_lens, extend_lens))
         bootstrapping = tuple(str(r.rid) for r in batch.reqs
                               if getattr(getattr(r, "disagg_kv_sender", None), "bootstrap_polls_left", 0) > 0)
+        finished = tuple(rid for rid, r in self._unfinished.items() if r.finished())
+        for rid in finished:
+            del self._unfinished[rid]
+        self._unfinished.update((str(r.rid), r) for r in batch.reqs)
         return BatchReport(self.rank, self.stats.batches, batch.forward_mode.name, entries,
-                           None if chunked is None else str(chunked.rid), bootstrapping)
+                           None if chunked is None else str(chunked.rid), bootstrapping, finished)
 
     def next_tokens(self, batch: Any) -> torch.Tensor:
         """Check prefixes, write new rows; the batch's sampled token ids."""
@@ -145,29 +155,59 @@ class ForwardStandIn:
         # the tokens the forward really gets (future-map resolved under the overlap loop)
         ids = batch.input_ids.to(torch.int64).cpu().tolist()
         out = batch.out_cache_loc.to(torch.int64).cpu()
-        off, nexts = 0, []
+        off, nexts, seen = 0, [], {}
         for i, req in enumerate(batch.reqs):
             p, e = prefix_lens[i], extend_lens[i]
             known = list(req.origin_input_ids) + list(req.output_ids)
             if len(known) < p:
                 raise ForwardMismatch(f"rank {self.rank}: request {req.rid} has {len(known)} known tokens, prefix {p}")
-            keys = prefix_keys(known[:p] + ids[off: off + e])
+            before = self._seen.get(str(req.rid))
+            tokens = known[:p] + ids[off: off + e]
+            keys = self._keys(before, tokens)
+            owned_keys, owned_rows = keys[:0], None
             if p:
-                self._check_prefix(req, int(batch.req_pool_indices[i]), keys[:p])
+                owned_keys, owned_rows = self._check_prefix(req, int(batch.req_pool_indices[i]), keys[:p], before)
             phys, mask = self._owned(out[off: off + e])
-            write_content(self.kv_pool, phys, keys[p: p + e][mask], seed=SEED)
+            new_keys = keys[p: p + e][mask]
+            new_rows = expected_rows(self.kv_pool, new_keys, seed=SEED)
+            if new_keys.numel():
+                write_rows(self.kv_pool, phys, new_rows)
             self.stats.written += int(mask.sum())
+            seen[str(req.rid)] = _Seen(tokens, keys, torch.cat([owned_keys, new_keys]),
+                                       new_rows if owned_rows is None else torch.cat([owned_rows, new_rows]))
             off += e
             nexts.append(2 + int(keys[-1]) % 997)
         if off != out.numel():
             raise ForwardMismatch(f"rank {self.rank}: batch extends {off} tokens but has {out.numel()} locations")
+        self._seen = seen  # only this batch's requests can be in the next one's prefix work again
         self._count(mode, len(batch.reqs))
         return torch.tensor(nexts, dtype=torch.int64)
 
-    def _check_prefix(self, req: Any, pool_index: int, keys: torch.Tensor) -> None:
+    @staticmethod
+    def _keys(before: Optional[_Seen], tokens: list[int]) -> torch.Tensor:
+        """:func:`prefix_keys` of ``tokens``, extending the keys of a sequence
+        seen before when it is a prefix of this one."""
+        m = 0 if before is None else len(before.tokens)
+        if before is None or m == 0 or m > len(tokens) or tokens[:m] != before.tokens:
+            return prefix_keys(tokens)
+        return torch.cat([before.keys, prefix_keys(tokens[m:], start=int(before.keys[-1]))])
+
+    def _expected(self, owned_keys: torch.Tensor, before: Optional[_Seen]) -> torch.Tensor:
+        """The bytes the rows of ``owned_keys`` must hold, reusing those derived
+        before for an identical leading run of keys."""
+        m = 0 if before is None else before.owned_keys.numel()
+        if m == 0 or m > owned_keys.numel() or not torch.equal(before.owned_keys, owned_keys[:m]):
+            return expected_rows(self.kv_pool, owned_keys, seed=SEED)
+        return torch.cat([before.owned_rows, expected_rows(self.kv_pool, owned_keys[m:], seed=SEED)])
+
+    def _check_prefix(self, req: Any, pool_index: int, keys: torch.Tensor,
+                      before: Optional[_Seen]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every owned prefix row against its key's bytes; (owned keys, their bytes)."""
         locs = self.req_to_token[pool_index, : keys.numel()].to(torch.int64).cpu()
         phys, mask = self._owned(locs)
-        bad = corrupted_token_mask(self.kv_pool, phys, keys[mask], seed=SEED)
+        owned_keys = keys[mask]
+        want = self._expected(owned_keys, before)
+        bad = rows_differ(read_rows(self.kv_pool, phys), want)
         self.stats.verified += int(mask.sum())
         if bool(bad.any()):
             positions = torch.nonzero(mask).flatten()[bad]
@@ -177,6 +217,7 @@ class ForwardStandIn:
                 f"their content, first at position {first} (location {int(locs[first])}); positions "
                 f"{positions[:8].tolist()}"
             )
+        return owned_keys, want
 
     def _count(self, mode: Any, n: int) -> None:
         self.stats.batches += 1

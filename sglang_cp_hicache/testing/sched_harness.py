@@ -37,6 +37,7 @@ from sglang_cp_hicache.testing.zygote import ForkJob
 from sglang_cp_hicache.testing.zygote_server import ForkBatch, shared_zygote
 from sglang_cp_hicache.testing.sched_config import IpcNames, SchedConfig
 from sglang_cp_hicache.testing.sched_forward import BatchReport
+from sglang_cp_hicache.testing.sched_intake import Expect
 from sglang_cp_hicache.testing.sched_rank import RankError, RankReady, RankResult, RankSpec, forked_rank_main, preload
 from sglang_cp_hicache.testing.sched_requests import abort_req, generate_req, io_struct, shutdown_req
 
@@ -96,13 +97,17 @@ class SchedulerHarness:
         self._ready: dict[int, RankReady] = {}
         self._results: dict[int, RankResult] = {}
         self._idle: dict[int, RankResult] = {}
-        self._next_room = 1000  # each rank's latest idle snapshot
+        self._next_room = 1000
+        self._sent = 0  # messages pushed on the input socket
         self._zygote: Optional[ForkBatch] = None
         self._closed = False
         try:
             self._ipc = self._bind_sockets()
             self._launch()
             self._pump_until(lambda: len(self._ready) == config.cp_size, _STARTUP_S, "start-up")
+            # SGLang's import (seconds) counts as start-up, not as the first request's submit; not earlier:
+            # beside the zygote's own import of SGLang both take several times as long
+            io_struct()
             want = config.copy_path == "library"  # upstream's copy path keeps SGLang's own stack
             off = [r.rank for r in self._ready.values() if r.library != want]
             if config.cp_size > 1 and off:
@@ -148,6 +153,9 @@ class SchedulerHarness:
 
     # ---- the tokenizer manager's side -----------------------------------------
     def send(self, obj: Any) -> None:
+        """Push ``obj`` on the input socket, telling rank 0 first how many it must take in all."""
+        self._sent += 1
+        self._channels[0].send(Expect(self._sent))
         io_struct().sock_send(self._push, obj)
 
     def request(self, rid: str, input_ids: Sequence[int], *, max_new_tokens: int = 2,
@@ -187,11 +195,14 @@ class SchedulerHarness:
     def wait_idle(self, timeout_s: Optional[float] = None) -> list[RankResult]:
         """Wait until every rank ran SGLang's idle checks (passing) after the
         last batch; each rank's snapshot then."""
-        n = len(self.batches)
-        self._pump_until(lambda: len(self._idle) == self.config.cp_size
-                         and all(r.stats.batches == n for r in self._idle.values()) and len(self.batches) == n,
-                         timeout_s or self.config.batch_timeout_s, "every rank to go idle")
+        self._pump_until(self.idle, timeout_s or self.config.batch_timeout_s, "every rank to go idle")
         return [self._idle[r] for r in sorted(self._idle)]
+
+    def idle(self) -> bool:
+        """Every rank ran SGLang's idle checks (passing) after the last batch
+        and after processing every message pushed so far."""
+        return len(self._idle) == self.config.cp_size and all(
+            r.stats.batches == len(self.batches) and r.processed == self._sent for r in self._idle.values())
 
     def close(self) -> RunResult:
         """ShutdownReq through the input socket; every rank's result."""
@@ -230,6 +241,7 @@ class SchedulerHarness:
         deadline = time.monotonic() + timeout_s
         while not done():
             if time.monotonic() > deadline:
+                self._dump_stacks()
                 last = self.batches[-1] if self.batches else None
                 self._fail(f"timed out after {timeout_s:.0f}s waiting for {what} ({len(self.batches)} batches, "
                            f"the last {last}; idle snapshots {self.snapshots()})")
@@ -297,6 +309,14 @@ class SchedulerHarness:
             self.on_batch(first, self)
         for channel in self._channels.values():
             channel.send("go")
+
+    def _dump_stacks(self) -> None:
+        """Every rank writes its threads' stacks to its log (SIGUSR1), so a stall's tail shows where each waits."""
+        if self._zygote is None:
+            return
+        for rank in range(self.config.cp_size):
+            self._zygote.signal(rank, signal.SIGUSR1)
+        time.sleep(1.0)
 
     def _check_exits(self, force: bool = False, rank: Optional[int] = None) -> None:
         if self._zygote is None:

@@ -13,7 +13,9 @@ come through the real input socket, not the pipe.
 
 from __future__ import annotations
 
+import faulthandler
 import os
+import signal
 import sys
 import time
 import traceback
@@ -24,6 +26,7 @@ from sglang_cp_hicache.testing.lifetime import die_with_launcher
 from sglang_cp_hicache.testing.patching import PatchSet
 from sglang_cp_hicache.testing.sched_config import IpcNames, SchedConfig, server_args_kwargs
 from sglang_cp_hicache.testing.sched_forward import BatchReport, ForwardStats
+from sglang_cp_hicache.testing.sched_intake import Intake, install_intake
 from sglang_cp_hicache.testing.sched_seams import check_seams, import_only_stand_ins
 
 __all__ = ["LoadBack", "RankError", "RankReady", "RankResult", "RankSpec", "forked_rank_main", "preload"]
@@ -75,6 +78,7 @@ class RankResult:
     final: bool = False  # the result after the loop ended
     loops: list[str] = field(default_factory=list)  # the event loops SGLang's run_event_loop dispatched to
     loop_ignored_shutdown: bool = False  # the loop ran on past a ShutdownReq; the harness ended it
+    processed: int = 0  # input-socket messages the loop had processed
 
 
 @dataclass(frozen=True)
@@ -130,12 +134,16 @@ def _seam_patches(config: SchedConfig) -> PatchSet:
     import torch
     from sglang.srt.disaggregation import prefill
     from sglang.srt.managers import scheduler
-    from sglang.srt.mem_cache import kv_cache_builder
+    from sglang.srt.mem_cache import kv_cache_builder, radix_cache
 
     from sglang_cp_hicache.testing.sched_pd import scripted_kv_class
 
     patches = PatchSet()
-    plan: list = [(kv_cache_builder, "is_deepseek_dsa", lambda _orig: (lambda config: True))]
+    plan: list = [(kv_cache_builder, "is_deepseek_dsa", lambda _orig: (lambda config: True)),
+                  # SGLang builds its LRU eviction heap from a set of nodes, so leaves accessed at the same
+                  # instant leave in set order, i.e. by memory address: a run-to-run difference. Hashing a
+                  # node by its creation counter breaks them by creation order instead (LRU unchanged).
+                  (radix_cache.TreeNode, "__hash__", lambda _orig: _node_hash)]
     if config.pd_prefill:
         plan.append((prefill, "get_kv_class", lambda _orig: scripted_kv_class(config)))
         if config.overlap:
@@ -148,7 +156,11 @@ def _seam_patches(config: SchedConfig) -> PatchSet:
     return patches
 
 
-def _build(spec: RankSpec, channel: Any) -> Any:
+def _node_hash(node: Any) -> int:
+    return hash(node.id)
+
+
+def _build(spec: RankSpec, channel: Any, intake: Intake) -> Any:
     from sglang.srt import runtime_context
     from sglang.srt.managers.scheduler import Scheduler
     from sglang.srt.plugins import load_plugins
@@ -173,6 +185,8 @@ def _build(spec: RankSpec, channel: Any) -> Any:
     def gate(report: BatchReport) -> None:
         channel.send(report)
         answer = channel.recv()
+        while intake.take(answer):  # the parent's count of what it pushed while this batch waited
+            answer = channel.recv()
         if answer != "go":
             raise RuntimeError(f"rank {spec.rank}: the parent answered {answer!r} to batch {report.step}")
 
@@ -196,7 +210,8 @@ def _build(spec: RankSpec, channel: Any) -> Any:
     return scheduler
 
 
-def _snapshot(scheduler: Any, result: RankResult) -> RankResult:
+def _snapshot(scheduler: Any, result: RankResult, intake: Intake) -> RankResult:
+    result.processed = intake.processed
     result.free_device_tokens = int(scheduler.token_to_kv_pool_allocator.available_size())
     result.evictable_tokens = int(scheduler.tree_cache.evictable_size())
     counters = getattr(scheduler.tree_cache, "cp_counters", None)
@@ -217,9 +232,9 @@ def _l3_counters(cache: Any) -> Any:
     return None if driver is None else driver.counters
 
 
-def _observe(scheduler: Any, result: RankResult, channel: Any) -> Any:
+def _observe(scheduler: Any, result: RankResult, channel: Any, intake: Intake) -> Any:
     """Record each load-back the scheduler asks for; after each fully idle
-    ``on_idle`` following a batch, send the parent a snapshot."""
+    ``on_idle`` following a batch or new input, send the parent a snapshot."""
     cache = scheduler.tree_cache
     init_load_back = cache.init_load_back
 
@@ -236,7 +251,15 @@ def _observe(scheduler: Any, result: RankResult, channel: Any) -> Any:
     cache.init_load_back = observed_load_back
     on_idle = scheduler.on_idle
 
-    reported_at = [-1]  # the batch count of the last idle snapshot
+    reported_at = [(-1, -1)]  # (batches, processed inputs) at the last idle snapshot
+    checked = [False]  # this on_idle call found the rank fully idle: its leak checks run before its sleep
+
+    def passed() -> None:
+        checked[0] = False
+        result.idle_checks += 1
+        if reported_at[0] != (result.stats.batches, intake.processed):
+            reported_at[0] = (result.stats.batches, intake.processed)
+            channel.send(_snapshot(scheduler, result, intake))
 
     exit_idles = [0]  # on_idle calls since a ShutdownReq set gracefully_exit
 
@@ -249,14 +272,21 @@ def _observe(scheduler: Any, result: RankResult, channel: Any) -> Any:
             if exit_idles[0] > 1 and scheduler.is_fully_idle():
                 result.loop_ignored_shutdown = True
                 raise _LoopIgnoredShutdown()
-        idle = scheduler.is_fully_idle()
+        checked[0] = scheduler.is_fully_idle()
         on_idle()
-        if idle:
-            result.idle_checks += 1
-            if reported_at[0] != result.stats.batches:
-                reported_at[0] = result.stats.batches
-                channel.send(_snapshot(scheduler, result))
+        if checked[0]:  # on_idle returned without reaching its sleep
+            passed()
 
+    sleep = scheduler.maybe_sleep_on_idle
+
+    def report_then_sleep() -> None:
+        # SGLang sleeps last in on_idle, after its leak checks passed: the snapshot goes out before the
+        # sleep (up to a second on the rank that polls the input socket), not after it
+        if checked[0]:
+            passed()
+        sleep()
+
+    scheduler.maybe_sleep_on_idle = report_then_sleep
     scheduler.on_idle = observed_on_idle
     for name in _LOOPS:
         _record_loop(scheduler, name, result)
@@ -277,7 +307,7 @@ def _record_loop(scheduler: Any, name: str, result: RankResult) -> None:
     setattr(scheduler, name, recorded)
 
 
-def _final_idle_check(scheduler: Any, on_idle: Any, result: RankResult) -> None:
+def _final_idle_check(scheduler: Any, on_idle: Any, result: RankResult, intake: Intake) -> None:
     """The loop ended on the ShutdownReq: the rank must be fully idle, and
     SGLang's own idle leak checks must pass once more (no sleep)."""
     if not scheduler.is_fully_idle():
@@ -286,7 +316,7 @@ def _final_idle_check(scheduler: Any, on_idle: Any, result: RankResult) -> None:
             f"running={[r.rid for r in scheduler.running_batch.reqs]} chunked={scheduler.chunked_req}")
     scheduler.idle_sleeper = None
     on_idle()  # SGLang's own, not the observed one
-    _snapshot(scheduler, result)
+    _snapshot(scheduler, result, intake)
     result.final = True
 
 
@@ -306,15 +336,22 @@ def forked_rank_main(spec: RankSpec, channel: Any, zygote_pid: int) -> None:
     log = os.open(spec.log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(log, 1)
     os.dup2(log, 2)
+    # the parent asks for every thread's stack before it fails a stalled run
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     code = 1
     try:
         start = time.perf_counter()
+        import torch
+
+        torch.set_num_threads(1)  # CP ranks share the machine's cores: no oversubscription
         _environment(spec.config)
         _install_cpu_support(spec.config.version)
         check_seams(spec.config.version)
-        scheduler = _build(spec, channel)
+        intake = Intake()
+        scheduler = _build(spec, channel, intake)
+        install_intake(scheduler, spec.rank, channel, intake)
         result = RankResult(spec.rank, scheduler.tp_worker.forward.stats)
-        on_idle = _observe(scheduler, result, channel)
+        on_idle = _observe(scheduler, result, channel, intake)
         channel.send(RankReady(spec.rank, type(scheduler.tree_cache).__name__,
                                type(scheduler.token_to_kv_pool_allocator).__name__,
                                _library_active(spec.config.version, scheduler), time.perf_counter() - start,
@@ -323,7 +360,7 @@ def forked_rank_main(spec: RankSpec, channel: Any, zygote_pid: int) -> None:
             scheduler.run_event_loop()  # SGLang's own loop; a ShutdownReq through the input socket ends it
         except _LoopIgnoredShutdown:
             pass
-        _final_idle_check(scheduler, on_idle, result)
+        _final_idle_check(scheduler, on_idle, result, intake)
         channel.send(result)
         code = 0
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, then the rank exits non-zero

@@ -118,6 +118,32 @@ SEAMS: tuple[Seam, ...] = (
          Hook(_SCHED, "Scheduler", "on_idle", "replaced-on-instance", ("self",), "is where the harness observes")),
     ),
     Seam(
+        "repeatable-intake",
+        "sglang/srt/managers/scheduler_components/request_receiver.py: sock_recv (rank 0's non-blocking drain of "
+        "the input socket); Scheduler.process_input_requests",
+        "rank 0 waits for every message the parent says it pushed before reporting the socket empty, and every "
+        "rank counts what it processed, so zmq's delivery time never decides a batch",
+        (Hook("sglang.srt.managers.scheduler_components.request_receiver", None, "sock_recv", "attribute", None,
+              "is the drain of the input socket"),
+         Hook(_SCHED, "Scheduler", "process_input_requests", "replaced-on-instance", ("self", "recv_reqs"),
+              "is where every rank's loop takes its input")),
+    ),
+    Seam(
+        "lru-ties",
+        "sglang/srt/mem_cache/radix_cache.py: TreeNode.__hash__ (object identity)",
+        "SGLang's eviction heap starts from a set of nodes, so LRU ties leave in memory-address order; hashing a "
+        "node by its creation counter (TreeNode.id) breaks them by creation order instead",
+        (Hook("sglang.srt.mem_cache.radix_cache", None, "TreeNode", "attribute", None, "is the radix node"),),
+    ),
+    Seam(
+        "idle-report",
+        "sglang/srt/managers/scheduler.py: Scheduler.maybe_sleep_on_idle (the last step of on_idle)",
+        "the rank's idle snapshot goes out before SGLang's idle sleep (up to a second on rank 0), once the idle "
+        "leak checks before it passed",
+        (Hook(_SCHED, "Scheduler", "maybe_sleep_on_idle", "replaced-on-instance", ("self",),
+              "sleeps after on_idle's checks"),),
+    ),
+    Seam(
         "forced-retraction",
         "sglang/srt/managers/scheduler.py: TEST_RETRACT, TEST_RETRACT_INTERVAL (SGLANG_TEST_RETRACT*, read at import)",
         "SGLang's own retraction test switch; the zygote imported the scheduler before a rank knew its config, so a "

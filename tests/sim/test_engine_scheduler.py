@@ -6,26 +6,20 @@ flag, before any rank starts, nothing created)."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 
 from sglang_cp_hicache.sim import engine_scheduler
 from sglang_cp_hicache.sim.config import FAIL_ENV
 from tests.helpers.engine_checks import check_scheduler_summary
-from tests.sim.simrun import simulate
+from tests.sim.simrun import ROOT, sim_env
 from tests.sim.test_cli_checks import run_cli
 
 #: Small pools and chunks: host hits, load-backs, chunked prefill and batches of several requests in 30 requests.
 SMALL_RUN = ("--engine", "scheduler", "--cp-size", "2", "--requests", "30", "--device-pages", "10",
              "--host-pages", "24", "--chunked-prefill-size", "256", "--max-running-requests", "4")
-
-
-@pytest.mark.slow(40)
-def test_scheduler_engine_replays_the_synthetic_chat_through_sglangs_scheduler(tmp_path):
-    out = tmp_path / "s.json"
-    proc, _ = simulate(*SMALL_RUN, "--json", str(out))
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    check_scheduler_summary(json.loads(out.read_text()), version="0.5.18", requests=30, loop="event_loop_normal")
 
 
 @pytest.fixture
@@ -84,3 +78,52 @@ def test_request_ids_are_prefix_free():
     loop = engine_scheduler._ClosedLoop(None, PackedRequests.from_token_lists([[1]] * 120),  # type: ignore[arg-type]
                                         engine_scheduler.EngineOptions(), show=False)
     assert len(set(loop.rids)) == 120 and len({len(r) for r in loop.rids}) == 1, loop.rids[:12]
+
+
+def test_a_device_pool_the_scheduler_can_never_admit_the_longest_request_into_exits_2(tmp_path, capsys, no_replay):
+    # SGLang's PrefillAdder never admits a request that cannot fit: the run would wait for it forever
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(json.dumps({"timestamp": 0, "input_length": 10240, "output_length": 1,
+                                 "hash_ids": list(range(20))}) + "\n")
+    assert run_cli("--engine", "scheduler", "--cp-size", "2", "--trace", str(trace), "--device-pages", "11") == 2
+    err = capsys.readouterr().err
+    assert ("--device-pages 11 is too small for --engine scheduler: the longest request (1280 tokens, 1 new) "
+            "needs 12 device pages per rank at --cp-size 2") in err, err
+
+
+def test_trace_pools_leave_the_scheduler_room_for_the_longest_request():
+    from sglang_cp_hicache.sim.cli_engine import scheduler_reserve_tokens
+    from sglang_cp_hicache.sim.sizing import size_pools
+
+    # 10,897 tokens fit 43 pages a rank at CP 4 (171 logical), but not with 1 new token + 4 x 64 + 1
+    loop = size_pools(distinct_pages=10, longest_request_tokens=10_897, cp_size=4, page_size=64, capacity=0.25)
+    sched = size_pools(distinct_pages=10, longest_request_tokens=10_897, cp_size=4, page_size=64, capacity=0.25,
+                       reserve_tokens=scheduler_reserve_tokens(1, 4, 64))
+    assert (loop.device_pages, sched.device_pages) == (43, 44)
+
+
+#: What two runs of one command must share: how SGLang batched and chunked the workload. Hits and the cache
+#: counters can still differ by a few pages under eviction churn (first run 5,184 device-hit tokens, second
+#: 4,992 on this workload, cause not found yet); seconds and idle turns are timing.
+_REPEATED_FIELDS = ("batches", "extend_batches", "decode_batches", "chunks", "max_batch_requests", "finished",
+                    "aborted", "retracted", "requests", "prompt_tokens", "ideal_hit_tokens", "ok", "problems")
+
+
+@pytest.mark.slow(60)
+def test_scheduler_engine_replays_the_synthetic_chat_alike_twice(tmp_path):
+    """The summary of a run through SGLang's scheduler (exit 0, the engine's
+    fields, hits that add up), and a second run of the same command gives the
+    same batches and chunks: what the ranks see at each recv_requests is
+    decided by the parent's order of events, not by when zmq delivers.
+    Both runs in one process (one zygote)."""
+    outs = [tmp_path / "a.json", tmp_path / "b.json"]
+    runs = ", ".join(repr(["simulate", "--no-progress", *SMALL_RUN, "--json", str(out)]) for out in outs)
+    code = f"import sys\nfrom sglang_cp_hicache.__main__ import main\nsys.exit(max(main(a) for a in [{runs}]))"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=sim_env(), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    first, second = (json.loads(out.read_text()) for out in outs)
+    check_scheduler_summary(first, version="0.5.18", requests=30, loop="event_loop_normal")
+    assert first["load_backs"] > 0 and first["chunks"] > 0 and first["max_batch_requests"] > 1, first
+    differ = {k: (first[k], second[k]) for k in _REPEATED_FIELDS if first[k] != second[k]}
+    assert not differ, differ
