@@ -226,13 +226,14 @@ def _bookkeeping_line(summary: dict[str, Any]) -> list[str]:
 def _l3_line(summary: dict[str, Any]) -> list[str]:
     if "l3_dir" not in summary:
         return []
-    return [
-        f"L3 ({summary['l3_dir']}; CP ranks only): {summary['l3_written_pages']} pages written, "
-        f"{summary['l3_hit_tokens']} tokens restored, {summary['l3_pages_verified']} restored pages verified "
-        f"bit-exact, {summary['l3_rejected_objects']} objects rejected; lost: {summary['l3_write_failures']} "
-        f"page writes failed, {summary['l3_dropped_writes']} dropped, {summary['l3_read_failures']} page reads "
-        f"failed, {summary['l3_timeouts']} lookups timed out"
-    ]
+    line = (f"L3 ({summary['l3_dir']}; CP ranks only): {summary['l3_written_pages']} pages written, "
+            f"{summary['l3_hit_tokens']} tokens restored, {summary['l3_pages_verified']} restored pages verified "
+            f"bit-exact, {summary['l3_rejected_objects']} objects rejected")
+    if "l3_write_failures" in summary:  # summaries from before the loss counters (committed results) lack them
+        line += (f"; lost: {summary['l3_write_failures']} page writes failed, {summary['l3_dropped_writes']} "
+                 f"dropped, {summary['l3_read_failures']} page reads failed, {summary['l3_timeouts']} lookups "
+                 f"timed out")
+    return [line]
 
 
 def _copies_line(copies: dict[str, Any]) -> str:

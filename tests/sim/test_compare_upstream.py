@@ -149,3 +149,12 @@ def test_host_hits_mean_the_host_tier_alone_and_a_warm_l3_is_explained():
     assert "held" not in text
     s["l3_objects_at_start"] = 41080
     assert "the L3 directory held 41,080 objects at the start" in format_table(s)
+
+
+def test_the_l3_line_counts_losses_where_the_summary_has_them():
+    s = _load("traces/0523-library-cp4-l3.json")  # committed before the loss counters: none said
+    line = next(x for x in format_table(s).splitlines() if x.startswith("L3 ("))
+    assert "lost:" not in line and line.endswith("objects rejected")
+    s.update(l3_write_failures=3, l3_dropped_writes=2, l3_read_failures=1, l3_timeouts=0)
+    line = next(x for x in format_table(s).splitlines() if x.startswith("L3 ("))
+    assert line.endswith("; lost: 3 page writes failed, 2 dropped, 1 page reads failed, 0 lookups timed out")
