@@ -42,17 +42,16 @@ def test_flags_an_engine_cannot_honour_exit_2_naming_the_flag(capsys, no_replay,
     assert needle in capsys.readouterr().err
 
 
-def test_l3_with_the_scheduler_engine_exits_2_and_creates_nothing(tmp_path, capsys, no_replay):
-    directory = tmp_path / "l3"
-    assert run_cli("--engine", "scheduler", "--l3", str(directory)) == 2
-    assert "--engine scheduler does not take --l3" in capsys.readouterr().err
-    assert not directory.exists()
-
-
-def test_failure_injection_is_the_loop_engines(capsys, monkeypatch, no_replay):
-    monkeypatch.setenv(FAIL_ENV, "0:3")
-    assert run_cli("--engine", "scheduler") == 2
-    assert f"--engine scheduler does not take {FAIL_ENV}" in capsys.readouterr().err
+@pytest.mark.parametrize("args, needle", [
+    (("--l3", "mooncake://127.0.0.1:50051"), "--engine scheduler takes --l3 DIR only, got mooncake://"),
+    (("--cp-size", "1", "--l3", "DIR"), "--engine scheduler with --l3 needs --cp-size >= 2"),
+])
+def test_an_l3_the_scheduler_engine_cannot_serve_exits_2_and_creates_nothing(tmp_path, capsys, no_replay, args,
+                                                                              needle):
+    args = tuple(str(tmp_path / "l3") if a == "DIR" else a for a in args)
+    assert run_cli("--engine", "scheduler", *args) == 2
+    assert needle in capsys.readouterr().err
+    assert not (tmp_path / "l3").exists()
 
 
 @pytest.mark.parametrize("version, cp", [("0.5.18", 3), ("0.5.23", 4)])
