@@ -8,12 +8,12 @@ import argparse
 import sys
 from typing import Any, Optional
 
-from sglang_cp_hicache.sim.cli_flags import SCHEDULER_ONLY_FLAGS
+from sglang_cp_hicache.sim.cli_flags import DEFAULT_ENGINE, SCHEDULER_ONLY_FLAGS
 from sglang_cp_hicache.sim.config import FAIL_ENV
 from sglang_cp_hicache.sim.engine_scheduler import EngineOptions
 from sglang_cp_hicache.sim.rates import WorkloadFacts
 
-__all__ = ["engine_options", "engine_problem", "run_scheduler_engine", "scheduler_reserve_tokens"]
+__all__ = ["engine_options", "engine_problem", "resolve_engine", "run_scheduler_engine", "scheduler_reserve_tokens"]
 
 #: Flags the scheduler engine cannot honour, and why.
 _REFUSED = (
@@ -25,8 +25,23 @@ _REFUSED = (
 )
 
 
+def resolve_engine(args: argparse.Namespace) -> None:
+    """``args.engine`` set (the default where none was named); ``args.engine_named`` says whether one was."""
+    args.engine_named = args.engine is not None
+    if args.engine is None:
+        args.engine = DEFAULT_ENGINE
+
+
 def engine_problem(args: argparse.Namespace, version: str, failure_injected: bool) -> Optional[str]:
-    """Why the flags do not fit ``--engine`` (None if they do), naming the flag."""
+    """Why the flags do not fit ``--engine`` (None if they do), naming the flag; where the
+    scheduler engine came by default, how to get the loop engine."""
+    problem = _engine_problem(args, version, failure_injected)
+    if problem is not None and args.engine == "scheduler" and not getattr(args, "engine_named", True):
+        problem += f" (the default engine is {DEFAULT_ENGINE}: add --engine loop for the simulator's own loop)"
+    return problem
+
+
+def _engine_problem(args: argparse.Namespace, version: str, failure_injected: bool) -> Optional[str]:
     if args.engine == "loop":
         for flag, dest in SCHEDULER_ONLY_FLAGS:
             if getattr(args, dest) not in (None, False):

@@ -54,6 +54,37 @@ def test_an_l3_the_scheduler_engine_cannot_serve_exits_2_and_creates_nothing(tmp
     assert not (tmp_path / "l3").exists()
 
 
+class _Started(Exception):
+    pass
+
+
+def test_a_run_that_names_no_engine_replays_through_the_scheduler(monkeypatch):
+    from sglang_cp_hicache.__main__ import main
+
+    def started(config, requests, opts, **kwargs):
+        raise _Started(config.cp_size, opts.max_running_requests)
+
+    monkeypatch.setattr(engine_scheduler, "replay_through_scheduler", started)
+    with pytest.raises(_Started) as exc:
+        main(["simulate", "--no-progress", "--cp-size", "2", "--requests", "3"])
+    assert exc.value.args == (2, 8)
+
+
+def test_a_loop_only_flag_without_engine_says_how_to_get_the_loop_engine(capsys, no_replay):
+    from sglang_cp_hicache.__main__ import main
+
+    assert main(["simulate", "--no-progress", "--compare-non-cp"]) == 2
+    err = capsys.readouterr().err
+    assert ("--engine scheduler does not take --compare-non-cp: the non-CP baseline runs on the loop engine only "
+            "(the default engine is scheduler: add --engine loop for the simulator's own loop)") in err, err
+
+
+def test_failure_injection_is_the_loop_engines(capsys, monkeypatch, no_replay):
+    monkeypatch.setenv(FAIL_ENV, "0:3")
+    assert run_cli("--engine", "scheduler") == 2
+    assert f"--engine scheduler does not take {FAIL_ENV}" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("version, cp", [("0.5.18", 3), ("0.5.23", 4)])
 def test_harness_config_keeps_the_pools_and_stretches_the_context_to_whole_logical_pages(version, cp):
     from sglang_cp_hicache.sim.config import SimConfig
