@@ -66,7 +66,7 @@ FIELDS = ("host_hit_tokens", "device_hit_tokens", "write_failures", "backups_att
 
 def command(w: Workload, variant: str) -> list[str]:
     copy, _ = VARIANTS[variant]
-    return ["simulate", "--cp-size", str(w.cp), "--device-pages", str(w.device_pages), "--host-pages",
+    return ["simulate", "--engine", "loop", "--cp-size", str(w.cp), "--device-pages", str(w.device_pages), "--host-pages",
             str(w.host_pages), "--requests", str(REQUESTS), "--seed", str(w.seed), "--copy", copy, "--no-progress"]
 
 

@@ -38,8 +38,8 @@ SHAPES = {
 
 
 def _run(role: str, l3: Path, out: Path, requests: int, env: dict[str, str]) -> tuple[dict[str, Any], int]:
-    cmd = [sys.executable, "-m", "sglang_cp_hicache", "simulate", "--no-progress", *SHAPES[role],
-           "--requests", str(requests), "--l3", str(l3), "--json", str(out)]
+    cmd = [sys.executable, "-m", "sglang_cp_hicache", "simulate", "--engine", "loop", "--no-progress",
+           *SHAPES[role], "--requests", str(requests), "--l3", str(l3), "--json", str(out)]
     proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **env}, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     peak = peak_stored_bytes(proc, l3)

@@ -28,7 +28,7 @@ mkdir -p "$OUT"
 run() {  # NAME PYTHON CP L3(l3|-) EXTRA...
     local name=$1 py=$2 cp=$3 l3=$4; shift 4
     local l3dir=""
-    local args=(--cp-size "$cp" --device-pages $((DEVICE_LOGICAL / cp)) --host-pages $((HOST_LOGICAL / cp))
+    local args=(--engine loop --cp-size "$cp" --device-pages $((DEVICE_LOGICAL / cp)) --host-pages $((HOST_LOGICAL / cp))
                 --trace "$TRACE" --requests "$REQUESTS" --no-progress --json "$OUT/$name.json" "$@")
     if [ "$l3" = l3 ]; then
         l3dir=$(mktemp -d "${TMPDIR:-/tmp}/cp-l3-$name-XXXX")

@@ -86,7 +86,8 @@ def section_host_room(res: Results) -> list[str]:
                 "backups lost: " + " / ".join(VARIANTS), "default rule: pages verified (restored), corrupted",
                 "ranks agree, no invariant violated"], rows),
         "",
-        f"Each run: `{first}` (the workload's flags; `--copy upstream` without the variable)." if first else "",
+        f"Each run: `{first}` (the workload's flags; `--copy upstream` without the variable; the loop engine, "
+        "the default when it ran: `--engine loop` now)." if first else "",
         "",
         files_line(res, [HOST_ROOM]),
         "",

@@ -5,7 +5,9 @@ real SGLang stack -- 0.5.18's ``HiRadixCache`` with this library's CP cache,
 or 0.5.23's KV-sharded ``UnifiedRadixCache`` with this library's or upstream's
 copies (``--sglang``, ``--copy``) -- and replays the same requests, writing
 deterministic KV + indexer content into the pages it owns and checking every
-owned page of every matched prefix bit-exactly.
+owned page of every matched prefix bit-exactly: by default through SGLang's
+own ``Scheduler`` in each rank (``--engine scheduler``), or one request at a
+time through the simulator's own loop (``--engine loop``).
 
 Modules (none imports SGLang; the rank engines that call SGLang's cache API
 are :mod:`.engine_0518` and :mod:`.engine_0523` (and

@@ -25,7 +25,12 @@ from sglang_cp_hicache.sim.config import (
     SimConfig,
     parse_failure_injection,
 )
-from sglang_cp_hicache.sim.cli_engine import engine_problem, run_scheduler_engine, scheduler_reserve_tokens
+from sglang_cp_hicache.sim.cli_engine import (
+    engine_problem,
+    resolve_engine,
+    run_scheduler_engine,
+    scheduler_reserve_tokens,
+)
 from sglang_cp_hicache.sim.cli_flags import add_simulate_flags
 from sglang_cp_hicache.sim.ideal import IdealCache, ideal_cache
 from sglang_cp_hicache.sim.l3_writers import object_names, restored_by_writer, write_manifest, writers_of
@@ -57,9 +62,11 @@ def add_simulate_parser(subparsers: argparse._SubParsersAction) -> argparse.Argu
             "Start --cp-size processes joined by a torch.distributed gloo group. Each builds one "
             "CP rank's real SGLang HiCache stack on CPU (0.5.18: DSA device pool, CP allocator, "
             "CpHiRadixCache; 0.5.23: upstream's KV-sharded DSA pool and UnifiedRadixCache, see "
-            "--sglang) and replays the same requests: match, load-back, alloc, "
-            "write KV + indexer content into the pages it owns, insert, write-through. Every owned "
-            "page of every matched prefix is checked bit-exactly."
+            "--sglang) and replays the same requests through it: by default (--engine scheduler) "
+            "SGLang's own Scheduler and event loop batch and chunk them; --engine loop runs one at a "
+            "time (match, load-back, alloc, insert, write-through). Each rank writes KV + indexer "
+            "content into the pages it owns, and every owned page of every matched prefix is checked "
+            "bit-exactly."
         ),
         epilog=(
             "exit status: 0 = nothing corrupted, all ranks agree, no leaks, something verified; 1 = a "
@@ -248,6 +255,7 @@ def _prepare(args: argparse.Namespace) -> Union[int, Prepared]:
         return _error(str(exc), 2)
     for warning in settings.unknown_names():  # said once here; each rank also logs it at cache build
         print(f"sglang-cp-hicache simulate: warning: {warning}", file=sys.stderr)
+    resolve_engine(args)
     version = args.sglang if args.sglang != "auto" else installed_sglang()
     problem = _version_problem(version, args)
     if problem is not None:
@@ -348,7 +356,8 @@ def _fleet_feed_problem(args: argparse.Namespace) -> Optional[str]:
         return None
     if not os.path.isdir(args.fleet_feed):
         return f"--fleet-feed {args.fleet_feed}: not a directory"
-    for flag, given in (("--engine scheduler", args.engine == "scheduler"), ("--compare-non-cp", args.compare_non_cp),
+    engine = "--engine scheduler" if args.engine_named else "the default engine (scheduler; add --engine loop)"
+    for flag, given in ((engine, args.engine == "scheduler"), ("--compare-non-cp", args.compare_non_cp),
                         ("--compare-upstream", args.compare_upstream), ("--plot", args.plot is not None)):
         if given:
             return f"--fleet-feed (a fleet deployment) and {flag} do not combine"

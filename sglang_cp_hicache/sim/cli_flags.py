@@ -19,9 +19,11 @@ from sglang_cp_hicache.sim.config import (
 from sglang_cp_hicache.sim.mooncake import DEFAULT_BLOCK_TOKENS, MOONCAKE_BLOCK_TOKENS
 from sglang_cp_hicache.sim.sizing import DEFAULT_CAPACITY
 
-__all__ = ["ENGINES", "SCHEDULER_ONLY_FLAGS", "add_simulate_flags"]
+__all__ = ["DEFAULT_ENGINE", "ENGINES", "SCHEDULER_ONLY_FLAGS", "add_simulate_flags"]
 
 ENGINES = ("loop", "scheduler")
+#: The engine of a run that names none (the loop engine was the default before the scheduler's held).
+DEFAULT_ENGINE = "scheduler"
 #: The flags only --engine scheduler reads: (flag, argparse dest).
 SCHEDULER_ONLY_FLAGS = (("--max-running-requests", "max_running_requests"),
                         ("--chunked-prefill-size", "chunked_prefill_size"), ("--in-flight", "in_flight"),
@@ -198,12 +200,13 @@ def _add_stack_flags(p: argparse.ArgumentParser) -> None:
 
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     """Which engine replays the workload, and the real scheduler's knobs."""
-    p.add_argument("--engine", choices=ENGINES, default="loop",
-                   help="'loop': the simulator's own loop (one request at a time: match, load-back, alloc, "
-                        "insert); 'scheduler': SGLang's real Scheduler and its own event loop in each CP rank, "
-                        "only the model worker replaced (batches, chunked prefill, PrefillAdder's quotas, "
-                        "load-backs it asks for, its idle leak checks); arrivals are a closed loop in the "
-                        "workload's order, at most --in-flight unfinished (default loop)")
+    p.add_argument("--engine", choices=ENGINES, default=None,
+                   help="'scheduler': SGLang's real Scheduler and its own event loop in each CP rank, only the "
+                        "model worker replaced (batches, chunked prefill, PrefillAdder's quotas, load-backs it "
+                        "asks for, its idle leak checks); arrivals are a closed loop in the workload's order, at "
+                        "most --in-flight unfinished; 'loop': the simulator's own loop (one request at a time: "
+                        "match, load-back, alloc, insert), the one that takes --compare-non-cp, "
+                        f"--compare-upstream, --plot, --metrics and --l3 mooncake:// (default {DEFAULT_ENGINE})")
     p.add_argument("--max-running-requests", type=_positive("--max-running-requests", 1024), default=None,
                    metavar="N", help="--engine scheduler: SGLang's --max-running-requests (default 8)")
     p.add_argument("--chunked-prefill-size", type=_positive("--chunked-prefill-size"), default=None,

@@ -18,9 +18,10 @@ takes every message pushed before the batch was let go at the loop's next
 ``recv_requests``, :mod:`~sglang_cp_hicache.testing.sched_intake`) from the
 requests that batch's gate reports finished, and whenever the ranks go idle.
 No timing decides a batch: two runs of one command give the same batches
-and chunks (an L3 tier's background prefetch threads aside). A request listed in ``aborts`` gets an
-``AbortReq`` right after the first batch that carries it is let go (mid
-chunk when it is being chunked).
+and chunks (with ``--l3`` aside: its lookups run on background threads, and
+a queued request waits for its own, so when it is admitted depends on them).
+A request listed in ``aborts`` gets an ``AbortReq`` right after the first
+batch that carries it is let go (mid chunk when it is being chunked).
 """
 
 from __future__ import annotations
@@ -40,12 +41,16 @@ if TYPE_CHECKING:  # the harness imports torch and zmq: only a run that starts p
     from sglang_cp_hicache.testing.sched_harness import RunResult, SchedulerHarness
     from sglang_cp_hicache.testing.sched_rank import RankResult
 
-__all__ = ["ARRIVALS", "EngineOptions", "SchedulerReplay", "replay_through_scheduler", "sched_config"]
+__all__ = ["ARRIVALS", "L3_PREFETCH_POLICY", "EngineOptions", "SchedulerReplay", "replay_through_scheduler", "sched_config"]
 
 #: How arrivals are paced, as the summary states it.
 ARRIVALS = ("closed loop in workload order: at most in_flight requests submitted and unfinished, topped up "
             "before every batch (from the requests its gate reports finished) and whenever the ranks go idle; "
             "trace timestamps give the order only")
+#: SGLang's prefetch policy under --l3: a request waits in the queue until its L3 lookup ended, so what
+#: L3 holds for it is restored before it is admitted (the harness's L3 tests use it too). SGLang's default,
+#: best_effort, admits a request whenever it comes up, and a hit depends on how fast the reads were.
+L3_PREFETCH_POLICY = "wait_complete"
 #: The stand-in model's context (its config's max_position_embeddings); longer requests stretch it.
 _MODEL_CONTEXT = 8192
 
@@ -65,6 +70,8 @@ class EngineOptions:
     # On 0.5.18 also the insert trap (a host read of a device index inside an insert fails the run).
     forced_retract_interval: int = 0
     trap_insert_reads: bool = False
+    # --l3: the directory of SGLang's file storage backend, which the library serves under CP (None: no L3)
+    l3_dir: Optional[str] = None
 
     def __post_init__(self) -> None:
         for name in ("max_running_requests", "chunked_prefill_size", "max_new_tokens"):
@@ -81,7 +88,8 @@ class EngineOptions:
 def sched_config(config: SimConfig, opts: EngineOptions, longest_request: int) -> "SchedConfig":
     """The harness run of a simulator config: same pools per rank (device
     pages, host pages through the host-to-device ratio), layers, CP size and
-    copy path; the PD-prefill loop on 0.5.23 at CP > 1."""
+    copy path; the PD-prefill loop on 0.5.23 at CP > 1; with ``opts.l3_dir``
+    SGLang's file storage backend there and :data:`L3_PREFETCH_POLICY`."""
     from sglang_cp_hicache.testing.sched_config import SchedConfig
     from sglang_cp_hicache.testing.sched_worker import PoolShape
 
@@ -103,7 +111,7 @@ def sched_config(config: SimConfig, opts: EngineOptions, longest_request: int) -
         config.sglang_version, cp_size=config.cp_size, pd_prefill=pd, overlap=opts.overlap,
         chunked_prefill_size=opts.chunked_prefill_size, shape=shape,
         hicache_ratio=config.host_pages / config.device_pages, extra_server_args=tuple(extra),
-        copy_path=config.copy_path,
+        copy_path=config.copy_path, l3_dir=opts.l3_dir, prefetch_policy=L3_PREFETCH_POLICY,
         batch_timeout_s=opts.batch_timeout_s, forced_retract_interval=opts.forced_retract_interval,
         trap_insert_reads=opts.trap_insert_reads)
 

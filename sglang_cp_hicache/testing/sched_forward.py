@@ -36,6 +36,9 @@ class BatchEntry:
     rid: str
     prefix_len: int
     extend_len: int
+    # On the request's first forward: the tail of its prefix restored from L3 for it (SGLang's storage hit on
+    # the request, at most what was loaded back for it and the prefix); 0 on later forwards
+    l3_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -62,6 +65,7 @@ class BatchReport:
 class ForwardStats:
     written: int = 0  # owned token rows written on this rank
     verified: int = 0  # owned prefix rows checked on this rank
+    l3_verified: int = 0  # of those, rows of a first forward's L3-restored prefix tail
     poisoned: int = 0  # owned rows poisoned at allocation
     batches: int = 0
     extend_batches: int = 0
@@ -104,6 +108,9 @@ class ForwardStandIn:
     stats: ForwardStats = field(default_factory=ForwardStats)
     _seen: dict[str, _Seen] = field(default_factory=dict)
     _unfinished: dict[str, Any] = field(default_factory=dict)  # requests forwarded, not finished at the last gate
+    # host tokens loaded back per request so far (the rank's load-back observer adds to it)
+    host_loaded: dict[str, int] = field(default_factory=dict)
+    _forwarded: set[str] = field(default_factory=set)  # requests forwarded at least once on this rank
 
     def _owned(self, locs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(physical slots of the locations this rank owns, the ownership mask)."""
@@ -131,9 +138,23 @@ class ForwardStandIn:
 
         return alloc
 
-    def _report(self, batch: Any, prefix_lens: list[int], extend_lens: list[int]) -> BatchReport:
+    def _l3_tail(self, req: Any, prefix_len: int) -> int:
+        """Tokens at the end of a first forward's prefix that were restored from L3 for ``req``.
+
+        SGLang sets ``storage_hit_length`` from the cache's report of the tokens its L3 lookup for this
+        request inserted into the host tree; they extend the request's host match, so its load-back
+        brings them to the device as the tail of its prefix. What was not loaded back (declined, or
+        evicted after the request was turned away) was computed, not restored: hence the minimum."""
+        rid = str(req.rid)
+        if rid in self._forwarded:
+            return 0
+        storage = int(getattr(req, "storage_hit_length", 0) or 0)
+        return max(0, min(storage, self.host_loaded.get(rid, 0), prefix_len))
+
+    def _report(self, batch: Any, prefix_lens: list[int], extend_lens: list[int], l3: list[int]) -> BatchReport:
         chunked = getattr(self.scheduler, "chunked_req", None)
-        entries = tuple(BatchEntry(str(r.rid), int(p), int(e)) for r, p, e in zip(batch.reqs, prefix_lens, extend_lens))
+        entries = tuple(BatchEntry(str(r.rid), int(p), int(e), t)
+                        for r, p, e, t in zip(batch.reqs, prefix_lens, extend_lens, l3))
         bootstrapping = tuple(str(r.rid) for r in batch.reqs
                               if getattr(getattr(r, "disagg_kv_sender", None), "bootstrap_polls_left", 0) > 0)
         finished = tuple(rid for rid, r in self._unfinished.items() if r.finished())
@@ -151,7 +172,8 @@ class ForwardStandIn:
             prefix_lens, extend_lens = [int(x) for x in batch.prefix_lens], [int(x) for x in batch.extend_lens]
         else:  # decode: one new token per request
             prefix_lens, extend_lens = [n - 1 for n in seq_lens], [1] * len(seq_lens)
-        self.gate(self._report(batch, prefix_lens, extend_lens))
+        l3 = [self._l3_tail(r, p) for r, p in zip(batch.reqs, prefix_lens)]
+        self.gate(self._report(batch, prefix_lens, extend_lens, l3))
         # the tokens the forward really gets (future-map resolved under the overlap loop)
         ids = batch.input_ids.to(torch.int64).cpu().tolist()
         out = batch.out_cache_loc.to(torch.int64).cpu()
@@ -166,7 +188,8 @@ class ForwardStandIn:
             keys = self._keys(before, tokens)
             owned_keys, owned_rows = keys[:0], None
             if p:
-                owned_keys, owned_rows = self._check_prefix(req, int(batch.req_pool_indices[i]), keys[:p], before)
+                owned_keys, owned_rows = self._check_prefix(req, int(batch.req_pool_indices[i]), keys[:p], before,
+                                                             l3[i])
             phys, mask = self._owned(out[off: off + e])
             new_keys = keys[p: p + e][mask]
             new_rows = expected_rows(self.kv_pool, new_keys, seed=SEED)
@@ -180,6 +203,7 @@ class ForwardStandIn:
         if off != out.numel():
             raise ForwardMismatch(f"rank {self.rank}: batch extends {off} tokens but has {out.numel()} locations")
         self._seen = seen  # only this batch's requests can be in the next one's prefix work again
+        self._forwarded.update(seen)
         self._count(mode, len(batch.reqs))
         return torch.tensor(nexts, dtype=torch.int64)
 
@@ -200,15 +224,18 @@ class ForwardStandIn:
             return expected_rows(self.kv_pool, owned_keys, seed=SEED)
         return torch.cat([before.owned_rows, expected_rows(self.kv_pool, owned_keys[m:], seed=SEED)])
 
-    def _check_prefix(self, req: Any, pool_index: int, keys: torch.Tensor,
-                      before: Optional[_Seen]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every owned prefix row against its key's bytes; (owned keys, their bytes)."""
+    def _check_prefix(self, req: Any, pool_index: int, keys: torch.Tensor, before: Optional[_Seen],
+                      l3_tail: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every owned prefix row against its key's bytes; (owned keys, their bytes).
+        ``l3_tail``: the prefix's last tokens restored from L3 (their owned rows counted apart)."""
         locs = self.req_to_token[pool_index, : keys.numel()].to(torch.int64).cpu()
         phys, mask = self._owned(locs)
         owned_keys = keys[mask]
         want = self._expected(owned_keys, before)
         bad = rows_differ(read_rows(self.kv_pool, phys), want)
         self.stats.verified += int(mask.sum())
+        if l3_tail:
+            self.stats.l3_verified += int(mask[keys.numel() - l3_tail:].sum())
         if bool(bad.any()):
             positions = torch.nonzero(mask).flatten()[bad]
             first = int(positions[0])

@@ -123,6 +123,9 @@ def _install_cpu_support(version: str) -> None:
 
 def _environment(config: SchedConfig) -> None:
     os.environ["SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE"] = "1"  # a leak raises in on_idle
+    # the run's L3 is the config's alone: these would switch one on without it, or move it elsewhere
+    for name in ("SGLANG_CP_HICACHE_L3_DIR", "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"):
+        os.environ.pop(name, None)
     if config.version == "0.5.23":
         os.environ["SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND"] = "python"
         os.environ["SGLANG_CP_HICACHE_COPY"] = config.copy_path
@@ -236,6 +239,7 @@ def _observe(scheduler: Any, result: RankResult, channel: Any, intake: Intake) -
     """Record each load-back the scheduler asks for; after each fully idle
     ``on_idle`` following a batch or new input, send the parent a snapshot."""
     cache = scheduler.tree_cache
+    forward = scheduler.tp_worker.forward
     init_load_back = cache.init_load_back
 
     def observed_load_back(params: Any, *args: Any, **kwargs: Any) -> Any:
@@ -244,8 +248,9 @@ def _observe(scheduler: Any, result: RankResult, channel: Any, intake: Intake) -
             return out
         first = out[0] if isinstance(out, tuple) else out
         loaded = first if isinstance(first, int) else int(getattr(first, "numel", lambda: 0)())
-        result.load_backs.append(LoadBack(str(getattr(params.req, "rid", "")), int(params.host_hit_length), loaded,
-                                          result.stats.batches))
+        rid = str(getattr(params.req, "rid", ""))
+        result.load_backs.append(LoadBack(rid, int(params.host_hit_length), loaded, result.stats.batches))
+        forward.host_loaded[rid] = forward.host_loaded.get(rid, 0) + loaded  # the L3 tail it can hold
         return out
 
     cache.init_load_back = observed_load_back

@@ -24,12 +24,12 @@ def check_scheduler_summary(s: dict[str, Any], *, version: str, requests: int, l
     assert s["hit_tokens"] == tiers["device"] + tiers["host"] + tiers["l3"] > 0, tiers
     # concurrency can only lose hits against one request at a time on an infinite cache
     assert s["hit_tokens"] <= s["ideal_hit_tokens"], (s["hit_tokens"], s["ideal_hit_tokens"])
-    assert s["host_hit_tokens"] + s["load_back_unused_tokens"] == s["load_back_tokens"], s
+    assert s["host_hit_tokens"] + s["l3_hit_tokens"] + s["load_back_unused_tokens"] == s["load_back_tokens"], s
     assert s["load_backs"] + s["load_backs_declined"] > 0, "the scheduler asked for no load-back"
     assert s["load_back_declined_tokens"] == 0 and s["load_backs"] > 0, s
     # every hit page was checked on its owner before its first forward; chunks check their prefix again
     assert s["verified_pages"] == s["hit_tokens"] // s["page_size"] and s["verified_tokens"] >= s["hit_tokens"]
-    assert s["restored_pages_verified"] == s["host_hit_tokens"] // s["page_size"]
+    assert s["restored_pages_verified"] == (s["host_hit_tokens"] + s["l3_hit_tokens"]) // s["page_size"]
     # the run was the real scheduler's: several requests in one batch, chunks of a long one
     assert s["max_batch_requests"] > 1 and s["chunks"] > 0 and s["batches"] > s["chunks"], s
     assert min(s["idle_checks_per_rank"]) > 0 and len(s["idle_checks_per_rank"]) == s["cp_size"], s

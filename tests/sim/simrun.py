@@ -26,8 +26,16 @@ BOUND_S = 90
 _LOG_DIR = re.compile(r"logs of every process: (\S+)")
 
 
+def with_engine(args: Sequence[str]) -> list[str]:
+    """``args``, with ``--engine loop`` added where they name no engine: the tests written for the loop
+    engine (the default before the scheduler engine's) keep testing it."""
+    named = any(a == "--engine" or a.startswith("--engine=") for a in args)
+    return list(args) if named else ["--engine", "loop", *args]
+
+
 def sim_command(*args: str, progress: bool = False) -> list[str]:
-    return [sys.executable, "-m", "sglang_cp_hicache", "simulate", *([] if progress else ["--no-progress"]), *args]
+    return [sys.executable, "-m", "sglang_cp_hicache", "simulate", *([] if progress else ["--no-progress"]),
+            *with_engine(args)]
 
 
 def sim_env(env: Optional[dict] = None) -> dict:

@@ -15,7 +15,7 @@ from sglang_cp_hicache.sim.outputs import OutputPathError, check_output_path
 from sglang_cp_hicache.sim.records import AckCounts, EngineTotals, RankReport, RequestRecord
 from sglang_cp_hicache.sim.report import summarize
 from sglang_cp_hicache.sim.table import format_table
-from tests.sim.simrun import simulate
+from tests.sim.simrun import simulate, with_engine
 
 
 @pytest.fixture
@@ -26,7 +26,7 @@ def no_launch(monkeypatch):
 def run_cli(*args: str) -> int:
     from sglang_cp_hicache.__main__ import main
 
-    return main(["simulate", "--no-progress", *args])
+    return main(["simulate", "--no-progress", *with_engine(args)])
 
 
 def unwritable_dir(tmp_path) -> str:

@@ -14,6 +14,7 @@ from sglang_cp_hicache.sim.compare import UPSTREAM_L3_REFUSAL, compare_upstream,
 from sglang_cp_hicache.sim.config import SimConfig
 from sglang_cp_hicache.sim.sizing import size_pools
 from sglang_cp_hicache.sim.table import format_table
+from tests.sim.simrun import with_engine
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "bench" / "results"
@@ -27,7 +28,7 @@ def _load(name: str) -> dict:
 def _cli(*args: str) -> int:
     from sglang_cp_hicache.__main__ import main
 
-    return main(["simulate", "--no-progress", *args])
+    return main(["simulate", "--no-progress", *with_engine(args)])
 
 
 # ---- pools from the trace's working set ---------------------------------------------

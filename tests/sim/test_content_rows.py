@@ -122,3 +122,30 @@ def test_the_stand_in_derives_afresh_when_a_request_id_comes_back_with_other_tok
                                   finished=lambda: False)
     with pytest.raises(ForwardMismatch, match="request r0: 64 prefix rows"):
         fwd.next_tokens(_chunk(other, P, P, locs))
+
+
+def test_the_stand_in_names_a_first_forwards_l3_tail_and_counts_its_checked_rows():
+    """--l3 under the scheduler engine: the tail of a request's first prefix restored from L3 is SGLang's
+    storage hit on the request, at most what was loaded back for it; later chunks name none."""
+    from sglang_cp_hicache.testing.sched_forward import SEED
+
+    pool = _pool(1152)
+    locs = torch.arange(4 * P)
+    req_to_token = torch.zeros(2, 4 * P, dtype=torch.int64)
+    req_to_token[:, : 4 * P] = locs
+    reports = []
+    fwd = ForwardStandIn(0, pool, req_to_token, None, gate=reports.append)
+    tokens = list(range(500, 500 + 4 * P))
+    write_content(pool, locs[: 2 * P], prefix_keys(tokens)[: 2 * P], seed=SEED)  # the cached prefix
+    req = types.SimpleNamespace(rid="r1", origin_input_ids=tokens, output_ids=[], finished=lambda: False,
+                                storage_hit_length=2 * P)
+    fwd.host_loaded["r1"] = P  # one of the two restored pages reached the device; the other was computed
+    fwd.next_tokens(_chunk(req, P, P, locs))
+    fwd.next_tokens(_chunk(req, 2 * P, P, locs))
+    assert [r.entries[0].l3_tokens for r in reports] == [P, 0]
+    assert (fwd.stats.l3_verified, fwd.stats.verified) == (P, 3 * P)
+    # nothing loaded back (a declined load-back): no L3 tail, whatever the storage hit says
+    declined = types.SimpleNamespace(rid="r2", origin_input_ids=tokens, output_ids=[], finished=lambda: False,
+                                     storage_hit_length=2 * P)
+    fwd.next_tokens(_chunk(declined, P, P, locs))
+    assert reports[-1].entries[0].l3_tokens == 0 and fwd.stats.l3_verified == P

@@ -42,11 +42,41 @@ def test_flags_an_engine_cannot_honour_exit_2_naming_the_flag(capsys, no_replay,
     assert needle in capsys.readouterr().err
 
 
-def test_l3_with_the_scheduler_engine_exits_2_and_creates_nothing(tmp_path, capsys, no_replay):
-    directory = tmp_path / "l3"
-    assert run_cli("--engine", "scheduler", "--l3", str(directory)) == 2
-    assert "--engine scheduler does not take --l3" in capsys.readouterr().err
-    assert not directory.exists()
+@pytest.mark.parametrize("args, needle", [
+    (("--l3", "mooncake://127.0.0.1:50051"), "--engine scheduler takes --l3 DIR only, got mooncake://"),
+    (("--cp-size", "1", "--l3", "DIR"), "--engine scheduler with --l3 needs --cp-size >= 2"),
+])
+def test_an_l3_the_scheduler_engine_cannot_serve_exits_2_and_creates_nothing(tmp_path, capsys, no_replay, args,
+                                                                              needle):
+    args = tuple(str(tmp_path / "l3") if a == "DIR" else a for a in args)
+    assert run_cli("--engine", "scheduler", *args) == 2
+    assert needle in capsys.readouterr().err
+    assert not (tmp_path / "l3").exists()
+
+
+class _Started(Exception):
+    pass
+
+
+def test_a_run_that_names_no_engine_replays_through_the_scheduler(monkeypatch):
+    from sglang_cp_hicache.__main__ import main
+
+    def started(config, requests, opts, **kwargs):
+        raise _Started(config.cp_size, opts.max_running_requests)
+
+    monkeypatch.setattr(engine_scheduler, "replay_through_scheduler", started)
+    with pytest.raises(_Started) as exc:
+        main(["simulate", "--no-progress", "--cp-size", "2", "--requests", "3"])
+    assert exc.value.args == (2, 8)
+
+
+def test_a_loop_only_flag_without_engine_says_how_to_get_the_loop_engine(capsys, no_replay):
+    from sglang_cp_hicache.__main__ import main
+
+    assert main(["simulate", "--no-progress", "--compare-non-cp"]) == 2
+    err = capsys.readouterr().err
+    assert ("--engine scheduler does not take --compare-non-cp: the non-CP baseline runs on the loop engine only "
+            "(the default engine is scheduler: add --engine loop for the simulator's own loop)") in err, err
 
 
 def test_failure_injection_is_the_loop_engines(capsys, monkeypatch, no_replay):

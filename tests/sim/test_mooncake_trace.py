@@ -169,9 +169,9 @@ def test_cli_refuses_a_bad_trace_or_scale_with_exit_2(tmp_path, capsys, monkeypa
 
     monkeypatch.setattr(launcher, "launch", lambda *a, **k: pytest.fail("a rank was launched"))
     bad = _write(tmp_path, _line(3, 600, [1, 2]), _line(2, 100, [1]))
-    assert main(["simulate", "--no-progress", "--trace", str(bad)]) == 2
+    assert main(["simulate", "--no-progress", "--engine", "loop", "--trace", str(bad)]) == 2
     assert f"error: {bad}:2: 'timestamp' 2 is earlier" in capsys.readouterr().err
-    assert main(["simulate", "--no-progress", "--trace-block-tokens", "64"]) == 2
+    assert main(["simulate", "--no-progress", "--engine", "loop", "--trace-block-tokens", "64"]) == 2
     assert "--trace-block-tokens needs --trace" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exc:
         main(["simulate", "--trace", str(SLICE), "--trace-block-tokens", "513"])

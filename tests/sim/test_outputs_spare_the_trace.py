@@ -11,6 +11,7 @@ import pytest
 
 from sglang_cp_hicache.sim import launcher
 from sglang_cp_hicache.sim.outputs import OutputPathError, check_output_paths
+from tests.sim.simrun import with_engine
 
 TRACE = '{"tokens": [1, 2, 3]}\n'
 
@@ -23,7 +24,7 @@ def no_launch(monkeypatch):
 def run_cli(*args: str) -> int:
     from sglang_cp_hicache.__main__ import main
 
-    return main(["simulate", "--no-progress", *args])
+    return main(["simulate", "--no-progress", *with_engine(args)])
 
 
 def _spelling(tmp_path, trace, how: str) -> str:

@@ -51,3 +51,18 @@ def test_a_load_back_its_own_batch_did_not_start_from_is_a_fault():
     indices it was handed."""
     tiers, unused, problems = _tiers(replay([LoadBack("c", 128, 128, step=5)], [(5, [BatchEntry("c", 64, 64)])]))
     assert problems == ["request c loaded back 128 tokens in its first batch's round but started it at prefix 64"]
+
+
+def test_the_l3_tail_of_a_first_batchs_host_tokens_is_an_l3_hit():
+    """--l3: SGLang's storage hit on the request (the tokens its L3 lookup
+    restored into the host tree), as the first batch reported it, is taken
+    out of the host tokens loaded back for it."""
+    tiers, unused, problems = _tiers(replay([LoadBack("a", 192, 192, step=3)],
+                                            [(3, [BatchEntry("a", 256, 64, l3_tokens=128)]),
+                                             (4, [BatchEntry("a", 320, 1)])]))
+    assert (tiers, unused, problems) == ({"device": 64, "host": 64, "l3": 128}, 0, [])
+
+
+def test_l3_tokens_beyond_what_was_loaded_back_are_a_fault():
+    tiers, _, problems = _tiers(replay([LoadBack("b", 64, 64, step=1)], [(1, [BatchEntry("b", 128, 64, l3_tokens=128)])]))
+    assert problems == ["request b started from 128 L3 tokens but only 64 came from host"]

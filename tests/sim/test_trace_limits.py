@@ -122,7 +122,7 @@ def test_cli_exits_2_naming_file_and_line_without_a_traceback(tmp_path, capsys, 
     monkeypatch.setattr(launcher, "launch", lambda *a, **k: pytest.fail("a rank was launched"))
     trace = tmp_path / "t.jsonl"
     trace.write_bytes(content)
-    assert main(["simulate", "--no-progress", "--trace", str(trace)]) == 2
+    assert main(["simulate", "--no-progress", "--engine", "loop", "--trace", str(trace)]) == 2
     err = capsys.readouterr().err
     line = 2 if content.startswith(b'{"tokens": [1]}') else 1
     assert f"error: {trace}:{line}: " in err and message in err, err

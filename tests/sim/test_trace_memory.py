@@ -90,7 +90,7 @@ def test_the_cli_hands_the_ranks_packed_requests(tmp_path, monkeypatch):
     monkeypatch.setattr(launcher, "launch", fake)
     trace = tmp_path / "t.jsonl"
     trace.write_text('{"tokens": [7, 8, 9]}\n\n{"tokens": [1]}\n')
-    assert main(["simulate", "--no-progress", "--trace", str(trace)]) == 1
+    assert main(["simulate", "--no-progress", "--engine", "loop", "--trace", str(trace)]) == 1
     assert isinstance(seen[0], PackedRequests) and [list(r) for r in seen[0]] == [[7, 8, 9], [1]]
     parsed = load_trace(trace, seed=0)
     assert [r.label for r in parsed] == ["trace:1", "trace:3"]

@@ -176,8 +176,9 @@ def _deployments(args: argparse.Namespace, specs: list[DeploymentSpec], pythons:
     for position, spec in enumerate(specs):
         name = spec.name(position)
         json_path = os.path.join(logs, f"{name}.json")
-        cmd = [pythons[spec.release], "-m", "sglang_cp_hicache", "simulate", "--no-progress", "--allow-unverified",
-               "--sglang", spec.release, "--cp-size", str(spec.cp_size), "--trace", os.path.abspath(args.trace),
+        # a deployment is fed by the coordinator's pipes, which only the loop engine reads
+        cmd = [pythons[spec.release], "-m", "sglang_cp_hicache", "simulate", "--engine", "loop", "--no-progress",
+               "--allow-unverified", "--sglang", spec.release, "--cp-size", str(spec.cp_size), "--trace", os.path.abspath(args.trace),
                "--layers", str(args.layers), "--seed", str(args.seed), "--json", json_path,
                "--collective-timeout", str(args.collective_timeout)]
         for flag, value in (("--requests", args.requests), ("--trace-block-tokens", args.trace_block_tokens),
