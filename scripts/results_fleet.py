@@ -72,8 +72,13 @@ def section_fleet(res: Results) -> list[str]:
     first = next((d for f, d in runs.items() if not _stem(f).startswith("segment-")), next(iter(runs.values())))
     deps = _deployments(first)
     segments = [f for f in runs if _stem(f).startswith("segment-")]
+    whole = [f for f in runs if _stem(f).startswith("whole-")]
     groups = [
         ("Routes and L3 scopes", [f for f in runs if _stem(f).startswith("route-")], None),
+        ("The whole trace (every request; "
+         + (f"{_deployments(runs[whole[0]])}, {n(runs[whole[0]].get('requests'))} requests, " if whole else "")
+         + "pools sized with `--capacity 0.1` so three deployments fit this machine's memory; prefix-affinity; "
+         "each L3 scope)", whole, None),
         ("Sizing: the bounded L3 directory's max size (SGLANG_HICACHE_FILE_BACKEND_MAX_SIZE, fleet scope, "
          "prefix-affinity)", [f for f in runs if _stem(f).startswith("size-")], _size),
         ("Sizing: host pages per rank (fleet scope, prefix-affinity)",
