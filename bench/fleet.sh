@@ -12,7 +12,7 @@
 # each CP rank's client lends, --l3 mooncake: one master the fleet starts,
 # prefix-affinity, fleet scope; on MOONCAKE_DEPLOYMENTS, 0.5.18 ones by default
 # since only .venv has the mooncake wheel), `whole` (with REQUESTS=12031: the whole
-# conversation trace, both scopes, prefix-affinity, --capacity WHOLE_CAPACITY);
+# conversation trace, each of WHOLE_SCOPES and WHOLE_ROUTES, --capacity WHOLE_CAPACITY);
 # default: the first three. Each run writes
 # NAME.json and NAME.txt (the command, the printed table, its time) under
 # OUT_DIR (default bench/results/fleet/run-<time>); L3 directories are fresh
@@ -28,6 +28,8 @@ SIZES=${SIZES:-"2M 8M 32M 128M"}
 HOSTS=${HOSTS:-"4 16 64"}
 # `whole`: pools hold this share of the trace's distinct pages (0.25 would need ~16 GB of pools on 24 GB)
 WHOLE_CAPACITY=${WHOLE_CAPACITY:-0.1}
+WHOLE_SCOPES=${WHOLE_SCOPES:-"fleet deployment"}
+WHOLE_ROUTES=${WHOLE_ROUTES:-"prefix-affinity round-robin least-loaded"}
 SEGMENTS=${SEGMENTS:-"16mb 64mb 256mb"}
 MOONCAKE_DEPLOYMENTS=${MOONCAKE_DEPLOYMENTS:-"0.5.18:cp4 0.5.18:cp2 0.5.18:cp2"}
 mkdir -p "$OUT"
@@ -73,9 +75,13 @@ for part in "${parts[@]}"; do
                 DEPLOYMENTS=$MOONCAKE_DEPLOYMENTS L3=mooncake run "segment-$segment" -- --route prefix-affinity \
                     --mooncake-segment "$segment"
             done ;;
-        whole)  # every request of TRACE (set REQUESTS to the trace's count), both scopes, prefix-affinity
-            for scope in fleet deployment; do
-                run "whole-$scope" -- --route prefix-affinity --l3-scope "$scope" --capacity "$WHOLE_CAPACITY"
+        whole)  # every request of TRACE (set REQUESTS to the trace's count): each WHOLE_SCOPES x WHOLE_ROUTES
+            for scope in $WHOLE_SCOPES; do
+                for route in $WHOLE_ROUTES; do
+                    name="whole-$route-$scope"
+                    [ "$route" != prefix-affinity ] || name="whole-$scope"  # the first runs' names
+                    run "$name" -- --route "$route" --l3-scope "$scope" --capacity "$WHOLE_CAPACITY"
+                done
             done ;;
         *) echo "unknown part $part" >&2; exit 2 ;;
     esac
