@@ -84,8 +84,9 @@ def check_abort_mid_prefetch(h: SchedulerHarness) -> None:
     assert _grew(again, before, "restored_tokens") == [len(AGAIN)] * 2
 
 
-def l3_tests(version: str) -> tuple[Callable, ...]:
-    """The module fixture ``run`` and the three tests, for ``version``'s test module."""
+def l3_tests(version: str) -> dict[str, Callable]:
+    """The module fixture ``run`` and the three tests of ``version``'s test
+    module, by name (``globals().update``: pytest collects them there)."""
 
     @pytest.fixture(scope="module")
     def run(tmp_path_factory):
@@ -101,6 +102,7 @@ def l3_tests(version: str) -> tuple[Callable, ...]:
         h, _ = run
         chk.check_closed(h.close(), h.config)
 
-    return (run, test_an_l3_only_prefix_is_prefetched_loaded_back_and_forwarded_from,
-            test_an_abort_while_the_prefetch_is_in_flight_leaves_nothing_behind,
-            test_shutdown_after_l3_scenarios_leaves_every_rank_clean)
+    return {"run": run, **{f.__name__: f for f in (
+        test_an_l3_only_prefix_is_prefetched_loaded_back_and_forwarded_from,
+        test_an_abort_while_the_prefetch_is_in_flight_leaves_nothing_behind,
+        test_shutdown_after_l3_scenarios_leaves_every_rank_clean)}}

@@ -13,6 +13,4 @@ from tests.helpers import sched_l3
 
 pytestmark = pytest.mark.slow(60)
 
-(run, test_an_l3_only_prefix_is_prefetched_loaded_back_and_forwarded_from,
- test_an_abort_while_the_prefetch_is_in_flight_leaves_nothing_behind,
- test_shutdown_after_l3_scenarios_leaves_every_rank_clean) = sched_l3.l3_tests("0.5.18")
+globals().update(sched_l3.l3_tests("0.5.18"))
