@@ -177,13 +177,13 @@ def _overrides() -> tuple[Hook, ...]:
         _alloc("alloc", "override", ("self", "need_size"), "allocates by owner lanes"),
         _alloc("free", "override", ("self", "free_index"), "frees into owner lanes"),
         _alloc("free_segment", "override", ("self", "free_index", "start_pos"),
-             "frees a served request's row slices through its CPU row"),
+               "frees a served request's row slices through its CPU row"),
         _alloc("merge_and_sort_free", "override", ("self",), "sorts its lanes after a take-back"),
         _paged("alloc_extend", "override", (
             "self", "prefix_lens", "prefix_lens_cpu", "seq_lens", "seq_lens_cpu", "last_loc",
             "extend_num_tokens", "num_new_pages"), "serves the scheduler's extend allocations"),
         _paged("alloc_decode", "override",
-             ("self", "seq_lens", "seq_lens_cpu", "last_loc"), "serves the scheduler's decode allocations"),
+               ("self", "seq_lens", "seq_lens_cpu", "last_loc"), "serves the scheduler's decode allocations"),
     )
 
 
@@ -209,7 +209,7 @@ def _instance_replacements() -> tuple[Hook, ...]:
         _cache("root_node", "replaced-on-instance", None, "puts a CpTreeNode root in after reset"),
         _cache("_empty_match_result", "replaced-on-instance", None, "points the empty match at its root"),
         _node("children", "replaced-on-instance", None,
-             "uses a plain dict (a missed lookup raises instead of adding an orphan)"),
+              "uses a plain dict (a missed lookup raises instead of adding an orphan)"),
     )
 
 
@@ -238,7 +238,7 @@ def _private_helpers() -> tuple[Hook, ...]:
              "resolves the indexer transfer of each CP operation"),
         _hcc("_move_op_indices", "private-helper", ("self", "op"), "prepares a CP write as loads are prepared"),
         _alloc("_copy_for_free_group", "private-helper", ("free_index",),
-             "defers frees inside a free group as upstream"),
+               "defers frees inside a free group as upstream"),
         Hook(_PH_BASE, "HostKVCache", "_is_device_layer_sharded", "private-helper",
              ("self", "device_pool"), "refuses layer-sharded device pools (both host pools)"),
     )
