@@ -65,21 +65,7 @@ from sglang_cp_hicache.l3.plan import (
 from sglang_cp_hicache.l3.store import FilePageStore, PageStore
 
 __all__ = [
-    "FilePageStore",
-    "HostL3Tier",
-    "L3Counters",
-    "L3Namespace",
-    "L3ReadPlan",
-    "L3Snapshot",
-    "L3WritePlan",
-    "PageStore",
-    "Rejection",
-    "interleaved_owners",
-    "local_usable_pages",
-    "pack",
-    "page_key",
-    "page_keys",
-    "read_plan",
-    "unpack",
+    "FilePageStore", "HostL3Tier", "L3Counters", "L3Namespace", "L3ReadPlan", "L3Snapshot", "L3WritePlan", "PageStore",
+    "Rejection", "interleaved_owners", "local_usable_pages", "pack", "page_key", "page_keys", "read_plan", "unpack",
     "write_plan",
 ]
