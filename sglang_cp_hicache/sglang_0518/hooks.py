@@ -54,15 +54,12 @@ _COPY_D2H = ("self", "device_pool", "host_indices", "device_indices", "io_backen
 _COPY_H2D = ("self", "device_pool", "host_indices", "device_indices", "layer_id", "io_backend", "is_draft")
 
 
+# A maker for each owner with three or more hooks.
 _cache = owner_hooks(_HRC, "HiRadixCache")
 _alloc = owner_hooks(_ALLOC, "BaseTokenToKVPoolAllocator")
-_paged = owner_hooks(_PAGED, "PagedTokenToKVPoolAllocator")
+_hcc = owner_hooks(_HCC, "HybridCacheController")
 _node = owner_hooks(_RC, "TreeNode")
 _key = owner_hooks(_RC, "RadixKey")
-_hcc = owner_hooks(_HCC, "HybridCacheController")
-_mla = owner_hooks(_MLA, "MLATokenToKVPoolHost")
-_idx = owner_hooks(_MPH, "DSAIndexerPoolHost")
-_group = owner_hooks(_MPH, "HostPoolGroup")
 
 
 def _classes() -> tuple[Hook, ...]:
@@ -179,24 +176,24 @@ def _overrides() -> tuple[Hook, ...]:
         _alloc("free_segment", "override", ("self", "free_index", "start_pos"),
                "frees a served request's row slices through its CPU row"),
         _alloc("merge_and_sort_free", "override", ("self",), "sorts its lanes after a take-back"),
-        _paged("alloc_extend", "override", (
+        Hook(_PAGED, "PagedTokenToKVPoolAllocator", "alloc_extend", "override", (
             "self", "prefix_lens", "prefix_lens_cpu", "seq_lens", "seq_lens_cpu", "last_loc",
             "extend_num_tokens", "num_new_pages"), "serves the scheduler's extend allocations"),
-        _paged("alloc_decode", "override",
-               ("self", "seq_lens", "seq_lens_cpu", "last_loc"), "serves the scheduler's decode allocations"),
+        Hook(_PAGED, "PagedTokenToKVPoolAllocator", "alloc_decode", "override",
+             ("self", "seq_lens", "seq_lens_cpu", "last_loc"), "serves the scheduler's decode allocations"),
     )
 
 
 def _instance_replacements() -> tuple[Hook, ...]:
     """What the adapter overwrites on upstream's instances."""
     return (
-        _mla("backup_from_device_all_layer", "replaced-on-instance", _COPY_D2H,
+        Hook(_MLA, "MLATokenToKVPoolHost", "backup_from_device_all_layer", "replaced-on-instance", _COPY_D2H,
              "binds the CP backup (this library's kernels) to the KV host pool instance"),
-        _mla("load_to_device_per_layer", "replaced-on-instance", _COPY_H2D,
+        Hook(_MLA, "MLATokenToKVPoolHost", "load_to_device_per_layer", "replaced-on-instance", _COPY_H2D,
              "binds the CP load to the KV host pool instance"),
-        _idx("backup_from_device_all_layer", "replaced-on-instance", _COPY_D2H,
+        Hook(_MPH, "DSAIndexerPoolHost", "backup_from_device_all_layer", "replaced-on-instance", _COPY_D2H,
              "binds the CP backup to the indexer host pool instance"),
-        _idx("load_to_device_per_layer", "replaced-on-instance", _COPY_H2D,
+        Hook(_MPH, "DSAIndexerPoolHost", "load_to_device_per_layer", "replaced-on-instance", _COPY_H2D,
              "binds the CP load to the indexer host pool instance"),
         Hook(_MP, "ReqToTokenPool", "alloc", "replaced-on-instance", ("self", "reqs"),
              "learns each extend batch's request order (it runs just before alloc_extend)"),
@@ -266,8 +263,8 @@ def _calls() -> tuple[Hook, ...]:
         _hcc("start_loading", "call", ("self",), "submits the queued CP loads"),
         _hcc("evict_host", "call", ("self", "host_indices", "backup_only"),
              "frees this rank's host slots of an evicted node"),
-        _group("alloc", "call", ("self", "need_size"), "takes host slots for a write"),
-        _group("free", "call", ("self", "indices"), "frees host slots of a taken-back write"),
+        Hook(_MPH, "HostPoolGroup", "alloc", "call", ("self", "need_size"), "takes host slots for a write"),
+        Hook(_MPH, "HostPoolGroup", "free", "call", ("self", "indices"), "frees host slots of a taken-back write"),
         *page_byte_hooks(_MLA, _MPH),
         Hook(_METRICS, "RadixCacheMetricsCollector", "observe_load_back_duration", "call",
              ("self", "duration_seconds"), "observes load-back durations"),

@@ -59,15 +59,12 @@ _COMMON = "sglang.srt.mem_cache.common"
 _SB = "sglang.srt.managers.schedule_batch"
 _METRICS = "sglang.srt.observability.metrics_collector"
 _ACTIONS = "sglang.srt.mem_cache.unified_cache.cache_action"
+# A maker for each owner with three or more hooks.
 _urc = owner_hooks(_URC, "UnifiedRadixCache")
 _hcc = owner_hooks(_HCC, "HybridCacheController")
 _l2 = owner_hooks(_L2, "L2TransferEngine")
-_dsa = owner_hooks(_ASM, "_DsaStrategy")
 _tree = owner_hooks(_TREE, "UnifiedTreeCore")
-_node = owner_hooks(_TREE, "UnifiedTreeNode")
-_full = owner_hooks(_FULL, "FullComponent")
 _alloc = owner_hooks(_ALLOC_PI, "PageInterleavePoolAllocator")
-_group = owner_hooks(_GROUP, "HostPoolGroup")
 _STEP_PARAMS = ("self", "transfers", "transfer_layer_id_max", "start_event", "on_layer_done")
 _BUILD_PARAMS = (
     "self", "cache", "kvcache", "params", "server_args", "load_cache_event", "storage_backend",
@@ -119,7 +116,8 @@ def _classes() -> tuple[Hook, ...]:
         cls("sglang.srt.mem_cache.unified_cache.component_type", "ComponentType",
             "maps the FULL component to the KV host pool"),
         cls(_ASM, "register_stack_strategy", "registers its strategy ahead of upstream's", ("strategy",)),
-        cls(_ASM, "build_host_pool_group", "builds the host pool group as upstream's DSA strategy does", ("config",)),
+        cls(_ASM, "build_host_pool_group", "builds the host pool group as upstream's DSA strategy does",
+            ("config",)),
         cls(_ASM, "StackBuildResult", "returns what upstream's DSA strategy returns", (
             "host_pool_group", "cache_controller", "component_host_pools", "sidecars",
             "register_req_to_token_counter", "pools_desc", "pool_declarations")),
@@ -142,9 +140,9 @@ def _classes() -> tuple[Hook, ...]:
 def _seam() -> tuple[Hook, ...]:
     """Overrides, the instance replacement and the private helpers."""
     return (
-        _dsa("build", "override", _BUILD_PARAMS,
+        Hook(_ASM, "_DsaStrategy", "build", "override", _BUILD_PARAMS,
              "builds the sharded DSA stack with its controller in place of upstream's"),
-        _dsa("matches", "override", ("self", "kvcache", "components"),
+        Hook(_ASM, "_DsaStrategy", "matches", "override", ("self", "kvcache", "components"),
              "narrows the match to the sharded DSA pool and calls upstream's"),
         _hcc("__init__", "override", _CONTROLLER_PARAMS,
              "constructs its controller with upstream's DSA strategy arguments"),
@@ -177,13 +175,13 @@ def _seam() -> tuple[Hook, ...]:
               "evicts the host leaves that hold pages of a class a backup is short of"),
         _tree("_split_node", "private-helper", ("self", "key", "child", "split_len"),
               "cuts off the tail of a host leaf that is all a backup needs, keeping the prefix on the host"),
-        _node("last_access_time", "replaced-on-instance", None,
-              "gives both halves of a split host leaf the leaf's recency (the split stamps them as new)"),
-        _full("evict_component", "replaced-on-instance",
-              ("self", "node", "device_frees", "host_frees", "cache_actions", "target"),
-              "remembers the rotation phase of each node whose device value it queues for freeing"),
-        _full("_ensure_eviction_strategy", "private-helper", ("self",),
-              "binds the eviction priority as upstream's host eviction does"),
+        Hook(_TREE, "UnifiedTreeNode", "last_access_time", "replaced-on-instance", None,
+             "gives both halves of a split host leaf the leaf's recency (the split stamps them as new)"),
+        Hook(_FULL, "FullComponent", "evict_component", "replaced-on-instance",
+             ("self", "node", "device_frees", "host_frees", "cache_actions", "target"),
+             "remembers the rotation phase of each node whose device value it queues for freeing"),
+        Hook(_FULL, "FullComponent", "_ensure_eviction_strategy", "private-helper", ("self",),
+             "binds the eviction priority as upstream's host eviction does"),
         _alloc("free_segment", "replaced-on-instance", ("self", "free_index", "start_pos"),
                "frees an evicted node's pages from its rotation phase (no host read)"),
         _alloc("free", "replaced-on-instance", ("self", "free_index"),
@@ -333,15 +331,16 @@ def _l3() -> tuple[Hook, ...]:
         *attribute_hooks(_TREE, "UnifiedTreeCore", "is_eagle", "keeps bigram keys out of L3"),
         *attribute_hooks(_TREE, "UnifiedTreeNode", "key write_through_pending_id",
                 "hangs a chain only under a node whose host copy is final"),
-        _node("rotation_base", "replaced-on-instance", None,
-              "reads a node's chain rotation and stamps the chain's base on a node inserted from L3"),
+        Hook(_TREE, "UnifiedTreeNode", "rotation_base", "replaced-on-instance", None,
+             "reads a node's chain rotation and stamps the chain's base on a node inserted from L3"),
         *attribute_hooks(_BPC, "InsertResult", "inserted_host_node host_insert_dropped", "finds the inserted host node"),
         Hook(_BPC, "IncLockRefResult", "to_dec_params", "call", ("self",), "keeps the anchor lock's release"),
         _alloc("least_full_class", "call", ("self",),
                "starts a restored chain from the root on the least-full host class"),
-        _group("alloc", "call", ("self", "need_size", "pool", "reclaim", "start_owner"),
-               "takes logical host slots of the chain's owners"),
-        _group("free", "call", ("self", "indices", "pool"), "gives back the slots past the agreed pages"),
+        Hook(_GROUP, "HostPoolGroup", "alloc", "call", ("self", "need_size", "pool", "reclaim", "start_owner"),
+             "takes logical host slots of the chain's owners"),
+        Hook(_GROUP, "HostPoolGroup", "free", "call", ("self", "indices", "pool"),
+             "gives back the slots past the agreed pages"),
         *page_byte_hooks(_PH_MLA, _PH_DSA),
         *attribute_hooks(_PH_MLA, "MLATokenToKVPoolHost", "kv_cache_dim layout", "sizes the L3 KV namespace"),
         *attribute_hooks(_PH_DSA, "DSAIndexerPoolHost", "indexer_page_stride_size", "sizes the L3 indexer namespace"),
