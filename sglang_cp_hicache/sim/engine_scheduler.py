@@ -151,6 +151,10 @@ class _ClosedLoop:
         self.shown = 0
         self.start = time.perf_counter()
 
+    def served_rids(self) -> list[str]:
+        """The requests this loop submitted (every one of the workload's)."""
+        return self.rids
+
     def _prune(self) -> None:
         still = [i for i in self.open if self.rids[i] not in self.finished]
         self.done += len(self.open) - len(still)
@@ -199,7 +203,8 @@ class _ClosedLoop:
 def replay_through_scheduler(config: SimConfig, requests: PackedRequests, opts: EngineOptions,
                              show_progress: bool = False) -> SchedulerReplay:
     """Replay ``requests`` through SGLang's real scheduler on ``config.cp_size``
-    ranks. Raises :class:`~sglang_cp_hicache.testing.sched_harness.HarnessError`
+    ranks; with ``config.fleet_feed``, only those its fleet's coordinator
+    releases, in that order (:mod:`sglang_cp_hicache.sim.fleet.sched_feed`). Raises :class:`~sglang_cp_hicache.testing.sched_harness.HarnessError`
     when a rank fails (a prefix row mismatch, a leak, a stall)."""
     from sglang_cp_hicache.testing.sched_harness import SchedulerHarness
 
@@ -211,9 +216,20 @@ def replay_through_scheduler(config: SimConfig, requests: PackedRequests, opts: 
     start = time.perf_counter()
     with SchedulerHarness(sc) as h:
         up = time.perf_counter()
-        loop = _ClosedLoop(h, requests, opts, show_progress)
+        if config.fleet_feed is None:
+            loop = _ClosedLoop(h, requests, opts, show_progress)
+        else:
+            loop = _fed(h, requests, opts, config)
         loop.run()
         idle = h.wait_idle()
         replayed = time.perf_counter()
         run = h.close()
-    return SchedulerReplay(run, idle, loop.rids, loop.aborted, up - start, replayed - up)
+    return SchedulerReplay(run, idle, loop.served_rids(), loop.aborted, up - start, replayed - up)
+
+
+def _fed(h: "SchedulerHarness", requests: PackedRequests, opts: EngineOptions, config: SimConfig) -> _ClosedLoop:
+    from sglang_cp_hicache.sim.fleet.feed import ParentFeed
+    from sglang_cp_hicache.sim.fleet.sched_feed import FedLoop
+
+    assert config.fleet_feed is not None
+    return FedLoop(h, requests, opts, ParentFeed(config.fleet_feed), config.page_size)

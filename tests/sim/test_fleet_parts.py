@@ -131,7 +131,7 @@ def test_restored_pages_are_attributed_to_the_deployment_that_alone_stored_them(
     from sglang_cp_hicache.sim.fleet.coordinator import Deployment
     from sglang_cp_hicache.sim.fleet.report import _attribution
 
-    deps = [Deployment(spec=DeploymentSpec("0.5.18", 2), name=f"d{k}", command=[], l3_dir=None, json_path="",
+    deps = [Deployment(spec=DeploymentSpec("0.5.18", 2), name=f"d{k}", command=[], l3_dir=None, json_path="", readers=2,
                        log_path="", env={}) for k in range(3)]
     jsons = [
         {"l3_stored_keys_per_rank": [["a"], ["b"]], "l3_restored_keys_per_rank": [["c", "a"], ["x"]]},
