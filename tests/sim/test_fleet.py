@@ -24,7 +24,7 @@ import pytest
 
 from sglang_cp_hicache.sim.ideal import ideal_cache
 from sglang_cp_hicache.sim.workload import load_trace
-from tests.sim.simrun import ROOT, sim_env
+from tests.sim.simrun import ROOT, sim_env, with_engine
 
 TRACE = os.path.join(ROOT, "tests", "data", "mooncake_conversation_slice.jsonl")
 REQUESTS = 40
@@ -33,11 +33,12 @@ IN_CI = os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
 
 
 def fleet(tmp_path: Path, *args: str, l3: Optional[str] = None) -> tuple[subprocess.CompletedProcess, dict]:
-    """The fleet on the slice; ``l3``: its --l3 (default a file L3 in ``tmp_path``)."""
+    """The fleet on the slice; ``l3``: its --l3 (default a file L3 in ``tmp_path``); on the loop engine
+    unless ``args`` name one."""
     out = tmp_path / "fleet.json"
     cmd = [sys.executable, "-m", "sglang_cp_hicache", "fleet", "--no-progress", "--trace", TRACE,
            "--requests", str(REQUESTS), "--layers", "1", "--capacity", "0.1", "--l3", l3 or str(tmp_path / "l3"),
-           "--json", str(out), *args]
+           "--json", str(out), *with_engine(args)]
     proc = subprocess.run(cmd, cwd=ROOT, env=sim_env(), capture_output=True, text=True, timeout=600)
     assert out.exists(), proc.stdout + proc.stderr
     return proc, json.loads(out.read_text())

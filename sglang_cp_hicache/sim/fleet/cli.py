@@ -149,8 +149,10 @@ def _check(args: argparse.Namespace) -> Union[str, tuple[list[DeploymentSpec], d
         return f"--requests must be a positive integer, got {args.requests}"
     if not 0.0 < args.capacity <= 1.0:
         return f"--capacity must be in (0, 1], got {args.capacity}"
-    problem = (_restart_problem(args) or check_fleet_l3(args.l3, args.l3_scope, args.mooncake_segment)
-               or _engine_problem(args, specs) or _mooncake_problem(args, specs, pythons))
+    # check_fleet_l3 last but one: it creates an L3 directory, which only a fleet that will start may
+    problem = (_restart_problem(args) or _engine_problem(args, specs)
+               or check_fleet_l3(args.l3, args.l3_scope, args.mooncake_segment)
+               or _mooncake_problem(args, specs, pythons))
     if problem is not None:
         return problem
     return specs, pythons

@@ -117,6 +117,9 @@ def _deployment_fields(dep: Deployment, j: Optional[dict[str, Any]], facts: Flee
         "hit_tokens": hits, "hit_tokens_per_tier": tiers,
         "ideal_hit_tokens": ideal, "ideal_hit_tokens_alone": sum(alone),
         "hit_ratio": _share(hits, ideal), "hit_ratio_per_tier": {t: _share(n, ideal) for t, n in tiers.items()},
+        # scheduler engine, a deployment that finished: its summary's hits per tier, which the requests' must sum to
+        "engine_hit_tokens_per_tier": (j.get("hit_tokens_per_tier") if j and j.get("engine") == "scheduler"
+                                       and dep.exit_code == 0 else None),
         "l3_restored_pages_by_writer": by_writer,
         "l3_restored_from_other_deployment": sum(n for w, n in other.items() if w != "unknown"),
         "l3_restored_from_other_release": sum(n for w, n in other.items()
@@ -168,6 +171,9 @@ def fleet_summary(run: FleetRun, facts: FleetFacts, requests: Sequence[Sequence[
             problems.append(f"{p['name']} exited with status {p['exit_code']}: {p['requests_lost']} requests lost "
                             f"(log: {p['log']})")
         problems += [f"{p['name']}: {x}" for x in p["problems"]]
+        if p["engine_hit_tokens_per_tier"] not in (None, p["hit_tokens_per_tier"]):
+            problems.append(f"{p['name']}: its requests' hits {p['hit_tokens_per_tier']} differ from its "
+                            f"scheduler's {p['engine_hit_tokens_per_tier']}")
     if run.unrouted:
         problems.append(f"{len(run.unrouted)} requests found no live deployment")
     if corrupted:
