@@ -82,9 +82,9 @@ def check_accounting(summary: dict) -> None:
 #: d0) and B (to d1) of six pages no other prompt shares, five two-page fillers, then A and one page more (to
 #: d1) and B and one page more (to d0). The second of a pair is released only once the other deployment has
 #: finished the first and two fillers since (its window of one holds the line), so the first's pages have
-#: left for L3; the second's deployment never held them. On the slice itself the fleet's closed loop
-#: releases a conversation's next turn while its last one is still being written (no think time), and
-#: neither deployment restored a page the other wrote in 60 requests.
+#: left for L3; the second's deployment never held them. (On the slice, where a conversation's next turn
+#: follows its last without think time, how many pages cross depends on how fast the last turn's writes
+#: land: 2 and 10 pages in one 40-request run.)
 _P = 64
 
 
