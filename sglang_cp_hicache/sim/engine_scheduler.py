@@ -182,13 +182,22 @@ class _ClosedLoop:
                 h.abort(entry.rid)
         self.top_up()
 
+    def serve_open(self) -> None:
+        """Serve the ranks until their next batch, or until they are idle (then every submitted request is
+        finished, and the window is topped up). The batch timeout bounds the wait for the next batch, not
+        the whole replay: ranks kept busy by the top-ups may not go idle before the last request."""
+        h, batches = self.h, len(self.h.batches)
+        h.wait_for(lambda: h.idle() or len(h.batches) != batches, self.opts.batch_timeout_s,
+                   "the next batch or every rank idle")
+        if h.idle():  # idle with everything pushed processed: every submitted request is finished
+            self.finished.update(self.rids[i] for i in self.open)
+            self.top_up()
+
     def run(self) -> None:
         self.h.on_batch = self.on_batch
         self.top_up()
         while self.open:
-            self.h.wait_idle()  # idle with everything pushed processed: every submitted request is finished
-            self.finished.update(self.rids[i] for i in self.open)
-            self.top_up()
+            self.serve_open()
         self.h.on_batch = None
         self.h.wait_finished(self.rids)  # every request's output, before the summary reads them
 

@@ -100,14 +100,7 @@ class FedLoop(_ClosedLoop):
                 h.wait_for(lambda: bool(self.open or self.queue) or self.feed.ended, _FEED_WAIT_S,
                            "the fleet's next request")
                 continue
-            # a busy deployment may never go idle while its feed keeps it busy: what must not take longer
-            # than the batch timeout is the wait for its next batch (or for idleness)
-            batches = len(h.batches)
-            h.wait_for(lambda: h.idle() or len(h.batches) != batches, self.opts.batch_timeout_s,
-                       "the next batch or every rank idle")
-            if h.idle():  # with everything pushed processed: every submitted request is finished
-                self.finished.update(self.rids[i] for i in self.open)
-                self.top_up()
+            self.serve_open()
         h.on_batch = None
         h.watched.clear()
         h.wait_finished(self.served_rids())
