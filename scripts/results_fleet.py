@@ -77,8 +77,8 @@ def section_fleet(res: Results) -> list[str]:
         ("Routes and L3 scopes", [f for f in runs if _stem(f).startswith("route-")], None),
         ("The whole trace (every request; "
          + (f"{_deployments(runs[whole[0]])}, {n(runs[whole[0]].get('requests'))} requests, " if whole else "")
-         + "pools sized with `--capacity 0.1` so three deployments fit this machine's memory; prefix-affinity; "
-         "each L3 scope)", whole, None),
+         + "pools sized with `--capacity 0.1` so three deployments fit this machine's memory; each route and "
+         "L3 scope)", whole, None),
         ("Sizing: the bounded L3 directory's max size (SGLANG_HICACHE_FILE_BACKEND_MAX_SIZE, fleet scope, "
          "prefix-affinity)", [f for f in runs if _stem(f).startswith("size-")], _size),
         ("Sizing: host pages per rank (fleet scope, prefix-affinity)",
@@ -117,8 +117,12 @@ def section_fleet(res: Results) -> list[str]:
 def headline_row(res: Results) -> Optional[list[str]]:
     """Each route's fleet hit_ratio, one store against a store per deployment."""
     by = {_stem(f): d for f, d in _runs(res).items()}
-    pairs = [(route, by.get(f"route-{route}-fleet"), by.get(f"route-{route}-deployment"))
-             for route in ("round-robin", "least-loaded", "prefix-affinity")]
+    routes = ("round-robin", "least-loaded", "prefix-affinity")
+    # the whole trace once every route ran in both scopes there (its prefix-affinity runs are whole-<scope>)
+    whole = [(r, by.get(f"whole-{r}-fleet".replace("prefix-affinity-", "")),
+              by.get(f"whole-{r}-deployment".replace("prefix-affinity-", ""))) for r in routes]
+    pairs = whole if all(f is not None and a is not None for _, f, a in whole) else [
+        (r, by.get(f"route-{r}-fleet"), by.get(f"route-{r}-deployment")) for r in routes]
     pairs = [(r, f, a) for r, f, a in pairs if f is not None and a is not None]
     if not pairs:
         return None
