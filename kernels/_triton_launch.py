@@ -5,7 +5,8 @@ Private: callers go through :mod:`.transfer` (one call) or :mod:`.bound`
 own tests and benchmarks call these directly for the tuning arguments.
 
 Four launchers, one per operation, each with the signature of its
-:mod:`.reference` twin plus two keyword-only tuning arguments:
+:mod:`.reference` twin (one :class:`~._copies.CopyFunctions`) plus two
+keyword-only tuning arguments, ``num_ctas`` and ``block_bytes``:
 
 * ``backup_kv_all_layers`` / ``backup_indexer_all_layers`` -- D2H, every layer,
   one launch;
@@ -27,13 +28,13 @@ the index tensors (what :class:`~.bound.PoolCopies` calls).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
 from . import _checks
 from . import _launch_spec as _spec
 from ._checks import PoolGeometry, check_launchable
+from ._copies import CheckedCopy, CopyFunctions
 from ._kernel import (
     COUNT_PAGES,
     DEFAULT_BLOCK_BYTES,
@@ -61,6 +62,7 @@ __all__ = [
     "load_bound",
     "load_indexer_one_layer",
     "load_kv_one_layer",
+    "run",
 ]
 
 
@@ -167,98 +169,20 @@ def load_bound(
 
 
 # ----------------------------------------------------------------------------- public launchers
-def _backup_all_layers(
-    dev_name: str, device_layers, host_name: str, host: torch.Tensor, host_layout: str,
-    device_locs: torch.Tensor, host_locs: torch.Tensor, placement: CpPlacement,
-    *, kv: bool, num_ctas: int | None, block_bytes: int | None,
-) -> None:
-    """Shared body of the two backups (KV rows or indexer pages)."""
-    placement, pool = _checks.checked_copy_pool(kv, dev_name, device_layers, host_name, host, host_layout,
-                                                placement)
+def run(copy: CheckedCopy, *, num_ctas: int | None = None, block_bytes: int | None = None) -> None:
+    """One copy whose buffers :class:`~._copies.CopyFunctions` checked, with
+    the launch's tuning (None: the defaults)."""
     num_ctas, block_bytes = _check_num_ctas(num_ctas, block_bytes)
-    if _check_call(device_locs, host_locs, placement, pool.device, pool.dev_num_pages, pool.host.num_pages,
-                   to_host=True):
-        _launch(_backup_plan(pool), device_locs, host_locs, placement, num_ctas, block_bytes)
+    pool, dl, hl, placement = copy.pool, copy.device_locs, copy.host_locs, copy.placement
+    if _check_call(dl, hl, placement, pool.device, pool.dev_num_pages, pool.host.num_pages, to_host=copy.to_host):
+        plan = _backup_plan(pool) if copy.to_host else _load_plan(pool, pool.device_layers[0], copy.layer_id)
+        _launch(plan, dl, hl, placement, num_ctas, block_bytes)
 
 
-def _load_one_layer(
-    dev_name: str, device_layer, host_name: str, host: torch.Tensor, host_layout: str,
-    layer_id: int, device_locs: torch.Tensor, host_locs: torch.Tensor, placement: CpPlacement,
-    *, kv: bool, num_ctas: int | None, block_bytes: int | None,
-) -> None:
-    """Shared body of the two loads (KV rows or indexer pages)."""
-    placement, pool = _checks.checked_copy_pool(kv, dev_name, device_layer, host_name, host, host_layout,
-                                                placement, layer_id)
-    num_ctas, block_bytes = _check_num_ctas(num_ctas, block_bytes)
-    if _check_call(device_locs, host_locs, placement, pool.device, pool.dev_num_pages, pool.host.num_pages,
-                   to_host=False):
-        _launch(_load_plan(pool, pool.device_layers[0], layer_id), device_locs, host_locs, placement,
-                num_ctas, block_bytes)
-
-
-def backup_kv_all_layers(
-    device_kv: Sequence[torch.Tensor],
-    host_kv: torch.Tensor,
-    host_layout: str,
-    device_locs: torch.Tensor,
-    host_locs: torch.Tensor,
-    placement: CpPlacement,
-    *,
-    num_ctas: int | None = None,
-    block_bytes: int | None = None,
-) -> None:
-    """D2H: every layer's owned KV pages -> host slots. One launch, no sync."""
-    _backup_all_layers("device_kv", device_kv, "host_kv", host_kv, host_layout, device_locs,
-                       host_locs, placement, kv=True, num_ctas=num_ctas, block_bytes=block_bytes)
-
-
-def load_kv_one_layer(
-    device_kv_layer: torch.Tensor,
-    host_kv: torch.Tensor,
-    host_layout: str,
-    layer_id: int,
-    device_locs: torch.Tensor,
-    host_locs: torch.Tensor,
-    placement: CpPlacement,
-    *,
-    num_ctas: int | None = None,
-    block_bytes: int | None = None,
-) -> None:
-    """H2D: one layer's host slots -> owned physical KV pages. One launch, no sync."""
-    _load_one_layer("device_kv_layer", device_kv_layer, "host_kv", host_kv, host_layout, layer_id,
-                    device_locs, host_locs, placement, kv=True, num_ctas=num_ctas, block_bytes=block_bytes)
-
-
-def backup_indexer_all_layers(
-    device_index: Sequence[torch.Tensor],
-    host_index: torch.Tensor,
-    host_layout: str,
-    device_locs: torch.Tensor,
-    host_locs: torch.Tensor,
-    placement: CpPlacement,
-    *,
-    num_ctas: int | None = None,
-    block_bytes: int | None = None,
-) -> None:
-    """D2H: every layer's owned indexer pages -> host pages. One launch, no sync."""
-    _backup_all_layers("device_index", device_index, "host_index", host_index, host_layout,
-                       device_locs, host_locs, placement, kv=False, num_ctas=num_ctas,
-                       block_bytes=block_bytes)
-
-
-def load_indexer_one_layer(
-    device_index_layer: torch.Tensor,
-    host_index: torch.Tensor,
-    host_layout: str,
-    layer_id: int,
-    device_locs: torch.Tensor,
-    host_locs: torch.Tensor,
-    placement: CpPlacement,
-    *,
-    num_ctas: int | None = None,
-    block_bytes: int | None = None,
-) -> None:
-    """H2D: one layer's host indexer pages -> owned physical device pages. No sync."""
-    _load_one_layer("device_index_layer", device_index_layer, "host_index", host_index, host_layout,
-                    layer_id, device_locs, host_locs, placement, kv=False, num_ctas=num_ctas,
-                    block_bytes=block_bytes)
+# The four launchers: the signatures and buffer checks of
+# :class:`~._copies.CopyFunctions`, plus ``num_ctas`` / ``block_bytes``.
+_COPIES = CopyFunctions(run)
+backup_kv_all_layers = _COPIES.backup_kv_all_layers
+load_kv_one_layer = _COPIES.load_kv_one_layer
+backup_indexer_all_layers = _COPIES.backup_indexer_all_layers
+load_indexer_one_layer = _COPIES.load_indexer_one_layer

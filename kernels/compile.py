@@ -113,7 +113,9 @@ def _stand_ins(
     return out
 
 
-def _check_pool_config(page_size, host_layout, num_layers, kv_dim, kv_dtype, indexer_page_bytes) -> None:
+def _check_pool_config(page_size, host_layout, num_layers, kv_dim, kv_dtype, indexer_page_bytes,
+                       block_bytes) -> int:
+    """Check the pool configuration; the block size to launch with."""
     _checks.check_host_layout(host_layout)
     for name, value in (("page_size", page_size), ("num_layers", num_layers)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -125,6 +127,7 @@ def _check_pool_config(page_size, host_layout, num_layers, kv_dim, kv_dtype, ind
         raise ValueError("give kv_dim (with kv_dtype) and/or indexer_page_bytes")
     if kv_dim is not None and not isinstance(kv_dtype, torch.dtype):
         raise ValueError(f"kv_dtype must be a torch.dtype when kv_dim is given, got {kv_dtype!r}")
+    return _triton_launch._check_num_ctas(None, block_bytes)[1]
 
 
 def _cache_dir() -> str:
@@ -150,8 +153,8 @@ def warmup(
     ``host_layout``, on ``device`` (default: the current CUDA device, else the
     CPU) with the backend a copy there would use (see the module docstring).
     """
-    _check_pool_config(page_size, host_layout, num_layers, kv_dim, kv_dtype, indexer_page_bytes)
-    _, block_bytes = _triton_launch._check_num_ctas(None, block_bytes)
+    block_bytes = _check_pool_config(page_size, host_layout, num_layers, kv_dim, kv_dtype, indexer_page_bytes,
+                                     block_bytes)
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
     device = torch.device(device)
@@ -210,8 +213,8 @@ def compile_offline(
     """
     from triton.compiler import ASTSource
 
-    _check_pool_config(page_size, host_layout, num_layers, kv_dim, kv_dtype, indexer_page_bytes)
-    _, block_bytes = _triton_launch._check_num_ctas(None, block_bytes)
+    block_bytes = _check_pool_config(page_size, host_layout, num_layers, kv_dim, kv_dtype, indexer_page_bytes,
+                                     block_bytes)
     stand_ins = _stand_ins(
         page_size=page_size, host_layout=host_layout, num_layers=num_layers, kv_dim=kv_dim,
         kv_dtype=kv_dtype, indexer_page_bytes=indexer_page_bytes, device=torch.device("cpu"),

@@ -37,21 +37,20 @@ host memory for CUDA layers (:func:`._checks.check_launchable`,
 :func:`._checks.check_call_indices`). A caller tested on the CPU backend then
 cannot hand the GPU a call it refuses.
 
-Each public function checks the buffers (:func:`._checks.check_backup_pool`
-/ :func:`._checks.check_load_pool`, then :func:`._checks.check_launchable`)
-and hands the result to :func:`backup_all_layers` / :func:`load_one_layer`,
-which check only the index tensors: :class:`~.bound.PoolCopies` calls those
-two directly with the pool it checked once, at bind time.
+Each public function checks the buffers (:class:`~._copies.CopyFunctions`,
+shared with the other backends) and hands the result, through :func:`run`, to
+:func:`backup_all_layers` / :func:`load_one_layer`, which check only the
+index tensors: :class:`~.bound.PoolCopies` calls those two directly with the
+pool it checked once, at bind time.
 """
 
 from __future__ import annotations
-
-from typing import Sequence
 
 import torch
 
 from . import _checks
 from ._checks import PoolGeometry
+from ._copies import CheckedCopy, CopyFunctions
 from sglang_cp_hicache.placement import CpPlacement
 
 __all__ = [
@@ -61,6 +60,7 @@ __all__ = [
     "load_indexer_one_layer_reference",
     "load_kv_one_layer_reference",
     "load_one_layer",
+    "run",
 ]
 
 
@@ -141,59 +141,18 @@ def load_one_layer(
 
 
 # ----------------------------------------------------------------------------- public functions
-def backup_kv_all_layers_reference(
-    device_kv: Sequence[torch.Tensor],
-    host_kv: torch.Tensor,
-    host_layout: str,
-    device_locs: torch.Tensor,
-    host_locs: torch.Tensor,
-    placement: CpPlacement,
-) -> None:
-    """D2H: every layer's owned KV rows -> host slots."""
-    placement, pool = _checks.checked_copy_pool(True, "device_kv", device_kv, "host_kv", host_kv, host_layout,
-                                                placement)
-    backup_all_layers(pool, device_locs, host_locs, placement)
+def run(copy: CheckedCopy) -> None:
+    """One copy whose buffers :class:`~._copies.CopyFunctions` checked."""
+    if copy.to_host:
+        backup_all_layers(copy.pool, copy.device_locs, copy.host_locs, copy.placement)
+    else:
+        load_one_layer(copy.pool, copy.pool.device_layers[0], copy.layer_id, copy.device_locs, copy.host_locs,
+                       copy.placement)
 
 
-def load_kv_one_layer_reference(
-    device_kv_layer: torch.Tensor,
-    host_kv: torch.Tensor,
-    host_layout: str,
-    layer_id: int,
-    device_locs: torch.Tensor,
-    host_locs: torch.Tensor,
-    placement: CpPlacement,
-) -> None:
-    """H2D: one layer's host slots -> owned physical KV rows."""
-    placement, pool = _checks.checked_copy_pool(True, "device_kv_layer", device_kv_layer, "host_kv", host_kv,
-                                                host_layout, placement, layer_id)
-    load_one_layer(pool, device_kv_layer, layer_id, device_locs, host_locs, placement)
-
-
-def backup_indexer_all_layers_reference(
-    device_index: Sequence[torch.Tensor],
-    host_index: torch.Tensor,
-    host_layout: str,
-    device_locs: torch.Tensor,
-    host_locs: torch.Tensor,
-    placement: CpPlacement,
-) -> None:
-    """D2H: every layer's owned indexer pages -> host pages (page granular)."""
-    placement, pool = _checks.checked_copy_pool(False, "device_index", device_index, "host_index", host_index,
-                                                host_layout, placement)
-    backup_all_layers(pool, device_locs, host_locs, placement)
-
-
-def load_indexer_one_layer_reference(
-    device_index_layer: torch.Tensor,
-    host_index: torch.Tensor,
-    host_layout: str,
-    layer_id: int,
-    device_locs: torch.Tensor,
-    host_locs: torch.Tensor,
-    placement: CpPlacement,
-) -> None:
-    """H2D: one layer's host indexer pages -> owned physical device pages."""
-    placement, pool = _checks.checked_copy_pool(False, "device_index_layer", device_index_layer, "host_index",
-                                                host_index, host_layout, placement, layer_id)
-    load_one_layer(pool, device_index_layer, layer_id, device_locs, host_locs, placement)
+# The four copies (signatures and buffer checks in :class:`~._copies.CopyFunctions`).
+_COPIES = CopyFunctions(run)
+backup_kv_all_layers_reference = _COPIES.backup_kv_all_layers
+load_kv_one_layer_reference = _COPIES.load_kv_one_layer
+backup_indexer_all_layers_reference = _COPIES.backup_indexer_all_layers
+load_indexer_one_layer_reference = _COPIES.load_indexer_one_layer
