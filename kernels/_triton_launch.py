@@ -21,8 +21,8 @@ launches are serialised process-wide (:data:`INTERPRETER_LOCK`), because the
 interpreter patches ``triton.language`` globally while a kernel runs.
 
 :func:`bind_launches` resolves the buffer-fixed part of every launch of one
-checked pool once; :func:`backup_bound` / :func:`load_bound` then check only
-the index tensors (what :class:`~.bound.PoolCopies` calls).
+checked pool once; :func:`run_bound` then checks only the index tensors
+(what :class:`~.bound.PoolCopies` calls).
 """
 
 from __future__ import annotations
@@ -54,15 +54,16 @@ __all__ = [
     "MAX_TILE_PAGES",
     "WALK_PAGES",
     "PoolLaunches",
-    "backup_bound",
     "backup_indexer_all_layers",
     "backup_kv_all_layers",
+    "backup_plan",
     "bind_launches",
     "check_launchable",
-    "load_bound",
     "load_indexer_one_layer",
     "load_kv_one_layer",
+    "load_plan",
     "run",
+    "run_bound",
 ]
 
 
@@ -102,22 +103,19 @@ def _check_call(
 
 
 # ----------------------------------------------------------------------------- plans
-def _backup_plan(pool: PoolGeometry) -> LaunchPlan:
+def backup_plan(pool: PoolGeometry) -> LaunchPlan:
+    """Every layer of ``pool`` to the host (also warm-up's stand-ins)."""
     return LaunchPlan(pool.device_layers, True, pool.host_buffer, pool.host, 0, pool.dev_num_pages, to_host=True)
 
 
-def _load_plan(pool: PoolGeometry, device_layer: torch.Tensor, layer_id: int) -> LaunchPlan:
+def load_plan(pool: PoolGeometry, device_layer: torch.Tensor, layer_id: int) -> LaunchPlan:
     return LaunchPlan(
         (device_layer,), False, pool.host_buffer, pool.host, layer_id, pool.dev_num_pages, to_host=False
     )
 
 
 def _launch(
-    plan: LaunchPlan,
-    device_locs: torch.Tensor,
-    host_locs: torch.Tensor,
-    placement: CpPlacement,
-    num_ctas: int,
+    plan: LaunchPlan, device_locs: torch.Tensor, host_locs: torch.Tensor, placement: CpPlacement, num_ctas: int,
     block_bytes: int,
 ) -> None:
     part = _spec.pool_part(plan, placement.page_size, block_bytes)
@@ -141,31 +139,17 @@ def bind_launches(
     check_launchable(pool, [f"{dev_name}[{i}]" for i in range(len(pool.device_layers))], host_name)
     p, bb = placement.page_size, DEFAULT_BLOCK_BYTES
     return PoolLaunches(
-        backup=_spec.pool_part(_backup_plan(pool), p, bb),
-        loads=tuple(_spec.pool_part(_load_plan(pool, t, i), p, bb) for i, t in enumerate(pool.device_layers)),
+        backup=_spec.pool_part(backup_plan(pool), p, bb),
+        loads=tuple(_spec.pool_part(load_plan(pool, t, i), p, bb) for i, t in enumerate(pool.device_layers)),
     )
 
 
-def _run_bound(part: PoolPart, device_locs, host_locs, placement: CpPlacement) -> None:
-    to_host = part.meta["TO_HOST"]
+def run_bound(part: PoolPart, device_locs: torch.Tensor, host_locs: torch.Tensor, placement: CpPlacement) -> None:
+    """One launch of a bound pool (its backup, or one layer's load, resolved
+    by :func:`bind_launches`); checks only the index tensors."""
     if _check_call(device_locs, host_locs, placement, part.device, part.dev_num_pages, part.host_num_pages,
-                   to_host=to_host):
+                   to_host=part.meta["TO_HOST"]):
         _spec.run(part, device_locs, host_locs, placement, DEFAULT_NUM_CTAS)
-
-
-def backup_bound(
-    launches: PoolLaunches, device_locs: torch.Tensor, host_locs: torch.Tensor, placement: CpPlacement
-) -> None:
-    """D2H of every layer of a bound pool; checks only the index tensors."""
-    _run_bound(launches.backup, device_locs, host_locs, placement)
-
-
-def load_bound(
-    launches: PoolLaunches, layer_id: int, device_locs: torch.Tensor, host_locs: torch.Tensor,
-    placement: CpPlacement,
-) -> None:
-    """H2D of layer ``layer_id`` (checked by the caller) of a bound pool."""
-    _run_bound(launches.loads[layer_id], device_locs, host_locs, placement)
 
 
 # ----------------------------------------------------------------------------- public launchers
@@ -175,7 +159,7 @@ def run(copy: CheckedCopy, *, num_ctas: int | None = None, block_bytes: int | No
     num_ctas, block_bytes = _check_num_ctas(num_ctas, block_bytes)
     pool, dl, hl, placement = copy.pool, copy.device_locs, copy.host_locs, copy.placement
     if _check_call(dl, hl, placement, pool.device, pool.dev_num_pages, pool.host.num_pages, to_host=copy.to_host):
-        plan = _backup_plan(pool) if copy.to_host else _load_plan(pool, pool.device_layers[0], copy.layer_id)
+        plan = backup_plan(pool) if copy.to_host else load_plan(pool, pool.device_layers[0], copy.layer_id)
         _launch(plan, dl, hl, placement, num_ctas, block_bytes)
 
 

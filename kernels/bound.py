@@ -66,7 +66,7 @@ class PoolCopies:
         if backend == "reference":
             _reference.backup_all_layers(self.pool, device_locs, host_locs, self.placement)
         else:
-            _triton.backup_bound(self.launches, device_locs, host_locs, self.placement)
+            _triton.run_bound(self.launches.backup, device_locs, host_locs, self.placement)
         record(f"{self.kind}_backup_calls", backend, self.placement, host_locs)
 
     def load(self, layer_id: int, device_locs: torch.Tensor, host_locs: torch.Tensor) -> None:
@@ -78,7 +78,7 @@ class PoolCopies:
             layer = self.pool.device_layers[layer_id]
             _reference.load_one_layer(self.pool, layer, layer_id, device_locs, host_locs, self.placement)
         else:
-            _triton.load_bound(self.launches, layer_id, device_locs, host_locs, self.placement)
+            _triton.run_bound(self.launches.loads[layer_id], device_locs, host_locs, self.placement)
         record(f"{self.kind}_load_calls", backend, self.placement, host_locs)
 
 
