@@ -17,11 +17,9 @@ threaded CP ranks can share the interpreter.
 
 from __future__ import annotations
 
-from . import _triton_launch as _triton
-from . import reference as _reference
-from ._backend import BACKENDS, select_backend
-from ._copies import CheckedCopy, CopyFunctions
-from ._stats import CopyStats, copy_stats, record, reset_copy_stats
+from ._backend import BACKENDS, run_counted, select_backend
+from ._copies import CopyFunctions
+from ._stats import CopyStats, copy_stats, reset_copy_stats
 from .compile import WarmupReport, warmup
 
 __all__ = [
@@ -39,16 +37,9 @@ __all__ = [
 ]
 
 
-def _run(copy: CheckedCopy) -> None:
-    """One checked copy on the backend for its device buffers' device, counted."""
-    backend = select_backend(copy.pool.device)
-    (_reference.run if backend == "reference" else _triton.run)(copy)
-    record(copy.counter, backend, copy.placement, copy.host_locs)
-
-
 # The four copies (signatures, arguments and buffer checks in
 # :class:`~._copies.CopyFunctions`, shared with both backends).
-_COPIES = CopyFunctions(_run)
+_COPIES = CopyFunctions(run_counted)
 backup_kv_all_layers = _COPIES.backup_kv_all_layers
 load_kv_one_layer = _COPIES.load_kv_one_layer
 backup_indexer_all_layers = _COPIES.backup_indexer_all_layers
