@@ -27,8 +27,8 @@ class CheckedCopy:
     tensors are the backend's to check (values only where reading is free)."""
 
     placement: CpPlacement
-    pool: PoolGeometry  # a backup's every layer, or a load's one device layer
-    layer_id: int | None  # a load's host layer; None for a backup
+    pool: PoolGeometry  # a backup's every layer, or the one device layer a load writes
+    layer_id: int | None  # the host layer a load reads; None for a backup
     device_locs: torch.Tensor
     host_locs: torch.Tensor
 
