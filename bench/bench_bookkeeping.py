@@ -28,15 +28,11 @@ from typing import Optional
 import torch
 
 from sglang_cp_hicache.placement import CpPlacement
-from sglang_cp_hicache.policy_0518 import (
-    CpHiCacheNodeMetadata,
-    HostLeafIndex,
-    OwnerLaneAllocator,
-    evict_host_slots,
-    plan_load,
-    plan_write,
-    set_host_state,
-)
+from sglang_cp_hicache.policy_0518.allocator import OwnerLaneAllocator
+from sglang_cp_hicache.policy_0518.host_eviction import HostLeafIndex, evict_host_slots
+from sglang_cp_hicache.policy_0518.metadata import CpHiCacheNodeMetadata
+from sglang_cp_hicache.policy_0518.node_state import set_host_state
+from sglang_cp_hicache.policy_0518.plan import plan_load, plan_write
 from sglang_cp_hicache.testing.tree_nodes import Node
 
 from bench_paths import new_out_path

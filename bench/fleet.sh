@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # A fleet of three deployments (0.5.23 CP 4, 0.5.23 CP 2, 0.5.18 CP 2) on the
 # Mooncake conversation trace (first REQUESTS requests, 64 tokens a hash id),
-# through `python -m sglang_cp_hicache fleet` on the simulator's loop engine:
+# through `python -m sglang_cp_hicache fleet` on ENGINE (default loop, the
+# engine of the committed results; ENGINE=scheduler: SGLang's own scheduler,
+# file L3 only, so not the `segment` part):
 #
 #   bash bench/fleet.sh TRACE [OUT_DIR] [PART ...]
 #
@@ -23,6 +25,7 @@ TRACE=${1:?usage: bash bench/fleet.sh TRACE [OUT_DIR] [PART ...]}
 OUT=${2:-bench/results/fleet/run-$(date +%Y%m%d-%H%M%S)}
 shift $(( $# >= 2 ? 2 : 1 ))
 REQUESTS=${REQUESTS:-1000}
+ENGINE=${ENGINE:-loop}
 DEPLOYMENTS=${DEPLOYMENTS:-"0.5.23:cp4 0.5.23:cp2 0.5.18:cp2"}
 SIZES=${SIZES:-"2M 8M 32M 128M"}
 HOSTS=${HOSTS:-"4 16 64"}
@@ -42,7 +45,7 @@ run() {  # NAME [ENV=VALUE ...] -- FLEET FLAGS...
     local l3dir deps=()
     l3dir=$(mktemp -d "${TMPDIR:-/tmp}/fleet-l3-$name-XXXX")
     for d in $DEPLOYMENTS; do deps+=(--deployment "$d${HOST_SUFFIX:-}"); done
-    local args=("${deps[@]}" --trace "$TRACE" --requests "$REQUESTS" --l3 "${L3:-$l3dir}" --no-progress
+    local args=("${deps[@]}" --engine "$ENGINE" --trace "$TRACE" --requests "$REQUESTS" --l3 "${L3:-$l3dir}" --no-progress
                 --json "$OUT/$name.json" "$@")
     {
         echo "\$ ${envs[*]} .venv/bin/python -m sglang_cp_hicache fleet ${args[*]}"

@@ -17,16 +17,8 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 import torch.distributed as dist
 
 __all__ = [
-    "COPY_BACKEND_KEY",
-    "COPY_PATH_KEY",
-    "CpAgreementError",
-    "HOST_LAYOUT_KEY",
-    "HOST_POOL_SLOTS_KEY",
-    "L3_KEY",
-    "PAGE_SIZE_KEY",
-    "RankView",
-    "check_agreement",
-    "gather_and_check",
+    "COPY_BACKEND_KEY", "COPY_PATH_KEY", "CpAgreementError", "HOST_LAYOUT_KEY", "HOST_POOL_SLOTS_KEY", "L3_KEY",
+    "PAGE_SIZE_KEY", "RankView", "check_agreement", "gather_and_check",
 ]
 
 # The keys of a rank's view that both releases send, one name per value (an

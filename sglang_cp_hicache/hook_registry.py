@@ -31,10 +31,11 @@ import inspect
 import sys
 import threading
 from dataclasses import dataclass
-from typing import Any, Literal, Optional
+from typing import Any, Callable, Literal, Optional
 
 __all__ = [
-    "KINDS", "Hook", "HookMismatchError", "Kind", "attribute_hooks", "check_hooks", "find_problem", "self_targets",
+    "KINDS", "Hook", "HookMismatchError", "Kind", "attribute_hooks", "check_hooks", "find_problem", "owner_hooks",
+    "page_byte_hooks", "self_targets",
 ]
 
 Kind = Literal["override", "replaced-on-instance", "private-helper", "attribute", "call"]
@@ -73,9 +74,25 @@ class Hook:
         return f"{self.module}.{owner}{self.attribute}"
 
 
+def owner_hooks(module: str, owner: Optional[str]) -> Callable[[str, Kind, Optional[tuple[str, ...]], str], Hook]:
+    """A maker of the hooks on one ``owner`` class of ``module`` (None: the
+    module's own names): ``make(attribute, kind, params, why)``."""
+    return functools.partial(Hook, module, owner)
+
+
 def attribute_hooks(module: str, owner: str, names: str, why: str) -> tuple[Hook, ...]:
     """One ``attribute`` hook per space-separated name read on ``owner``."""
     return tuple(Hook(module, owner, n, "attribute", None, why) for n in names.split())
+
+
+def page_byte_hooks(kv_module: str, indexer_module: str) -> tuple[Hook, ...]:
+    """The host pools' page methods the L3 tier reads and restores pages with (alike on both releases)."""
+    pools = ((kv_module, "MLATokenToKVPoolHost", "KV"), (indexer_module, "DSAIndexerPoolHost", "indexer"))
+    return tuple(hook for module, owner, what in pools for hook in (
+        Hook(module, owner, "get_data_page", "call", ("self", "index", "flat"),
+             f"reads an owned page's {what} bytes for L3 (flat=False: the view a verified L3 page is copied into)"),
+        Hook(module, owner, "set_from_flat_data_page", "call", ("self", "index", "data_page"),
+             f"puts a verified L3 page's {what} bytes into the host pool where the page view is not the pool's own")))
 
 
 class HookMismatchError(RuntimeError):

@@ -25,17 +25,8 @@ from typing import Mapping, Optional
 from sglang_cp_hicache import settings
 
 __all__ = [
-    "PLUGINS_ENV",
-    "RELEASES",
-    "ReleaseAdapter",
-    "adapter_for",
-    "adapter_for_plugin",
-    "allow_list_note",
-    "allowed_plugins",
-    "left_out_warning",
-    "not_my_release",
-    "plugin_allowed",
-    "plugin_line",
+    "PLUGINS_ENV", "RELEASES", "ReleaseAdapter", "adapter_for", "adapter_for_plugin", "allow_list_note",
+    "allowed_plugins", "left_out_warning", "not_my_release", "plugin_allowed", "plugin_line",
 ]
 
 #: SGLang's allow-list of general plugins (``sglang.srt.plugins``).

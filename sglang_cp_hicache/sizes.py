@@ -22,16 +22,8 @@ from decimal import Decimal
 from typing import Optional
 
 __all__ = [
-    "FILE_SIZE_FORMS",
-    "MOONCAKE_FLAG_FALSE",
-    "MOONCAKE_FLAG_FORMS",
-    "MOONCAKE_FLAG_TRUE",
-    "MOONCAKE_SIZE_FORMS",
-    "RATIO_FORMS",
-    "parse_eviction_ratio",
-    "parse_file_size",
-    "parse_mooncake_flag",
-    "parse_mooncake_size",
+    "FILE_SIZE_FORMS", "MOONCAKE_FLAG_FALSE", "MOONCAKE_FLAG_FORMS", "MOONCAKE_FLAG_TRUE", "MOONCAKE_SIZE_FORMS",
+    "RATIO_FORMS", "parse_eviction_ratio", "parse_file_size", "parse_mooncake_flag", "parse_mooncake_size",
 ]
 
 #: What an error says a file-backend size may be (SGLang's forms, nothing more).

@@ -12,11 +12,7 @@ from collections.abc import Sequence
 import torch
 
 __all__ = [
-    "check_1d_int_tensor",
-    "check_cpu_int64",
-    "check_int",
-    "check_int_list",
-    "check_int_tensor",
+    "check_1d_int_tensor", "check_cpu_int64", "check_int", "check_int_list", "check_int_tensor",
 ]
 
 

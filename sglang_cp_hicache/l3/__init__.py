@@ -50,36 +50,3 @@ One rank's tier:
 * ``metrics``, ``storage_metrics`` -- the rank's L3 figures, the library's
   counters and SGLang's storage collector fed from them.
 """
-
-from sglang_cp_hicache.l3.consensus import local_usable_pages
-from sglang_cp_hicache.l3.envelope import Rejection, pack, unpack
-from sglang_cp_hicache.l3.host_tier import HostL3Tier, L3Counters, L3Snapshot
-from sglang_cp_hicache.l3.keys import L3Namespace, page_key, page_keys
-from sglang_cp_hicache.l3.plan import (
-    L3ReadPlan,
-    L3WritePlan,
-    interleaved_owners,
-    read_plan,
-    write_plan,
-)
-from sglang_cp_hicache.l3.store import FilePageStore, PageStore
-
-__all__ = [
-    "FilePageStore",
-    "HostL3Tier",
-    "L3Counters",
-    "L3Namespace",
-    "L3ReadPlan",
-    "L3Snapshot",
-    "L3WritePlan",
-    "PageStore",
-    "Rejection",
-    "interleaved_owners",
-    "local_usable_pages",
-    "pack",
-    "page_key",
-    "page_keys",
-    "read_plan",
-    "unpack",
-    "write_plan",
-]

@@ -60,8 +60,7 @@ from sglang_cp_hicache.l3.safe_files import (
 )
 from sglang_cp_hicache.sizes import parse_eviction_ratio, parse_file_size
 
-__all__ = ["CAPACITY_TMP_PREFIX", "CapacityConfig", "DirectoryCapacity", "EVICTION_POLICIES", "is_capacity_tmp",
-           "parse_size"]
+__all__ = ["CAPACITY_TMP_PREFIX", "CapacityConfig", "DirectoryCapacity", "EVICTION_POLICIES", "is_capacity_tmp"]
 
 logger = logging.getLogger(__name__)
 
@@ -85,15 +84,6 @@ _NAME = re.compile(
 def is_capacity_tmp(name: str) -> bool:
     """Whether ``name`` is a temporary file of the shared state."""
     return name.startswith(CAPACITY_TMP_PREFIX) or _LEGACY_TMP.match(name) is not None
-
-
-def parse_size(name: str, value: object) -> int:
-    """A byte size exactly as SGLang's file backend reads it (see
-    :func:`sglang_cp_hicache.sizes.parse_file_size`): an int, or text with an
-    SI (``200G``, ``1.5T``) or IEC (``64Gi``) suffix, or bytes; None / empty
-    / 0: no bound. A value SGLang would not read is refused naming ``name``
-    and SGLang's forms."""
-    return parse_file_size(name, value)
 
 
 @dataclass(frozen=True)
@@ -125,9 +115,9 @@ class CapacityConfig:
         if policy not in EVICTION_POLICIES:
             raise ValueError(f"eviction policy must be one of {EVICTION_POLICIES}, got {policy!r}")
         return cls(
-            max_size=parse_size("max_size", pick("max_size", "SGLANG_HICACHE_FILE_BACKEND_MAX_SIZE")),
-            min_free_space=parse_size("min_free_space",
-                                      pick("min_free_space", "SGLANG_HICACHE_FILE_BACKEND_MIN_FREE_SPACE")),
+            max_size=parse_file_size("max_size", pick("max_size", "SGLANG_HICACHE_FILE_BACKEND_MAX_SIZE")),
+            min_free_space=parse_file_size("min_free_space",
+                                           pick("min_free_space", "SGLANG_HICACHE_FILE_BACKEND_MIN_FREE_SPACE")),
             eviction_ratio=ratio, policy=policy,
         )
 

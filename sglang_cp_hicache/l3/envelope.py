@@ -40,20 +40,8 @@ from sglang_cp_hicache.l3.auth import TAG_BYTES, checksum, checksum_parts
 from sglang_cp_hicache.l3.keys import KEY_CHARS, DIGEST_CHARS, L3Namespace, check_page_key
 
 __all__ = [
-    "FORMAT_VERSION",
-    "HEADER_BYTES",
-    "HEADER_FIELDS",
-    "MAGIC",
-    "REASONS",
-    "TAG_OFFSET",
-    "Rejection",
-    "byte_view",
-    "check_object",
-    "checksum",
-    "checksum_parts",
-    "header",
-    "pack",
-    "unpack",
+    "FORMAT_VERSION", "HEADER_BYTES", "HEADER_FIELDS", "MAGIC", "REASONS", "TAG_OFFSET", "Rejection", "byte_view",
+    "check_object", "checksum", "checksum_parts", "header", "pack", "unpack",
 ]
 
 MAGIC = b"CPHCL3PG"

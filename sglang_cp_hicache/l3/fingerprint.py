@@ -17,13 +17,7 @@ directory, where SGLang looks) enters the digest with:
 
 So at most ``header + SAMPLES * BLOCK`` bytes (1 MiB plus the header) are
 read from a weight file, whatever its size, :data:`READ_THREADS` files at a
-time. Measured (``bench/bench_identity.py``,
-``bench/results/identity_fingerprint.json``, 2 CPUs): a DeepSeek-V3.2 layout
-of 163 sparse shards of 4.3 GB (701 GB, 72 KB headers) with a 13 MB index
-and tokenizer reads 196 MB in 2,937 reads: 0.38 s with the page cache
-dropped, 0.27 s warm, 0.023 s from this process's cache. Sparse holes cost
-no disk read, so a real checkpoint adds its 2,608 sampled-block reads at the
-storage's latency (about 0.3 s at 1 ms, 3 s at 10 ms, 8 in flight).
+time (a 701 GB checkpoint in well under a second: docs/l3.md).
 
 The limit, stated plainly: two checkpoints whose files agree in every name,
 size, mtime, header and sampled block but differ elsewhere get one

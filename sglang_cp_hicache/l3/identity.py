@@ -6,36 +6,21 @@ path, and operators reuse one name across checkpoints), so it never enters
 the namespace. What does (:class:`ModelIdentity`):
 
 ``weights``
-    * ``hf:{repo}@{commit}`` -- a Hugging Face Hub snapshot: a local path
-      inside a hub cache ``.../models--{org}--{name}/snapshots/{commit}``, or
-      a hub id whose snapshot is in a local cache where SGLang loads it from
-      (:func:`hub_caches`: ``--download-dir`` first, then huggingface_hub's
-      cache). The commit names the bytes exactly, so one checkpoint served
-      under two aliases or mount paths shares;
-    * ``dir:{real path}#{fingerprint}`` -- any other local directory: its
-      real path (symlinks resolved, so a ``latest`` link swapped to another
-      checkpoint is another model) and the content fingerprint of its weight
-      and index files (:mod:`.fingerprint`: names, sizes, mtimes, every
-      safetensors header, the JSON files, sampled blocks of every weight
-      file; a checkpoint rewritten in place is another model);
-    * ``file:{real path}#{fingerprint}`` -- a single-file model (GGUF), by
-      the same sampling;
-    * ``override:{text}`` -- ``SGLANG_CP_HICACHE_L3_MODEL_ID``: the operator
-      vouches that deployments setting the same text serve byte-identical
-      weights (the other fields still apply).
-
-    Nothing else: a model path that is no local directory or file and no
-    hub id with a commit in a local cache is refused (``ValueError`` naming
-    the path, the caches searched and the override) -- a bare name would let
-    two commits of one repo, or two checkpoints under one name, restore each
-    other's KV.
+    ``hf:{repo}@{commit}`` -- a Hugging Face Hub snapshot in a local cache
+    (:func:`hub_caches`), whose commit names the bytes exactly;
+    ``dir:{real path}#{fingerprint}`` / ``file:{real path}#{fingerprint}``
+    -- any other local checkpoint, symlinks resolved, with the content
+    fingerprint of :mod:`.fingerprint` (a checkpoint rewritten in place is
+    another model); ``override:{text}`` -- ``SGLANG_CP_HICACHE_L3_MODEL_ID``,
+    the operator vouching for byte-identical weights. Nothing else: any
+    other model path is refused (``ValueError`` naming the path, the caches
+    searched and the override) -- a bare name would let two checkpoints
+    under one name restore each other's KV.
 ``revision``, ``quantization``, ``kv_cache_dtype``, ``dtype``, ``load_format``
     as the server was started (empty when unset);
 ``config``
-    a digest of the model config as SGLang loads it: ``config.json`` of the
-    checkpoint with ``--json-model-override-args`` applied (rope scaling
-    changes ``k_pe``), or of the override args alone when no config is
-    readable here.
+    a digest of ``config.json`` with ``--json-model-override-args`` applied
+    (rope scaling changes ``k_pe``), or of the overrides alone.
 
 Only local files are read, never the network.
 """

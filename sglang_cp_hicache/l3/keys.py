@@ -31,20 +31,8 @@ from sglang_cp_hicache.l3.auth import UNKEYED, ObjectSeal
 from sglang_cp_hicache.validation import check_int
 
 __all__ = [
-    "BYTE_ORDERS",
-    "DIGEST_CHARS",
-    "KEY_CHARS",
-    "PAGE_HASH_CHARS",
-    "PARENT_CHARS",
-    "ROOT_PARENT",
-    "POOLS",
-    "SCHEMA_VERSION",
-    "L3Namespace",
-    "check_page_hash",
-    "check_page_key",
-    "page_key",
-    "page_keys",
-    "split_page_key",
+    "BYTE_ORDERS", "DIGEST_CHARS", "KEY_CHARS", "PAGE_HASH_CHARS", "PARENT_CHARS", "ROOT_PARENT", "POOLS",
+    "SCHEMA_VERSION", "L3Namespace", "check_page_hash", "check_page_key", "page_key", "page_keys", "split_page_key",
 ]
 
 #: Version of the namespace encoding and of what its fields mean; a change to

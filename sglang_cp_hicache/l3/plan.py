@@ -18,11 +18,7 @@ from sglang_cp_hicache.placement import phase_owner
 from sglang_cp_hicache.validation import check_int, check_int_list
 
 __all__ = [
-    "L3ReadPlan",
-    "L3WritePlan",
-    "interleaved_owners",
-    "read_plan",
-    "write_plan",
+    "L3ReadPlan", "L3WritePlan", "interleaved_owners", "read_plan", "write_plan",
 ]
 
 

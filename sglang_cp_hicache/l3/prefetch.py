@@ -47,19 +47,8 @@ from sglang_cp_hicache.l3.location import L3Timeouts
 from sglang_cp_hicache.l3.workers import L3Job, L3Workers
 
 __all__ = [
-    "NOT_READY",
-    "chain_hashes",
-    "chain_hashes_or_none",
-    "path_length",
-    "path_tokens",
-    "plain_key",
-    "ChainPlan",
-    "CpL3PrefetchAborted",
-    "L3Lookup",
-    "L3Port",
-    "L3Prefetcher",
-    "Stage",
-    "Waiters",
+    "NOT_READY", "chain_hashes", "chain_hashes_or_none", "path_length", "path_tokens", "plain_key", "ChainPlan",
+    "CpL3PrefetchAborted", "L3Lookup", "L3Port", "L3Prefetcher", "Stage", "Waiters",
 ]
 
 logger = logging.getLogger(__name__)

@@ -45,12 +45,6 @@ _MIB = 1 << 20
 MIN_SEGMENT_BYTES = 16 * _MIB
 
 
-def parse_size(name: str, value: object, minimum: int = 1) -> int:
-    """A byte count as SGLang's Mooncake backend reads it, plus ``<n>mb``
-    (see :func:`sglang_cp_hicache.sizes.parse_mooncake_size`)."""
-    return parse_mooncake_size(name, value, minimum)
-
-
 def _text(name: str, value: object, *, empty_ok: bool = False) -> str:
     if not isinstance(value, str):
         raise TypeError(f"{name} must be a string, got {type(value).__name__}")
@@ -92,7 +86,7 @@ class MooncakeConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"{name} must be an int byte count (from_extra_config reads text), got {value!r}")
-            parse_size(name, value, minimum)
+            parse_mooncake_size(name, value, minimum)
 
     @classmethod
     def from_extra_config(cls, extra: Union[None, str, Mapping[str, Any]]) -> "MooncakeConfig":
@@ -114,7 +108,7 @@ class MooncakeConfig:
         known = {f: extra[f] for f in ("metadata_server", "local_hostname", "protocol", "device_name") if f in extra}
         for size in ("global_segment_size", "local_buffer_size"):
             if size in extra:
-                known[size] = parse_size(size, extra[size])  # the range is checked by the constructor
+                known[size] = parse_mooncake_size(size, extra[size])  # the range is checked by the constructor
         return cls(master_server_address=extra["master_server_address"], **known)
 
 

@@ -40,7 +40,8 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
 from sglang_cp_hicache.l3.location import MOONCAKE_FORMS, mooncake_form, parse_extra_config
-from sglang_cp_hicache.l3_backends.mooncake import MIN_SEGMENT_BYTES, MooncakeConfig, parse_size
+from sglang_cp_hicache.l3_backends.mooncake import MIN_SEGMENT_BYTES, MooncakeConfig
+from sglang_cp_hicache.sizes import parse_mooncake_size
 from sglang_cp_hicache.sizes import MOONCAKE_FLAG_FALSE, MOONCAKE_FLAG_TRUE
 from sglang_cp_hicache.settings import (
     LOCAL_HOSTNAME, MOONCAKE_CLIENT, MOONCAKE_CONFIG_PATH, MOONCAKE_DEVICE, MOONCAKE_LOCAL_HOSTNAME,
@@ -160,7 +161,7 @@ def sglang_mooncake_config(
     if _flag("standalone_storage", raw.get("standalone_storage")):
         raise ValueError(f"standalone_storage{where} is not supported under CP: each rank opens its own client")
     protocol_default = read(MOONCAKE_PROTOCOL, environ) if rules.release == "0.5.23" else ""
-    total = parse_size(f"global_segment_size{where}", raw.get("global_segment_size", "4gb"))
+    total = parse_mooncake_size(f"global_segment_size{where}", raw.get("global_segment_size", "4gb"))
     per_rank = total // rules.segment_ranks
     if per_rank < MIN_SEGMENT_BYTES:
         raise ValueError(f"global_segment_size{where} of {total} bytes is shared by {rules.segment_ranks} rank(s): "
@@ -177,8 +178,8 @@ def sglang_mooncake_config(
         protocol=raw.get("protocol", protocol_default or "rdma"),
         device_name=_device(raw.get("device_name", ""), rules),
         global_segment_size=per_rank,
-        local_buffer_size=MooncakeConfig.local_buffer_size if buffer is None else parse_size("local_buffer_size",
-                                                                                              buffer),
+        local_buffer_size=(MooncakeConfig.local_buffer_size if buffer is None
+                           else parse_mooncake_size("local_buffer_size", buffer)),
         tenant_id=(str(tenant).strip() or "default") if tenant is not None else "default",
         enable_ssd_offload=_flag("enable_ssd_offload", raw.get("enable_ssd_offload")),
         ssd_offload_path=ssd_path,

@@ -24,11 +24,7 @@ from sglang_cp_hicache.policy_0518.node_state import CpNode, clear_host_state, i
 from sglang_cp_hicache.validation import check_int, check_int_list
 
 __all__ = [
-    "HostEvictionResult",
-    "HostLeafIndex",
-    "HostSlotLedger",
-    "evict_host_slots",
-    "is_host_leaf",
+    "HostEvictionResult", "HostLeafIndex", "HostSlotLedger", "evict_host_slots", "is_host_leaf",
 ]
 
 

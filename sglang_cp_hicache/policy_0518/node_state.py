@@ -15,12 +15,7 @@ import torch
 from sglang_cp_hicache.policy_0518.metadata import CpHiCacheNodeMetadata
 
 __all__ = [
-    "CpNode",
-    "HostClearResult",
-    "clear_host_state",
-    "is_backed_up",
-    "logical_host_len",
-    "set_host_state",
+    "CpNode", "HostClearResult", "clear_host_state", "is_backed_up", "logical_host_len", "set_host_state",
     "split_host_state",
 ]
 

@@ -29,17 +29,8 @@ from sglang_cp_hicache.policy_0518.metadata import CpHiCacheNodeMetadata
 from sglang_cp_hicache.validation import check_1d_int_tensor, check_int, check_int_tensor
 
 __all__ = [
-    "CpLoadPlan",
-    "CpWritePlan",
-    "HiCacheWriteFailure",
-    "PageOwners",
-    "check_pages",
-    "page_owner_tokens",
-    "page_owners",
-    "page_owners_of",
-    "plan_load",
-    "placeholder_write_plan",
-    "plan_write",
+    "CpLoadPlan", "CpWritePlan", "HiCacheWriteFailure", "PageOwners", "check_pages", "page_owner_tokens", "page_owners",
+    "page_owners_of", "plan_load", "placeholder_write_plan", "plan_write",
 ]
 
 _EMPTY = torch.empty((0,), dtype=torch.int64)

@@ -28,12 +28,7 @@ from sglang_cp_hicache.placement import phase_owner
 from sglang_cp_hicache.validation import check_int, check_int_list
 
 __all__ = [
-    "HostRoom",
-    "class_counts_of",
-    "covering_tail",
-    "cyclic_class_counts",
-    "plan_host_room",
-    "reach_counts",
+    "HostRoom", "class_counts_of", "covering_tail", "cyclic_class_counts", "plan_host_room", "reach_counts",
     "shortest_tail",
 ]
 

@@ -19,7 +19,9 @@ from __future__ import annotations
 from typing import Optional
 
 from sglang_cp_hicache import hook_registry
-from sglang_cp_hicache.hook_registry import KINDS, Hook, HookMismatchError, Kind, attribute_hooks, find_problem
+from sglang_cp_hicache.hook_registry import (
+    KINDS, Hook, HookMismatchError, attribute_hooks, find_problem, owner_hooks, page_byte_hooks,
+)
 from sglang_cp_hicache.sglang_0518 import SUPPORTED_SGLANG
 
 __all__ = ["HOOKS", "KINDS", "READ_FROM", "Hook", "HookMismatchError", "check_hooks", "find_problem"]
@@ -52,8 +54,12 @@ _COPY_D2H = ("self", "device_pool", "host_indices", "device_indices", "io_backen
 _COPY_H2D = ("self", "device_pool", "host_indices", "device_indices", "layer_id", "io_backend", "is_draft")
 
 
-def _cache(attribute: str, kind: Kind, params: Optional[tuple[str, ...]], why: str) -> Hook:
-    return Hook(_HRC, "HiRadixCache", attribute, kind, params, why)
+# A maker for each owner with three or more hooks.
+_cache = owner_hooks(_HRC, "HiRadixCache")
+_alloc = owner_hooks(_ALLOC, "BaseTokenToKVPoolAllocator")
+_hcc = owner_hooks(_HCC, "HybridCacheController")
+_node = owner_hooks(_RC, "TreeNode")
+_key = owner_hooks(_RC, "RadixKey")
 
 
 def _classes() -> tuple[Hook, ...]:
@@ -161,19 +167,15 @@ def _overrides() -> tuple[Hook, ...]:
         _cache("detach_storage_backend", "override", ("self",), "refuses a runtime detach under CP"),
         _cache("clear_storage_backend", "override", ("self",), "clears this deployment's CP L3 namespaces"),
         _cache("check_hicache_events", "override", ("self",), "publishes the step's L3 and library metrics after upstream's"),
-        Hook(_RC, "TreeNode", "__init__", "override", ("self", "id", "priority"), "builds CpTreeNode as upstream"),
-        Hook(_RC, "TreeNode", "backuped", "override", None, "answers backuped from the CP host state"),
-        Hook(_ALLOC, "BaseTokenToKVPoolAllocator", "clear", "override", ("self",), "allocates by owner lanes"),
-        Hook(_ALLOC, "BaseTokenToKVPoolAllocator", "available_size", "override", ("self",),
-             "allocates by owner lanes"),
-        Hook(_ALLOC, "BaseTokenToKVPoolAllocator", "alloc", "override", ("self", "need_size"),
-             "allocates by owner lanes"),
-        Hook(_ALLOC, "BaseTokenToKVPoolAllocator", "free", "override", ("self", "free_index"),
-             "frees into owner lanes"),
-        Hook(_ALLOC, "BaseTokenToKVPoolAllocator", "free_segment", "override", ("self", "free_index", "start_pos"),
-             "frees a served request's row slices through its CPU row"),
-        Hook(_ALLOC, "BaseTokenToKVPoolAllocator", "merge_and_sort_free", "override", ("self",),
-             "sorts its lanes after a take-back"),
+        _node("__init__", "override", ("self", "id", "priority"), "builds CpTreeNode as upstream"),
+        _node("backuped", "override", None, "answers backuped from the CP host state"),
+        _alloc("clear", "override", ("self",), "allocates by owner lanes"),
+        _alloc("available_size", "override", ("self",), "allocates by owner lanes"),
+        _alloc("alloc", "override", ("self", "need_size"), "allocates by owner lanes"),
+        _alloc("free", "override", ("self", "free_index"), "frees into owner lanes"),
+        _alloc("free_segment", "override", ("self", "free_index", "start_pos"),
+               "frees a served request's row slices through its CPU row"),
+        _alloc("merge_and_sort_free", "override", ("self",), "sorts its lanes after a take-back"),
         Hook(_PAGED, "PagedTokenToKVPoolAllocator", "alloc_extend", "override", (
             "self", "prefix_lens", "prefix_lens_cpu", "seq_lens", "seq_lens_cpu", "last_loc",
             "extend_num_tokens", "num_new_pages"), "serves the scheduler's extend allocations"),
@@ -195,16 +197,16 @@ def _instance_replacements() -> tuple[Hook, ...]:
              "binds the CP load to the indexer host pool instance"),
         Hook(_MP, "ReqToTokenPool", "alloc", "replaced-on-instance", ("self", "reqs"),
              "learns each extend batch's request order (it runs just before alloc_extend)"),
-        Hook(_HCC, "HybridCacheController", "move_indices", "replaced-on-instance",
+        _hcc("move_indices", "replaced-on-instance",
              ("self", "host_indices", "device_indices"), "keeps device-side indices for the kernels"),
-        Hook(_HCC, "HybridCacheController", "_move_write_operation", "replaced-on-instance", ("self", "op"),
+        _hcc("_move_write_operation", "replaced-on-instance", ("self", "op"),
              "never takes the page_first write-back path"),
         _cache("evictable_host_leaves", "replaced-on-instance", None,
                "replaces upstream's set by a guard (its own ordered index is the truth)"),
         _cache("root_node", "replaced-on-instance", None, "puts a CpTreeNode root in after reset"),
         _cache("_empty_match_result", "replaced-on-instance", None, "points the empty match at its root"),
-        Hook(_RC, "TreeNode", "children", "replaced-on-instance", None,
-             "uses a plain dict (a missed lookup raises instead of adding an orphan)"),
+        _node("children", "replaced-on-instance", None,
+              "uses a plain dict (a missed lookup raises instead of adding an orphan)"),
     )
 
 
@@ -228,13 +230,12 @@ def _private_helpers() -> tuple[Hook, ...]:
         _cache("_promote_parent", "private-helper", ("self", "node", "heap"), "reclaims a lane as evict() does"),
         _cache("_inc_hit_count", "private-helper", ("self", "node", "chunked"), "triggers write-through"),
         _cache("_match_prefix_helper", "private-helper", node + ("key",), "matches as upstream"),
-        Hook(_HCC, "HybridCacheController", "_resolve_pool_transfers_allocation", "private-helper",
+        _hcc("_resolve_pool_transfers_allocation", "private-helper",
              ("self", "extra_pools", "alloc_host", "kv_device_indices", "kv_host_indices"),
              "resolves the indexer transfer of each CP operation"),
-        Hook(_HCC, "HybridCacheController", "_move_op_indices", "private-helper", ("self", "op"),
-             "prepares a CP write as loads are prepared"),
-        Hook(_ALLOC, "BaseTokenToKVPoolAllocator", "_copy_for_free_group", "private-helper", ("free_index",),
-             "defers frees inside a free group as upstream"),
+        _hcc("_move_op_indices", "private-helper", ("self", "op"), "prepares a CP write as loads are prepared"),
+        _alloc("_copy_for_free_group", "private-helper", ("free_index",),
+               "defers frees inside a free group as upstream"),
         Hook(_PH_BASE, "HostKVCache", "_is_device_layer_sharded", "private-helper",
              ("self", "device_pool"), "refuses layer-sharded device pools (both host pools)"),
     )
@@ -248,31 +249,23 @@ def _calls() -> tuple[Hook, ...]:
         _cache("evictable_size", "call", ("self",), "reports it on OOM"),
         _cache("update_eviction_metrics", "call", ("self", "num_evicted", "start_time"),
                "counts lane reclaims in SGLang's eviction metrics"),
-        Hook(_RC, "TreeNode", "protect_host", "call", ("self",), "protects host copies during a load-back"),
-        Hook(_RC, "TreeNode", "release_host", "call", ("self",), "releases them"),
-        Hook(_RC, "RadixKey", "maybe_to_bigram_view", "call", ("self", "is_eagle", "value"), "matches as upstream"),
-        Hook(_RC, "RadixKey", "page_aligned", "call", ("self", "page_size"), "matches as upstream"),
-        Hook(_RC, "RadixKey", "child_key", "call", ("self", "page_size"), "indexes children as upstream"),
-        Hook(_RC, "RadixKey", "match", "call", ("self", "other", "page_size"), "matches as upstream"),
+        _node("protect_host", "call", ("self",), "protects host copies during a load-back"),
+        _node("release_host", "call", ("self",), "releases them"),
+        _key("maybe_to_bigram_view", "call", ("self", "is_eagle", "value"), "matches as upstream"),
+        _key("page_aligned", "call", ("self", "page_size"), "matches as upstream"),
+        _key("child_key", "call", ("self", "page_size"), "indexes children as upstream"),
+        _key("match", "call", ("self", "other", "page_size"), "matches as upstream"),
         Hook(_BPC, "MatchResult", "_replace", "call", ("self", "kwds"), "points the empty match at its root"),
-        Hook(_ALLOC, "BaseTokenToKVPoolAllocator", "__init__", "call",
-             ("self", "size", "page_size", "dtype", "device", "kvcache", "need_sort"),
-             "builds its allocator on upstream's base"),
-        Hook(_ALLOC, "BaseTokenToKVPoolAllocator", "get_kvcache", "call", ("self",), "reads the device pool"),
-        Hook(_HCC, "HybridCacheController", "start_writing", "call", ("self",), "submits a CP write"),
-        Hook(_HCC, "HybridCacheController", "start_loading", "call", ("self",), "submits the queued CP loads"),
-        Hook(_HCC, "HybridCacheController", "evict_host", "call", ("self", "host_indices", "backup_only"),
+        _alloc("__init__", "call", ("self", "size", "page_size", "dtype", "device", "kvcache", "need_sort"),
+               "builds its allocator on upstream's base"),
+        _alloc("get_kvcache", "call", ("self",), "reads the device pool"),
+        _hcc("start_writing", "call", ("self",), "submits a CP write"),
+        _hcc("start_loading", "call", ("self",), "submits the queued CP loads"),
+        _hcc("evict_host", "call", ("self", "host_indices", "backup_only"),
              "frees this rank's host slots of an evicted node"),
         Hook(_MPH, "HostPoolGroup", "alloc", "call", ("self", "need_size"), "takes host slots for a write"),
         Hook(_MPH, "HostPoolGroup", "free", "call", ("self", "indices"), "frees host slots of a taken-back write"),
-        Hook(_MLA, "MLATokenToKVPoolHost", "get_data_page", "call", ("self", "index", "flat"),
-             "reads an owned page's KV bytes for L3 (flat=False: the view a verified L3 page is copied into)"),
-        Hook(_MLA, "MLATokenToKVPoolHost", "set_from_flat_data_page", "call", ("self", "index", "data_page"),
-             "puts a verified L3 page's KV bytes into the host pool where the page view is not the pool's own"),
-        Hook(_MPH, "DSAIndexerPoolHost", "get_data_page", "call", ("self", "index", "flat"),
-             "reads an owned page's indexer bytes for L3 (flat=False: the view a verified L3 page is copied into)"),
-        Hook(_MPH, "DSAIndexerPoolHost", "set_from_flat_data_page", "call", ("self", "index", "data_page"),
-             "puts a verified L3 page's indexer bytes into the host pool where the page view is not the pool's own"),
+        *page_byte_hooks(_MLA, _MPH),
         Hook(_METRICS, "RadixCacheMetricsCollector", "observe_load_back_duration", "call",
              ("self", "duration_seconds"), "observes load-back durations"),
     )

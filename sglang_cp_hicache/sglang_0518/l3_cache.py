@@ -19,24 +19,16 @@ CP copy targets' host pools.
 * Prefetch (:meth:`L3Cache.prefetch`, called alike on every rank for a
   request whose match ends before its whole pages do, when that match ends
   at the root or at a node whose host copy is final).
-* The scheduler's storage calls (:class:`L3Requests`). With
-  ``--hicache-storage-backend file`` SGLang's scheduler prefetches for every
-  arriving request and holds it while the prefetch runs:
-  ``_prefetch_kvcache`` (on arrival, after matching) calls
-  :meth:`~L3Requests.prefetch_from_storage` with the deepest node whose host
-  copy is final and the whole-page tokens past the match;
-  ``get_new_batch_prefill`` skips a waiting request until
-  :meth:`~L3Requests.check_prefetch_progress` says True, then takes
-  ``pop_prefetch_loaded_tokens`` (upstream's, unchanged) as its storage hit;
-  aborts call :meth:`~L3Requests.release_aborted_request`. A request waits
-  two steps for a hit while every rank's I/O is done in time, and never
-  longer than the operation's deadline (SGLang's ``prefetch_timeout_*``
-  settings) plus one step; the state after each MIN is identical on every
-  rank. An aborted request's lookup is not taken out of the pending list
-  (its word rides the step's MIN, the same count on every rank): it answers
-  0 whatever its I/O is doing, so the MIN drops it on every rank alike --
-  slots, ledger charge and the anchor's protection given back -- even on a
-  rank that has not seen the abort.
+* The scheduler's storage calls (:class:`L3Requests`), made under
+  ``--hicache-storage-backend file``: ``prefetch_from_storage`` on arrival
+  (the deepest node whose host copy is final, the whole-page tokens past
+  the match), ``check_prefetch_progress`` until it says True, then
+  upstream's ``pop_prefetch_loaded_tokens`` as the storage hit;
+  ``release_aborted_request`` on an abort. An aborted request's lookup stays
+  pending (its word rides the step's MIN, the same count on every rank) and
+  answers 0, so the MIN drops it on every rank alike -- slots, ledger charge
+  and the anchor's protection given back -- even on a rank that has not
+  seen the abort.
 
 Requests with an ``extra_key`` (a LoRA adapter) or a ``cache_salt`` never
 look up L3: their pages are another namespace's. The scheduler does not pass

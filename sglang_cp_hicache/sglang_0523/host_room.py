@@ -10,39 +10,29 @@ none is of the short class the backup fails although evictable pages of
 that class remain, and the evicted pages are lost for nothing.
 
 :class:`OwnerAwareHostRoom` replaces ``_execute_kv_backup`` on the library
-stack's cache instance: it evicts host leaves in upstream's order (the
-FULL component's eviction priority, a heap that takes in a parent when it
-becomes a host leaf) but only those holding a page of a class the cyclic run
-is still short of (:class:`~sglang_cp_hicache.policy_0523.host_room.HostRoom`),
-until the run fits. If that is not enough, a second pass in the same order
-also evicts a leaf whose own pages are of other classes when it is the way
-to a host-only ancestor that holds a short class's page and can be cleared
-(:func:`~sglang_cp_hicache.policy_0523.host_room.reach_counts`): a tree holds no
-child without its parent, so such a page is freed only after every leaf
-below it. When a leaf's own pages would make the run fit, only its shortest
-tail that does is evicted, provided the prefix left holds a page of every
-owner class (:func:`~sglang_cp_hicache.policy_0523.host_room.covering_tail`):
-upstream's node split cuts the leaf there and the prefix stays a host node
-with the leaf's recency, since its pages could not help. Later passes take
-such a kept prefix first, before any other leaf, until something touches it
-(a match, an insert): whole-leaf eviction would have freed its pages at
-once, so every later backup would have used them before evicting anything
-else; taken first, it gives them up in that order, and until then it can
-still be hit. Holding every class, it helps whichever class a run is short
-of, so no run passes over it to evict a newer leaf. (``tail_rule``, from
-``SGLANG_CP_HICACHE_HOST_TAIL``, also takes the shortest tail always with
-the prefix in LRU order -- the rule before -- or the whole leaf.) Only a
-leaf the split carries over whole is cut (host-only, unlocked, nothing in
-flight, FULL data alone, hashes matching its pages); any other is evicted
-whole. Before evicting anything it sums every page eviction could free
-(the host leaves and their clearable host-only ancestors): when even all of
-them would leave the run short, the write fails either way and it evicts
-nothing, where upstream's eviction loses those pages for nothing. Then it
-queues the write exactly as upstream does (write-back stacks keep
-upstream's method: their host eviction first reclaims host copies that
-duplicate device pages). The decisions read only the
-host allocator's class counts, the tree and the host slots (CPU), which are
-the same on every CP rank: no collective.
+stack's cache instance. It evicts host leaves in upstream's order (the FULL
+component's eviction priority, a heap that takes in a parent when it becomes
+a host leaf), but only those holding a page of a class the cyclic run is
+still short of (:class:`~sglang_cp_hicache.policy_0523.host_room.HostRoom`),
+until the run fits; a second pass also evicts a leaf that is the way to a
+clearable host-only ancestor holding such a page
+(:func:`~sglang_cp_hicache.policy_0523.host_room.reach_counts`: a tree holds
+no child without its parent). When a leaf's own pages would make the run
+fit, only its shortest tail that does is evicted, provided the prefix left
+holds a page of every owner class
+(:func:`~sglang_cp_hicache.policy_0523.host_room.covering_tail`; ``tail_rule``
+from ``SGLANG_CP_HICACHE_HOST_TAIL``): upstream's node split cuts it there,
+the prefix keeps the leaf's recency and later passes take it first until
+something touches it -- it holds every class, so it helps whichever class a
+run is short of. Only a leaf the split carries over whole is cut (host-only,
+unlocked, nothing in flight, FULL data alone, hashes matching its pages).
+When even every page eviction could free would leave the run short, it
+evicts nothing: the write fails either way, where upstream's eviction loses
+those pages for nothing. Then it queues the write exactly as upstream does
+(write-back stacks keep upstream's method: their host eviction first
+reclaims host copies that duplicate device pages). The decisions read only
+the host allocator's class counts, the tree and the host slots (CPU), the
+same on every CP rank: no collective.
 """
 
 from __future__ import annotations

@@ -51,24 +51,13 @@ host pools are built and before the CP ranks' start-up agreement, which
 then includes both namespace digests; :func:`install_l3` puts the driver on
 the cache once the ranks agree.
 
-With ``--enable-metrics`` (:func:`install_metrics`), SGLang's cache builds a
-``StorageMetricsCollector`` when storage turns on
-(``StorageAttachment.apply_runtime_config``), labelled from its storage
-controller's config, and the controller feeds it. Under CP that controller
-is never attached, so SGLang could neither label nor feed the collector.
-The library takes that one call over on the cache instance: upstream's runs
-with its metrics off, then the collector is built as SGLang builds it and
-fed from the rank's L3: each step ``sglang:prefetched_tokens_total``
-(logical tokens restored, every rank alike), ``sglang:backuped_tokens_total``
-(tokens of this rank's own pages stored or found sound),
-``sglang:hicache_backup_dropped_tokens_total`` (own pages' writes dropped:
-queue full), and per fetch / store operation ``sglang:prefetch_pgs`` /
-``sglang:backup_pgs`` and GB/s; by the port, when the query's MIN settles,
-``sglang:storage_prefetch_hit_tokens_total`` (tokens present on their
-owners) and ``sglang:storage_prefetch_unfulfilled_tokens_total`` with reason
-``host_capacity`` (no host room) or ``storage_transfer`` (fewer pages
-fetched and verified on their owners than were present). The library's
-counters go out beside them as ``sglang_cp_hicache:l3_*_total``.
+With ``--enable-metrics`` (:func:`install_metrics`), SGLang's cache builds
+its ``StorageMetricsCollector`` when storage turns on
+(``StorageAttachment.apply_runtime_config``), labelled and fed by its storage
+controller -- which CP never attaches. The library takes that one call over
+on the cache instance: upstream's runs with its metrics off, then the
+collector is built as SGLang builds it and fed from the rank's L3 (which
+series, and what each counts under CP: docs/l3.md, Metrics).
 """
 
 from __future__ import annotations

@@ -73,14 +73,8 @@ from sglang_cp_hicache.sglang_0523.startup import agree_at_start_up
 from sglang_cp_hicache.sglang_0523.warmup import warm_up_copies
 
 __all__ = [
-    "LibraryDsaStrategy",
-    "LibraryStackError",
-    "UpstreamDsaStrategy",
-    "install_strategy",
-    "installed_copy_path",
-    "strategy_installed",
-    "uninstall_strategy",
-    "verify_library_stack",
+    "LibraryDsaStrategy", "LibraryStackError", "UpstreamDsaStrategy", "install_strategy", "installed_copy_path",
+    "strategy_installed", "uninstall_strategy", "verify_library_stack",
 ]
 
 logger = logging.getLogger(__name__)

@@ -148,13 +148,13 @@ def run_simulate(args: argparse.Namespace) -> int:
     )
     if args.compare_upstream:
         return _run_compare_upstream(args, prepared, token_lists, facts)
-    if args.engine == "scheduler":
-        return run_scheduler_engine(args, prepared, token_lists, facts)
-
-    if config.fleet_feed is not None:  # one deployment of a fleet: the coordinator has the ideal
+    if config.fleet_feed is not None:  # one deployment of a fleet: it ends with its coordinator
         from sglang_cp_hicache.testing.lifetime import die_with_launcher
 
         die_with_launcher(os.getppid())
+    if args.engine == "scheduler":
+        return run_scheduler_engine(args, prepared, token_lists, facts)
+
     show = not args.no_progress and config.fleet_feed is None
     l3_before = object_names(config.l3_dir) if config.l3_dir is not None else set()
     cp = launch(config, token_lists, cp_mode=True, failure=failure, show_progress=show)
@@ -356,8 +356,7 @@ def _fleet_feed_problem(args: argparse.Namespace) -> Optional[str]:
         return None
     if not os.path.isdir(args.fleet_feed):
         return f"--fleet-feed {args.fleet_feed}: not a directory"
-    engine = "--engine scheduler" if args.engine_named else "the default engine (scheduler; add --engine loop)"
-    for flag, given in ((engine, args.engine == "scheduler"), ("--compare-non-cp", args.compare_non_cp),
+    for flag, given in (("--compare-non-cp", args.compare_non_cp),
                         ("--compare-upstream", args.compare_upstream), ("--plot", args.plot is not None)):
         if given:
             return f"--fleet-feed (a fleet deployment) and {flag} do not combine"

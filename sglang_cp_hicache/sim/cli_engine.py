@@ -126,7 +126,8 @@ def run_scheduler_engine(args: argparse.Namespace, prepared: Any, token_lists: A
     if problem is not None:
         print(f"sglang-cp-hicache simulate: error: {problem}", file=sys.stderr)
         return 2
-    l3_before = object_names(l3_dir) if l3_dir is not None else set()
+    fleet = prepared.config.fleet_feed is not None  # a fleet's coordinator attributes the shared store's pages
+    l3_before = object_names(l3_dir) if l3_dir is not None and not fleet else set()
     try:
         replay = replay_through_scheduler(prepared.config, token_lists, opts, show_progress=not args.no_progress)
     except HarnessError as exc:
@@ -134,7 +135,10 @@ def run_scheduler_engine(args: argparse.Namespace, prepared: Any, token_lists: A
         return 1
     summary = summarize_scheduler(prepared.config, opts, prepared.workload, replay, facts,
                                   allow_unverified=args.allow_unverified)
-    if l3_dir is not None:
+    if l3_dir is not None and fleet:  # what the fleet attributes
+        summary["l3_stored_keys_per_rank"] = [r.l3_stored_keys for r in replay.run.ranks]
+        summary["l3_restored_keys_per_rank"] = [r.l3_restored_keys for r in replay.run.ranks]
+    elif l3_dir is not None:
         added = object_names(l3_dir) - l3_before
         # earlier runs' objects give hits the cold ideal does not count; the manifest names this run's
         # objects for later loop-engine runs' attribution by writer

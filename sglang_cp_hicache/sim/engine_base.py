@@ -6,7 +6,6 @@ verifying / corrupting the deterministic content of this rank's pages
 
 from __future__ import annotations
 
-import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -16,6 +15,7 @@ import torch
 
 from sglang_cp_hicache.placement import CpPlacement
 from sglang_cp_hicache.testing.content import corrupted_token_mask, prefix_keys, write_content
+from sglang_cp_hicache.sim.l3_keys import L3KeyLog
 from sglang_cp_hicache.sim.records import AckCounts, CopyWall, EngineTotals, RequestRecord
 
 __all__ = ["NewPages", "PrefixHit", "RankEngineBase", "RequestInFlight"]
@@ -101,55 +101,16 @@ class RankEngineBase:
         # a page's content key names its whole prefix, so it identifies the
         # page in any later request.
         self._l3_page_keys: set[int] = set()
-        # Page keys of the own pages L3 lookups restored (which run wrote
-        # them is the launcher's to say: sim.l3_writers).
-        self.l3_restored_keys: list[str] = []
-        # Page keys of the own pages whose KV and indexer objects this rank
-        # stored or found sound in L3 (a fleet says from them whose pages
-        # another deployment restored).
-        self.l3_stored_keys: list[str] = []
-        # Own pages a lookup found present whose read did not bring them whole.
-        self.l3_read_failures = 0
-        self._l3_read_lock = threading.Lock()
+        # Page keys of the own pages L3 stored and restored, and reads that failed (empty without L3)
+        self.l3_keys = L3KeyLog()
         self.page_bytes = _page_bytes(stack.kv_pool, self.page_size)
         self.copy_wall = CopyWall()
         self._time_l2_copies(stack.cache.cache_controller.l2_transfer_engine)
 
     def _record_l3_keys(self, l3: Any) -> None:
-        """Note the page key of every own page a lookup restores, and of
-        every own page whose objects a write left whole in L3, without
-        changing what either does (``l3``: the rank's L3, with its prefetch
-        protocol and tier)."""
-        prefetcher, tier = l3.prefetcher, l3.tier
-        settle = prefetcher._settle
-        store_page = tier.store_page
-        read_page = tier.read_page
-
-        def read(kv_key: str, idx_key: str, slot: int, publish: Any) -> bool:
-            whole = read_page(kv_key, idx_key, slot, publish)
-            if not whole:  # runs on the L3 I/O threads
-                with self._l3_read_lock:
-                    self.l3_read_failures += 1
-            return whole
-
-        def stored(kv_key: str, idx_key: str, kv: Any, idx: Any) -> bool:
-            whole = store_page(kv_key, idx_key, kv, idx)
-            if whole:  # runs on the L3 I/O threads: list.append is atomic
-                self.l3_stored_keys.append(kv_key)
-            return whole
-
-        def recorded(lookup: Any, pages: int) -> int:
-            tokens = settle(lookup, pages)
-            kept = tokens // tier.page_size
-            plan, rank = lookup.plan, tier.placement.cp_rank
-            if kept:
-                keys = tier.chain_keys(plan.hashes[:kept], plan.parent)[0]
-                self.l3_restored_keys.extend(k for k, o in zip(keys, plan.owners[:kept]) if o == rank)
-            return tokens
-
-        prefetcher._settle = recorded
-        tier.store_page = stored
-        tier.read_page = read
+        """Note the page keys of every own page a lookup restores and a write
+        leaves whole in L3 (``l3``: the rank's L3)."""
+        self.l3_keys.install(l3)
 
     def _time_l2_copies(self, engine: Any) -> None:
         """Wall time of every L2 copy submission, whatever runs it (this
@@ -296,11 +257,11 @@ class RankEngineBase:
         totals.l3_written_pages = c.written_pages
         totals.l3_hit_tokens = c.restored_pages * self.page_size
         totals.l3_rejected_objects = c.rejected_pages
-        totals.l3_restored_keys = list(self.l3_restored_keys)
-        totals.l3_stored_keys = list(self.l3_stored_keys)
+        totals.l3_restored_keys = list(self.l3_keys.restored_keys)
+        totals.l3_stored_keys = list(self.l3_keys.stored_keys)
         totals.l3_write_failures = c.write_failures
         totals.l3_dropped_writes = c.dropped_writes
-        totals.l3_read_failures = self.l3_read_failures
+        totals.l3_read_failures = self.l3_keys.read_failures
         totals.l3_timeouts = c.timeouts
 
     def _wait_l3_io(self) -> None:

@@ -151,6 +151,10 @@ class _ClosedLoop:
         self.shown = 0
         self.start = time.perf_counter()
 
+    def served_rids(self) -> list[str]:
+        """The requests this loop submitted (every one of the workload's)."""
+        return self.rids
+
     def _prune(self) -> None:
         still = [i for i in self.open if self.rids[i] not in self.finished]
         self.done += len(self.open) - len(still)
@@ -178,13 +182,22 @@ class _ClosedLoop:
                 h.abort(entry.rid)
         self.top_up()
 
+    def serve_open(self) -> None:
+        """Serve the ranks until their next batch, or until they are idle (then every submitted request is
+        finished, and the window is topped up). The batch timeout bounds the wait for the next batch, not
+        the whole replay: ranks kept busy by the top-ups may not go idle before the last request."""
+        h, batches = self.h, len(self.h.batches)
+        h.wait_for(lambda: h.idle() or len(h.batches) != batches, self.opts.batch_timeout_s,
+                   "the next batch or every rank idle")
+        if h.idle():  # idle with everything pushed processed: every submitted request is finished
+            self.finished.update(self.rids[i] for i in self.open)
+            self.top_up()
+
     def run(self) -> None:
         self.h.on_batch = self.on_batch
         self.top_up()
         while self.open:
-            self.h.wait_idle()  # idle with everything pushed processed: every submitted request is finished
-            self.finished.update(self.rids[i] for i in self.open)
-            self.top_up()
+            self.serve_open()
         self.h.on_batch = None
         self.h.wait_finished(self.rids)  # every request's output, before the summary reads them
 
@@ -199,7 +212,8 @@ class _ClosedLoop:
 def replay_through_scheduler(config: SimConfig, requests: PackedRequests, opts: EngineOptions,
                              show_progress: bool = False) -> SchedulerReplay:
     """Replay ``requests`` through SGLang's real scheduler on ``config.cp_size``
-    ranks. Raises :class:`~sglang_cp_hicache.testing.sched_harness.HarnessError`
+    ranks; with ``config.fleet_feed``, only those its fleet's coordinator
+    releases, in that order (:mod:`sglang_cp_hicache.sim.fleet.sched_feed`). Raises :class:`~sglang_cp_hicache.testing.sched_harness.HarnessError`
     when a rank fails (a prefix row mismatch, a leak, a stall)."""
     from sglang_cp_hicache.testing.sched_harness import SchedulerHarness
 
@@ -211,9 +225,20 @@ def replay_through_scheduler(config: SimConfig, requests: PackedRequests, opts: 
     start = time.perf_counter()
     with SchedulerHarness(sc) as h:
         up = time.perf_counter()
-        loop = _ClosedLoop(h, requests, opts, show_progress)
+        if config.fleet_feed is None:
+            loop = _ClosedLoop(h, requests, opts, show_progress)
+        else:
+            loop = _fed(h, requests, opts, config)
         loop.run()
         idle = h.wait_idle()
         replayed = time.perf_counter()
         run = h.close()
-    return SchedulerReplay(run, idle, loop.rids, loop.aborted, up - start, replayed - up)
+    return SchedulerReplay(run, idle, loop.served_rids(), loop.aborted, up - start, replayed - up)
+
+
+def _fed(h: "SchedulerHarness", requests: PackedRequests, opts: EngineOptions, config: SimConfig) -> _ClosedLoop:
+    from sglang_cp_hicache.sim.fleet.feed import ParentFeed
+    from sglang_cp_hicache.sim.fleet.sched_feed import FedLoop
+
+    assert config.fleet_feed is not None
+    return FedLoop(h, requests, opts, ParentFeed(config.fleet_feed), config.page_size)

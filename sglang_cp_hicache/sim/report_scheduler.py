@@ -217,6 +217,11 @@ def _l3_fields(config: SimConfig, opts: EngineOptions, replay: SchedulerReplay, 
         "l3_rejected_objects": sum(per_rank("rejected_pages")),
         "l3_rejected_objects_per_rank": per_rank("rejected_pages"),
         **{f"l3_{name}": sum(per_rank(name)) for name in ("write_failures", "dropped_writes", "timeouts")},
+        # own pages found present whose read did not bring them whole; page bytes stored (or found sound) and
+        # fetched, every rank's own (as each rank's L3 metered them once its last writes landed)
+        "l3_read_failures": sum(r.l3_read_failures for r in ranks),
+        "l3_written_bytes": int(sum(r.l3_io.get("written_bytes", 0) for r in ranks)),
+        "l3_read_bytes": int(sum(r.l3_io.get("read_bytes", 0) for r in ranks)),
         "l3_prefetches": max(per_rank("prefetches"), default=0),
         "l3_counters_per_rank": counters,
     }

@@ -39,6 +39,9 @@ class BatchEntry:
     # On the request's first forward: the tail of its prefix restored from L3 for it (SGLang's storage hit on
     # the request, at most what was loaded back for it and the prefix); 0 on later forwards
     l3_tokens: int = 0
+    # On the request's first forward: the tokens of its prefix loaded back from host for it (L3's included,
+    # at most the prefix; the rest of the prefix was a device hit); 0 on later forwards
+    host_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -151,9 +154,14 @@ class ForwardStandIn:
         storage = int(getattr(req, "storage_hit_length", 0) or 0)
         return max(0, min(storage, self.host_loaded.get(rid, 0), prefix_len))
 
+    def _host_part(self, req: Any, prefix_len: int) -> int:
+        """Tokens of a first forward's prefix that its load-backs brought from host (0 on a later forward)."""
+        rid = str(req.rid)
+        return 0 if rid in self._forwarded else min(self.host_loaded.get(rid, 0), prefix_len)
+
     def _report(self, batch: Any, prefix_lens: list[int], extend_lens: list[int], l3: list[int]) -> BatchReport:
         chunked = getattr(self.scheduler, "chunked_req", None)
-        entries = tuple(BatchEntry(str(r.rid), int(p), int(e), t)
+        entries = tuple(BatchEntry(str(r.rid), int(p), int(e), t, self._host_part(r, int(p)))
                         for r, p, e, t in zip(batch.reqs, prefix_lens, extend_lens, l3))
         bootstrapping = tuple(str(r.rid) for r in batch.reqs
                               if getattr(getattr(r, "disagg_kv_sender", None), "bootstrap_polls_left", 0) > 0)

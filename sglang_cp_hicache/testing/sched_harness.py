@@ -101,6 +101,8 @@ class SchedulerHarness:
         self._sent = 0  # messages pushed on the input socket
         self._zygote: Optional[ForkBatch] = None
         self._closed = False
+        # fd -> callback: more inputs the pump serves while it waits (a fleet's request feed)
+        self.watched: dict[int, Callable[[], None]] = {}
         try:
             self._ipc = self._bind_sockets()
             self._launch()
@@ -182,6 +184,10 @@ class SchedulerHarness:
         self._pump_until(lambda: all(self.finished(r) for r in rids), timeout_s or self.config.batch_timeout_s,
                          f"requests {rids} to finish")
 
+    def wait_for(self, done: Callable[[], bool], timeout_s: float, what: str) -> None:
+        """Serve the ranks (and :attr:`watched`) until ``done()``; :class:`HarnessError` after ``timeout_s``."""
+        self._pump_until(done, timeout_s, what)
+
     @property
     def ready(self) -> list[RankReady]:
         return [self._ready[r] for r in sorted(self._ready)]
@@ -238,6 +244,8 @@ class SchedulerHarness:
         zygote_fd = self._zygote.sentinel.fileno() if self._zygote is not None else None
         if zygote_fd is not None:
             poller.register(zygote_fd, zmq.POLLIN)
+        for fd in self.watched:
+            poller.register(fd, zmq.POLLIN)
         deadline = time.monotonic() + timeout_s
         while not done():
             if time.monotonic() > deadline:
@@ -254,6 +262,9 @@ class SchedulerHarness:
                     self._take_message(rank, channel)
             if zygote_fd is not None and zygote_fd in events:
                 self._check_exits()
+            for fd, callback in list(self.watched.items()):
+                if fd in events:
+                    callback()
 
     def _take_outputs(self, sock: Any) -> None:
         while True:

@@ -27,6 +27,7 @@ from sglang_cp_hicache.testing.patching import PatchSet
 from sglang_cp_hicache.testing.sched_config import IpcNames, SchedConfig, server_args_kwargs
 from sglang_cp_hicache.testing.sched_forward import BatchReport, ForwardStats
 from sglang_cp_hicache.testing.sched_intake import Intake, install_intake
+from sglang_cp_hicache.testing.sched_l3 import final_l3, l3_counters, record_l3_keys
 from sglang_cp_hicache.testing.sched_seams import check_seams, import_only_stand_ins
 
 __all__ = ["LoadBack", "RankError", "RankReady", "RankResult", "RankSpec", "forked_rank_main", "preload"]
@@ -79,6 +80,12 @@ class RankResult:
     loops: list[str] = field(default_factory=list)  # the event loops SGLang's run_event_loop dispatched to
     loop_ignored_shutdown: bool = False  # the loop ran on past a ShutdownReq; the harness ended it
     processed: int = 0  # input-socket messages the loop had processed
+    # The final result only (the lists grow with the run): the page keys of the own pages this rank's L3
+    # stored and restored, its failed page reads, and its L3 I/O totals (bytes written and read)
+    l3_stored_keys: list[str] = field(default_factory=list)
+    l3_restored_keys: list[str] = field(default_factory=list)
+    l3_read_failures: int = 0
+    l3_io: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -220,19 +227,10 @@ def _snapshot(scheduler: Any, result: RankResult, intake: Intake) -> RankResult:
     counters = getattr(scheduler.tree_cache, "cp_counters", None)
     if counters is not None:
         result.counters = {k: int(v) for k, v in vars(counters).items() if isinstance(v, int)}
-    l3 = _l3_counters(scheduler.tree_cache)
+    l3 = l3_counters(scheduler.tree_cache)
     if l3 is not None:
         result.l3_counters = {k: int(v) for k, v in vars(l3).items() if isinstance(v, int)}
     return result
-
-
-def _l3_counters(cache: Any) -> Any:
-    """The library's L3 counters of this rank's cache (None: L3 off or not the library's)."""
-    rank_l3 = getattr(getattr(cache, "cp_l3_cache", None), "rank_l3", None)  # 0.5.18's CP cache
-    if rank_l3 is not None:
-        return rank_l3.tier.counters
-    driver = getattr(getattr(getattr(cache, "cache_controller", None), "cp_stack", None), "l3", None)  # 0.5.23
-    return None if driver is None else driver.counters
 
 
 def _observe(scheduler: Any, result: RankResult, channel: Any, intake: Intake) -> Any:
@@ -357,6 +355,7 @@ def forked_rank_main(spec: RankSpec, channel: Any, zygote_pid: int) -> None:
         install_intake(scheduler, spec.rank, channel, intake)
         result = RankResult(spec.rank, scheduler.tp_worker.forward.stats)
         on_idle = _observe(scheduler, result, channel, intake)
+        keys = record_l3_keys(scheduler.tree_cache)
         channel.send(RankReady(spec.rank, type(scheduler.tree_cache).__name__,
                                type(scheduler.token_to_kv_pool_allocator).__name__,
                                _library_active(spec.config.version, scheduler), time.perf_counter() - start,
@@ -366,6 +365,7 @@ def forked_rank_main(spec: RankSpec, channel: Any, zygote_pid: int) -> None:
         except _LoopIgnoredShutdown:
             pass
         _final_idle_check(scheduler, on_idle, result, intake)
+        final_l3(scheduler.tree_cache, result, keys)
         channel.send(result)
         code = 0
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, then the rank exits non-zero

@@ -53,3 +53,14 @@ def check_kernel_pool_config(release: str, argv: list[str]) -> None:
     assert config["page_size"] == 64 and config["host_layout"] == args.hicache_mem_layout
     report = transfer.warmup(**config, device="cpu")
     assert report.config["kv_dim"] == config["kv_dim"]
+
+
+def check_one_failure_naming(release: str, argv: list[str], flag: str, words: str) -> None:
+    """``check``'s argument checks of ``argv`` fail once, on ``flag``, saying ``words``."""
+    from sglang_cp_hicache.preflight import launch
+    from sglang_cp_hicache.preflight.report import FAIL
+
+    _, found = launch.launch_findings(release, argv)
+    failed = [f for f in found if f.level == FAIL]
+    assert len(failed) == 1, found
+    assert flag in failed[0].what and words in failed[0].text, failed[0]

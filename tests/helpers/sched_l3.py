@@ -5,12 +5,16 @@ SGLang's file-backend flag (the library serves it under CP), its
 ``wait_complete`` prefetch policy (a request waits in the queue for its
 lookup), 8 device pages a rank. Three prefixes are cached (their pages'
 owners write them to L3 as they are backed up), then evicted from device
-and host by three device fills, so only L3 holds them.
+and host by three device fills, so only L3 holds them. SGLang's own prefetch
+brings an L3-only prefix back through the library, and an abort lands while
+a prefetch is in flight. Every forward checks each prefix row on its owner
+rank; SGLang's strict idle leak checks run after each scenario and at
+shutdown.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Iterator
+from typing import Iterator
 
 import pytest
 
@@ -84,8 +88,10 @@ def check_abort_mid_prefetch(h: SchedulerHarness) -> None:
     assert _grew(again, before, "restored_tokens") == [len(AGAIN)] * 2
 
 
-def l3_tests(version: str) -> tuple[Callable, ...]:
-    """The module fixture ``run`` and the three tests, for ``version``'s test module."""
+def l3_tests(version: str) -> dict[str, object]:
+    """The module fixture ``run``, the three tests and the slow mark of
+    ``version``'s test module, by name (``globals().update``: pytest collects
+    them there)."""
 
     @pytest.fixture(scope="module")
     def run(tmp_path_factory):
@@ -101,6 +107,7 @@ def l3_tests(version: str) -> tuple[Callable, ...]:
         h, _ = run
         chk.check_closed(h.close(), h.config)
 
-    return (run, test_an_l3_only_prefix_is_prefetched_loaded_back_and_forwarded_from,
-            test_an_abort_while_the_prefetch_is_in_flight_leaves_nothing_behind,
-            test_shutdown_after_l3_scenarios_leaves_every_rank_clean)
+    return {"pytestmark": pytest.mark.slow(60), "run": run, **{f.__name__: f for f in (
+        test_an_l3_only_prefix_is_prefetched_loaded_back_and_forwarded_from,
+        test_an_abort_while_the_prefetch_is_in_flight_leaves_nothing_behind,
+        test_shutdown_after_l3_scenarios_leaves_every_rank_clean)}}

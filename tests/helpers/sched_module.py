@@ -7,7 +7,9 @@ Results a later test re-reads are kept per rank group in ``OUTCOMES``.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
+
+import pytest
 
 from sglang_cp_hicache.testing import sched_scenarios as sc
 from sglang_cp_hicache.testing.sched_config import SchedConfig
@@ -95,3 +97,37 @@ def check_pd_failures(o: sc.Outcome) -> None:
     assert o.outputs["pd-fail-bootstrap"].finish_type == "abort", o.outputs
     assert o.outputs["pd-fail-transfer"].finish_type == "abort", o.outputs
     assert o.entries("pd-fail-transfer"), "the request whose transfer fails never ran its prefill"
+
+
+def scenario_tests(configs: list[SchedConfig], ids: list[str]) -> dict[str, Callable]:
+    """The module fixture ``h`` (one rank group per config) and the scenarios
+    both releases run, by name (``globals().update``: pytest collects them in
+    a release's module, before its own tests and its shutdown test)."""
+    closed: list = []
+
+    @pytest.fixture(scope="module", params=configs, ids=ids)
+    def h(request):
+        yield from chk.run_harness(request.param, closed)
+
+    def test_chunked_prefill_second_request_rides_the_first_ones_chunks(h):
+        run_chunked(h)
+
+    def test_abort_mid_chunk(h):
+        run_abort_mid_chunk(h)
+
+    def test_host_hit_after_eviction_churn_is_loaded_back(h):
+        o = run_host_hit(h)
+        chk.check_loaded_back(o, list(o.outputs))
+
+    def test_concurrent_load_backs_in_one_batch(h):
+        check_concurrent(run_concurrent(h))
+
+    def test_abort_after_load_back(h):
+        o = run_abort_after_load_back(h)
+        chk.check_aborted(o, sorted(o.outputs)[0])
+        assert o.load_backs and o.declined_tokens() == 0, o.load_backs
+
+    return {"h": h, **{f.__name__: f for f in (
+        test_chunked_prefill_second_request_rides_the_first_ones_chunks, test_abort_mid_chunk,
+        test_host_hit_after_eviction_churn_is_loaded_back, test_concurrent_load_backs_in_one_batch,
+        test_abort_after_load_back)}}

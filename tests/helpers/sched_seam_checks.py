@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 import pytest
 
 from sglang_cp_hicache.testing import sched_seams
@@ -57,3 +59,27 @@ def check_worker_method_removed_fails_loudly(version: str, monkeypatch: pytest.M
 def check_unknown_release_refused() -> None:
     with pytest.raises(ValueError, match="version"):
         sched_seams.seams_for("0.5.99")
+
+
+def seam_tests(version: str) -> dict[str, Callable]:
+    """The seam tests of ``version``'s test module, by name (``globals().update``: pytest collects them there)."""
+
+    def test_every_seam_resolves_in_this_release():
+        check_every_seam_resolves(version)
+
+    def test_a_moved_seam_target_fails_at_start_up_naming_the_seam(monkeypatch):
+        check_moved_target_fails_loudly(version, monkeypatch)
+
+    def test_a_changed_seam_signature_fails_at_start_up(monkeypatch):
+        check_changed_signature_fails_loudly(version, monkeypatch)
+
+    def test_a_worker_method_the_stand_in_mirrors_removed_fails_at_start_up(monkeypatch):
+        check_worker_method_removed_fails_loudly(version, monkeypatch)
+
+    def test_an_unknown_release_is_refused():
+        check_unknown_release_refused()
+
+    return {f.__name__: f for f in (
+        test_every_seam_resolves_in_this_release, test_a_moved_seam_target_fails_at_start_up_naming_the_seam,
+        test_a_changed_seam_signature_fails_at_start_up,
+        test_a_worker_method_the_stand_in_mirrors_removed_fails_at_start_up, test_an_unknown_release_is_refused)}

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from sglang_cp_hicache.l3.capabilities import StoreCapabilities
-from sglang_cp_hicache.l3.capacity import CapacityConfig, DirectoryCapacity, parse_size
+from sglang_cp_hicache.l3.capacity import CapacityConfig, DirectoryCapacity
+from sglang_cp_hicache.sizes import parse_file_size
 from sglang_cp_hicache.l3.envelope import HEADER_BYTES
 from sglang_cp_hicache.l3.keys import page_keys, split_page_key
 from sglang_cp_hicache.l3.pages import PutOutcome, read_verified, store_verified
@@ -29,13 +30,13 @@ OBJECT = HEADER_BYTES + NS.page_bytes
     ("1.5T", int(1.5 * 10**12)), ("64Gi", 64 * 2**30), ("25.6k", 25600), ("3Mi", 3 * 2**20),
 ])
 def test_sizes_are_read_as_sglangs_file_backend_reads_them(text, size):
-    assert parse_size("max_size", text) == size
+    assert parse_file_size("max_size", text) == size
 
 
 @pytest.mark.parametrize("bad", ["1.5Gi", "ten", "-5", "5 G", True, -1])
 def test_a_bad_size_is_refused_naming_it(bad):
     with pytest.raises(ValueError, match="max_size"):
-        parse_size("max_size", bad)
+        parse_file_size("max_size", bad)
 
 
 def test_the_extra_config_wins_over_sglangs_variables():

@@ -5,9 +5,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sglang_cp_hicache.l3 import (
-    L3ReadPlan, L3WritePlan, interleaved_owners, page_keys, read_plan, write_plan,
-)
+from sglang_cp_hicache.l3.keys import page_keys
+from sglang_cp_hicache.l3.plan import L3ReadPlan, L3WritePlan, interleaved_owners, read_plan, write_plan
 from sglang_cp_hicache.placement import page_owner
 from tests.l3.common import hash_chain, namespace
 

@@ -3,7 +3,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sglang_cp_hicache.policy_0518 import OwnerLaneAllocator
+from sglang_cp_hicache.policy_0518.allocator import OwnerLaneAllocator
 
 
 def pages_of(locs, page_size):

@@ -10,13 +10,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from sglang_cp_hicache.placement import CpPlacement
-from sglang_cp_hicache.policy_0518 import (
-    CpHiCacheNodeMetadata,
-    HostSlotLedger,
-    OwnerLaneAllocator,
-    plan_load,
-    plan_write,
-)
+from sglang_cp_hicache.policy_0518.allocator import OwnerLaneAllocator
+from sglang_cp_hicache.policy_0518.host_eviction import HostSlotLedger
+from sglang_cp_hicache.policy_0518.metadata import CpHiCacheNodeMetadata
+from sglang_cp_hicache.policy_0518.plan import plan_load, plan_write
 
 # The count is kept in this process: under pytest-xdist the module's tests must
 # all run on one worker, in file order, for test_report_count to see them.

@@ -11,14 +11,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from sglang_cp_hicache.placement import CpPlacement
-from sglang_cp_hicache.policy_0518 import (
-    CpHiCacheNodeMetadata,
-    HostLeafIndex,
-    HostSlotLedger,
-    cp_load_back,
-    evict_host_slots,
-    set_host_state,
-)
+from sglang_cp_hicache.policy_0518.host_eviction import HostLeafIndex, HostSlotLedger, evict_host_slots
+from sglang_cp_hicache.policy_0518.load_back import cp_load_back
+from sglang_cp_hicache.policy_0518.metadata import CpHiCacheNodeMetadata
+from sglang_cp_hicache.policy_0518.node_state import set_host_state
 from sglang_cp_hicache.testing.tree_nodes import Node, attach, child_key
 
 

@@ -5,7 +5,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sglang_cp_hicache.policy_0518 import CpHiCacheNodeMetadata
+from sglang_cp_hicache.policy_0518.metadata import CpHiCacheNodeMetadata
 
 
 def meta(logical_len, positions, hosts, owners=None):

@@ -7,14 +7,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from sglang_cp_hicache.placement import CpPlacement
-from sglang_cp_hicache.policy_0518 import (
-    CpHiCacheNodeMetadata,
-    CpWritePlan,
-    HiCacheWriteFailure,
-    OwnerLaneAllocator,
-    plan_load,
-    plan_write,
-)
+from sglang_cp_hicache.policy_0518.allocator import OwnerLaneAllocator
+from sglang_cp_hicache.policy_0518.metadata import CpHiCacheNodeMetadata
+from sglang_cp_hicache.policy_0518.plan import CpWritePlan, HiCacheWriteFailure, plan_load, plan_write
 from sglang_cp_hicache.policy_0518 import plan as plan_module
 from sglang_cp_hicache.policy_0518.plan import page_owner_tokens, page_owners, placeholder_write_plan
 

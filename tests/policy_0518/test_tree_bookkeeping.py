@@ -3,18 +3,10 @@
 import pytest
 import torch
 
-from sglang_cp_hicache.policy_0518 import (
-    CpHiCacheNodeMetadata,
-    HostLeafIndex,
-    HostSlotLedger,
-    clear_host_state,
-    cp_load_back,
-    evict_host_slots,
-    is_backed_up,
-    is_host_leaf,
-    set_host_state,
-    split_host_state,
-)
+from sglang_cp_hicache.policy_0518.host_eviction import HostLeafIndex, HostSlotLedger, evict_host_slots, is_host_leaf
+from sglang_cp_hicache.policy_0518.load_back import cp_load_back
+from sglang_cp_hicache.policy_0518.metadata import CpHiCacheNodeMetadata
+from sglang_cp_hicache.policy_0518.node_state import clear_host_state, is_backed_up, set_host_state, split_host_state
 from sglang_cp_hicache.testing.tree_nodes import Node, attach, child_key
 
 

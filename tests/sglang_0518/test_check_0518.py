@@ -9,7 +9,7 @@ import pytest
 from sglang_cp_hicache.preflight import launch
 from sglang_cp_hicache.preflight.report import FAIL, OK
 
-from tests.helpers.readme_launch import check_kernel_pool_config, launch_line, with_flag
+from tests.helpers.readme_launch import check_kernel_pool_config, check_one_failure_naming, launch_line, with_flag
 
 RELEASE = "0.5.18"
 README_LINE = launch_line("SGLang 0.5.18 server")
@@ -44,10 +44,7 @@ def test_the_readme_launch_line_passes_every_argument_check():
     ("--hicache-mem-layout", "page_head", "'page_head'"),
 ])
 def test_a_value_the_cp_cache_refuses_fails_naming_the_flag(flag, value, words):
-    _, found = _checked(_with(flag, value))
-    failed = [f for f in found if f.level == FAIL]
-    assert len(failed) == 1, found
-    assert flag in failed[0].what and words in failed[0].text, failed[0]
+    check_one_failure_naming(RELEASE, _with(flag, value), flag, words)
 
 
 def test_a_value_sglang_s_parser_refuses_fails_with_its_message():

@@ -2,21 +2,7 @@
 0.5.18 adapter's real L3 path: real SGLang stacks, threaded ranks on gloo,
 the key file read by ``open_l3`` at each rank's start-up (the same helpers
 as ``test_l3.py``: CP 4 writes, CP 2 reads, bytes checked against the
-content every token must have).
-
-* the same key on writer and reader: the chain is restored bit-exact, the
-  tier's ``describe()`` (start-up log and agreement) ends with
-  ``objects:blake3-keyed``, and every object on disk is format 3 with the
-  keyed BLAKE3 tag over header and payload;
-* a page object rewritten by someone without the key (other bytes, the
-  XXH3 tag they can compute): its owner refuses it (``mac``), every rank
-  restores the same prefix before it, nothing wrong is restored;
-* a reader with another key: same object names, every object refused; a
-  reader without a key: another namespace, a plain miss;
-* a bad key file stops start-up on every rank, naming the setting and the
-  problem, never showing the secret; on one rank only, every rank stops at
-  the start-up agreement, naming it;
-* ranks with different secrets (a key file made per host) refuse to start.
+content every token must have). What it pins: :mod:`tests.helpers.l3_key`.
 """
 
 from __future__ import annotations

@@ -21,20 +21,7 @@ pytestmark = pytest.mark.slow(90)
 # Both run with the insert trap: a host read of a device index inside an insert fails the run.
 CONFIGS = [SchedConfig("0.5.18", cp_size=2, trap_insert_reads=True),
            SchedConfig("0.5.18", cp_size=3, overlap=True, trap_insert_reads=True)]
-_CLOSED: list = []
-
-
-@pytest.fixture(scope="module", params=CONFIGS, ids=["cp2", "cp3-overlap"])
-def h(request):
-    yield from chk.run_harness(request.param, _CLOSED)
-
-
-def test_chunked_prefill_second_request_rides_the_first_ones_chunks(h):
-    mod.run_chunked(h)
-
-
-def test_abort_mid_chunk(h):
-    mod.run_abort_mid_chunk(h)
+globals().update(mod.scenario_tests(CONFIGS, ids=["cp2", "cp3-overlap"]))
 
 
 def test_eviction_churn_leaves_the_host_hit_to_evictable_pages(h):
@@ -51,24 +38,9 @@ def test_eviction_churn_leaves_the_host_hit_to_evictable_pages(h):
         assert sum(asked.values()) <= hit <= o.notes["evictable_before"], (hit, o.notes, o.load_backs)
 
 
-def test_host_hit_after_eviction_churn_is_loaded_back(h):
+def test_the_host_hit_request_ran_to_its_length(h):
     o = mod.run_host_hit(h)
     assert o.outputs[sorted(o.outputs)[0]].finish_type == "length"
-    chk.check_loaded_back(o, list(o.outputs))
-
-
-def test_concurrent_load_backs_in_one_batch(h):
-    mod.check_concurrent(mod.run_concurrent(h))
-
-
-def test_abort_after_load_back(h):
-    o = mod.run_abort_after_load_back(h)
-    chk.check_aborted(o, sorted(o.outputs)[0])
-
-
-def test_abort_after_load_back_had_its_load_back(h):
-    o = mod.run_abort_after_load_back(h)
-    assert o.load_backs and o.declined_tokens() == 0, o.load_backs
 
 
 def test_scheduler_inserts_read_no_device_indices(h):

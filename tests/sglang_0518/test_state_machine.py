@@ -32,7 +32,7 @@ from hypothesis.stateful import (
 from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams, MatchPrefixParams
 from sglang.srt.mem_cache.radix_cache import RadixKey
 
-from sglang_cp_hicache.policy_0518 import CpHiCacheNodeMetadata
+from sglang_cp_hicache.policy_0518.metadata import CpHiCacheNodeMetadata
 from sglang_cp_hicache.testing.stack_0518 import CpStackConfig
 
 from tests.helpers.cp_cluster import CpCluster, prefix_keys

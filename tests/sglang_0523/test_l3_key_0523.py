@@ -3,21 +3,8 @@
 stack through the library strategy (whose ``open_l3`` reads the key file)
 and serving one chain with the scheduler's storage calls
 (:func:`tests.helpers.sglang_0523.l3_key_scenarios.key_suite`); every
-restored page is checked byte by byte on its owner.
-
-* the same key on writer and reader: the chain is restored bit-exact, the
-  tier's ``describe()`` (start-up log and agreement) ends with
-  ``objects:blake3-keyed``, and every object on disk is format 3 with the
-  keyed BLAKE3 tag over header and payload;
-* a page object rewritten by someone without the key (other bytes, the
-  XXH3 tag they can compute): its owner refuses it (``mac``), every rank
-  restores the same prefix before it, nothing wrong is restored;
-* a reader with another key: same object names, its own objects refused; a
-  reader without a key: another namespace, a plain miss;
-* a bad key file stops start-up on every rank, naming the setting and the
-  problem, never showing the secret (not in the error, not in the log);
-  on one rank only, every rank stops at the start-up agreement, naming it;
-* ranks with different secrets (a key file made per host) refuse to start.
+restored page is checked byte by byte on its owner. What it pins:
+:mod:`tests.helpers.l3_key`.
 """
 
 from __future__ import annotations

@@ -1,18 +1,6 @@
-"""The library's L3 under SGLang 0.5.23's real Scheduler (CP 2, a PD
-prefill server): SGLang's own prefetch brings an L3-only prefix back through the
-library, and an abort lands while a prefetch is in flight
-(tests/helpers/sched_l3.py says how). Every forward checks each prefix row
-on its owner rank; SGLang's strict idle leak checks run after each scenario
-and at shutdown."""
-
-from __future__ import annotations
-
-import pytest
+"""The library's L3 under SGLang 0.5.23's real Scheduler (CP 2, a PD prefill server): the
+scenarios of tests/helpers/sched_l3.py."""
 
 from tests.helpers import sched_l3
 
-pytestmark = pytest.mark.slow(60)
-
-(run, test_an_l3_only_prefix_is_prefetched_loaded_back_and_forwarded_from,
- test_an_abort_while_the_prefetch_is_in_flight_leaves_nothing_behind,
- test_shutdown_after_l3_scenarios_leaves_every_rank_clean) = sched_l3.l3_tests("0.5.23")
+globals().update(sched_l3.l3_tests("0.5.23"))

@@ -18,35 +18,7 @@ from tests.helpers import sched_module as mod
 pytestmark = pytest.mark.slow(120)
 
 CONFIGS = [chk.pd_config("0.5.23", 2, overlap=False), chk.pd_config("0.5.23", 3, overlap=True)]
-_CLOSED: list = []
-
-
-@pytest.fixture(scope="module", params=CONFIGS, ids=["cp2-pd", "cp3-pd-overlap"])
-def h(request):
-    yield from chk.run_harness(request.param, _CLOSED)
-
-
-def test_chunked_prefill_second_request_rides_the_first_ones_chunks(h):
-    mod.run_chunked(h)
-
-
-def test_abort_mid_chunk(h):
-    mod.run_abort_mid_chunk(h)
-
-
-def test_host_hit_after_eviction_churn_is_loaded_back(h):
-    o = mod.run_host_hit(h)
-    chk.check_loaded_back(o, list(o.outputs))
-
-
-def test_concurrent_load_backs_in_one_batch(h):
-    mod.check_concurrent(mod.run_concurrent(h))
-
-
-def test_abort_after_load_back(h):
-    o = mod.run_abort_after_load_back(h)
-    chk.check_aborted(o, sorted(o.outputs)[0])
-    assert o.load_backs and o.declined_tokens() == 0, o.load_backs
+globals().update(mod.scenario_tests(CONFIGS, ids=["cp2-pd", "cp3-pd-overlap"]))
 
 
 def test_pd_sender_delaying_its_bootstrap(h):

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from sglang_cp_hicache.sim.fleet.feed import FeedWriter, RankFeed, make_feed_dir, parse_done
+from sglang_cp_hicache.sim.fleet.feed import FeedWriter, ParentFeed, RankFeed, make_feed_dir, parse_done
 from sglang_cp_hicache.sim.fleet.router import AffinityParams, make_router
 from sglang_cp_hicache.sim.fleet.spec import DeploymentSpec, parse_deployment, python_for
 from tests.sim.simrun import ROOT
@@ -94,6 +94,30 @@ def test_the_feed_carries_indices_in_order_and_events_back(tmp_path):
     writer.close()
 
 
+def test_the_scheduler_engines_one_feed_reads_without_blocking_and_reports_as_rank_0(tmp_path):
+    make_feed_dir(str(tmp_path), 1)  # one reader: a second FIFO nobody reads would fill and block
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["events", "rank0.feed"]
+    writer = FeedWriter(str(tmp_path), 1)
+    parent = ParentFeed(str(tmp_path))
+    assert parent.read() == [] and not parent.ended  # nothing released yet: no wait, no end
+    writer.send(4)
+    writer.send(7)
+    assert parent.read() == [4, 7]
+    writer.end()
+    writer.send(9)  # nothing after the end is served
+    assert parent.read() == [] and parent.ended
+    parent.ready()
+    parent.started(4)
+    parent.done(4, 128, 64, 64, 3)
+    events = writer.events.read()
+    assert events[:2] == [("ready",), ("start", "4")]
+    done = parse_done(events[2])
+    assert done is not None and (done.rank, done.index, done.device, done.host, done.l3, done.verified,
+                                 done.corrupted) == (0, 4, 128, 64, 64, 3, 0)
+    parent.close()
+    writer.close()
+
+
 @pytest.mark.parametrize("args,needle", [
     (("--deployment", "0.5.18:cp2", "--l3-scope", "deployment"), "--l3-scope deployment needs --l3"),
     (("--deployment", "0.5.18:cpx", "--l3", "L3"), "--deployment 0.5.18:cpx"),
@@ -101,16 +125,22 @@ def test_the_feed_carries_indices_in_order_and_events_back(tmp_path):
      "--python 0.5.18=/nonexistent"),
     (("--deployment", "0.5.18:cp2", "--cache-threshold", "2", "--l3", "L3"), "--cache-threshold"),
     (("--deployment", "0.5.18:cp2", "--fault", "3:0:1:kill", "--l3", "L3"), "--fault 3:0:1:kill"),
-    (("--deployment", "0.5.18:cp2", "--l3", "mooncake://nohost"), "--l3 mooncake://nohost: expected mooncake://"),
-    (("--deployment", "0.5.18:cp2", "--l3", "mooncake://127.0.0.1:5", "--l3-scope", "deployment"),
+    (("--deployment", "0.5.18:cp2", "--l3", "mooncake://nohost", "--engine", "loop"), "--l3 mooncake://nohost: expected mooncake://"),
+    (("--deployment", "0.5.18:cp2", "--l3", "mooncake://127.0.0.1:5", "--l3-scope", "deployment", "--engine", "loop"),
      "--l3-scope deployment with --l3 mooncake://127.0.0.1:5"),
     (("--deployment", "0.5.18:cp2", "--l3", "L3", "--mooncake-segment", "64mb"), "--mooncake-segment needs --l3"),
-    (("--deployment", "0.5.18:cp2", "--l3", "mooncake", "--mooncake-segment", "8mb"),
+    (("--deployment", "0.5.18:cp2", "--l3", "mooncake", "--mooncake-segment", "8mb", "--engine", "loop"),
      "--mooncake-segment must be at least"),
     (("--deployment", "0.5.18:cp2", "--l3", "L3", "--fault-master-restart", "3"),
      "--fault-master-restart 3: needs --l3 mooncake"),
-    (("--deployment", "0.5.18:cp2", "--python", "0.5.18=NO_WHEEL", "--l3", "mooncake"),
+    (("--deployment", "0.5.18:cp2", "--python", "0.5.18=NO_WHEEL", "--l3", "mooncake", "--engine", "loop"),
      "--l3 mooncake: --deployment 0.5.18:cp2: "),
+    (("--deployment", "0.5.18:cp2", "--l3", "mooncake"), "--l3 mooncake needs --engine loop"),
+    (("--deployment", "0.5.18:cp2", "--deployment", "0.5.18:cp1", "--l3", "L3"),
+     "--deployment 0.5.18:cp1: --engine scheduler with --l3 needs CP >= 2"),
+    (("--deployment", "0.5.18:cp2", "--l3", "L3", "--fault", "0:0:1:kill"), "fault injection needs --engine loop"),
+    (("--deployment", "0.5.18:cp2", "--l3", "L3", "--engine", "loop", "--in-flight", "2"),
+     "--in-flight needs --engine scheduler"),
 ])
 def test_bad_flags_stop_the_fleet_before_anything_starts(tmp_path, capsys, args, needle):
     from sglang_cp_hicache.__main__ import main
@@ -131,7 +161,7 @@ def test_restored_pages_are_attributed_to_the_deployment_that_alone_stored_them(
     from sglang_cp_hicache.sim.fleet.coordinator import Deployment
     from sglang_cp_hicache.sim.fleet.report import _attribution
 
-    deps = [Deployment(spec=DeploymentSpec("0.5.18", 2), name=f"d{k}", command=[], l3_dir=None, json_path="",
+    deps = [Deployment(spec=DeploymentSpec("0.5.18", 2), name=f"d{k}", command=[], l3_dir=None, json_path="", readers=2,
                        log_path="", env={}) for k in range(3)]
     jsons = [
         {"l3_stored_keys_per_rank": [["a"], ["b"]], "l3_restored_keys_per_rank": [["c", "a"], ["x"]]},

@@ -16,6 +16,7 @@ import sys
 import tempfile
 from typing import Optional, Union
 
+from sglang_cp_hicache.sim.cli_flags import DEFAULT_ENGINE, ENGINES
 from sglang_cp_hicache.sim.config import (
     DSA_PAGE_SIZE,
     FAIL_ENV,
@@ -45,9 +46,18 @@ def add_fleet_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         help="replay a trace across several CP deployments (mixed releases and CP sizes) behind a router, "
              "sharing one L3",
         description="Each --deployment is one simulate run (its own rank group, started by its release's "
-                    "Python) on the simulator's loop engine; a coordinator releases the trace's requests in "
-                    "order, each to the deployment --route picks, the next only once the last has started.",
+                    "Python) on --engine; a coordinator releases the trace's requests in order, each to the "
+                    "deployment --route picks, the next only once the last has started (scheduler engine: was "
+                    "submitted to SGLang's scheduler; loop engine: began serving).",
     )
+    p.add_argument("--engine", choices=ENGINES, default=DEFAULT_ENGINE,
+                   help="what runs each deployment: 'scheduler', SGLang's own Scheduler and event loop (requests "
+                        "submitted as released, at most --in-flight unfinished per deployment, batched by SGLang; "
+                        "--l3 DIR only, every deployment at CP >= 2 with --l3), or 'loop', the simulator's own "
+                        f"loop (one request at a time; Mooncake and fault injection) (default {DEFAULT_ENGINE})")
+    p.add_argument("--in-flight", type=int, default=None, metavar="N",
+                   help="--engine scheduler: requests a deployment holds submitted and unfinished at most "
+                        "(default: its max running requests, 8)")
     p.add_argument("--deployment", action="append", required=True, metavar="RELEASE:cpN[:device=D][:host=H]",
                    help="one deployment (repeat for more): SGLang release, CP size, and optionally its device "
                         "and host pages per rank (default: sized from the trace with --capacity)")
@@ -139,11 +149,30 @@ def _check(args: argparse.Namespace) -> Union[str, tuple[list[DeploymentSpec], d
         return f"--requests must be a positive integer, got {args.requests}"
     if not 0.0 < args.capacity <= 1.0:
         return f"--capacity must be in (0, 1], got {args.capacity}"
-    problem = (_restart_problem(args) or check_fleet_l3(args.l3, args.l3_scope, args.mooncake_segment)
+    # check_fleet_l3 last but one: it creates an L3 directory, which only a fleet that will start may
+    problem = (_restart_problem(args) or _engine_problem(args, specs)
+               or check_fleet_l3(args.l3, args.l3_scope, args.mooncake_segment)
                or _mooncake_problem(args, specs, pythons))
     if problem is not None:
         return problem
     return specs, pythons
+
+
+def _engine_problem(args: argparse.Namespace, specs: list[DeploymentSpec]) -> Optional[str]:
+    """Why --engine cannot run these deployments (None if it can)."""
+    if args.engine == "loop":
+        return "--in-flight needs --engine scheduler" if args.in_flight is not None else None
+    if args.in_flight is not None and args.in_flight < 1:
+        return f"--in-flight must be a positive integer, got {args.in_flight}"
+    if is_mooncake(args.l3):
+        return f"--l3 {args.l3} needs --engine loop: the scheduler engine's L3 is a file directory"
+    if args.fault is not None or args.fault_master_restart is not None:
+        return "fault injection needs --engine loop"
+    small = [f"{s.release}:cp{s.cp_size}" for s in specs if s.cp_size < 2]
+    if args.l3 is not None and small:
+        return (f"--deployment {small[0]}: --engine scheduler with --l3 needs CP >= 2 (at CP 1 SGLang builds "
+                "its own cache and storage backend, not this library's); add --engine loop")
+    return None
 
 
 def _restart_problem(args: argparse.Namespace) -> Optional[str]:
@@ -176,14 +205,15 @@ def _deployments(args: argparse.Namespace, specs: list[DeploymentSpec], pythons:
     for position, spec in enumerate(specs):
         name = spec.name(position)
         json_path = os.path.join(logs, f"{name}.json")
-        # a deployment is fed by the coordinator's pipes, which only the loop engine reads
-        cmd = [pythons[spec.release], "-m", "sglang_cp_hicache", "simulate", "--engine", "loop", "--no-progress",
+        cmd = [pythons[spec.release], "-m", "sglang_cp_hicache", "simulate", "--engine", args.engine, "--no-progress",
                "--allow-unverified", "--sglang", spec.release, "--cp-size", str(spec.cp_size), "--trace", os.path.abspath(args.trace),
                "--layers", str(args.layers), "--seed", str(args.seed), "--json", json_path,
                "--collective-timeout", str(args.collective_timeout)]
         for flag, value in (("--requests", args.requests), ("--trace-block-tokens", args.trace_block_tokens),
                             ("--device-pages", spec.device_pages), ("--host-pages", spec.host_pages),
-                            ("--startup-timeout", args.startup_timeout)):
+                            # the scheduler harness has its own start-up limit
+                            ("--startup-timeout", args.startup_timeout if args.engine == "loop" else None),
+                            ("--in-flight", args.in_flight)):
             if value is not None:
                 cmd += [flag, str(value)]
         cmd += store.flags(name)
@@ -196,7 +226,8 @@ def _deployments(args: argparse.Namespace, specs: list[DeploymentSpec], pythons:
         if fault is not None and fault[0] == position:
             env[FAIL_ENV] = fault[1]
         out.append(Deployment(spec=spec, name=name, command=cmd, l3_dir=store.where(name), json_path=json_path,
-                              log_path=os.path.join(logs, f"{name}.log"), env=env))
+                              log_path=os.path.join(logs, f"{name}.log"), env=env,
+                              readers=spec.cp_size if args.engine == "loop" else 1))
     return out
 
 
@@ -221,7 +252,7 @@ def run_fleet_command(args: argparse.Namespace) -> int:
     requests = [packed[i] for i in range(len(packed))]
     page_size = DSA_PAGE_SIZE  # what both releases' DSA pools take
     store = FleetL3(args.l3, args.l3_scope, args.mooncake_segment)
-    facts = FleetFacts(route=args.route, l3_scope=args.l3_scope if args.l3 is not None else None,
+    facts = FleetFacts(engine=args.engine, route=args.route, l3_scope=args.l3_scope if args.l3 is not None else None,
                        l3_dir=store.label, page_size=page_size,
                        prompt_tokens=[len(r) for r in requests],
                        ideal_hit_tokens=ideal_cache(requests, page_size).hit_tokens, workload=f"trace:{args.trace}")

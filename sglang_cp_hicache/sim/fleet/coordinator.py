@@ -1,16 +1,23 @@
 """Run a fleet: start each deployment, release the requests, collect.
 
 Each deployment is one ``simulate`` process started by its release's
-Python (:mod:`.spec`), whose ranks serve the request indices fed to them
-(:mod:`.feed`). The coordinator releases the trace's requests one at a
-time, in trace order: request i goes to the deployment the router picks
-(:mod:`.router`), and request i+1 is released only once that deployment's
-rank 0 has *started* request i. So no deployment starts a request before
-every earlier request, wherever it was routed, has started, while
-requests on different deployments run at the same time (a deployment
-still serving request i-1 makes request i wait; the others keep serving
-theirs). A deployment that dies loses the requests it had not finished;
-later requests are routed among the live ones.
+Python (:mod:`.spec`) that serves the request indices fed to it
+(:mod:`.feed`): on the loop engine its ranks read them and serve them one
+at a time; on the scheduler engine the process driving SGLang's scheduler
+reads them and submits each while fewer than ``in_flight`` of its requests
+are unfinished, and SGLang's scheduler batches them.
+
+The coordinator releases the trace's requests one at a time, in trace
+order: request i goes to the deployment the router picks (:mod:`.router`),
+and request i+1 is released only once that deployment has *started*
+request i (loop engine: its rank 0 began serving it; scheduler engine: it
+was submitted to SGLang, whose queue orders it within the deployment). So
+no deployment starts a request before every earlier request, wherever it
+was routed, has started, while requests on different deployments run at
+the same time (a deployment that cannot take request i yet, still serving
+request i-1 or with its window full, makes request i wait; the others keep
+serving theirs). A deployment that dies loses the requests it had not
+finished; later requests are routed among the live ones.
 """
 
 from __future__ import annotations
@@ -47,16 +54,17 @@ class Deployment:
     json_path: str
     log_path: str
     env: dict[str, str]
+    readers: int  # processes reading its feed: every rank (loop engine) or the scheduler's driver (1)
     feed_dir: str = ""
     proc: Optional[subprocess.Popen] = None
     writer: Optional[FeedWriter] = None
     ready: bool = False
     sent: list[int] = field(default_factory=list)  # request indices released to it, in order
-    done: dict[int, float] = field(default_factory=dict)  # index -> when rank 0 finished it (perf_counter)
+    done: dict[int, float] = field(default_factory=dict)  # index -> when it finished (perf_counter)
     hits: dict[int, tuple[int, int, int]] = field(default_factory=dict)  # index -> (device, host, l3) tokens
     verified: int = 0  # owned pages checked, every rank, finished requests
     corrupted: int = 0
-    started: dict[int, float] = field(default_factory=dict)  # index -> when rank 0 started it (perf_counter)
+    started: dict[int, float] = field(default_factory=dict)  # index -> when it started (perf_counter)
     exit_code: Optional[int] = None
     died_at_request: Optional[int] = None  # the next request to release when it was seen dead
 
@@ -81,8 +89,8 @@ class FleetRun:
 def _start(dep: Deployment, work: str, position: int) -> None:
     dep.feed_dir = os.path.join(work, f"feed-{position}")
     os.mkdir(dep.feed_dir)
-    make_feed_dir(dep.feed_dir, dep.spec.cp_size)
-    dep.writer = FeedWriter(dep.feed_dir, dep.spec.cp_size)
+    make_feed_dir(dep.feed_dir, dep.readers)
+    dep.writer = FeedWriter(dep.feed_dir, dep.readers)
     with open(dep.log_path, "wb") as log:
         dep.proc = subprocess.Popen([*dep.command, "--fleet-feed", dep.feed_dir], stdin=subprocess.DEVNULL,
                                     stdout=log, stderr=subprocess.STDOUT, env=dep.env)

@@ -1,8 +1,10 @@
 """A fleet's summary (JSON) and its printed table.
 
 Hits are logical tokens per tier, as each deployment's rank 0 matched them
-(``l3`` is what L3 brought to the host for that request; ``host`` the rest
-of the host hit). The fleet's ideal is one infinite cache serving every
+(loop engine) or as its request's first forwarded batch started from
+(scheduler engine: its cached prefix, of it what was loaded back from host,
+of that the tail L3 restored for it); ``l3`` is what L3 brought to the host
+for that request, ``host`` the rest of the host hit. The fleet's ideal is one infinite cache serving every
 request in trace order: a request's ideal counts every page any earlier
 request held, wherever it ran, so ``hit_ratio`` (hits / ideal) measures the
 fleet against one perfect shared cache. A deployment's ``ideal_hit_tokens``
@@ -32,6 +34,8 @@ from sglang_cp_hicache.sim.ideal import ideal_cache
 __all__ = ["FleetFacts", "fleet_summary", "format_fleet_table"]
 
 TIERS = ("device", "host", "l3")
+ENGINE_WORDS = {"scheduler": "SGLang's scheduler (requests batched by SGLang, in_flight per deployment)",
+                "loop": "the simulator's loop (one request at a time per deployment)"}
 #: L3 losses per deployment (simulate's JSON): page writes failed or dropped, pages found present but not
 #: read whole, lookups given up at their deadline.
 LOSS_KEYS = ("l3_write_failures", "l3_dropped_writes", "l3_read_failures", "l3_timeouts")
@@ -41,6 +45,7 @@ REFUSED_KEY = "l3_rejected_objects"
 
 @dataclass(frozen=True)
 class FleetFacts:
+    engine: str  # what ran each deployment: "scheduler" or "loop"
     route: str
     l3_scope: Optional[str]  # None: no L3
     l3_dir: Optional[str]
@@ -112,11 +117,16 @@ def _deployment_fields(dep: Deployment, j: Optional[dict[str, Any]], facts: Flee
         "hit_tokens": hits, "hit_tokens_per_tier": tiers,
         "ideal_hit_tokens": ideal, "ideal_hit_tokens_alone": sum(alone),
         "hit_ratio": _share(hits, ideal), "hit_ratio_per_tier": {t: _share(n, ideal) for t, n in tiers.items()},
+        # scheduler engine, a deployment that finished: its summary's hits per tier, which the requests' must sum to
+        "engine_hit_tokens_per_tier": (j.get("hit_tokens_per_tier") if j and j.get("engine") == "scheduler"
+                                       and dep.exit_code == 0 else None),
         "l3_restored_pages_by_writer": by_writer,
         "l3_restored_from_other_deployment": sum(n for w, n in other.items() if w != "unknown"),
         "l3_restored_from_other_release": sum(n for w, n in other.items()
                                               if w in releases and releases[w] != dep.spec.release),
-        "l3_written_bytes": moved.get("l3_write", 0), "l3_read_bytes": moved.get("l3_read", 0),
+        # loop engine: bytes_moved; scheduler engine: what each rank's L3 metered
+        "l3_written_bytes": moved.get("l3_write", (j or {}).get("l3_written_bytes", 0)),
+        "l3_read_bytes": moved.get("l3_read", (j or {}).get("l3_read_bytes", 0)),
         "l3_written_pages": (j or {}).get("l3_written_pages", 0),
         # what the store lost or refused, as this deployment's ranks counted it (0: none, or it died unreported)
         **{key: (j or {}).get(key, 0) for key in (*LOSS_KEYS, REFUSED_KEY)},
@@ -161,6 +171,9 @@ def fleet_summary(run: FleetRun, facts: FleetFacts, requests: Sequence[Sequence[
             problems.append(f"{p['name']} exited with status {p['exit_code']}: {p['requests_lost']} requests lost "
                             f"(log: {p['log']})")
         problems += [f"{p['name']}: {x}" for x in p["problems"]]
+        if p["engine_hit_tokens_per_tier"] not in (None, p["hit_tokens_per_tier"]):
+            problems.append(f"{p['name']}: its requests' hits {p['hit_tokens_per_tier']} differ from its "
+                            f"scheduler's {p['engine_hit_tokens_per_tier']}")
     if run.unrouted:
         problems.append(f"{len(run.unrouted)} requests found no live deployment")
     if corrupted:
@@ -169,7 +182,7 @@ def fleet_summary(run: FleetRun, facts: FleetFacts, requests: Sequence[Sequence[
     if verified == 0:
         problems.append("no page was verified: the run proves nothing")
     return {
-        "engine": "loop", "route": facts.route, "l3_scope": facts.l3_scope, "l3_dir": facts.l3_dir,
+        "engine": facts.engine, "route": facts.route, "l3_scope": facts.l3_scope, "l3_dir": facts.l3_dir,
         "workload": facts.workload, "requests": len(requests), "page_size": facts.page_size,
         "deployments": per,
         "prompt_tokens": sum(facts.prompt_tokens), "ideal_hit_tokens": ideal,
@@ -240,8 +253,7 @@ def format_fleet_table(s: dict[str, Any]) -> str:
     for (label, _), row in zip(rows, cells):
         lines.append(label.ljust(width0) + "  " + "  ".join(v.rjust(w) for v, w in zip(row, widths)))
     lines.append("")
-    lines.append(f"route {s['route']}, L3 scope {s['l3_scope'] or 'none'}, engine: the simulator's loop "
-                 f"(one request at a time per deployment)")
+    lines.append(f"route {s['route']}, L3 scope {s['l3_scope'] or 'none'}, engine: {ENGINE_WORDS[s['engine']]}")
     sizes = ", ".join(f"{x['requests']}: {x['objects']:,} obj {_mb(x['bytes'])}" for x in s["store_size"])
     lines.append(f"L3 store size (requests released: objects, bytes): {sizes or '-'}")
     lines += _mooncake_lines(s.get("mooncake"))
