@@ -15,8 +15,10 @@ backend), :mod:`.compile` (warm-up and offline compilation), and the private
 modules :mod:`._triton_launch` (the Triton launchers, with extra tuning
 arguments, for the kernel's own tests and benchmarks), :mod:`._kernel` (the
 kernel), :mod:`._twin` (its compiled/interpreted flavours),
-:mod:`._launch_spec` (what a launch needs), :mod:`._checks` (argument
-checks), :mod:`._backend` (the backend rule), :mod:`._stats` (copy counters).
+:mod:`._launch_spec` (what a launch needs), :mod:`._copies` (the four
+copies' signatures and buffer checks, written once for every backend),
+:mod:`._checks` (argument checks), :mod:`._backend` (the backend rule),
+:mod:`._stats` (copy counters).
 
 Code outside this folder imports this package's face or its two doors,
 never a private module: the supported host layouts (``HOST_LAYOUTS``, the

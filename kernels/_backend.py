@@ -1,5 +1,7 @@
 """Which backend a copy runs on: one rule, :func:`select_backend`, applied
-per call to the device its device buffers live on.
+per call to the device its device buffers live on; :func:`run_counted` runs
+a checked copy there and counts it (both doors, :mod:`.transfer` and
+:mod:`.bound`, copy through it).
 
 ========================= ============================== ======================
 device buffers on         ``TRITON_INTERPRET`` (now)     backend
@@ -15,7 +17,13 @@ from __future__ import annotations
 import torch
 import triton
 
-__all__ = ["BACKENDS", "select_backend"]
+from . import _triton_launch as _triton
+from . import reference as _reference
+from ._copies import CheckedCopy
+from ._launch_spec import PoolPart
+from ._stats import record
+
+__all__ = ["BACKENDS", "run_counted", "select_backend"]
 
 BACKENDS = ("triton", "triton-interpret", "reference")
 
@@ -33,3 +41,17 @@ def select_backend(device: torch.device | str) -> str:
     if device.type == "cpu" and _interpret_requested():
         return "triton-interpret"
     return "reference"
+
+
+def run_counted(copy: CheckedCopy, part: PoolPart | None = None, /) -> None:
+    """``copy`` on the backend for its device buffers' device, counted. The
+    Triton backend launches ``part`` where a bound pool resolved it, else
+    resolves the launch for this call."""
+    backend = select_backend(copy.pool.device)
+    if backend == "reference":
+        _reference.run(copy)
+    elif part is None:
+        _triton.run(copy)
+    else:
+        _triton.run_bound(part, copy.device_locs, copy.host_locs, copy.placement)
+    record(copy.counter, backend, copy.placement, copy.host_locs)

@@ -303,25 +303,6 @@ def check_launchable(pool: PoolGeometry, dev_names: Sequence[str], host_name: st
         check_device_buffer(name, t)
 
 
-def checked_copy_pool(
-    kv: bool, dev_name: str, device: object, host_name: str, host_buffer: object, host_layout: object,
-    placement: object, layer_id: object = None,
-) -> tuple[CpPlacement, PoolGeometry]:
-    """The checks every copy makes before it reads an index, on either
-    backend: the placement, the pool's geometry and what the kernel needs of
-    it; a backup (``layer_id`` None) takes every layer of ``device``, a load
-    one layer ``device`` and a host ``layer_id`` in range."""
-    placement = check_placement(placement)
-    if layer_id is None:
-        pool = check_backup_pool(kv, dev_name, device, host_name, host_buffer, host_layout, placement)
-        check_launchable(pool, [f"{dev_name}[{i}]" for i in range(len(pool.device_layers))], host_name)
-    else:
-        pool = check_load_pool(kv, dev_name, device, host_buffer, host_layout, placement)
-        check_launchable(pool, [dev_name], host_name)
-        check_layer_id("layer_id", layer_id, pool.host.num_layers)
-    return placement, pool
-
-
 def check_index_tensor(name: str, locs: torch.Tensor, device: torch.device) -> None:
     if locs.device != device:
         raise ValueError(f"{name} is on {locs.device} but the device buffers are on {device}")

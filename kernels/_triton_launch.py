@@ -5,7 +5,8 @@ Private: callers go through :mod:`.transfer` (one call) or :mod:`.bound`
 own tests and benchmarks call these directly for the tuning arguments.
 
 Four launchers, one per operation, each with the signature of its
-:mod:`.reference` twin plus two keyword-only tuning arguments:
+:mod:`.reference` twin (one :class:`~._copies.CopyFunctions`) plus two
+keyword-only tuning arguments, ``num_ctas`` and ``block_bytes``:
 
 * ``backup_kv_all_layers`` / ``backup_indexer_all_layers`` -- D2H, every layer,
   one launch;
@@ -20,20 +21,20 @@ launches are serialised process-wide (:data:`INTERPRETER_LOCK`), because the
 interpreter patches ``triton.language`` globally while a kernel runs.
 
 :func:`bind_launches` resolves the buffer-fixed part of every launch of one
-checked pool once; :func:`backup_bound` / :func:`load_bound` then check only
-the index tensors (what :class:`~.bound.PoolCopies` calls).
+checked pool once; :func:`run_bound` then checks only the index tensors
+(what :class:`~.bound.PoolCopies` calls).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
 from . import _checks
 from . import _launch_spec as _spec
 from ._checks import PoolGeometry, check_launchable
+from ._copies import CheckedCopy, CopyFunctions
 from ._kernel import (
     COUNT_PAGES,
     DEFAULT_BLOCK_BYTES,
@@ -53,14 +54,16 @@ __all__ = [
     "MAX_TILE_PAGES",
     "WALK_PAGES",
     "PoolLaunches",
-    "backup_bound",
     "backup_indexer_all_layers",
     "backup_kv_all_layers",
+    "backup_plan",
     "bind_launches",
     "check_launchable",
-    "load_bound",
     "load_indexer_one_layer",
     "load_kv_one_layer",
+    "load_plan",
+    "run",
+    "run_bound",
 ]
 
 
@@ -100,22 +103,19 @@ def _check_call(
 
 
 # ----------------------------------------------------------------------------- plans
-def _backup_plan(pool: PoolGeometry) -> LaunchPlan:
+def backup_plan(pool: PoolGeometry) -> LaunchPlan:
+    """Every layer of ``pool`` to the host (also warm-up's stand-ins)."""
     return LaunchPlan(pool.device_layers, True, pool.host_buffer, pool.host, 0, pool.dev_num_pages, to_host=True)
 
 
-def _load_plan(pool: PoolGeometry, device_layer: torch.Tensor, layer_id: int) -> LaunchPlan:
+def load_plan(pool: PoolGeometry, device_layer: torch.Tensor, layer_id: int) -> LaunchPlan:
     return LaunchPlan(
         (device_layer,), False, pool.host_buffer, pool.host, layer_id, pool.dev_num_pages, to_host=False
     )
 
 
 def _launch(
-    plan: LaunchPlan,
-    device_locs: torch.Tensor,
-    host_locs: torch.Tensor,
-    placement: CpPlacement,
-    num_ctas: int,
+    plan: LaunchPlan, device_locs: torch.Tensor, host_locs: torch.Tensor, placement: CpPlacement, num_ctas: int,
     block_bytes: int,
 ) -> None:
     part = _spec.pool_part(plan, placement.page_size, block_bytes)
@@ -139,126 +139,34 @@ def bind_launches(
     check_launchable(pool, [f"{dev_name}[{i}]" for i in range(len(pool.device_layers))], host_name)
     p, bb = placement.page_size, DEFAULT_BLOCK_BYTES
     return PoolLaunches(
-        backup=_spec.pool_part(_backup_plan(pool), p, bb),
-        loads=tuple(_spec.pool_part(_load_plan(pool, t, i), p, bb) for i, t in enumerate(pool.device_layers)),
+        backup=_spec.pool_part(backup_plan(pool), p, bb),
+        loads=tuple(_spec.pool_part(load_plan(pool, t, i), p, bb) for i, t in enumerate(pool.device_layers)),
     )
 
 
-def _run_bound(part: PoolPart, device_locs, host_locs, placement: CpPlacement) -> None:
-    to_host = part.meta["TO_HOST"]
+def run_bound(part: PoolPart, device_locs: torch.Tensor, host_locs: torch.Tensor, placement: CpPlacement) -> None:
+    """One launch of a bound pool (its backup, or one layer's load, resolved
+    by :func:`bind_launches`); checks only the index tensors."""
     if _check_call(device_locs, host_locs, placement, part.device, part.dev_num_pages, part.host_num_pages,
-                   to_host=to_host):
+                   to_host=part.meta["TO_HOST"]):
         _spec.run(part, device_locs, host_locs, placement, DEFAULT_NUM_CTAS)
 
 
-def backup_bound(
-    launches: PoolLaunches, device_locs: torch.Tensor, host_locs: torch.Tensor, placement: CpPlacement
-) -> None:
-    """D2H of every layer of a bound pool; checks only the index tensors."""
-    _run_bound(launches.backup, device_locs, host_locs, placement)
-
-
-def load_bound(
-    launches: PoolLaunches, layer_id: int, device_locs: torch.Tensor, host_locs: torch.Tensor,
-    placement: CpPlacement,
-) -> None:
-    """H2D of layer ``layer_id`` (checked by the caller) of a bound pool."""
-    _run_bound(launches.loads[layer_id], device_locs, host_locs, placement)
-
-
 # ----------------------------------------------------------------------------- public launchers
-def _backup_all_layers(
-    dev_name: str, device_layers, host_name: str, host: torch.Tensor, host_layout: str,
-    device_locs: torch.Tensor, host_locs: torch.Tensor, placement: CpPlacement,
-    *, kv: bool, num_ctas: int | None, block_bytes: int | None,
-) -> None:
-    """Shared body of the two backups (KV rows or indexer pages)."""
-    placement, pool = _checks.checked_copy_pool(kv, dev_name, device_layers, host_name, host, host_layout,
-                                                placement)
+def run(copy: CheckedCopy, *, num_ctas: int | None = None, block_bytes: int | None = None) -> None:
+    """One copy whose buffers :class:`~._copies.CopyFunctions` checked, with
+    the launch's tuning (None: the defaults)."""
     num_ctas, block_bytes = _check_num_ctas(num_ctas, block_bytes)
-    if _check_call(device_locs, host_locs, placement, pool.device, pool.dev_num_pages, pool.host.num_pages,
-                   to_host=True):
-        _launch(_backup_plan(pool), device_locs, host_locs, placement, num_ctas, block_bytes)
+    pool, dl, hl, placement = copy.pool, copy.device_locs, copy.host_locs, copy.placement
+    if _check_call(dl, hl, placement, pool.device, pool.dev_num_pages, pool.host.num_pages, to_host=copy.to_host):
+        plan = backup_plan(pool) if copy.to_host else load_plan(pool, pool.device_layers[0], copy.layer_id)
+        _launch(plan, dl, hl, placement, num_ctas, block_bytes)
 
 
-def _load_one_layer(
-    dev_name: str, device_layer, host_name: str, host: torch.Tensor, host_layout: str,
-    layer_id: int, device_locs: torch.Tensor, host_locs: torch.Tensor, placement: CpPlacement,
-    *, kv: bool, num_ctas: int | None, block_bytes: int | None,
-) -> None:
-    """Shared body of the two loads (KV rows or indexer pages)."""
-    placement, pool = _checks.checked_copy_pool(kv, dev_name, device_layer, host_name, host, host_layout,
-                                                placement, layer_id)
-    num_ctas, block_bytes = _check_num_ctas(num_ctas, block_bytes)
-    if _check_call(device_locs, host_locs, placement, pool.device, pool.dev_num_pages, pool.host.num_pages,
-                   to_host=False):
-        _launch(_load_plan(pool, pool.device_layers[0], layer_id), device_locs, host_locs, placement,
-                num_ctas, block_bytes)
-
-
-def backup_kv_all_layers(
-    device_kv: Sequence[torch.Tensor],
-    host_kv: torch.Tensor,
-    host_layout: str,
-    device_locs: torch.Tensor,
-    host_locs: torch.Tensor,
-    placement: CpPlacement,
-    *,
-    num_ctas: int | None = None,
-    block_bytes: int | None = None,
-) -> None:
-    """D2H: every layer's owned KV pages -> host slots. One launch, no sync."""
-    _backup_all_layers("device_kv", device_kv, "host_kv", host_kv, host_layout, device_locs,
-                       host_locs, placement, kv=True, num_ctas=num_ctas, block_bytes=block_bytes)
-
-
-def load_kv_one_layer(
-    device_kv_layer: torch.Tensor,
-    host_kv: torch.Tensor,
-    host_layout: str,
-    layer_id: int,
-    device_locs: torch.Tensor,
-    host_locs: torch.Tensor,
-    placement: CpPlacement,
-    *,
-    num_ctas: int | None = None,
-    block_bytes: int | None = None,
-) -> None:
-    """H2D: one layer's host slots -> owned physical KV pages. One launch, no sync."""
-    _load_one_layer("device_kv_layer", device_kv_layer, "host_kv", host_kv, host_layout, layer_id,
-                    device_locs, host_locs, placement, kv=True, num_ctas=num_ctas, block_bytes=block_bytes)
-
-
-def backup_indexer_all_layers(
-    device_index: Sequence[torch.Tensor],
-    host_index: torch.Tensor,
-    host_layout: str,
-    device_locs: torch.Tensor,
-    host_locs: torch.Tensor,
-    placement: CpPlacement,
-    *,
-    num_ctas: int | None = None,
-    block_bytes: int | None = None,
-) -> None:
-    """D2H: every layer's owned indexer pages -> host pages. One launch, no sync."""
-    _backup_all_layers("device_index", device_index, "host_index", host_index, host_layout,
-                       device_locs, host_locs, placement, kv=False, num_ctas=num_ctas,
-                       block_bytes=block_bytes)
-
-
-def load_indexer_one_layer(
-    device_index_layer: torch.Tensor,
-    host_index: torch.Tensor,
-    host_layout: str,
-    layer_id: int,
-    device_locs: torch.Tensor,
-    host_locs: torch.Tensor,
-    placement: CpPlacement,
-    *,
-    num_ctas: int | None = None,
-    block_bytes: int | None = None,
-) -> None:
-    """H2D: one layer's host indexer pages -> owned physical device pages. No sync."""
-    _load_one_layer("device_index_layer", device_index_layer, "host_index", host_index, host_layout,
-                    layer_id, device_locs, host_locs, placement, kv=False, num_ctas=num_ctas,
-                    block_bytes=block_bytes)
+# The four launchers: the signatures and buffer checks of
+# :class:`~._copies.CopyFunctions`, plus ``num_ctas`` / ``block_bytes``.
+_COPIES = CopyFunctions(run)
+backup_kv_all_layers = _COPIES.backup_kv_all_layers
+load_kv_one_layer = _COPIES.load_kv_one_layer
+backup_indexer_all_layers = _COPIES.backup_indexer_all_layers
+load_indexer_one_layer = _COPIES.load_indexer_one_layer

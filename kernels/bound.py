@@ -17,6 +17,7 @@ those of the unbound functions with the same arguments.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -24,10 +25,9 @@ import torch
 
 from . import _checks
 from . import _triton_launch as _triton
-from . import reference as _reference
-from ._backend import select_backend
+from ._backend import run_counted
 from ._checks import PoolGeometry
-from ._stats import record
+from ._copies import CheckedCopy
 from sglang_cp_hicache.placement import CpPlacement
 
 __all__ = ["PoolCopies", "as_locs", "bind_indexer_copies", "bind_kv_copies"]
@@ -45,9 +45,9 @@ class PoolCopies:
     """Backup (every layer) and load (one layer) between one device pool's
     layers and the SGLang host buffer that mirrors them."""
 
-    kind: str  # "kv" or "indexer": the copy counters it adds to
     placement: CpPlacement
     pool: PoolGeometry
+    layer_pools: tuple[PoolGeometry, ...]  # one per device layer: what a load of that layer copies to
     launches: _triton.PoolLaunches
 
     @property
@@ -62,38 +62,27 @@ class PoolCopies:
     def backup(self, device_locs: torch.Tensor, host_locs: torch.Tensor) -> None:
         """D2H: every layer's owned pages of LOGICAL ``device_locs`` -> this
         rank's host slots ``host_locs`` (in owned order)."""
-        backend = select_backend(self.device)
-        if backend == "reference":
-            _reference.backup_all_layers(self.pool, device_locs, host_locs, self.placement)
-        else:
-            _triton.backup_bound(self.launches, device_locs, host_locs, self.placement)
-        record(f"{self.kind}_backup_calls", backend, self.placement, host_locs)
+        run_counted(CheckedCopy(self.placement, self.pool, None, device_locs, host_locs), self.launches.backup)
 
     def load(self, layer_id: int, device_locs: torch.Tensor, host_locs: torch.Tensor) -> None:
         """H2D: host layer ``layer_id``'s slots ``host_locs`` -> the owned
         physical pages of LOGICAL ``device_locs`` on device layer ``layer_id``."""
         _checks.check_layer_id("layer_id", layer_id, self.num_layers)
-        backend = select_backend(self.device)
-        if backend == "reference":
-            layer = self.pool.device_layers[layer_id]
-            _reference.load_one_layer(self.pool, layer, layer_id, device_locs, host_locs, self.placement)
-        else:
-            _triton.load_bound(self.launches, layer_id, device_locs, host_locs, self.placement)
-        record(f"{self.kind}_load_calls", backend, self.placement, host_locs)
+        copy = CheckedCopy(self.placement, self.layer_pools[layer_id], layer_id, device_locs, host_locs)
+        run_counted(copy, self.launches.loads[layer_id])
 
 
 def _bind(
-    kind: str, dev_name: str, device_layers: object, host_name: str, host_buffer: object,
+    kv: bool, dev_name: str, device_layers: object, host_name: str, host_buffer: object,
     host_layout: object, placement: object,
 ) -> PoolCopies:
     placement = _checks.check_placement(placement)
-    pool = _checks.check_backup_pool(
-        kind == "kv", dev_name, device_layers, host_name, host_buffer, host_layout, placement
-    )
+    pool = _checks.check_backup_pool(kv, dev_name, device_layers, host_name, host_buffer, host_layout, placement)
     # The kernel's needs are checked whatever the backend now: on the CPU it
     # follows TRITON_INTERPRET at call time, so either may run these buffers.
     launches = _triton.bind_launches(pool, dev_name, host_name, placement)
-    return PoolCopies(kind, placement, pool, launches)
+    layer_pools = tuple(dataclasses.replace(pool, device_layers=(t,)) for t in pool.device_layers)
+    return PoolCopies(placement, pool, layer_pools, launches)
 
 
 def bind_kv_copies(
@@ -101,7 +90,7 @@ def bind_kv_copies(
 ) -> PoolCopies:
     """Bind the KV copies: ``device_kv`` the per-layer ``(slots, 1, dim)``
     device buffers, ``host_kv`` SGLang's host KV buffer in ``host_layout``."""
-    return _bind("kv", "device_kv", device_kv, "host_kv", host_kv, host_layout, placement)
+    return _bind(True, "device_kv", device_kv, "host_kv", host_kv, host_layout, placement)
 
 
 def bind_indexer_copies(
@@ -110,4 +99,4 @@ def bind_indexer_copies(
     """Bind the indexer copies: ``device_index`` the per-layer ``(pages,
     page_bytes)`` uint8 device buffers, ``host_index`` SGLang's host indexer
     buffer in ``host_layout``."""
-    return _bind("indexer", "device_index", device_index, "host_index", host_index, host_layout, placement)
+    return _bind(False, "device_index", device_index, "host_index", host_index, host_layout, placement)

@@ -26,6 +26,7 @@ from . import _checks, _twin
 from . import _triton_launch
 from . import _launch_spec as _spec
 from ._backend import select_backend
+from ._checks import PoolGeometry
 from ._launch_spec import LaunchPlan
 from ._triton_launch import DEFAULT_NUM_CTAS
 from sglang_cp_hicache.placement import CpPlacement
@@ -66,15 +67,8 @@ class _StandIn:
 
 
 def _stand_ins(
-    *,
-    page_size: int,
-    host_layout: str,
-    num_layers: int,
-    kv_dim: int | None,
-    kv_dtype: torch.dtype | None,
-    indexer_page_bytes: int | None,
-    device: torch.device,
-    pin_memory: bool,
+    *, page_size: int, host_layout: str, num_layers: int, kv_dim: int | None, kv_dtype: torch.dtype | None,
+    indexer_page_bytes: int | None, device: torch.device, pin_memory: bool,
 ) -> list[_StandIn]:
     """One stand-in launch per operation a pool configuration uses.
 
@@ -86,7 +80,7 @@ def _stand_ins(
     """
     placement = CpPlacement(page_size, 1, 0)
     locs = torch.arange(page_size, dtype=torch.int64, device=device)
-    out = []
+    pools: list[tuple[str, PoolGeometry]] = []
     if kv_dim is not None:
         dev = [torch.zeros((page_size, 1, kv_dim), dtype=kv_dtype, device=device) for _ in range(num_layers)]
         shape = {
@@ -96,8 +90,7 @@ def _stand_ins(
         }[host_layout]
         host = torch.zeros(shape, dtype=kv_dtype, pin_memory=pin_memory)
         geom = _checks.host_kv_geometry("host_kv", host, host_layout, page_size, kv_dim)
-        out.append(_StandIn("kv_d2h", LaunchPlan(tuple(dev), True, host, geom, 0, 1, to_host=True), locs, placement))
-        out.append(_StandIn("kv_h2d", LaunchPlan((dev[0],), False, host, geom, 0, 1, to_host=False), locs, placement))
+        pools.append(("kv", PoolGeometry(True, tuple(dev), host, host_layout, geom, 1)))
     if indexer_page_bytes is not None:
         dev = [torch.zeros((1, indexer_page_bytes), dtype=torch.uint8, device=device) for _ in range(num_layers)]
         if host_layout == "layer_first":
@@ -106,14 +99,17 @@ def _stand_ins(
             shape = (1, num_layers, 1, indexer_page_bytes)
         host = torch.zeros(shape, dtype=torch.uint8, pin_memory=pin_memory)
         geom = _checks.host_index_geometry("host_index", host, host_layout, indexer_page_bytes)
-        out.append(_StandIn("indexer_d2h", LaunchPlan(tuple(dev), True, host, geom, 0, 1, to_host=True), locs,
-                            placement))
-        out.append(_StandIn("indexer_h2d", LaunchPlan((dev[0],), False, host, geom, 0, 1, to_host=False), locs,
-                            placement))
+        pools.append(("indexer", PoolGeometry(False, tuple(dev), host, host_layout, geom, 1)))
+    out = []
+    for name, pool in pools:  # the launchers' own plans: a backup of every layer, a load of layer 0
+        out.append(_StandIn(f"{name}_d2h", _triton_launch.backup_plan(pool), locs, placement))
+        out.append(_StandIn(f"{name}_h2d", _triton_launch.load_plan(pool, pool.device_layers[0], 0), locs, placement))
     return out
 
 
-def _check_pool_config(page_size, host_layout, num_layers, kv_dim, kv_dtype, indexer_page_bytes) -> None:
+def _check_pool_config(page_size, host_layout, num_layers, kv_dim, kv_dtype, indexer_page_bytes,
+                       block_bytes) -> int:
+    """Check the pool configuration; the block size to launch with."""
     _checks.check_host_layout(host_layout)
     for name, value in (("page_size", page_size), ("num_layers", num_layers)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -125,6 +121,7 @@ def _check_pool_config(page_size, host_layout, num_layers, kv_dim, kv_dtype, ind
         raise ValueError("give kv_dim (with kv_dtype) and/or indexer_page_bytes")
     if kv_dim is not None and not isinstance(kv_dtype, torch.dtype):
         raise ValueError(f"kv_dtype must be a torch.dtype when kv_dim is given, got {kv_dtype!r}")
+    return _triton_launch._check_num_ctas(None, block_bytes)[1]
 
 
 def _cache_dir() -> str:
@@ -133,15 +130,9 @@ def _cache_dir() -> str:
 
 
 def warmup(
-    *,
-    page_size: int,
-    host_layout: str,
-    num_layers: int,
-    kv_dim: int | None = None,
-    kv_dtype: torch.dtype | None = None,
-    indexer_page_bytes: int | None = None,
-    device: torch.device | str | None = None,
-    block_bytes: int | None = None,
+    *, page_size: int, host_layout: str, num_layers: int, kv_dim: int | None = None,
+    kv_dtype: torch.dtype | None = None, indexer_page_bytes: int | None = None,
+    device: torch.device | str | None = None, block_bytes: int | None = None,
 ) -> WarmupReport:
     """Get every kernel a pool configuration uses ready before serving.
 
@@ -150,8 +141,8 @@ def warmup(
     ``host_layout``, on ``device`` (default: the current CUDA device, else the
     CPU) with the backend a copy there would use (see the module docstring).
     """
-    _check_pool_config(page_size, host_layout, num_layers, kv_dim, kv_dtype, indexer_page_bytes)
-    _, block_bytes = _triton_launch._check_num_ctas(None, block_bytes)
+    block_bytes = _check_pool_config(page_size, host_layout, num_layers, kv_dim, kv_dtype, indexer_page_bytes,
+                                     block_bytes)
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
     device = torch.device(device)
@@ -191,15 +182,8 @@ _TRITON_TYPES = {torch.int64: "i64", torch.int32: "i32", torch.int16: "i16", tor
 
 
 def compile_offline(
-    target,
-    *,
-    page_size: int,
-    host_layout: str,
-    num_layers: int,
-    kv_dim: int | None = None,
-    kv_dtype: torch.dtype | None = None,
-    indexer_page_bytes: int | None = None,
-    block_bytes: int | None = None,
+    target, *, page_size: int, host_layout: str, num_layers: int, kv_dim: int | None = None,
+    kv_dtype: torch.dtype | None = None, indexer_page_bytes: int | None = None, block_bytes: int | None = None,
 ) -> dict:
     """Compile the specialisations of a pool configuration for ``target``
     (a ``triton.backends.compiler.GPUTarget``) without a GPU.
@@ -210,8 +194,8 @@ def compile_offline(
     """
     from triton.compiler import ASTSource
 
-    _check_pool_config(page_size, host_layout, num_layers, kv_dim, kv_dtype, indexer_page_bytes)
-    _, block_bytes = _triton_launch._check_num_ctas(None, block_bytes)
+    block_bytes = _check_pool_config(page_size, host_layout, num_layers, kv_dim, kv_dtype, indexer_page_bytes,
+                                     block_bytes)
     stand_ins = _stand_ins(
         page_size=page_size, host_layout=host_layout, num_layers=num_layers, kv_dim=kv_dim,
         kv_dtype=kv_dtype, indexer_page_bytes=indexer_page_bytes, device=torch.device("cpu"),

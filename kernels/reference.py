@@ -37,30 +37,27 @@ host memory for CUDA layers (:func:`._checks.check_launchable`,
 :func:`._checks.check_call_indices`). A caller tested on the CPU backend then
 cannot hand the GPU a call it refuses.
 
-Each public function checks the buffers (:func:`._checks.check_backup_pool`
-/ :func:`._checks.check_load_pool`, then :func:`._checks.check_launchable`)
-and hands the result to :func:`backup_all_layers` / :func:`load_one_layer`,
-which check only the index tensors: :class:`~.bound.PoolCopies` calls those
-two directly with the pool it checked once, at bind time.
+Each public function checks the buffers (:class:`~._copies.CopyFunctions`,
+shared with the other backends) and hands the result to :func:`run`, which
+checks only the index tensors: :class:`~.bound.PoolCopies` calls it directly
+with the pool it checked once, at bind time.
 """
 
 from __future__ import annotations
-
-from typing import Sequence
 
 import torch
 
 from . import _checks
 from ._checks import PoolGeometry
+from ._copies import CheckedCopy, CopyFunctions
 from sglang_cp_hicache.placement import CpPlacement
 
 __all__ = [
-    "backup_all_layers",
     "backup_indexer_all_layers_reference",
     "backup_kv_all_layers_reference",
     "load_indexer_one_layer_reference",
     "load_kv_one_layer_reference",
-    "load_one_layer",
+    "run",
 ]
 
 
@@ -96,104 +93,31 @@ def _index_pair(pool: PoolGeometry, phys: torch.Tensor, host_locs: torch.Tensor,
     return phys, host_locs
 
 
-def _owned_or_none(
-    pool: PoolGeometry, device_locs: torch.Tensor, host_locs: torch.Tensor, placement: CpPlacement,
-    *, to_host: bool,
-) -> torch.Tensor | None:
-    """Per-call checks of the index tensors (values included: this backend
-    reads them anyway); the owned physical slots, or None when there are none."""
+def run(copy: CheckedCopy) -> None:
+    """One copy of a checked pool (a backup's every layer, or a load's one
+    device layer); checks only the index tensors, their values included (this
+    backend reads them anyway)."""
+    pool, placement, device_locs, host_locs = copy.pool, copy.placement, copy.device_locs, copy.host_locs
     _checks.check_call_indices(device_locs, host_locs, placement, pool.device)
     _checks.check_indices(
-        device_locs, host_locs, placement, pool.dev_num_pages, pool.host.num_pages, to_host=to_host
+        device_locs, host_locs, placement, pool.dev_num_pages, pool.host.num_pages, to_host=copy.to_host
     )
     phys = _owned_physical(device_locs, placement)
-    return phys if phys.numel() else None
-
-
-def backup_all_layers(
-    pool: PoolGeometry, device_locs: torch.Tensor, host_locs: torch.Tensor, placement: CpPlacement
-) -> None:
-    """D2H of every layer of a checked pool; checks only the index tensors."""
-    phys = _owned_or_none(pool, device_locs, host_locs, placement, to_host=True)
-    if phys is None:
+    if not phys.numel():
         return
     dev_at, host_at = _index_pair(pool, phys, host_locs, placement.page_size)
-    for layer_id, dev in enumerate(pool.device_layers):
-        view = _host_view(pool, layer_id)
-        view[host_at] = dev[dev_at].to(view.device)
+    if copy.to_host:
+        for layer_id, dev in enumerate(pool.device_layers):
+            view = _host_view(pool, layer_id)
+            view[host_at] = dev[dev_at].to(view.device)
+    else:
+        dev = pool.device_layers[0]
+        dev[dev_at] = _host_view(pool, copy.layer_id)[host_at].to(dev.device)
 
 
-def load_one_layer(
-    pool: PoolGeometry,
-    device_layer: torch.Tensor,
-    layer_id: int,
-    device_locs: torch.Tensor,
-    host_locs: torch.Tensor,
-    placement: CpPlacement,
-) -> None:
-    """H2D of host layer ``layer_id`` into ``device_layer`` (one of a checked
-    pool's layers); checks only the index tensors."""
-    phys = _owned_or_none(pool, device_locs, host_locs, placement, to_host=False)
-    if phys is None:
-        return
-    dev_at, host_at = _index_pair(pool, phys, host_locs, placement.page_size)
-    device_layer[dev_at] = _host_view(pool, layer_id)[host_at].to(device_layer.device)
-
-
-# ----------------------------------------------------------------------------- public functions
-def backup_kv_all_layers_reference(
-    device_kv: Sequence[torch.Tensor],
-    host_kv: torch.Tensor,
-    host_layout: str,
-    device_locs: torch.Tensor,
-    host_locs: torch.Tensor,
-    placement: CpPlacement,
-) -> None:
-    """D2H: every layer's owned KV rows -> host slots."""
-    placement, pool = _checks.checked_copy_pool(True, "device_kv", device_kv, "host_kv", host_kv, host_layout,
-                                                placement)
-    backup_all_layers(pool, device_locs, host_locs, placement)
-
-
-def load_kv_one_layer_reference(
-    device_kv_layer: torch.Tensor,
-    host_kv: torch.Tensor,
-    host_layout: str,
-    layer_id: int,
-    device_locs: torch.Tensor,
-    host_locs: torch.Tensor,
-    placement: CpPlacement,
-) -> None:
-    """H2D: one layer's host slots -> owned physical KV rows."""
-    placement, pool = _checks.checked_copy_pool(True, "device_kv_layer", device_kv_layer, "host_kv", host_kv,
-                                                host_layout, placement, layer_id)
-    load_one_layer(pool, device_kv_layer, layer_id, device_locs, host_locs, placement)
-
-
-def backup_indexer_all_layers_reference(
-    device_index: Sequence[torch.Tensor],
-    host_index: torch.Tensor,
-    host_layout: str,
-    device_locs: torch.Tensor,
-    host_locs: torch.Tensor,
-    placement: CpPlacement,
-) -> None:
-    """D2H: every layer's owned indexer pages -> host pages (page granular)."""
-    placement, pool = _checks.checked_copy_pool(False, "device_index", device_index, "host_index", host_index,
-                                                host_layout, placement)
-    backup_all_layers(pool, device_locs, host_locs, placement)
-
-
-def load_indexer_one_layer_reference(
-    device_index_layer: torch.Tensor,
-    host_index: torch.Tensor,
-    host_layout: str,
-    layer_id: int,
-    device_locs: torch.Tensor,
-    host_locs: torch.Tensor,
-    placement: CpPlacement,
-) -> None:
-    """H2D: one layer's host indexer pages -> owned physical device pages."""
-    placement, pool = _checks.checked_copy_pool(False, "device_index_layer", device_index_layer, "host_index",
-                                                host_index, host_layout, placement, layer_id)
-    load_one_layer(pool, device_index_layer, layer_id, device_locs, host_locs, placement)
+# The four copies (signatures and buffer checks in :class:`~._copies.CopyFunctions`).
+_COPIES = CopyFunctions(run)
+backup_kv_all_layers_reference = _COPIES.backup_kv_all_layers
+load_kv_one_layer_reference = _COPIES.load_kv_one_layer
+backup_indexer_all_layers_reference = _COPIES.backup_indexer_all_layers
+load_indexer_one_layer_reference = _COPIES.load_indexer_one_layer

@@ -35,6 +35,8 @@ zygote that forks the ranks and their launcher-death guard are the harness's,
 * ``cli``      -- the ``simulate`` subcommand (its flags: ``cli_flags``; ``--engine``: ``cli_engine``)
 * ``engine_scheduler`` -- ``--engine scheduler``: the workload through SGLang's real
   ``Scheduler`` (the harness in ``sglang_cp_hicache.testing.sched_*``), closed-loop arrivals
+* ``engine_scheduler_fed`` -- that engine's loop in a fleet deployment: the requests its
+  coordinator releases (``sim.fleet``)
 * ``report_scheduler`` -- that engine's summary JSON and printed table
 * ``packed``   -- many requests' token ids in two flat arrays (what every rank receives)
 * ``progress`` -- start-up and replay progress on stderr

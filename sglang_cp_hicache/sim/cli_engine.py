@@ -114,6 +114,7 @@ def engine_options(args: argparse.Namespace, l3_dir: Optional[str] = None) -> En
 def run_scheduler_engine(args: argparse.Namespace, prepared: Any, token_lists: Any, facts: WorkloadFacts) -> int:
     """Replay through the real scheduler, print and write the summary."""
     from sglang_cp_hicache.sim.engine_scheduler import replay_through_scheduler
+    from sglang_cp_hicache.sim.engine_scheduler_fed import fed_loop
     from sglang_cp_hicache.sim.l3_writers import object_names, write_manifest
     from sglang_cp_hicache.sim.report import dump_json
     from sglang_cp_hicache.sim.report_scheduler import format_scheduler_table, summarize_scheduler
@@ -129,7 +130,9 @@ def run_scheduler_engine(args: argparse.Namespace, prepared: Any, token_lists: A
     fleet = prepared.config.fleet_feed is not None  # a fleet's coordinator attributes the shared store's pages
     l3_before = object_names(l3_dir) if l3_dir is not None and not fleet else set()
     try:
-        replay = replay_through_scheduler(prepared.config, token_lists, opts, show_progress=not args.no_progress)
+        make_loop = None if not fleet else fed_loop(prepared.config.fleet_feed, prepared.config.page_size)
+        replay = replay_through_scheduler(prepared.config, token_lists, opts, show_progress=not args.no_progress,
+                                          make_loop=make_loop)
     except HarnessError as exc:
         print(str(exc), file=sys.stderr)
         return 1

@@ -15,7 +15,7 @@ import torch
 
 from sglang_cp_hicache.placement import CpPlacement
 from sglang_cp_hicache.testing.content import corrupted_token_mask, prefix_keys, write_content
-from sglang_cp_hicache.sim.l3_keys import L3KeyLog
+from sglang_cp_hicache.testing.l3_keys import L3KeyLog
 from sglang_cp_hicache.sim.records import AckCounts, CopyWall, EngineTotals, RequestRecord
 
 __all__ = ["NewPages", "PrefixHit", "RankEngineBase", "RequestInFlight"]

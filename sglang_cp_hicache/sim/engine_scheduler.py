@@ -30,7 +30,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 from sglang_cp_hicache.sim.config import SimConfig
 from sglang_cp_hicache.sim.packed import PackedRequests
@@ -41,7 +41,7 @@ if TYPE_CHECKING:  # the harness imports torch and zmq: only a run that starts p
     from sglang_cp_hicache.testing.sched_harness import RunResult, SchedulerHarness
     from sglang_cp_hicache.testing.sched_rank import RankResult
 
-__all__ = ["ARRIVALS", "L3_PREFETCH_POLICY", "EngineOptions", "SchedulerReplay", "replay_through_scheduler", "sched_config"]
+__all__ = ["ARRIVALS", "L3_PREFETCH_POLICY", "EngineOptions", "LoopFactory", "SchedulerReplay", "replay_through_scheduler", "sched_config"]
 
 #: How arrivals are paced, as the summary states it.
 ARRIVALS = ("closed loop in workload order: at most in_flight requests submitted and unfinished, topped up "
@@ -209,11 +209,15 @@ class _ClosedLoop:
               f"{len(self.h.batches)} batches, {time.perf_counter() - self.start:.0f}s", file=sys.stderr, flush=True)
 
 
+#: Makes the loop that submits a replay's requests: (harness, requests, options, show progress) -> loop.
+LoopFactory = Callable[["SchedulerHarness", PackedRequests, EngineOptions, bool], _ClosedLoop]
+
+
 def replay_through_scheduler(config: SimConfig, requests: PackedRequests, opts: EngineOptions,
-                             show_progress: bool = False) -> SchedulerReplay:
+                             show_progress: bool = False, make_loop: Optional[LoopFactory] = None) -> SchedulerReplay:
     """Replay ``requests`` through SGLang's real scheduler on ``config.cp_size``
-    ranks; with ``config.fleet_feed``, only those its fleet's coordinator
-    releases, in that order (:mod:`sglang_cp_hicache.sim.fleet.sched_feed`). Raises :class:`~sglang_cp_hicache.testing.sched_harness.HarnessError`
+    ranks, in the workload's order, or as ``make_loop``'s loop submits them (a
+    fleet deployment: :mod:`sglang_cp_hicache.sim.engine_scheduler_fed`). Raises :class:`~sglang_cp_hicache.testing.sched_harness.HarnessError`
     when a rank fails (a prefix row mismatch, a leak, a stall)."""
     from sglang_cp_hicache.testing.sched_harness import SchedulerHarness
 
@@ -225,20 +229,10 @@ def replay_through_scheduler(config: SimConfig, requests: PackedRequests, opts: 
     start = time.perf_counter()
     with SchedulerHarness(sc) as h:
         up = time.perf_counter()
-        if config.fleet_feed is None:
-            loop = _ClosedLoop(h, requests, opts, show_progress)
-        else:
-            loop = _fed(h, requests, opts, config)
+        loop = (make_loop or _ClosedLoop)(h, requests, opts, show_progress)
         loop.run()
         idle = h.wait_idle()
         replayed = time.perf_counter()
         run = h.close()
     return SchedulerReplay(run, idle, loop.served_rids(), loop.aborted, up - start, replayed - up)
 
-
-def _fed(h: "SchedulerHarness", requests: PackedRequests, opts: EngineOptions, config: SimConfig) -> _ClosedLoop:
-    from sglang_cp_hicache.sim.fleet.feed import ParentFeed
-    from sglang_cp_hicache.sim.fleet.sched_feed import FedLoop
-
-    assert config.fleet_feed is not None
-    return FedLoop(h, requests, opts, ParentFeed(config.fleet_feed), config.page_size)

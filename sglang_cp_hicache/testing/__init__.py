@@ -11,6 +11,7 @@
 * :mod:`.requests_0523` -- requests as 0.5.23's scheduler holds them;
 * :mod:`.tree_nodes` -- a radix node for the 0.5.18 policy without SGLang;
 * :mod:`.content` -- deterministic page content and bit-exact checks (pure torch);
+* :mod:`.l3_keys` -- which pages a rank's L3 stored and restored, by page key (both engines);
 * :mod:`.zygote`, :mod:`.zygote_server` -- rank processes forked from one
   interpreter that imported what they need (once per run, or one long-lived
   zygote per launching process);

@@ -104,10 +104,8 @@ def server_args_kwargs(config: SchedConfig) -> dict[str, Any]:
         hicache_write_policy="write_through", skip_tokenizer_init=True, load_format="dummy",
         disable_overlap_schedule=not config.overlap, chunked_prefill_size=config.chunked_prefill_size,
         skip_server_warmup=True, max_running_requests=config.shape.max_running_requests, tp_size=config.cp_size,
-        disable_cuda_graph=True, sleep_on_idle=True,
+        disable_cuda_graph=True, sleep_on_idle=True, kv_cache_dtype="fp8_e4m3",
     )
-    if config.version == "0.5.23":
-        kw["kv_cache_dtype"] = "fp8_e4m3"
     if config.cp_size > 1:
         kw.update(attn_cp_size=config.cp_size, enable_prefill_cp=True, cp_strategy="interleave")
         if config.version == "0.5.18":

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sglang_cp_hicache.sim.l3_keys import L3KeyLog
+from sglang_cp_hicache.testing.l3_keys import L3KeyLog
 
 __all__ = ["final_l3", "l3_counters", "rank_l3_of", "record_l3_keys"]
 

@@ -50,11 +50,12 @@ def _pools_0518(shape: PoolShape, cp_size: int, cp_rank: int) -> Pools:
     P = shape.page_size
     r2t = ReqToTokenPool(size=shape.max_running_requests, max_context_len=shape.max_context_len, device="cpu",
                          enable_memory_saver=False)
-    kv = DSATokenToKVPool(size=shape.device_pages * P, page_size=P, kv_lora_rank=512, dtype=torch.bfloat16,
+    # fp8_e4m3 as on 0.5.23: 576-byte rows, so both releases' pages (and L3 keys) are the same bytes
+    kv = DSATokenToKVPool(size=shape.device_pages * P, page_size=P, kv_lora_rank=512, dtype=torch.float8_e4m3fn,
                           qk_rope_head_dim=64, layer_num=shape.num_layers, device="cpu", index_head_dim=128,
                           enable_memory_saver=False, kv_cache_dim=576)
     if cp_size == 1:
-        alloc = PagedTokenToKVPoolAllocator(size=shape.device_pages * P, page_size=P, dtype=torch.bfloat16,
+        alloc = PagedTokenToKVPoolAllocator(size=shape.device_pages * P, page_size=P, dtype=torch.float8_e4m3fn,
                                             device="cpu", kvcache=kv, need_sort=True)
         return Pools(r2t, kv, alloc, None)
     # where the model runner builds the KV pool under the plugin (the library's CP shared allocator)
@@ -62,7 +63,7 @@ def _pools_0518(shape: PoolShape, cp_size: int, cp_rank: int) -> Pools:
 
     alloc = CpSharedPagedTokenToKVPoolAllocator(
         logical_size=(shape.device_pages * cp_size - 1) * P, physical_size=shape.device_pages * P, page_size=P,
-        dtype=torch.bfloat16, device="cpu", kvcache=kv, need_sort=True, cp_size=cp_size, cp_rank=cp_rank)
+        dtype=torch.float8_e4m3fn, device="cpu", kvcache=kv, need_sort=True, cp_size=cp_size, cp_rank=cp_rank)
     return Pools(r2t, kv, alloc, CpPlacement(P, cp_size, cp_rank))
 
 
@@ -126,12 +127,11 @@ class StandInRunner:
         self.attn_backend = types.SimpleNamespace()
         self.weight_load_mem_usage = 0.0
         self.max_running_requests = shape.max_running_requests
+        self.kv_cache_dtype_str = "fp8_e4m3"
         if version == "0.5.23":
-            self.kv_cache_dtype_str = "fp8_e4m3"
             # per-rank physical; the scheduler widens it by the shard size
             self.logical_max_total_num_tokens = self.effective_logical_max_total_num_tokens = pools.kv_pool.size
         else:
-            self.kv_cache_dtype_str = "bf16"
             self.max_total_num_tokens = self.effective_max_total_num_tokens = pools.allocator.size
         self.ngram_embedding_manager = _ngram_manager(model_config, pools, shape, server_args)
 

@@ -164,6 +164,18 @@ def owned_count(logical_pages, placement: CpPlacement) -> int:
     return sum(1 for p in logical_pages if p % placement.cp_size == placement.cp_rank)
 
 
+def small_buffers(kind: str, page_size: int) -> dict:
+    """Valid keyword buffers of a backup (or bind) for the argument checks: 2
+    layers of 4 device pages and 3 host pages; ``kind`` "kv" (bf16 rows,
+    layer_first) or "indexer" (uint8 pages, page_first)."""
+    p = page_size
+    if kind == "kv":
+        return dict(device_kv=[torch.zeros(4 * p, 1, 8, dtype=torch.bfloat16) for _ in range(2)],
+                    host_kv=torch.zeros(2, 3 * p, 1, 8, dtype=torch.bfloat16), host_layout="layer_first")
+    return dict(device_index=[torch.zeros(4, 132 * p, dtype=torch.uint8) for _ in range(2)],
+                host_index=torch.zeros(3, 2, 1, 132 * p, dtype=torch.uint8), host_layout="page_first")
+
+
 # ----------------------------------------------------------------------------- runners
 #: Each backend's four copies, by name: backup KV, load KV, backup indexer, load indexer.
 _TRITON_NAMES = ("backup_kv_all_layers", "load_kv_one_layer", "backup_indexer_all_layers", "load_indexer_one_layer")

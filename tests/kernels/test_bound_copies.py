@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.helpers.kernel_pools import (
-    HOST_LAYOUTS, POISON, Pools, assert_same_bytes, bits, make_pools, page_locs, run_oracle,
+    HOST_LAYOUTS, POISON, Pools, assert_same_bytes, bits, make_pools, page_locs, run_oracle, small_buffers,
 )
 from sglang_cp_hicache.kernels import DEBUG_ENV, _checks, _launch_spec, transfer
 from sglang_cp_hicache.kernels.bound import PoolCopies, bind_indexer_copies, bind_kv_copies
@@ -167,25 +167,11 @@ BF16 = torch.bfloat16
 
 
 def kv_bind(**over):
-    args = dict(
-        device_kv=[torch.zeros(4 * P, 1, 8, dtype=BF16) for _ in range(2)],
-        host_kv=torch.zeros(2, 3 * P, 1, 8, dtype=BF16),
-        host_layout="layer_first",
-        placement=PLACEMENT,
-    )
-    args.update(over)
-    return args
+    return {**small_buffers("kv", P), "placement": PLACEMENT, **over}
 
 
 def index_bind(**over):
-    args = dict(
-        device_index=[torch.zeros(4, 132 * P, dtype=torch.uint8) for _ in range(2)],
-        host_index=torch.zeros(3, 2, 1, 132 * P, dtype=torch.uint8),
-        host_layout="page_first",
-        placement=PLACEMENT,
-    )
-    args.update(over)
-    return args
+    return {**small_buffers("indexer", P), "placement": PLACEMENT, **over}
 
 
 BAD_BINDS = [

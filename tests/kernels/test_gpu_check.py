@@ -134,25 +134,25 @@ def test_round_trip_check_passes_on_the_interpreter_and_catches_a_bad_copy(monke
         placement = CpPlacement(g.page_size, n, r)
         assert gpu_check.roundtrip(kind, "page_first", placement, host, g, cpu, seed=n) is None
     # a load that skips the last layer, or a backup that loses one host page, must be reported
-    load = "load_kv_one_layer" if kind.startswith("kv") else "load_indexer_one_layer"
-    backup = "backup_kv_all_layers" if kind.startswith("kv") else "backup_indexer_all_layers"
-    real_load, real_backup = getattr(_triton_launch, load), getattr(_triton_launch, backup)
+    real_run = _triton_launch.run
 
-    def skip_last_layer(dev, host_t, hl, layer, *a, **kw):
-        if layer < g.num_layers - 1:
-            real_load(dev, host_t, hl, layer, *a, **kw)
+    def skip_last_layer(copy, **kw):
+        if copy.to_host or copy.layer_id < g.num_layers - 1:
+            real_run(copy, **kw)
 
-    def lose_a_page(devs, host_t, hl, dl, hlocs, placement, **kw):
-        real_backup(devs, host_t, hl, dl, hlocs, placement, **kw)
-        gpu_check.bits(host_t).view(-1)[: gpu_check.bits(host_t).numel() // g.host_pages].fill_(0)
+    def lose_a_page(copy, **kw):
+        real_run(copy, **kw)
+        if copy.to_host:
+            host_t = gpu_check.bits(copy.pool.host_buffer)
+            host_t.view(-1)[: host_t.numel() // g.host_pages].fill_(0)
 
     placement = CpPlacement(g.page_size, 2, 1)
     with monkeypatch.context() as m:
-        m.setattr(_triton_launch, load, skip_last_layer)
+        m.setattr(_triton_launch, "run", skip_last_layer)
         err = gpu_check.roundtrip(kind, "page_first", placement, host, g, cpu, seed=3)
     assert err == f"load: device layer {g.num_layers - 1} differs from the reference", err
     with monkeypatch.context() as m:
-        m.setattr(_triton_launch, backup, lose_a_page)
+        m.setattr(_triton_launch, "run", lose_a_page)
         err = gpu_check.roundtrip(kind, "page_first", placement, host, g, cpu, seed=3)
     assert err is not None and err.startswith("backup: host bytes differ"), err
 

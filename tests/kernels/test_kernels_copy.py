@@ -77,23 +77,14 @@ EDGE = [("indexer", 64), ("kv_fp8", 16), ("kv_bf16", 1)]
 @pytest.mark.parametrize("direction", DIRECTIONS)
 @pytest.mark.parametrize("host_layout", HOST_LAYOUTS)
 @pytest.mark.parametrize("kind,page_size", EDGE)
-def test_zero_pages_touch_nothing(kind, page_size, host_layout, direction):
-    placement = CpPlacement(page_size, 2, 1)
+@pytest.mark.parametrize("cp_size,cp_rank,pages", [(2, 1, []), (4, 2, [0, 1, 3, 5, 7, 19])],
+                         ids=["empty", "foreign-only"])
+def test_batches_without_owned_pages_touch_nothing(kind, page_size, host_layout, direction, cp_size, cp_rank, pages):
+    """An empty batch, and one of pages other ranks own (none is 2 mod 4), change no byte."""
+    placement = CpPlacement(page_size, cp_size, cp_rank)
     pools = make_pools(kind, page_size, host_layout, placement, direction=direction)
-    empty = torch.zeros(0, dtype=torch.int64)
-    got = check_copy(pools, direction, empty, empty)
-    assert_same_bytes(got, pools, "empty batch")
-
-
-@pytest.mark.parametrize("direction", DIRECTIONS)
-@pytest.mark.parametrize("host_layout", HOST_LAYOUTS)
-@pytest.mark.parametrize("kind,page_size", EDGE)
-def test_all_pages_owned_by_another_rank(kind, page_size, host_layout, direction):
-    placement = CpPlacement(page_size, 4, 2)
-    pools = make_pools(kind, page_size, host_layout, placement, direction=direction)
-    foreign = [0, 1, 3, 5, 7, 19]  # none is 2 mod 4
-    got = check_copy(pools, direction, page_locs(foreign, page_size), torch.zeros(0, dtype=torch.int64))
-    assert_same_bytes(got, pools, "foreign pages only")
+    got = check_copy(pools, direction, page_locs(pages, page_size), torch.zeros(0, dtype=torch.int64))
+    assert_same_bytes(got, pools, f"{len(pages)} pages, none owned")
 
 
 @pytest.mark.parametrize("direction", DIRECTIONS)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.helpers.kernel_pools import (
-    POISON, assert_same_bytes, bits, changed_bytes, make_pools, page_locs, run_triton,
+    POISON, assert_same_bytes, bits, changed_bytes, make_pools, page_locs, run_triton, small_buffers,
 )
 from sglang_cp_hicache.kernels import DEBUG_ENV, _checks, _triton_launch, reference, transfer
 from sglang_cp_hicache.placement import CpPlacement
@@ -21,51 +21,32 @@ PLACEMENT = CpPlacement(P, 2, 0)
 I64 = torch.int64
 
 
+def _with_locs(buffers: dict, over: dict) -> dict:
+    return {**buffers, "device_locs": page_locs([0, 1, 2], P), "host_locs": page_locs([0, 2], P),
+            "placement": PLACEMENT, **over}
+
+
+def _one_layer(args: dict, dev: str, device_layer: int, layer_id: int, over: dict) -> dict:
+    """The load twin of backup ``args``: layer ``device_layer`` of ``args[dev]``, host layer ``layer_id``."""
+    layers = args.pop(dev)
+    return {f"{dev}_layer": layers[device_layer], **args, "layer_id": layer_id, **over}
+
+
 def kv_args(**over):
     """Valid backup_kv_all_layers arguments: 2 layers, 4 device pages, 3 host pages."""
-    args = dict(
-        device_kv=[torch.zeros(4 * P, 1, 8, dtype=torch.bfloat16) for _ in range(2)],
-        host_kv=torch.zeros(2, 3 * P, 1, 8, dtype=torch.bfloat16),
-        host_layout="layer_first",
-        device_locs=page_locs([0, 1, 2], P),
-        host_locs=page_locs([0, 2], P),
-        placement=PLACEMENT,
-    )
-    args.update(over)
-    return args
+    return _with_locs(small_buffers("kv", P), over)
 
 
 def load_kv_args(**over):
-    a = kv_args()
-    args = dict(
-        device_kv_layer=a["device_kv"][0], host_kv=a["host_kv"], host_layout="layer_first", layer_id=1,
-        device_locs=a["device_locs"], host_locs=a["host_locs"], placement=PLACEMENT,
-    )
-    args.update(over)
-    return args
+    return _one_layer(kv_args(), "device_kv", 0, 1, over)
 
 
 def index_args(**over):
-    args = dict(
-        device_index=[torch.zeros(4, 132 * P, dtype=torch.uint8) for _ in range(2)],
-        host_index=torch.zeros(3, 2, 1, 132 * P, dtype=torch.uint8),
-        host_layout="page_first",
-        device_locs=page_locs([0, 1, 2], P),
-        host_locs=page_locs([0, 2], P),
-        placement=PLACEMENT,
-    )
-    args.update(over)
-    return args
+    return _with_locs(small_buffers("indexer", P), over)
 
 
 def load_index_args(**over):
-    a = index_args()
-    args = dict(
-        device_index_layer=a["device_index"][1], host_index=a["host_index"], host_layout="page_first",
-        layer_id=0, device_locs=a["device_locs"], host_locs=a["host_locs"], placement=PLACEMENT,
-    )
-    args.update(over)
-    return args
+    return _one_layer(index_args(), "device_index", 1, 0, over)
 
 
 BACKUP_KV = (_triton_launch.backup_kv_all_layers, reference.backup_kv_all_layers_reference)
@@ -134,6 +115,17 @@ def test_bad_argument_is_named(fn, build, over, exc, name):
     with pytest.raises(exc) as info:
         fn(**build(**over))
     assert re.search(rf"(^|\s){re.escape(name)}(\s|$)", str(info.value)), str(info.value)
+
+
+@pytest.mark.parametrize("fn", [reference.backup_kv_all_layers_reference, transfer.backup_kv_all_layers])
+def test_launch_tuning_is_the_launchers_alone(fn):
+    """The reference and the front door take no num_ctas: TypeError naming it, nothing written."""
+    args = kv_args()
+    for layer in args["device_kv"]:
+        layer.fill_(1.0)
+    with pytest.raises(TypeError, match="'num_ctas'"):
+        fn(**args, num_ctas=4)
+    assert not bool(args["host_kv"].any())
 
 
 def test_host_buffer_must_be_pinned_for_cuda_device_buffers():

@@ -36,6 +36,9 @@ def test_a_second_run_restores_from_l3_what_the_first_wrote(tmp_path):
     # each rank wrote its own pages of every prompt (KV and indexer objects: two a page)
     assert first["l3_written_pages_per_rank"] == [12, 12], first["l3_counters_per_rank"]
     assert first["l3_objects_added"] == 2 * 24 and first["l3_write_failures"] == first["l3_dropped_writes"] == 0
+    # fp8_e4m3 pages, as 0.5.23's and the loop engine's (576-byte KV + 132-byte indexer rows, two layers):
+    # a 0.5.18 page of another size would never meet a 0.5.23 one in L3
+    assert first["l3_written_bytes"] == 24 * P * 2 * (576 + 132), first["l3_written_bytes"]
 
     second = _run(trace, l3_dir, tmp_path / "b.json")
     assert second["ok"] and second["problems"] == [] and second["corrupted_pages"] == 0, second["problems"]

@@ -1,6 +1,6 @@
 """A fleet deployment on the scheduler engine: the ``simulate`` process
 that drives SGLang's ``Scheduler`` serves the indices its coordinator
-releases (:class:`~.feed.ParentFeed`), in the order released, instead of
+releases (:class:`~sglang_cp_hicache.sim.fleet.feed.ParentFeed`), in the order released, instead of
 the workload's own order.
 
 It submits each released request through the harness as soon as fewer than
@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections import deque
 from typing import TYPE_CHECKING
 
-from sglang_cp_hicache.sim.engine_scheduler import EngineOptions, _ClosedLoop
+from sglang_cp_hicache.sim.engine_scheduler import EngineOptions, LoopFactory, _ClosedLoop
 from sglang_cp_hicache.sim.fleet.feed import ParentFeed
 from sglang_cp_hicache.sim.packed import PackedRequests
 
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from sglang_cp_hicache.testing.sched_forward import BatchEntry, BatchReport
     from sglang_cp_hicache.testing.sched_harness import SchedulerHarness
 
-__all__ = ["FedLoop"]
+__all__ = ["FedLoop", "fed_loop"]
 
 #: How long an idle deployment waits for its next request: the coordinator may serve the others for
 #: hours (it ends every deployment's feed at the end, and a deployment dies with it).
@@ -104,3 +104,11 @@ class FedLoop(_ClosedLoop):
         h.on_batch = None
         h.watched.clear()
         h.wait_finished(self.served_rids())
+
+
+def fed_loop(fleet_feed: str, page_size: int) -> "LoopFactory":
+    """The loop factory :func:`~sglang_cp_hicache.sim.engine_scheduler.replay_through_scheduler`
+    takes for a fleet deployment fed through ``fleet_feed``."""
+    def make(h: "SchedulerHarness", requests: PackedRequests, opts: EngineOptions, show: bool) -> FedLoop:
+        return FedLoop(h, requests, opts, ParentFeed(fleet_feed), page_size)
+    return make
