@@ -37,6 +37,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import heapq
@@ -238,8 +239,19 @@ class DirectoryCapacity:
         return st.st_size if stat.S_ISREG(st.st_mode) else 0
 
     # ---- the shared state -------------------------------------------------------------
-    def _locked(self) -> "_Locked":
-        return _Locked(self)
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        """The threading mutex and the directory-wide flock, together."""
+        with self._mutex:
+            fd = _open_lock(f"{self._root}/{_LOCK_FILE}")
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                try:
+                    yield
+                finally:
+                    fcntl.flock(fd, fcntl.LOCK_UN)
+            finally:
+                os.close(fd)
 
     def _read_state(self) -> State:
         """The shared state; rebuilt from the directory where it is missing,
@@ -424,35 +436,6 @@ class DirectoryCapacity:
                         continue  # evicted meanwhile
                     if stat.S_ISREG(st.st_mode):
                         yield entry.name, st.st_size, st.st_mtime
-
-
-class _Locked:
-    """The capacity's threading mutex and the directory-wide flock, together."""
-
-    def __init__(self, capacity: DirectoryCapacity) -> None:
-        self.capacity = capacity
-        self.fd = -1
-
-    def __enter__(self) -> "_Locked":
-        self.capacity._mutex.acquire()
-        try:
-            self.fd = _open_lock(f"{self.capacity._root}/{_LOCK_FILE}")
-            fcntl.flock(self.fd, fcntl.LOCK_EX)
-        except BaseException:
-            if self.fd >= 0:
-                os.close(self.fd)
-                self.fd = -1
-            self.capacity._mutex.release()
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        try:
-            fcntl.flock(self.fd, fcntl.LOCK_UN)
-            os.close(self.fd)
-        finally:
-            self.fd = -1
-            self.capacity._mutex.release()
 
 
 def _open_lock(path: str) -> int:
