@@ -3,7 +3,7 @@ releases (release-neutral; each adapter reads its own counters into a
 :class:`LibraryFigures` and publishes it once per scheduler step).
 
 With ``--enable-metrics`` every CP rank exports, labelled like SGLang's
-storage metrics of that rank (:func:`~sglang_cp_hicache.l3.storage_metrics.storage_labels`:
+storage metrics of that rank (:func:`~sglang_cp_hicache.l3.storage_metrics.rank_labels`:
 ``tp_rank``, ``dp_rank``, ``pp_rank``, ``pp_size``, ``attn_cp_rank``,
 ``attn_cp_size``, ``storage_backend``; ``none`` without L3), next to the
 L3 counters ``sglang_cp_hicache:l3_*_total``:
@@ -23,11 +23,10 @@ value grew by since the last step, as the L3 counters do.
 from __future__ import annotations
 
 import logging
-import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional
 
-from sglang_cp_hicache.l3.metrics import LIBRARY_PREFIX, CounterGrowth, L3IoMeter, counter_names
+from sglang_cp_hicache.l3.metrics import LIBRARY_PREFIX, CounterGrowth, L3IoMeter, counter_names, metric_family
 
 logger = logging.getLogger(__name__)
 
@@ -106,21 +105,6 @@ class LibraryFigures:
     gauges: dict[str, float] = field(default_factory=dict)
 
 
-#: Process-wide families by (kind, class, label names): ranks simulated in
-#: one process share them, each with its own label values.
-_FAMILIES: dict[tuple[str, Any, tuple[str, ...]], dict[str, Any]] = {}
-_LOCK = threading.Lock()
-
-
-def _family(kind: str, cls: Any, labelnames: tuple[str, ...], name: str, metric: str, help_text: str) -> Any:
-    with _LOCK:
-        families = _FAMILIES.setdefault((kind, cls, labelnames), {})
-        if name not in families:
-            kwargs = {"multiprocess_mode": "mostrecent"} if kind == "gauge" else {}  # as SGLang's gauges
-            families[name] = cls(name=metric, documentation=help_text, labelnames=labelnames, **kwargs)
-        return families[name]
-
-
 class PrometheusLibraryMetrics:
     """One rank's library figures as Prometheus metrics, created the way
     SGLang creates its collectors (``prometheus_client``'s default registry,
@@ -143,11 +127,12 @@ class PrometheusLibraryMetrics:
         self.counter_names = {n: library_counter_name(n) for n in counters}
         self.gauge_names = {n: library_gauge_name(n) for n in GAUGE_HELP}
         self._counters = CounterGrowth({
-            n: _family("counter", counter_cls, names, n, m, COUNTER_HELP[n]).labels(**self.labels)
+            n: metric_family(counter_cls, names, m, COUNTER_HELP[n]).labels(**self.labels)
             for n, m in self.counter_names.items()
         })
         self._gauges = {
-            n: _family("gauge", gauge_cls, names, n, m, GAUGE_HELP[n]).labels(**self.labels)
+            # multiprocess_mode as SGLang's gauges
+            n: metric_family(gauge_cls, names, m, GAUGE_HELP[n], multiprocess_mode="mostrecent").labels(**self.labels)
             for n, m in self.gauge_names.items()
         }
 

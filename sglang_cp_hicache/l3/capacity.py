@@ -37,6 +37,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import heapq
@@ -138,7 +139,8 @@ class DirectoryCapacity:
         self.directory = directory
         self._root = os.fspath(directory)
         self.configured = config
-        total = self._file_system_bytes()
+        fs = os.statvfs(directory)
+        total = fs.f_blocks * fs.f_frsize
         if config.max_size and total and config.max_size > total - config.min_free_space:
             logger.warning("L3 directory cap %d B is above what the file system holds (%d B); clamping",
                            config.max_size, total - config.min_free_space)
@@ -238,8 +240,19 @@ class DirectoryCapacity:
         return st.st_size if stat.S_ISREG(st.st_mode) else 0
 
     # ---- the shared state -------------------------------------------------------------
-    def _locked(self) -> "_Locked":
-        return _Locked(self)
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        """The threading mutex and the directory-wide flock, together."""
+        with self._mutex:
+            fd = _open_lock(f"{self._root}/{_LOCK_FILE}")
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                try:
+                    yield
+                finally:
+                    fcntl.flock(fd, fcntl.LOCK_UN)
+            finally:
+                os.close(fd)
 
     def _read_state(self) -> State:
         """The shared state; rebuilt from the directory where it is missing,
@@ -299,10 +312,6 @@ class DirectoryCapacity:
         st = os.statvfs(self.directory)
         return st.f_bavail * st.f_frsize
 
-    def _file_system_bytes(self) -> int:
-        st = os.statvfs(self.directory)
-        return st.f_blocks * st.f_frsize
-
     # ---- eviction (under the lock) ------------------------------------------------------
     def _rescan(self, state: State) -> dict[str, _Page]:
         """The directory's pages; the count set from them and what is being written."""
@@ -330,45 +339,41 @@ class DirectoryCapacity:
         def full() -> bool:
             return (target is not None and state.used + need > target) or (min_free > 0 and free[0] < floor)
 
-        def evict(page: str) -> None:
-            for name in pages.pop(page).names:
+        def evict(page: str) -> Optional[str]:
+            """Unlink ``page``; returns its parent page (None at the root, or where it is gone)."""
+            gone = pages.pop(page)
+            children[gone.parent] -= 1
+            for name in gone.names:
                 freed = self._unlink(name)
                 state.used -= freed
                 free[0] += freed
-
-        def parent_page(page: str) -> Optional[str]:
-            parent = pages[page].parent
-            return None if parent == ROOT_PARENT else next(iter(sorted(by_prefix.get(parent, ()))), None)
+            return None if gone.parent == ROOT_PARENT else next(iter(sorted(by_prefix.get(gone.parent, ()))), None)
 
         if self.config.policy == "random-chains":
-            self._evict_random_chains(pages, children, full, evict, parent_page)
+            self._evict_random_chains(pages, children, full, evict)
         else:
-            self._evict_lru_leaves(pages, children, full, evict, parent_page)
+            self._evict_lru_leaves(pages, children, full, evict)
         if min_free and free[0] > start:  # frees this round: credited until the file system shows them
             state.floor = [free[0], time.time()]
 
     def _evict_random_chains(self, pages: dict[str, _Page], children: Counter[str], full: Callable[[], bool],
-                             evict: Callable[[str], None], parent_page: Callable[[str], Optional[str]]) -> None:
+                             evict: Callable[[str], Optional[str]]) -> None:
         while full():
             leaves = sorted(h for h in pages if children[h[:PARENT_CHARS]] == 0)
             if not leaves:
                 break
             page = self._random.choice(leaves)
             while page is not None and full():
-                up = parent_page(page)
-                children[pages[page].parent] -= 1
-                evict(page)
+                up = evict(page)
                 page = up if up is not None and children[up[:PARENT_CHARS]] == 0 else None
 
     def _evict_lru_leaves(self, pages: dict[str, _Page], children: Counter[str], full: Callable[[], bool],
-                          evict: Callable[[str], None], parent_page: Callable[[str], Optional[str]]) -> None:
+                          evict: Callable[[str], Optional[str]]) -> None:
         heap = [(p.mtime, h) for h, p in pages.items() if children[h[:PARENT_CHARS]] == 0]
         heapq.heapify(heap)
         while heap and full():
             _, page = heapq.heappop(heap)
-            up = parent_page(page)
-            children[pages[page].parent] -= 1
-            evict(page)
+            up = evict(page)
             if up is not None and up in pages and children[up[:PARENT_CHARS]] == 0:
                 heapq.heappush(heap, (pages[up].mtime, up))  # a leaf now: in line to go
 
@@ -424,35 +429,6 @@ class DirectoryCapacity:
                         continue  # evicted meanwhile
                     if stat.S_ISREG(st.st_mode):
                         yield entry.name, st.st_size, st.st_mtime
-
-
-class _Locked:
-    """The capacity's threading mutex and the directory-wide flock, together."""
-
-    def __init__(self, capacity: DirectoryCapacity) -> None:
-        self.capacity = capacity
-        self.fd = -1
-
-    def __enter__(self) -> "_Locked":
-        self.capacity._mutex.acquire()
-        try:
-            self.fd = _open_lock(f"{self.capacity._root}/{_LOCK_FILE}")
-            fcntl.flock(self.fd, fcntl.LOCK_EX)
-        except BaseException:
-            if self.fd >= 0:
-                os.close(self.fd)
-                self.fd = -1
-            self.capacity._mutex.release()
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        try:
-            fcntl.flock(self.fd, fcntl.LOCK_UN)
-            os.close(self.fd)
-        finally:
-            self.fd = -1
-            self.capacity._mutex.release()
 
 
 def _open_lock(path: str) -> int:

@@ -258,14 +258,7 @@ def identity_of_server_args(server_args: Any, override: Optional[str] = None) ->
     model_path = getattr(server_args, "model_path", None)
     if not model_path:
         raise ValueError("L3 needs the server's --model-path to name the model")
-    return model_identity(
-        model_path,
-        revision=getattr(server_args, "revision", None),
-        quantization=getattr(server_args, "quantization", None),
-        kv_cache_dtype=getattr(server_args, "kv_cache_dtype", None),
-        dtype=getattr(server_args, "dtype", None),
-        load_format=getattr(server_args, "load_format", None),
-        json_model_override_args=getattr(server_args, "json_model_override_args", None),
-        download_dir=getattr(server_args, "download_dir", None),
-        override=override,
-    )
+    # Each keyword of model_identity is the ServerArgs attribute of the same name.
+    names = ("revision", "quantization", "kv_cache_dtype", "dtype", "load_format", "json_model_override_args",
+             "download_dir")
+    return model_identity(model_path, override=override, **{name: getattr(server_args, name, None) for name in names})

@@ -32,7 +32,7 @@ from typing import Any, Callable, Mapping
 
 __all__ = [
     "LIBRARY_PREFIX", "CounterGrowth", "IoSample", "L3IoMeter", "L3MetricsSource", "L3StepFigures", "MeteredTier",
-    "PrometheusL3Counters", "counter_names",
+    "PrometheusL3Counters", "counter_names", "metric_family",
 ]
 
 #: The prefix of the library's own metric names.
@@ -214,23 +214,20 @@ class L3MetricsSource:
         return figures
 
 
-#: Process-wide counter families, by label names (a family is registered
-#: once per process: ranks simulated in one process share it, each with its
-#: own label values).
+#: Process-wide metric families by (class, label names) and metric name (a
+#: name is registered once per process: ranks simulated in one process
+#: share its family, each with its own label values).
 _FAMILIES: dict[tuple[Any, tuple[str, ...]], dict[str, Any]] = {}
 _FAMILIES_LOCK = threading.Lock()
 
 
-def _families(labelnames: tuple[str, ...], names: Mapping[str, str], counter_cls: Any) -> dict[str, Any]:
-    if counter_cls is None:
-        from prometheus_client import Counter as counter_cls
+def metric_family(cls: Any, labelnames: tuple[str, ...], metric: str, help_text: str, **kwargs: Any) -> Any:
+    """The process's ``cls`` family named ``metric``, built on first use."""
     with _FAMILIES_LOCK:
-        families = _FAMILIES.setdefault((counter_cls, labelnames), {})
-        for field_name, metric in names.items():
-            if field_name not in families:
-                help_text = _COUNTER_HELP.get(field_name) or _IO_HELP.get(field_name) or field_name
-                families[field_name] = counter_cls(name=metric, documentation=help_text, labelnames=labelnames)
-        return families
+        families = _FAMILIES.setdefault((cls, labelnames), {})
+        if metric not in families:
+            families[metric] = cls(name=metric, documentation=help_text, labelnames=labelnames, **kwargs)
+        return families[metric]
 
 
 class CounterGrowth:
@@ -260,10 +257,15 @@ class PrometheusL3Counters:
     ``prometheus_client.Counter``'s interface (SGLang's stat-logger hook)."""
 
     def __init__(self, labels: Mapping[str, Any], fields: Mapping[str, Any], counter_cls: Any = None) -> None:
+        if counter_cls is None:
+            from prometheus_client import Counter as counter_cls
         self.labels = {k: str(v) for k, v in labels.items()}
         self.names = counter_names(fields)
-        families = _families(tuple(self.labels), self.names, counter_cls)
-        self._growth = CounterGrowth({name: families[name].labels(**self.labels) for name in self.names})
+        self._growth = CounterGrowth({
+            name: metric_family(counter_cls, tuple(self.labels), metric,
+                                _COUNTER_HELP.get(name) or _IO_HELP.get(name) or name).labels(**self.labels)
+            for name, metric in self.names.items()
+        })
 
     def publish(self, values: Mapping[str, float]) -> None:
         self._growth.publish(values)

@@ -19,45 +19,33 @@ from typing import Any, Callable, Mapping, Optional
 from sglang_cp_hicache.l3.metrics import L3StepFigures, PrometheusL3Counters
 from sglang_cp_hicache.l3.rank import L3MetricsSink, RankL3
 
-__all__ = ["StorageCollectorSink", "attach_storage_metrics", "rank_labels", "shared_collector", "storage_labels"]
+__all__ = ["StorageCollectorSink", "attach_storage_metrics", "rank_labels", "shared_collector"]
 
 _SHARED: dict[type, Any] = {}
 _SHARED_LOCK = threading.Lock()
-
-
-def storage_labels(
-    *, storage_backend: Optional[str], tp_rank: int, dp_rank: int, pp_rank: int, pp_size: int,
-    cp_rank: int, cp_size: int, extra_metric_labels: Optional[Mapping[str, Any]],
-) -> dict[str, Any]:
-    """The labels SGLang gives a rank's storage metrics (both releases
-    name the same ones), plus the operator's ``extra_metric_labels``."""
-    labels: dict[str, Any] = {
-        "storage_backend": storage_backend,
-        "tp_rank": tp_rank,
-        "dp_rank": dp_rank,
-        "pp_rank": pp_rank,
-        "pp_size": pp_size,
-        "attn_cp_rank": cp_rank,
-        "attn_cp_size": cp_size,
-    }
-    if extra_metric_labels:
-        labels.update(extra_metric_labels)
-    return labels
 
 
 def rank_labels(
     cache: Any, placement: Any, storage_backend: Optional[str], extra_metric_labels: Optional[Mapping[str, Any]],
     tp_and_dp_rank: Callable[[int], tuple[int, int]],
 ) -> dict[str, Any]:
-    """The labels SGLang gives ``cache``'s storage metrics on this CP rank;
-    ``tp_and_dp_rank(cp_rank)``: the release's reading of its TP and DP
-    ranks (its model-parallel state)."""
+    """The labels SGLang gives ``cache``'s storage metrics on this CP rank
+    (both releases name the same ones), plus the operator's
+    ``extra_metric_labels``; ``tp_and_dp_rank(cp_rank)``: the release's
+    reading of its TP and DP ranks (its model-parallel state)."""
     tp_rank, dp_rank = tp_and_dp_rank(placement.cp_rank)
-    return storage_labels(
-        storage_backend=storage_backend, tp_rank=tp_rank, dp_rank=dp_rank, pp_rank=cache.pp_rank,
-        pp_size=cache.pp_size, cp_rank=placement.cp_rank, cp_size=placement.cp_size,
-        extra_metric_labels=extra_metric_labels,
-    )
+    labels: dict[str, Any] = {
+        "storage_backend": storage_backend,
+        "tp_rank": tp_rank,
+        "dp_rank": dp_rank,
+        "pp_rank": cache.pp_rank,
+        "pp_size": cache.pp_size,
+        "attn_cp_rank": placement.cp_rank,
+        "attn_cp_size": placement.cp_size,
+    }
+    if extra_metric_labels:
+        labels.update(extra_metric_labels)
+    return labels
 
 
 def shared_collector(cls: type, labels: Mapping[str, Any]) -> Any:

@@ -32,18 +32,13 @@ def _gib(n: int) -> str:
     return f"{n / 2**30:.1f} GiB"
 
 
-def _account(uid: int) -> str:
+def _named(kind: str, number: int) -> str:
+    """An account (``uid``) or group (``gid``) by name and number; the number alone where it has no name."""
     try:
-        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
+        name = pwd.getpwuid(number).pw_name if kind == "uid" else grp.getgrgid(number).gr_name
     except KeyError:
-        return f"uid {uid}"
-
-
-def _group(gid: int) -> str:
-    try:
-        return f"{grp.getgrgid(gid).gr_name} (gid {gid})"
-    except KeyError:
-        return f"gid {gid}"
+        return f"{kind} {number}"
+    return f"{name} ({kind} {number})"
 
 
 def _existing_ancestor(path: Path) -> Path:
@@ -62,7 +57,7 @@ def _missing(path: Path, where: str) -> Finding:
                                     "point the L3 at a directory")
     if not os.access(base, os.W_OK | os.X_OK):
         return Finding(FAIL, _WHAT, f"{path} ({where}) cannot be created: this account "
-                                    f"({_account(os.geteuid())}) may not write in {base}; create it for the "
+                                    f"({_named('uid', os.geteuid())}) may not write in {base}; create it for the "
                                     "serving account or pick another")
     return Finding(OK, _WHAT, f"{path} ({where}) does not exist yet; the first rank creates it in {base}")
 
@@ -71,8 +66,8 @@ def _owner(path: Path, st: os.stat_result) -> Optional[Finding]:
     mine = st.st_uid == os.geteuid() or st.st_gid == os.getegid() or st.st_gid in os.getgroups()
     if mine:
         return None
-    return Finding(FAIL, _WHAT, f"{path} is owned by {_account(st.st_uid)} and group {_group(st.st_gid)}, "
-                                f"neither this account ({_account(os.geteuid())}) nor its groups: another "
+    return Finding(FAIL, _WHAT, f"{path} is owned by {_named('uid', st.st_uid)} and group {_named('gid', st.st_gid)}, "
+                                f"neither this account ({_named('uid', os.geteuid())}) nor its groups: another "
                                 "account controls every object in it; chown it to the serving account or group")
 
 
@@ -106,7 +101,7 @@ def _existing(path: Path, where: str) -> Finding:
     problem = _owner(path, st) or _mode(path, st) or _writable(path)
     if problem is not None:
         return problem
-    return Finding(OK, _WHAT, f"{path} ({where}): a directory of {_account(st.st_uid)}, mode "
+    return Finding(OK, _WHAT, f"{path} ({where}): a directory of {_named('uid', st.st_uid)}, mode "
                               f"{stat.S_IMODE(st.st_mode):04o}, writable")
 
 

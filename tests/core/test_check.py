@@ -4,8 +4,10 @@ one, and the command end to end (one subprocess, on the installed SGLang)."""
 
 from __future__ import annotations
 
+import grp
 import json
 import os
+import pwd
 import socket
 import subprocess
 import sys
@@ -79,6 +81,10 @@ def test_a_directory_of_another_account_and_group_fails(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "getgroups", lambda: [st.st_gid + 4243])
     line = _dir_line(storage.l3_findings(_file_l3(path), "0.5.18"))
     assert line.level == FAIL and f"uid {st.st_uid}" in line.text and "chown" in line.text
+    # Accounts and groups by name and number (the stand-in euid may have no name: its number then).
+    owner, group = pwd.getpwuid(st.st_uid).pw_name, grp.getgrgid(st.st_gid).gr_name
+    assert f"owned by {owner} (uid {st.st_uid}) and group {group} (gid {st.st_gid})" in line.text
+    assert f"uid {st.st_uid + 4242})) nor" in line.text or f"(uid {st.st_uid + 4242}) nor" in line.text
 
 
 def test_a_usable_directory_reports_its_space_against_max_size(tmp_path):
