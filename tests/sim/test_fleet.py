@@ -1,5 +1,5 @@
 """``python -m sglang_cp_hicache fleet`` end to end: two deployments of
-different CP sizes on SGLang's own scheduler (the default engine) and one
+different CP sizes and releases (0.5.23 and 0.5.18) on SGLang's own scheduler (the default engine) and one
 file L3, each restoring pages the other wrote, bit-exact, with requests
 started in order across them; and, on the loop engine and the committed
 Mooncake slice, a deployment killed mid-run (the other serves on, nothing
@@ -78,14 +78,14 @@ def check_accounting(summary: dict) -> None:
         assert hits[i] <= reachable * 64, (i, hits[i], reachable)
 
 
-#: The scheduler engine's fleet, round-robin over two deployments with one request in flight each: A (to
+#: The scheduler engine's fleet, round-robin over two deployments of different CP sizes and releases (both
+#: harness pools fp8_e4m3: the same page bytes, so the same keys) with one request in flight each: A (to
 #: d0) and B (to d1) of six pages no other prompt shares, five two-page fillers, then A and one page more (to
 #: d1) and B and one page more (to d0). The second of a pair is released only once the other deployment has
 #: finished the first and two fillers since (its window of one holds the line), so the first's pages have
 #: left for L3; the second's deployment never held them. (On the slice, where a conversation's next turn
 #: follows its last without think time, how many pages cross depends on how fast the last turn's writes
-#: land: 24 and 7 pages in one 40-request run. Both releases' harness pools are fp8_e4m3, so a 0.5.23 and a
-#: 0.5.18 deployment restore each other's pages too: 11 and 8 in one such run.)
+#: land: 24 and 7 pages in one 40-request run at 0.5.18 CP 4 + CP 2; 11 and 8 at 0.5.23 CP 2 + 0.5.18 CP 2.)
 _P = 64
 
 
@@ -105,7 +105,7 @@ def test_on_sglangs_scheduler_two_cp_sizes_restore_each_others_pages_from_one_l3
     _pairs_trace(trace)
     cmd = [sys.executable, "-m", "sglang_cp_hicache", "fleet", "--no-progress", "--engine", "scheduler",
            "--trace", str(trace), "--layers", "1", "--l3", str(tmp_path / "l3"), "--in-flight", "1",
-           "--deployment", "0.5.18:cp4", "--deployment", "0.5.18:cp2", "--json", str(out)]
+           "--deployment", "0.5.23:cp4", "--deployment", "0.5.18:cp2", "--json", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, env=sim_env(), capture_output=True, text=True, timeout=600)
     assert out.exists(), proc.stdout + proc.stderr
     summary = json.loads(out.read_text())
@@ -121,6 +121,8 @@ def test_on_sglangs_scheduler_two_cp_sizes_restore_each_others_pages_from_one_l3
         # and checked every row on its owner before the forward
         assert me["l3_restored_pages_by_writer"].get(other["name"], 0) > 0, me["l3_restored_pages_by_writer"]
         assert me["l3_restored_from_other_deployment"] == sum(me["l3_restored_pages_by_writer"].values())
+        # the other deployment runs the other release: its pages are the same bytes under the same keys
+        assert me["l3_restored_from_other_release"] == me["l3_restored_from_other_deployment"]
         k = me["series"]["request_index"].index(second)
         assert 0 < me["series"]["l3_hit_tokens"][k] <= 6 * _P and me["series"]["device_hit_tokens"][k] == 0
         assert me["verified_pages"] > 0 and me["l3_written_bytes"] > 0 and me["l3_read_bytes"] > 0
