@@ -217,10 +217,14 @@ def _l3_fields(config: SimConfig, opts: EngineOptions, replay: SchedulerReplay, 
         "l3_rejected_objects": sum(per_rank("rejected_pages")),
         "l3_rejected_objects_per_rank": per_rank("rejected_pages"),
         **{f"l3_{name}": sum(per_rank(name)) for name in ("write_failures", "dropped_writes", "timeouts")},
-        # own pages found present whose read did not bring them whole; page bytes stored (or found sound) and
-        # fetched, every rank's own (as each rank's L3 metered them once its last writes landed)
+        # own pages found present whose read did not bring them whole
         "l3_read_failures": sum(r.l3_read_failures for r in ranks),
-        "l3_written_bytes": int(sum(r.l3_io.get("written_bytes", 0) for r in ranks)),
+        "l3_kept_pages": sum(per_rank("kept_pages")),
+        # bytes of the own pages written (new or repaired, as l3_written_pages and the loop engine count them);
+        # the L3 meter's written bytes also count pages found sound there and left alone (kept)
+        "l3_written_bytes": sum(c.get("written_pages", 0) * r.l3_page_bytes for c, r in zip(counters, ranks)),
+        "l3_written_or_kept_bytes": int(sum(r.l3_io.get("written_bytes", 0) for r in ranks)),
+        # page bytes fetched, every rank's own (as each rank's L3 metered them once its last writes landed)
         "l3_read_bytes": int(sum(r.l3_io.get("read_bytes", 0) for r in ranks)),
         "l3_prefetches": max(per_rank("prefetches"), default=0),
         "l3_counters_per_rank": counters,

@@ -48,3 +48,4 @@ def final_l3(cache: Any, result: Any, keys: L3KeyLog) -> None:
     result.l3_read_failures = keys.read_failures
     result.l3_io = {k: v for k, v in rank_l3.io.totals().items() if k in ("written_bytes", "read_bytes")}
     result.l3_counters = {k: int(v) for k, v in vars(rank_l3.tier.counters).items() if isinstance(v, int)}
+    result.l3_page_bytes = int(rank_l3.tier.kv_ns.page_bytes) + int(rank_l3.tier.indexer_ns.page_bytes)

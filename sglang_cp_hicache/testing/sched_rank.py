@@ -81,11 +81,13 @@ class RankResult:
     loop_ignored_shutdown: bool = False  # the loop ran on past a ShutdownReq; the harness ended it
     processed: int = 0  # input-socket messages the loop had processed
     # The final result only (the lists grow with the run): the page keys of the own pages this rank's L3
-    # stored and restored, its failed page reads, and its L3 I/O totals (bytes written and read)
+    # stored and restored, its failed page reads, its L3 I/O totals (bytes of pages stored or found sound,
+    # bytes read) and the bytes of one own page (KV and indexer objects)
     l3_stored_keys: list[str] = field(default_factory=list)
     l3_restored_keys: list[str] = field(default_factory=list)
     l3_read_failures: int = 0
     l3_io: dict[str, float] = field(default_factory=dict)
+    l3_page_bytes: int = 0
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from sglang_cp_hicache.sim.report_scheduler import _tiers
+from sglang_cp_hicache.sim.report_scheduler import _l3_fields, _tiers
 from sglang_cp_hicache.testing.sched_forward import BatchEntry
 from sglang_cp_hicache.testing.sched_rank import LoadBack
 
@@ -66,3 +66,17 @@ def test_the_l3_tail_of_a_first_batchs_host_tokens_is_an_l3_hit():
 def test_l3_tokens_beyond_what_was_loaded_back_are_a_fault():
     tiers, _, problems = _tiers(replay([LoadBack("b", 64, 64, step=1)], [(1, [BatchEntry("b", 128, 64, l3_tokens=128)])]))
     assert problems == ["request b started from 128 L3 tokens but only 64 came from host"]
+
+
+def test_l3_written_bytes_are_the_written_pages_bytes_and_kept_pages_are_apart():
+    """A page written again and found sound in L3 (kept) is metered as
+    written bytes by the rank's L3 but is no written page: the summary's
+    written bytes match its written pages (as the loop engine's do)."""
+    counters = [{"written_pages": 34, "kept_pages": 12}, {"written_pages": 40, "kept_pages": 13}]
+    ranks = [SimpleNamespace(l3_counters=c, stats=SimpleNamespace(l3_verified=0), l3_read_failures=0,
+                             l3_io={"written_bytes": (c["written_pages"] + c["kept_pages"]) * 100, "read_bytes": 0},
+                             l3_page_bytes=100) for c in counters]
+    fields = _l3_fields(SimpleNamespace(page_size=64), SimpleNamespace(l3_dir="/l3"),
+                        SimpleNamespace(run=SimpleNamespace(ranks=ranks)), 0, problems := [])
+    assert fields["l3_written_pages"] == 74 and fields["l3_written_bytes"] == 74 * 100, fields
+    assert fields["l3_kept_pages"] == 25 and fields["l3_written_or_kept_bytes"] == 99 * 100 and problems == []

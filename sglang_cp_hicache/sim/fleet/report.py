@@ -128,6 +128,7 @@ def _deployment_fields(dep: Deployment, j: Optional[dict[str, Any]], facts: Flee
         "l3_written_bytes": moved.get("l3_write", (j or {}).get("l3_written_bytes", 0)),
         "l3_read_bytes": moved.get("l3_read", (j or {}).get("l3_read_bytes", 0)),
         "l3_written_pages": (j or {}).get("l3_written_pages", 0),
+        "l3_kept_pages": (j or {}).get("l3_kept_pages", 0),  # scheduler engine: written again, found sound
         # what the store lost or refused, as this deployment's ranks counted it (0: none, or it died unreported)
         **{key: (j or {}).get(key, 0) for key in (*LOSS_KEYS, REFUSED_KEY)},
         # the ranks' events cover a deployment that died; its JSON, one that never sent them
