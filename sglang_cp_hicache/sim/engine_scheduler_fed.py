@@ -59,16 +59,15 @@ class FedLoop(_ClosedLoop):
 
     def top_up(self) -> None:
         self._prune()
-        batch = []
+        taken = []
         while self.queue and len(self.open) < self.opts.window:
-            i = self.queue.popleft()
-            batch.append(self.h.request(self.rids[i], list(self.requests[i]),
-                                        max_new_tokens=self.opts.max_new_tokens))
-            self.open.append(i)
-            self.submitted.append(i)
-        self.h.submit(*batch)
-        for req in batch:  # pushed: the coordinator may release the next request
-            self.feed.started(int(req.rid[1:]))
+            taken.append(self.queue.popleft())
+        self.h.submit(*(self.h.request(self.rids[i], list(self.requests[i]), max_new_tokens=self.opts.max_new_tokens)
+                        for i in taken))
+        self.open += taken
+        self.submitted += taken
+        for i in taken:  # pushed: the coordinator may release the next request
+            self.feed.started(i)
 
     def _prune(self) -> None:
         still = []
